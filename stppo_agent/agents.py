@@ -1,0 +1,104 @@
+"""The agent protocol for evaluation, and scripted baselines that need no LLM.
+
+An agent maps a batch of in-progress episodes to one action text each. Agents are stateless: an
+:class:`EpisodeView` carries everything seen so far (question, options, transcript segments, turn), so the
+same agent object can serve any number of episodes in any order.
+
+Scripted baselines sanity-check environments and retrieval:
+- ``oracle`` answers with a golden answer (it is given the examples): EM / accuracy must be 1.0.
+- ``no-search`` answers "unknown" at once: EM / accuracy must be 0.0 (no letter is named).
+- ``search-copy`` searches the question once, then answers with the title of the top passage (QA) or the
+  option whose words overlap the passages most (MCQ): a retrieval-only baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Mapping, Protocol, Sequence
+
+from stppo_envs import Example, Segment
+from stppo_envs.scoring import normalize_answer
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeView:
+    """What an agent may see of one episode in progress."""
+
+    example_id: str
+    question: str
+    choices: Mapping[str, str] | None
+    transcript: tuple[Segment, ...]
+    turn: int
+
+    @property
+    def last_observation(self) -> str:
+        return self.transcript[-1].text
+
+
+class Agent(Protocol):
+    """Batched policy: one action text per episode view."""
+
+    name: str
+
+    def act(self, episodes: Sequence[EpisodeView]) -> list[str]: ...
+
+
+class OracleAgent:
+    """Answers with the first golden answer (the option letter for MCQ)."""
+
+    name = "oracle"
+
+    def __init__(self, examples: Sequence[Example]):
+        self._gold = {e.id: (e.answer_letter if e.is_multiple_choice else e.golden_answers[0]) for e in examples}
+
+    def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
+        return [f"<think>I know this.</think>\n<answer> {self._gold[ep.example_id]} </answer>" for ep in episodes]
+
+
+class NoSearchAgent:
+    """Gives up immediately without searching."""
+
+    name = "no-search"
+
+    def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
+        return ["<think>I will not search.</think>\n<answer> unknown </answer>" for _ in episodes]
+
+
+_TITLE = re.compile(r'Doc 1\(Title: "(.*?)"\)')
+
+
+class SearchCopyAgent:
+    """Search the question once, then copy from the top passages."""
+
+    name = "search-copy"
+
+    def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
+        return [self._act_one(ep) for ep in episodes]
+
+    def _act_one(self, episode: EpisodeView) -> str:
+        if episode.turn == 0:
+            return f"<think>Let me look it up.</think>\n<search> {episode.question} </search>"
+        information = episode.last_observation
+        if episode.choices:
+            return f"<answer> {best_overlapping_option(information, episode.choices)} </answer>"
+        match = _TITLE.search(information)
+        return f"<answer> {match.group(1) if match else 'unknown'} </answer>"
+
+
+def best_overlapping_option(text: str, choices: Mapping[str, str]) -> str:
+    """The option letter whose normalised words occur most often in ``text`` (first letter on ties).
+
+    >>> best_overlapping_option("insulin lowers glucose", {"A": "aspirin", "B": "insulin"})
+    'B'
+    """
+    words = normalize_answer(text).split()
+    counts = {letter: sum(words.count(w) for w in normalize_answer(option).split()) for letter, option in choices.items()}
+    return max(counts, key=lambda letter: (counts[letter], -ord(letter[0])))
+
+
+SCRIPTED_AGENTS: dict[str, Callable[[Sequence[Example]], Agent]] = {
+    "oracle": OracleAgent,
+    "no-search": lambda examples: NoSearchAgent(),
+    "search-copy": lambda examples: SearchCopyAgent(),
+}

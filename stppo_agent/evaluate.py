@@ -1,0 +1,159 @@
+"""Per-benchmark evaluation of any agent, with results that describe how they were produced.
+
+Every example of the requested split is run exactly once, in file order (no shuffling, no dropping), in
+batches whose searches go to the retriever as one ``batch_search`` call. A result record carries its
+provenance (dataset content hash, retriever, top-k, prompt-template hash, max turns, agent, seed, version) so
+two records can be compared only when they measure the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+from typing import Any, Sequence
+
+import stppo_envs
+from stppo_envs import SearchQAEnv
+from stppo_envs.prompts import template_hash
+from stppo_envs.retrieval import make_retriever
+from stppo_envs.vector import serve_searches
+
+from .agents import Agent, EpisodeView
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """One benchmark evaluation: which data, which search tool, which episode limits."""
+
+    benchmark: str
+    dataset: str | None = None  # None: the bundled demo set
+    split: str | None = None
+    limit: int | None = None
+    retriever: str = "demo"
+    topk: int = 3
+    max_turns: int = 4
+    batch_size: int = 32
+    seed: int = 0
+
+
+def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[int], seed: int = 0) -> list[dict]:
+    """Run one episode per example index with ``len(envs)`` episodes in flight; return one record each."""
+    records: list[dict] = []
+    retriever, topk = envs[0].retriever, envs[0].topk
+    for start in range(0, len(indices), len(envs)):
+        chunk = indices[start:start + len(envs)]
+        active = {slot: envs[slot] for slot in range(len(chunk))}
+        for slot, env in active.items():
+            env.reset(seed=seed + chunk[slot], options={"index": chunk[slot]})
+        chunk_records: dict[int, dict] = {}
+        while active:
+            slots = list(active)
+            actions = agent.act([_view(active[s]) for s in slots])
+            parsed = {s: active[s].begin_step(a) for s, a in zip(slots, actions)}
+            hits, errors = serve_searches(retriever, topk,
+                                          {s: p for s, p in parsed.items() if active[s].needs_search(p)})
+            for slot, action in zip(slots, actions):
+                env = active[slot]
+                _, reward, terminated, truncated, info = env.finish_step(action, parsed[slot], hits.get(slot),
+                                                                         errors.get(slot))
+                if terminated or truncated:
+                    chunk_records[slot] = _episode_record(env, reward, terminated, truncated, info)
+                    del active[slot]
+        records += [chunk_records[slot] for slot in range(len(chunk))]
+    return records
+
+
+def _view(env: SearchQAEnv) -> EpisodeView:
+    example = env.example
+    return EpisodeView(example.id, example.question, example.choices, tuple(env.transcript), env.turn)
+
+
+def _episode_record(env: SearchQAEnv, reward: float, terminated: bool, truncated: bool, info: dict) -> dict:
+    record = {
+        "example_id": env.example.id, "reward": reward, "terminated": bool(terminated), "truncated": bool(truncated),
+        "prediction": info["prediction"], "turns": info["turn"], "search_calls": info["search_calls"],
+        "invalid_actions": info["invalid_actions"], "search_errors": info["search_errors"],
+        "response_chars": sum(len(s.text) for s in env.transcript if s.role == "assistant"),
+    }
+    for key in ("em", "f1", "correct"):
+        if key in info:
+            record[key] = info[key]
+    return record
+
+
+def summarize(records: Sequence[dict], multiple_choice: bool) -> dict[str, float]:
+    """Benchmark-level metrics from episode records."""
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in records) if records else 0.0
+
+    turns = sum(r["turns"] for r in records)
+    metrics = {"n": len(records)}
+    if multiple_choice:
+        metrics["acc"] = mean("correct")
+    else:
+        metrics["em"] = mean("em")
+        metrics["f1"] = mean("f1")
+    metrics.update({
+        "answer_rate": mean("terminated"),
+        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / turns if turns else 0.0,
+        "mean_turns": mean("turns"),
+        "mean_search_calls": mean("search_calls"),
+        "search_error_rate": sum(r["search_errors"] for r in records) / max(1, sum(
+            r["search_calls"] + r["search_errors"] for r in records)),
+        "mean_response_chars": mean("response_chars"),
+    })
+    return metrics
+
+
+def evaluate_benchmark(agent_spec: str, settings: EvalSettings, agent_factory=None) -> dict[str, Any]:
+    """Evaluate one agent on one benchmark; returns a self-describing result record."""
+    from .agent_specs import build_agent
+
+    retriever = make_retriever(settings.retriever)
+    envs = [SearchQAEnv(settings.benchmark, settings.dataset, settings.split, retriever=retriever,
+                        topk=settings.topk, max_turns=settings.max_turns, limit=settings.limit)
+            for _ in range(max(1, settings.batch_size))]
+    examples = envs[0].examples
+    envs = envs[: min(len(envs), len(examples))]
+    agent = (agent_factory or build_agent)(agent_spec, examples)
+    started = time.time()
+    records = run_episodes(envs, agent, list(range(len(examples))), seed=settings.seed)
+    multiple_choice = examples[0].is_multiple_choice
+    return {
+        "benchmark": settings.benchmark,
+        "metrics": summarize(records, multiple_choice),
+        "provenance": provenance(agent_spec, settings, envs[0]),
+        "episodes": records,
+        "timing": {"started": started, "seconds": time.time() - started},
+    }
+
+
+def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dict[str, Any]:
+    """Everything that must match for two results to be comparable."""
+    return {
+        "agent": agent_spec,
+        "benchmark": settings.benchmark,
+        "dataset": settings.dataset or "demo",
+        "split": settings.split or stppo_envs.benchmark_info(settings.benchmark).default_split,
+        "dataset_sha256": examples_hash(env.examples),
+        "limit": settings.limit,
+        "retriever": settings.retriever,
+        "retriever_id": getattr(env.retriever, "index_id", repr(env.retriever)),
+        "topk": settings.topk,
+        "max_turns": settings.max_turns,
+        "prompt_template": template_hash(env.template, env.mcq_template),
+        "seed": settings.seed,
+        "stppo_version": stppo_envs.__version__,
+    }
+
+
+def examples_hash(examples: Sequence[stppo_envs.Example]) -> str:
+    """SHA-256 of the examples' canonical JSON: the same questions and answers give the same hash."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(json.dumps(example.to_dict(), sort_keys=True, ensure_ascii=False).encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()

@@ -1,0 +1,46 @@
+"""stppo_envs: turn-structured, Gymnasium-style search-QA environments.
+
+``import stppo_envs`` registers one id per benchmark (``stppo/NQ-v0``, ``stppo/HotpotQA-v0``,
+``stppo/MedQA-v0``, ... and the generic ``stppo/SearchQA-v0``)::
+
+    env = gymnasium.make("stppo/NQ-v0", dataset="nq_test.jsonl", retriever="bm25:indexes/wiki18", topk=3)
+"""
+
+from __future__ import annotations
+
+import gymnasium
+
+from .data.loading import BENCHMARKS, benchmark_info, load_examples
+from .data.schema import DatasetFormatError, Example
+from .env import SearchQAEnv, Segment
+from .vector import SearchQAVectorEnv, make_vec
+
+__version__ = "0.1.0"
+
+ENV_VERSION = 0
+"""Bump when reward or turn semantics change (Gymnasium's versioning rule)."""
+
+
+def env_id(benchmark: str) -> str:
+    """The registered id of a benchmark, e.g. ``env_id("nq") == "stppo/NQ-v0"``."""
+    return f"stppo/{benchmark_info(benchmark).env_name}-v{ENV_VERSION}"
+
+
+def registered_ids() -> list[str]:
+    """Every env id this package registers."""
+    return [env_id(name) for name in BENCHMARKS]
+
+
+def _register_all() -> None:
+    for name in BENCHMARKS:
+        if env_id(name) not in gymnasium.registry:
+            gymnasium.register(id=env_id(name), entry_point="stppo_envs.env:SearchQAEnv",
+                               kwargs={"benchmark": name})
+
+
+_register_all()
+
+__all__ = [
+    "BENCHMARKS", "DatasetFormatError", "Example", "SearchQAEnv", "SearchQAVectorEnv", "Segment", "benchmark_info",
+    "env_id", "load_examples", "make_vec", "registered_ids",
+]

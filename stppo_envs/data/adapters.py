@@ -1,0 +1,148 @@
+"""Record adapters: one raw row of a benchmark file -> :class:`Example`.
+
+QA benchmarks are read in the FlashRAG schema (``{"id", "question", "golden_answers"}``, the format of the
+FlashRAG_datasets collection Search-R1 trains on) and in the raw formats of their original releases (NQ-open
+``answer`` lists, HotpotQA ``_id``/``answer``, MuSiQue ``answer_aliases``, Bamboogle's ``Question,Answer``
+CSV, TriviaQA ``answer.aliases``, PopQA ``possible_answers``). Medical MCQ sets are read in the MIRAGE/raw
+formats (MedQA ``options``/``answer_idx``, MedMCQA ``opa..opd``/``cop``, PubMedQA ``QUESTION``/
+``final_decision``, MMLU's headerless ``question,A,B,C,D,answer`` CSV) and in a generic
+``{"question", "choices", "answer"}`` form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, Mapping
+
+from .schema import DatasetFormatError, Example
+
+Record = Mapping[str, Any]
+Adapter = Callable[[Record, str, str], Example]  # (record, benchmark, fallback id) -> Example
+
+_LETTERS = "ABCDEFGHIJ"
+_ID_FIELDS = ("id", "_id", "qid", "question_id")
+_QUESTION_FIELDS = ("question", "Question", "QUESTION", "query")
+_METADATA_FIELDS = ("type", "level", "subject_name", "topic_name", "meta_info", "subject", "answerable")
+
+
+def _first_field(record: Record, names: tuple[str, ...], benchmark: str, what: str) -> Any:
+    for name in names:
+        if record.get(name) not in (None, ""):
+            return record[name]
+    raise DatasetFormatError(
+        f"{benchmark}: a record has no {what} field (looked for {', '.join(names)}); its fields are "
+        f"{sorted(record)}"
+    )
+
+
+def _record_id(record: Record, fallback: str) -> str:
+    for name in _ID_FIELDS:
+        if record.get(name) not in (None, ""):
+            return str(record[name])
+    return fallback
+
+
+def _metadata(record: Record) -> dict[str, Any]:
+    return {name: record[name] for name in _METADATA_FIELDS if record.get(name) is not None}
+
+
+def _as_answer_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("[") and stripped.endswith("]"):  # PopQA stores a JSON list as a string
+            try:
+                return [str(v) for v in json.loads(stripped)]
+            except json.JSONDecodeError:
+                pass
+        return [value]
+    if isinstance(value, Mapping):  # TriviaQA: {"value", "aliases", "normalized_aliases", ...}
+        return _as_answer_list(value.get("value")) + _as_answer_list(value.get("aliases"))
+    return [str(v) for v in value]
+
+
+def qa_example(record: Record, benchmark: str, fallback_id: str) -> Example:
+    """Any open-domain QA row (FlashRAG or raw release format) -> Example."""
+    question = str(_first_field(record, _QUESTION_FIELDS, benchmark, "question"))
+    answers: list[str] = []
+    for name in ("golden_answers", "answer", "answers", "Answer", "possible_answers", "answer_aliases"):
+        answers += _as_answer_list(record.get(name))
+    answers = list(dict.fromkeys(a for a in answers if a.strip()))  # dedupe, keep order
+    if not answers:
+        raise DatasetFormatError(
+            f"{benchmark}: record {_record_id(record, fallback_id)!r} has no answer (looked for golden_answers, "
+            f"answer, answers, Answer, possible_answers); its fields are {sorted(record)}"
+        )
+    return Example(
+        id=_record_id(record, fallback_id), question=question.strip(), golden_answers=tuple(answers),
+        benchmark=benchmark, metadata=_metadata(record),
+    )
+
+
+def _mcq(record: Record, benchmark: str, fallback_id: str, choices: dict[str, str], letter: str) -> Example:
+    question = str(_first_field(record, _QUESTION_FIELDS, benchmark, "question")).strip()
+    letter = letter.strip().upper()
+    if letter not in choices:
+        raise DatasetFormatError(
+            f"{benchmark}: record {_record_id(record, fallback_id)!r} has answer {letter!r}, not one of "
+            f"{sorted(choices)}"
+        )
+    return Example(
+        id=_record_id(record, fallback_id), question=question, golden_answers=(choices[letter], letter),
+        benchmark=benchmark, choices=choices, answer_letter=letter, metadata=_metadata(record),
+    )
+
+
+def _choices_from(value: Any) -> dict[str, str]:
+    if isinstance(value, Mapping):
+        return {str(k).strip().upper(): str(v) for k, v in value.items() if v is not None}
+    return {_LETTERS[i]: str(v) for i, v in enumerate(value)}
+
+
+def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
+    """Any supported multiple-choice row -> Example, by the fields it has."""
+    if "options" in record and "answer_idx" in record:  # MedQA (MIRAGE / GBaker)
+        return _mcq(record, benchmark, fallback_id, _choices_from(record["options"]), str(record["answer_idx"]))
+    if "opa" in record and "cop" in record:  # MedMCQA, cop is 1-based in the original release
+        choices = {letter: str(record[f"op{letter.lower()}"]) for letter in "ABCD"}
+        cop = int(record["cop"])
+        if not 1 <= cop <= 4:
+            raise DatasetFormatError(f"{benchmark}: cop must be 1-4 (original MedMCQA release), got {cop}")
+        return _mcq(record, benchmark, fallback_id, choices, "ABCD"[cop - 1])
+    if "final_decision" in record:  # PubMedQA: yes / no / maybe
+        choices = {"A": "yes", "B": "no", "C": "maybe"}
+        decision = str(record["final_decision"]).strip().lower()
+        letters = {text: letter for letter, text in choices.items()}
+        if decision not in letters:
+            raise DatasetFormatError(f"{benchmark}: final_decision must be yes/no/maybe, got {decision!r}")
+        example = _mcq(record, benchmark, fallback_id, choices, letters[decision])
+        contexts = record.get("CONTEXTS")
+        if contexts:
+            return _with_metadata(example, contexts=list(contexts))
+        return example
+    if all(letter in record for letter in "ABCD") and "answer" in record:  # MMLU CSV
+        choices = {letter: str(record[letter]) for letter in "ABCDEFGHIJ" if record.get(letter) is not None}
+        return _mcq(record, benchmark, fallback_id, choices, str(record["answer"]))
+    if "choices" in record and ("answer" in record or "answer_idx" in record):
+        answer = record.get("answer_idx", record.get("answer"))
+        letter = _LETTERS[int(answer)] if isinstance(answer, int) else str(answer)
+        return _mcq(record, benchmark, fallback_id, _choices_from(record["choices"]), letter)
+    raise DatasetFormatError(
+        f"{benchmark}: unrecognised multiple-choice record with fields {sorted(record)}; expected MedQA "
+        "(options, answer_idx), MedMCQA (opa..opd, cop), PubMedQA (QUESTION, final_decision), MMLU "
+        "(question, A..D, answer) or generic (question, choices, answer)"
+    )
+
+
+def _with_metadata(example: Example, **extra: Any) -> Example:
+    return dataclasses.replace(example, metadata={**example.metadata, **extra})
+
+
+def example_from_record(record: Record, benchmark: str, fallback_id: str, family: str) -> Example:
+    """Dispatch on the benchmark family (``qa`` or ``mcq``); an already-normalised record passes through."""
+    if record.get("choices") is not None and record.get("answer_letter"):  # our own Example.to_dict()
+        return _mcq(record, benchmark, fallback_id, _choices_from(record["choices"]), str(record["answer_letter"]))
+    adapter: Adapter = mcq_example if family == "mcq" else qa_example
+    return adapter(record, benchmark, fallback_id)

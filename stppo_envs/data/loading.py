@@ -1,0 +1,230 @@
+"""Load any supported benchmark from a local file, a folder, the bundled demo set, or the Hugging Face hub.
+
+Everything goes through ``datasets`` (local files via its json/csv/parquet builders, hub names via
+``load_dataset``; never with remote code), so split selection, seeded shuffling and caching behave as
+users of that library expect.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import datasets
+
+from .adapters import example_from_record
+from .schema import DatasetFormatError, Example
+
+DEMO_DIR = Path(__file__).parent / "demo"
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+_FLASHRAG_HUB = "RUC-NLPIR/FlashRAG_datasets"
+_ROW_COLUMN = "__stppo_row"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkInfo:
+    """What the loader and the env registry need to know about one benchmark."""
+
+    name: str  # canonical key, e.g. "nq"
+    env_name: str  # the part of the env id, e.g. "NQ" in "stppo/NQ-v0"
+    family: str  # "qa" (EM/F1 reward) or "mcq" (accuracy reward)
+    demo_subset: str  # which bundled demo file stands in when no dataset is given
+    hub: tuple[str, str | None] | None = None  # (path, config) for dataset="hub"
+    default_split: str = "test"
+
+
+BENCHMARKS: dict[str, BenchmarkInfo] = {
+    info.name: info
+    for info in (
+        BenchmarkInfo("nq", "NQ", "qa", "general", (_FLASHRAG_HUB, "nq")),
+        BenchmarkInfo("triviaqa", "TriviaQA", "qa", "general", (_FLASHRAG_HUB, "triviaqa")),
+        BenchmarkInfo("popqa", "PopQA", "qa", "general", (_FLASHRAG_HUB, "popqa")),
+        BenchmarkInfo("hotpotqa", "HotpotQA", "qa", "multihop", (_FLASHRAG_HUB, "hotpotqa"), "dev"),
+        BenchmarkInfo("2wiki", "2Wiki", "qa", "multihop", (_FLASHRAG_HUB, "2wikimultihopqa"), "dev"),
+        BenchmarkInfo("musique", "MuSiQue", "qa", "multihop", (_FLASHRAG_HUB, "musique"), "dev"),
+        BenchmarkInfo("bamboogle", "Bamboogle", "qa", "multihop", (_FLASHRAG_HUB, "bamboogle")),
+        BenchmarkInfo("medqa", "MedQA", "mcq", "medical", ("GBaker/MedQA-USMLE-4-options", None)),
+        BenchmarkInfo("medmcqa", "MedMCQA", "mcq", "medical", None, "dev"),
+        BenchmarkInfo("pubmedqa", "PubMedQA", "mcq", "medical", None),
+        BenchmarkInfo("mmlu_med", "MMLU-Med", "mcq", "medical", None),
+        BenchmarkInfo("searchqa", "SearchQA", "qa", "general"),  # generic: any QA dataset file
+    )
+}
+_ALIASES = {"2wikimultihopqa": "2wiki", "mmlu-med": "mmlu_med", "mmlu_medical": "mmlu_med", "mmlu-medical": "mmlu_med"}
+
+
+def benchmark_info(name: str) -> BenchmarkInfo:
+    """Look a benchmark up by name (case-insensitive, common aliases accepted)."""
+    key = name.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in BENCHMARKS:
+        raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+    return BENCHMARKS[key]
+
+
+def load_examples(
+    benchmark: str,
+    dataset: str | os.PathLike | None = None,
+    split: str | None = None,
+    limit: int | None = None,
+    shuffle_seed: int | None = None,
+    family: str | None = None,
+) -> tuple[Example, ...]:
+    """Examples of ``benchmark`` from ``dataset``.
+
+    ``dataset`` is ``None``/``"demo"`` (the bundled demo set of the benchmark's family), a local file
+    (jsonl/json/csv/parquet) or folder of such files, ``"hub"`` (the benchmark's standard hub dataset, e.g.
+    FlashRAG_datasets for QA) or any hub dataset name (``"org/name"`` or ``"org/name:config"``).
+    Order is the file's unless ``shuffle_seed`` is given; ``limit`` keeps the first N after that.
+    ``family`` overrides the benchmark's (``qa``/``mcq``), for the generic ``searchqa`` benchmark.
+    """
+    info = benchmark_info(benchmark)
+    split = split or info.default_split
+    key = _cache_key(dataset)
+    return _load_cached(info.name, key, split, limit, shuffle_seed, family or info.family)
+
+
+def _cache_key(dataset: str | os.PathLike | None) -> tuple[str | None, float]:
+    """(normalised source, mtime) so that an edited file is re-read."""
+    if dataset is None or str(dataset) == "demo":
+        return None, 0.0
+    path = Path(dataset).expanduser()
+    if path.exists():
+        return str(path.resolve()), path.stat().st_mtime
+    return str(dataset), 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _load_cached(benchmark: str, key: tuple[str | None, float], split: str, limit: int | None,
+                 shuffle_seed: int | None, family: str) -> tuple[Example, ...]:
+    info = BENCHMARKS[benchmark]
+    source = key[0]
+    if source is None:
+        table = _load_files([DEMO_DIR / f"{info.demo_subset}.jsonl"], family)
+        demo_split = "train" if split == "train" else "test"  # the demo set has train and test only
+        table = table.filter(lambda row: row["split"] == demo_split)
+        label = f"demo-{info.demo_subset}"
+    else:
+        table = _load_source(info, source, split, family)
+        label = benchmark
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    # Rows without an id get one from their position in the file, so ids survive shuffling and limits.
+    table = table.add_column(_ROW_COLUMN, list(range(len(table))))
+    if shuffle_seed is not None:
+        table = table.shuffle(seed=shuffle_seed)
+    if limit is not None:
+        table = table.select(range(min(limit, len(table))))
+    return tuple(
+        example_from_record(row, label, f"{label}-{split}-{row.pop(_ROW_COLUMN)}", family) for row in table
+    )
+
+
+def _load_source(info: BenchmarkInfo, source: str, split: str, family: str) -> datasets.Dataset:
+    path = Path(source)
+    if path.is_dir():
+        files = _files_in(path, split)
+        if not files:
+            raise DatasetFormatError(f"{path} holds no .jsonl/.json/.csv/.parquet files")
+        return _load_files(files, family)
+    if path.is_file():
+        return _load_files([path], family)
+    if source == "hub":
+        if info.hub is None:
+            raise DatasetFormatError(f"{info.name} has no standard hub dataset; pass a local file or a hub name")
+        hub_path, config = info.hub
+    elif "/" in source and not source.startswith((".", "/", "~")):
+        hub_path, _, config = source.partition(":")
+        config = config or None
+    else:
+        raise FileNotFoundError(
+            f"dataset {source!r} is neither a local file/folder nor a hub name (org/name[:config]); "
+            "see data_scripts/download_datasets.py to fetch the benchmark files"
+        )
+    try:
+        return datasets.load_dataset(hub_path, config, split=split)
+    except Exception as exc:
+        raise DatasetFormatError(f"could not load {hub_path}:{config} split {split!r} from the hub: {exc}") from exc
+
+
+def _files_in(folder: Path, split: str) -> list[Path]:
+    files = sorted(p for p in folder.iterdir() if p.suffix in _FILE_BUILDERS and p.is_file())
+    matching = [p for p in files if split in p.stem]
+    return matching or files
+
+
+def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
+    files = list(files)
+    suffixes = {p.suffix for p in files}
+    if len(suffixes) != 1 or not suffixes <= set(_FILE_BUILDERS):
+        raise DatasetFormatError(f"cannot mix or read file types {sorted(suffixes)}; use one of {sorted(_FILE_BUILDERS)}")
+    suffix = suffixes.pop()
+    data_files = [str(p) for p in files]
+    if suffix == ".json" and _is_json_object_of_records(files[0]):
+        return _load_keyed_json(files)
+    if suffix == ".csv" and family == "mcq" and not _csv_has_header(files[0]):
+        return datasets.concatenate_datasets([_load_headerless_mcq_csv(path) for path in files])
+    return _load_with_builder(_FILE_BUILDERS[suffix], data_files)
+
+
+def _load_with_builder(builder: str, data_files: list[str], **kwargs) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, split="train", **kwargs)
+    except Exception as exc:
+        raise DatasetFormatError(f"could not read {', '.join(data_files)}: {exc}") from exc
+
+
+def _load_headerless_mcq_csv(path: Path) -> datasets.Dataset:
+    """MMLU's ``SUBJECT_test.csv`` files: no header row; the subject is the file name."""
+    table = _load_with_builder("csv", [str(path)], column_names=_mmlu_columns(path), header=None)
+    subject = path.stem.removesuffix("_test").removesuffix("_dev").removesuffix("_val")
+    return table.add_column("subject", [subject] * len(table))
+
+
+def _is_json_object_of_records(path: Path) -> bool:
+    with open(path, encoding="utf-8") as handle:
+        head = handle.read(4096).lstrip()
+    return head.startswith("{") and _first_value_is_object(path)
+
+
+def _first_value_is_object(path: Path) -> bool:
+    """PubMedQA ships ``{"PMID": {...}, ...}``; a JSON-lines file also starts with '{' but parses line by line."""
+    with open(path, encoding="utf-8") as handle:
+        first_line = handle.readline().strip()
+    if first_line == "{":
+        return True
+    try:
+        json.loads(first_line)
+        return False  # a complete object on line one: JSON lines
+    except json.JSONDecodeError:
+        return True
+
+
+def _load_keyed_json(files: list[Path]) -> datasets.Dataset:
+    rows = []
+    for path in files:
+        with open(path, encoding="utf-8") as handle:
+            for key, value in json.load(handle).items():
+                if not isinstance(value, dict):
+                    raise DatasetFormatError(f"{path}: value of key {key!r} is not an object")
+                rows.append({"id": str(key), **value})
+    return datasets.Dataset.from_list(rows)
+
+
+def _csv_has_header(path: Path) -> bool:
+    with open(path, encoding="utf-8", newline="") as handle:
+        first = next(csv.reader(handle), [])
+    return any(cell.strip().lower() in {"question", "answer"} for cell in first)
+
+
+def _mmlu_columns(path: Path) -> list[str]:
+    with open(path, encoding="utf-8", newline="") as handle:
+        width = len(next(csv.reader(handle), []))
+    if width < 4:
+        raise DatasetFormatError(f"{path}: a headerless MCQ CSV needs question, >= 2 options and answer columns")
+    return ["question", *"ABCDEFGHIJ"[: width - 2], "answer"]

@@ -1,0 +1,125 @@
+"""The retriever protocol shared by every backend, modelled on pyserini's searchers.
+
+``search(query, k) -> list[Hit]`` and ``batch_search(queries, k) -> list[list[Hit]]``; one frozen ``Hit``
+type for BM25, dense and remote backends. Failures are typed (:class:`RetrievalError` and subclasses) so the
+environment can report them as ``info["error"]`` instead of pattern-matching observation text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Protocol, Sequence, runtime_checkable
+
+import cachetools
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """One retrieved passage. ``title`` is unquoted; ``text`` excludes the title line."""
+
+    docid: str
+    score: float
+    title: str
+    text: str
+
+    @property
+    def contents(self) -> str:
+        """The pyserini/FlashRAG ``contents`` field: ``"Title"`` on the first line, then the text."""
+        return to_contents(self.title, self.text)
+
+
+def to_contents(title: str, text: str) -> str:
+    """``"Title"\\ntext`` as in the wiki-18 DPR corpus of FlashRAG/Search-R1.
+
+    >>> to_contents("Paris", "Capital of France.")
+    '"Paris"\\nCapital of France.'
+    """
+    return f'"{title}"\n{text}'
+
+
+def parse_contents(contents: str) -> tuple[str, str]:
+    """Split a ``contents`` string into (title, text); the title loses its surrounding quotes.
+
+    >>> parse_contents('"Paris"\\nCapital of France.')
+    ('Paris', 'Capital of France.')
+    >>> parse_contents("no title line")
+    ('', 'no title line')
+    """
+    first, sep, rest = contents.partition("\n")
+    if not sep:
+        return "", contents
+    title = first.strip()
+    if len(title) >= 2 and title[0] == title[-1] == '"':
+        title = title[1:-1]
+    return title, rest
+
+
+class RetrievalError(RuntimeError):
+    """A search could not be served. Environments report it in ``info["error"]``; they never crash on it."""
+
+
+class IndexNotFoundError(RetrievalError, FileNotFoundError):
+    """The index directory is missing or incomplete; the message names the command that builds it."""
+
+
+class RetrieverUnavailableError(RetrievalError, ConnectionError):
+    """A remote retrieval server did not answer (down, timed out, or returned an error)."""
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    """Anything with pyserini-style ``search`` and ``batch_search`` returning :class:`Hit` lists."""
+
+    def search(self, query: str, k: int = 10) -> list[Hit]: ...
+
+    def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]: ...
+
+
+class BatchSearchMixin:
+    """``search`` in terms of ``batch_search`` (backends implement the batched call once)."""
+
+    def search(self, query: str, k: int = 10) -> list[Hit]:
+        return self.batch_search([query], k)[0]
+
+
+class CachedRetriever(BatchSearchMixin):
+    """An LRU cache keyed by (query, k) in front of any retriever; only the misses reach the backend.
+
+    Rollouts repeat queries a lot (n samples per prompt, the same first search), so this saves real work.
+    Thread-safe, since the HTTP server calls it from several threads.
+    """
+
+    def __init__(self, retriever: Retriever, maxsize: int = 65536):
+        self.retriever = retriever
+        self.maxsize = maxsize
+        self._cache: cachetools.LRUCache = cachetools.LRUCache(maxsize=maxsize)
+        self._lock = threading.Lock()
+
+    def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
+        results: list[list[Hit] | None] = [None] * len(queries)
+        missing: dict[str, list[int]] = {}
+        with self._lock:
+            for i, query in enumerate(queries):
+                cached = self._cache.get((query, k))
+                if cached is None:
+                    missing.setdefault(query, []).append(i)
+                else:
+                    results[i] = cached
+        if missing:
+            fetched = self.retriever.batch_search(list(missing), k)
+            with self._lock:
+                for (query, positions), hits in zip(missing.items(), fetched):
+                    self._cache[(query, k)] = hits
+                    for i in positions:
+                        results[i] = hits
+        return results  # type: ignore[return-value]
+
+    def __getstate__(self):
+        return {"retriever": self.retriever, "maxsize": self.maxsize}
+
+    def __setstate__(self, state):
+        self.__init__(state["retriever"], state["maxsize"])
+
+    def __repr__(self) -> str:
+        return f"CachedRetriever({self.retriever!r})"

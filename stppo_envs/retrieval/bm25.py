@@ -1,0 +1,120 @@
+"""BM25 over a Lucene index with pyserini's ``LuceneSearcher``.
+
+Index directories are exactly what pyserini's own indexer writes (``python -m pyserini.index.lucene
+--collection JsonCollection --storeRaw``); :func:`build_bm25_index` runs that same indexer in-process, so
+any pyserini index (including ``from_prebuilt_index`` names such as ``wikipedia-dpr-100w``) works here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from ._pyserini import ensure_pyserini
+from .base import BatchSearchMixin, Hit, IndexNotFoundError, RetrievalError, parse_contents
+
+BUILD_HINT = "build one with: stppo index bm25 --corpus CORPUS.jsonl --out {path}"
+
+
+class BM25Retriever(BatchSearchMixin):
+    """pyserini ``LuceneSearcher`` behind the retriever protocol.
+
+    ``index`` is a directory or, with ``prebuilt=True``, a pyserini prebuilt-index name (downloaded by
+    pyserini on a connected machine). ``k1``/``b`` default to pyserini's 0.9/0.4. Pickles by its arguments:
+    the Java searcher is reopened lazily in the receiving process.
+    """
+
+    def __init__(self, index: str | os.PathLike, *, prebuilt: bool = False, k1: float = 0.9, b: float = 0.4,
+                 threads: int = 1):
+        self.index = str(index)
+        self.prebuilt = prebuilt
+        self.k1, self.b, self.threads = k1, b, threads
+        if not prebuilt:
+            check_bm25_index(self.index)
+        self._searcher = None
+
+    @property
+    def searcher(self):
+        if self._searcher is None:
+            ensure_pyserini()
+            from pyserini.search.lucene import LuceneSearcher
+
+            if self.prebuilt:
+                searcher = LuceneSearcher.from_prebuilt_index(self.index)
+                if searcher is None:
+                    raise IndexNotFoundError(f"pyserini has no prebuilt index named {self.index!r}")
+            else:
+                searcher = LuceneSearcher(self.index)
+            searcher.set_bm25(self.k1, self.b)
+            self._searcher = searcher
+        return self._searcher
+
+    def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
+        if not queries:
+            return []
+        searcher = self.searcher
+        try:
+            if len(queries) == 1:
+                raw = [searcher.search(queries[0], k=k)]
+            else:
+                qids = [str(i) for i in range(len(queries))]
+                by_qid = searcher.batch_search(list(queries), qids, k=k, threads=self.threads)
+                raw = [by_qid[qid] for qid in qids]
+        except Exception as exc:  # a Java exception surfaces as jnius.JavaException
+            raise RetrievalError(f"BM25 search failed on {self.index}: {exc}") from exc
+        return [[self._to_hit(searcher, r) for r in results] for results in raw]
+
+    @staticmethod
+    def _to_hit(searcher, result) -> Hit:
+        raw = result.lucene_document.get("raw") if result.lucene_document is not None else None
+        if raw is None:
+            doc = searcher.doc(result.docid)
+            raw = doc.raw() if doc is not None else None
+        if raw is None:
+            raise RetrievalError(f"index stores no raw text for {result.docid}: rebuild it with --storeRaw")
+        fields = json.loads(raw)
+        title, text = parse_contents(fields.get("contents", ""))
+        return Hit(docid=str(result.docid), score=float(result.score), title=title, text=text)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_searcher"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"BM25Retriever({self.index!r})"
+
+
+def check_bm25_index(path: str | os.PathLike) -> None:
+    """Raise :class:`IndexNotFoundError` naming the build command unless ``path`` is a Lucene index."""
+    directory = Path(path)
+    if not directory.is_dir() or not any(directory.glob("segments_*")):
+        raise IndexNotFoundError(f"no Lucene index at {directory}; " + BUILD_HINT.format(path=directory))
+
+
+def build_bm25_index(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, *, threads: int = 1) -> Path:
+    """Index a folder of pyserini JsonCollection files (``{"id", "contents"}`` per line) into ``out_dir``.
+
+    Runs pyserini's own ``IndexCollection`` (the class behind ``python -m pyserini.index.lucene``) with the
+    flags of its BM25 recipes, so the index is byte-for-byte what pyserini would build.
+    """
+    ensure_pyserini()
+    from jnius import autoclass
+
+    corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
+    if not corpus_dir.is_dir():
+        raise FileNotFoundError(f"corpus folder not found: {corpus_dir}")
+    args = [
+        "-collection", "JsonCollection",
+        "-generator", "DefaultLuceneDocumentGenerator",
+        "-input", str(corpus_dir),
+        "-index", str(out_dir),
+        "-threads", str(threads),
+        "-storePositions", "-storeDocvectors", "-storeRaw",
+        "-quiet",
+    ]
+    autoclass("io.anserini.index.IndexCollection").main(args)
+    check_bm25_index(out_dir)
+    return out_dir

@@ -1,0 +1,120 @@
+"""A batched ``VectorEnv`` over :class:`SearchQAEnv` copies that serves all searches of a step in one call.
+
+Rollouts of many trajectories issue many searches per turn; one ``batch_search`` call lets pyserini and faiss
+use their batched paths (and a remote server one request). Autoreset follows Gymnasium's default
+``NEXT_STEP`` mode: the step after an episode ends resets that sub-env and ignores its action.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+from .actions import ParsedAction
+from .env import SearchQAEnv, sanitize_query
+from .retrieval.base import Hit, RetrievalError
+from .retrieval.factory import make_retriever
+
+
+class SearchQAVectorEnv(VectorEnv):
+    """``num_envs`` copies of one env spec sharing a single retriever."""
+
+    metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP, "render_modes": []}
+
+    def __init__(self, envs: Sequence[SearchQAEnv]):
+        if not envs:
+            raise ValueError("a vector env needs at least one env")
+        if len({env.topk for env in envs}) != 1:
+            raise ValueError("all sub-envs of a vector env must use the same topk")
+        self.envs = list(envs)
+        self.num_envs = len(self.envs)
+        self.retriever = self.envs[0].retriever
+        for env in self.envs:
+            env.retriever = self.retriever
+        self.single_observation_space = self.envs[0].observation_space
+        self.single_action_space = self.envs[0].action_space
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self._needs_reset = np.ones(self.num_envs, dtype=bool)
+
+    def reset(self, *, seed: int | Sequence[int | None] | None = None,
+              options: dict[str, Any] | None = None) -> tuple[tuple[str, ...], dict]:
+        """``seed`` may be one int (sub-env i gets seed + i) or one per env; ``options["indices"]`` picks examples."""
+        seeds = _per_env_seeds(seed, self.num_envs)
+        options = dict(options or {})
+        indices = options.pop("indices", None)
+        if indices is not None and len(indices) != self.num_envs:
+            raise ValueError(f"options['indices'] needs {self.num_envs} entries, got {len(indices)}")
+        observations, infos = [], {}
+        for i, env in enumerate(self.envs):
+            env_options = dict(options, index=indices[i]) if indices is not None else options
+            obs, info = env.reset(seed=seeds[i], options=env_options)
+            observations.append(obs)
+            infos = self._add_info(infos, info, i)
+        self._needs_reset[:] = False
+        return tuple(observations), infos
+
+    def step(self, actions: Sequence[str]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
+        if len(actions) != self.num_envs:
+            raise ValueError(f"expected {self.num_envs} actions, got {len(actions)}")
+        parsed = {i: env.begin_step(actions[i]) for i, env in enumerate(self.envs) if not self._needs_reset[i]}
+        hits, errors = serve_searches(self.retriever, self.envs[0].topk,
+                                      {i: p for i, p in parsed.items() if self.envs[i].needs_search(p)})
+        observations: list[str] = []
+        rewards = np.zeros(self.num_envs, dtype=np.float64)
+        terminated = np.zeros(self.num_envs, dtype=bool)
+        truncated = np.zeros(self.num_envs, dtype=bool)
+        infos: dict = {}
+        for i, env in enumerate(self.envs):
+            if self._needs_reset[i]:
+                obs, info = env.reset()
+                self._needs_reset[i] = False
+            else:
+                obs, rewards[i], terminated[i], truncated[i], info = env.finish_step(
+                    actions[i], parsed[i], hits.get(i), errors.get(i))
+                self._needs_reset[i] = terminated[i] or truncated[i]
+            observations.append(obs)
+            infos = self._add_info(infos, info, i)
+        return tuple(observations), rewards, terminated, truncated, infos
+
+    def close_extras(self, **kwargs: Any) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def serve_searches(retriever, topk: int, pending: dict[int, ParsedAction]
+                   ) -> tuple[dict[int, list[Hit]], dict[int, RetrievalError]]:
+    """Serve the search actions of many envs with one ``batch_search``; a failure is reported for each of them."""
+    if not pending:
+        return {}, {}
+    keys = list(pending)
+    try:
+        results = retriever.batch_search([sanitize_query(pending[i].content) for i in keys], topk)
+    except RetrievalError as exc:
+        return {}, dict.fromkeys(keys, exc)
+    return dict(zip(keys, results)), {}
+
+
+def _per_env_seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, (int, np.integer)):
+        return [int(seed) + i for i in range(n)]
+    if len(seed) != n:
+        raise ValueError(f"expected {n} seeds, got {len(seed)}")
+    return list(seed)
+
+
+def make_vec(env_id: str, num_envs: int, **kwargs: Any) -> SearchQAVectorEnv:
+    """``num_envs`` copies of a registered env sharing one retriever (built once from ``retriever=``)."""
+    if num_envs < 1:
+        raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    spec = gym.spec(env_id)
+    retriever = make_retriever(kwargs.pop("retriever", spec.kwargs.get("retriever", "demo")))
+    envs = [gym.make(env_id, retriever=retriever, disable_env_checker=True, **kwargs).unwrapped
+            for _ in range(num_envs)]
+    return SearchQAVectorEnv(envs)
