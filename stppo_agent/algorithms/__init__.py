@@ -1,0 +1,39 @@
+"""Pure tensor math of the PPO family (ALGORITHMS.md): advantage estimators, policy/critic losses, presets.
+
+    from stppo_agent.algorithms import ALGORITHMS, get_advantage_estimator, get_policy_loss
+
+    preset = ALGORITHMS["st_ppo"]
+    advantages, returns = get_advantage_estimator(preset.advantage)(
+        rewards=rewards, values=values, loss_mask=loss_mask, group_ids=group_ids, config=preset)
+    loss, bias_surrogate, metrics = get_policy_loss(preset.policy_loss)(
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+        loss_mask=loss_mask, turn_ids=turn_ids, config=preset)
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compact_policy_positions,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from .clip_bias import ClipBiasCorrector
+from .config import ALGORITHMS, AlgorithmConfig, register_algorithm
+from .losses import (
+    POLICY_LOSSES,
+    aggregate,
+    explained_variance,
+    get_policy_loss,
+    kl_estimate,
+    kl_reward_penalty,
+    log_ratio_at_level,
+    register_policy_loss,
+    value_loss,
+)
+from .registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "POLICY_LOSSES", "Registry",
+    "aggregate", "compact_policy_positions", "explained_variance", "get_advantage_estimator", "get_policy_loss",
+    "kl_estimate", "kl_reward_penalty", "log_ratio_at_level", "register_advantage_estimator",
+    "register_algorithm", "register_policy_loss", "value_loss",
+]

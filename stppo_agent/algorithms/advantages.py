@@ -1,0 +1,115 @@
+"""Advantage estimators (ALGORITHMS.md, "Advantage estimators"), registered by name.
+
+Every estimator has the signature
+``fn(*, rewards, values, loss_mask, group_ids, config, kl_penalty=None) -> (advantages, returns)`` with
+rewards (B,), values (B, T), loss_mask (B, T) bool, group_ids (B,) long, optional kl_penalty (B, T) (the
+per-token penalty already multiplied by its coefficient), and returns two (B, T) tensors that are 0 off
+``loss_mask``. ``returns`` is what the critic regresses to (for critic-free estimators it equals advantages).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .registry import Registry
+from .segments import discounted_reverse_cumsum, whiten
+
+AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def register_advantage_estimator(name: str, fn: AdvantageEstimator | None = None):
+    """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises."""
+    if fn is None:
+        return ADVANTAGE_ESTIMATORS.decorator(name)
+    return ADVANTAGE_ESTIMATORS.register(name, fn)
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered under ``name``; unknown names raise listing the known ones."""
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def compact_policy_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the column order that puts policy positions first (in order), then the rest.
+
+    ``x.gather(1, order)`` compacts a (B, T) tensor to its policy tokens t_1 < ... < t_n; ``scatter`` undoes it.
+    """
+    return torch.argsort((~loss_mask).to(torch.int8), dim=1, stable=True)
+
+
+@register_advantage_estimator("gae")
+def gae_advantages(*, rewards, values, loss_mask, group_ids=None, config, kl_penalty=None):
+    """Multi-turn GAE over policy tokens only (observation tokens are skipped, not zero-reward steps).
+
+    delta_j = r_j + gamma * V(t_{j+1}) - V(t_j), V(t_{n+1}) = 0;  A_j = delta_j + gamma * lambda * A_{j+1}
+    r_j = -kl_penalty(t_j) + [j == n] * reward;  returns_j = A_j + V(t_j); A whitened unless disabled.
+    """
+    order = compact_policy_positions(loss_mask)
+    mask_c = loss_mask.gather(1, order)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    values_c = torch.where(mask_c, values.gather(1, order), zero)
+    next_mask = torch.nn.functional.pad(mask_c[:, 1:], (0, 1), value=False)
+    next_values = torch.where(next_mask, torch.nn.functional.pad(values_c[:, 1:], (0, 1)), zero)
+    is_last = mask_c & ~next_mask
+    token_rewards = torch.where(is_last, rewards.to(values.dtype).unsqueeze(1), zero)
+    if kl_penalty is not None:
+        token_rewards = token_rewards - torch.where(mask_c, kl_penalty.gather(1, order), zero)
+    deltas = torch.where(mask_c, token_rewards + config.gamma * next_values - values_c, zero)
+    advantages_c = torch.where(mask_c, discounted_reverse_cumsum(deltas, config.gamma * config.lam), zero)
+    returns_c = torch.where(mask_c, advantages_c + values_c, zero)
+    advantages = torch.zeros_like(values).scatter(1, order, advantages_c)
+    returns = torch.zeros_like(values).scatter(1, order, returns_c)
+    if config.whiten_advantages:
+        advantages = whiten(advantages, loss_mask)
+    return advantages, returns
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-trajectory group sum, group size and unbiased group std (segment reductions over groups)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max().item()) + 1
+    sums = torch.zeros(groups, dtype=scores.dtype, device=scores.device).index_add(0, inverse, scores)
+    sizes = torch.zeros(groups, dtype=scores.dtype, device=scores.device).index_add(
+        0, inverse, torch.ones_like(scores))
+    means = sums / sizes
+    squares = torch.zeros(groups, dtype=scores.dtype, device=scores.device).index_add(
+        0, inverse, (scores - means[inverse]) ** 2)
+    stds = torch.sqrt(squares / (sizes - 1).clamp(min=1))
+    return sums[inverse], sizes[inverse], stds[inverse]
+
+
+def _broadcast(per_trajectory: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=loss_mask.device)
+    return torch.where(loss_mask, per_trajectory.to(dtype).unsqueeze(1), zero)
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None):
+    """A_b = (R_b - mean_g R) / (std_g R + 1e-6), or without the division (Dr. GRPO); broadcast to tokens.
+
+    A trajectory alone in its group has no baseline and gets advantage 0.
+    """
+    scores = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    sums, sizes, stds = _group_stats(scores, group_ids)
+    advantage = scores - sums / sizes
+    if config.grpo_std_normalize:
+        advantage = advantage / (stds + 1e-6)
+    advantage = torch.where(sizes > 1, advantage, torch.zeros_like(advantage))
+    dtype = values.dtype if values is not None else scores.dtype
+    advantages = _broadcast(advantage, loss_mask, dtype)
+    return advantages, advantages
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None):
+    """A_b = R_b - mean of R over the other members of b's group (0 for a trajectory alone); broadcast."""
+    scores = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    sums, sizes, _ = _group_stats(scores, group_ids)
+    leave_one_out = (sums - scores) / (sizes - 1).clamp(min=1)
+    advantage = torch.where(sizes > 1, scores - leave_one_out, torch.zeros_like(scores))
+    dtype = values.dtype if values is not None else scores.dtype
+    advantages = _broadcast(advantage, loss_mask, dtype)
+    return advantages, advantages

@@ -1,0 +1,100 @@
+"""Algorithm settings and the named presets of ALGORITHMS.md.
+
+A preset is a frozen :class:`AlgorithmConfig`; every field can be overridden with ``dataclasses.replace``
+(or ``--set`` on the command line). Registered presets live in :data:`ALGORITHMS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .registry import Registry
+
+RATIO_LEVEL_NAMES = ("token", "turn", "sequence")
+LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean")
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "low_var_kl")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """Everything the advantage estimator and the losses read."""
+
+    name: str = "custom"
+    """Preset name, for logs."""
+    advantage: str = "gae"
+    """Advantage estimator, by registered name: gae, grpo, rloo, or one registered by the user."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss, by registered name."""
+    ratio_level: str = "token"
+    """Importance-ratio level: token (PPO), turn (Turn-PPO/ST-PPO: geometric mean per turn), sequence (GSPO)."""
+    clip_bias_correction: bool = False
+    """Divide the policy gradient by max(1, ||C|| / kappa), C the clipping-bias gradient (S-PPO, ST-PPO)."""
+    clip_bias_kappa: float = 1.0
+    """kappa of the clip-bias normalisation: a bias norm up to kappa leaves the gradient unchanged."""
+    clip_low: float = 0.2
+    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages."""
+    clip_high: float = 0.2
+    """Upper clip epsilon: ratios above 1 + clip_high are clipped for positive advantages."""
+    loss_agg: str = "token-mean"
+    """token-mean (sum over policy tokens / their number) or seq-mean-token-mean."""
+    gamma: float = 1.0
+    """GAE discount over policy tokens (Search-R1 uses 1)."""
+    lam: float = 1.0
+    """GAE lambda (Search-R1 uses 1)."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages over all policy tokens of the batch."""
+    grpo_std_normalize: bool = True
+    """Divide GRPO advantages by the group std (False: Dr. GRPO)."""
+    use_critic: bool = True
+    """Train a value head (PPO family); GRPO-style algorithms need none."""
+    value_clip: float = 0.5
+    """eps_v of the clipped value loss."""
+    kl_in_reward: float = 0.0
+    """Coefficient of the k1 KL penalty subtracted from the reward at every policy token."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of the KL-to-reference loss term."""
+    kl_estimator: str = "low_var_kl"
+    """k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10])."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+
+    def __post_init__(self):
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVEL_NAMES)
+        _check_choice("loss_agg", self.loss_agg, LOSS_AGG_NAMES)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATOR_NAMES)
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.clip_bias_kappa <= 0:
+            raise ValueError(f"clip_bias_kappa must be > 0, got {self.clip_bias_kappa}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field} must be one of {', '.join(choices)}; got {value!r}")
+
+
+ALGORITHMS: Registry[AlgorithmConfig] = Registry("algorithm")
+
+
+def register_algorithm(config: AlgorithmConfig) -> AlgorithmConfig:
+    """Add a named preset (selectable with ``--algo NAME``)."""
+    return ALGORITHMS.register(config.name, config)
+
+
+_PPO = AlgorithmConfig(name="ppo", advantage="gae", ratio_level="token", use_critic=True, kl_in_reward=0.001)
+_GRPO = AlgorithmConfig(name="grpo", advantage="grpo", ratio_level="token", use_critic=False,
+                        kl_loss_coef=0.001, kl_estimator="k3")
+
+for _preset in (
+    _PPO,
+    dataclasses.replace(_PPO, name="turn_ppo", ratio_level="turn"),
+    dataclasses.replace(_PPO, name="s_ppo", clip_bias_correction=True),
+    dataclasses.replace(_PPO, name="st_ppo", ratio_level="turn", clip_bias_correction=True),
+    _GRPO,
+    dataclasses.replace(_GRPO, name="gspo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
+                        kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="so_grpo", ratio_level="turn", clip_bias_correction=True),
+):
+    register_algorithm(_preset)

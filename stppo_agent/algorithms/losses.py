@@ -1,0 +1,165 @@
+"""Policy losses (clipped surrogate at token/turn/sequence level), critic loss, KL estimators.
+
+Shapes: every per-token tensor is (B, T); ``loss_mask`` is bool; ``turn_ids`` is long (-1 off the mask).
+Policy losses return ``(loss, bias_surrogate, metrics)``: ``bias_surrogate = agg(c_t * rho_t * A_t)`` with
+c_t and A_t constant, whose gradient is the clipping bias C of ALGORITHMS.md; metrics are detached tensors.
+
+``global_num_tokens`` / ``global_num_seqs`` let a trainer normalise a micro-batch by the size of the whole
+optimizer batch, so that summing micro-batch gradients gives exactly the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .registry import Registry
+from .segments import masked_mean, masked_sum, segment_ids, segment_mean
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def register_policy_loss(name: str, fn: PolicyLoss | None = None):
+    """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises."""
+    if fn is None:
+        return POLICY_LOSSES.decorator(name)
+    return POLICY_LOSSES.register(name, fn)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered under ``name``; unknown names raise listing the known ones."""
+    return POLICY_LOSSES[name]
+
+
+def log_ratio_at_level(logprobs, old_logprobs, loss_mask, turn_ids, level: str) -> torch.Tensor:
+    """log rho at the requested level, per token: l_t, or the mean of l_t over the token's turn / sequence.
+
+    exp of a segment mean is the geometric mean of the token ratios; the gradient flows to every token.
+    """
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero)
+    if level == "token":
+        return log_ratio
+    ids, count = segment_ids(turn_ids, loss_mask, level)
+    means, _ = segment_mean(log_ratio, ids, count, loss_mask)
+    return torch.where(loss_mask, means, zero)
+
+
+def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str, global_num_tokens=None,
+              global_num_seqs=None) -> torch.Tensor:
+    """token-mean: sum / number of policy tokens; seq-mean-token-mean: mean over trajectories of token means."""
+    if mode == "token-mean":
+        denominator = global_num_tokens if global_num_tokens is not None else loss_mask.sum().clamp(min=1)
+        return masked_sum(per_token, loss_mask) / denominator
+    if mode == "seq-mean-token-mean":
+        zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+        per_seq = torch.where(loss_mask, per_token, zero).sum(1) / loss_mask.sum(1).clamp(min=1)
+        has_tokens = loss_mask.any(1)
+        denominator = global_num_seqs if global_num_seqs is not None else has_tokens.sum().clamp(min=1)
+        return torch.where(has_tokens, per_seq, zero).sum() / denominator
+    raise ValueError(f"unknown loss_agg {mode!r}; known: token-mean, seq-mean-token-mean")
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from l = logprobs - ref_logprobs (Schulman's k1/k2/k3).
+
+    k1 = l;  k2 = l^2 / 2;  k3 = exp(-l) - 1 + l;  low_var_kl = clamp(k3, -10, 10) (verl).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    k3 = torch.exp(-log_ratio) - 1 + log_ratio
+    if estimator == "k3":
+        return k3
+    if estimator == "low_var_kl":
+        return k3.clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: k1, k2, k3, low_var_kl")
+
+
+def kl_reward_penalty(old_logprobs, ref_logprobs, loss_mask, config) -> torch.Tensor:
+    """kl_in_reward * k1 at every policy token (0 elsewhere), for the advantage estimator's ``kl_penalty``."""
+    zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    return torch.where(loss_mask, config.kl_in_reward * (old_logprobs - ref_logprobs), zero)
+
+
+def _turn_clip_fraction(log_ratio_tokens, loss_mask, turn_ids, config) -> torch.Tensor:
+    """Fraction of (trajectory, turn) segments whose turn-level ratio left [1 - eps_low, 1 + eps_high]."""
+    ids, count = segment_ids(turn_ids, loss_mask, "turn")
+    means, counts = segment_mean(log_ratio_tokens.detach(), ids, count, loss_mask)
+    turn_ratio = torch.zeros(count, dtype=means.dtype, device=means.device).index_put_(
+        (ids[loss_mask],), means[loss_mask].exp())
+    present = counts > 0
+    outside = (turn_ratio > 1 + config.clip_high) | (turn_ratio < 1 - config.clip_low)
+    return (outside & present).sum().to(means.dtype) / present.sum().clamp(min=1)
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
+                  entropy=None, global_num_tokens=None, global_num_seqs=None):
+    """Clipped surrogate L_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho at config.ratio_level.
+
+    Plus ``kl_loss_coef * agg(KL)`` when ``ref_logprobs`` is given and ``-entropy_coef * agg(entropy)`` when
+    ``entropy`` is given. c_t = 1 where the clipped branch is strictly smaller.
+    """
+    agg_kwargs = dict(mode=config.loss_agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
+    log_ratio = log_ratio_at_level(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    surrogate = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    clipped = loss_mask & (((advantages > 0) & (ratio > 1 + config.clip_high))
+                           | ((advantages < 0) & (ratio < 1 - config.clip_low)))
+    pg_loss = aggregate(surrogate, loss_mask, **agg_kwargs)
+    bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
+    loss = pg_loss
+
+    token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero).detach()
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "clip_frac": masked_mean(clipped.to(ratio.dtype), loss_mask).detach(),
+        "turn_clip_frac": _turn_clip_fraction(token_log_ratio, loss_mask, turn_ids, config),
+        "ratio/mean": masked_mean(ratio, loss_mask).detach(),
+        "ratio/max": torch.where(loss_mask, ratio, torch.full_like(ratio, -torch.inf)).max().detach(),
+        "ratio/min": torch.where(loss_mask, ratio, torch.full_like(ratio, torch.inf)).min().detach(),
+        "approx_kl": masked_mean(torch.exp(token_log_ratio) - 1 - token_log_ratio, loss_mask),
+    }
+    if ref_logprobs is not None and config.kl_loss_coef > 0:
+        kl = aggregate(kl_estimate(logprobs, ref_logprobs, config.kl_estimator), loss_mask, **agg_kwargs)
+        loss = loss + config.kl_loss_coef * kl
+        metrics["kl_loss"] = kl.detach()
+    if entropy is not None:
+        mean_entropy = aggregate(entropy, loss_mask, **agg_kwargs)
+        loss = loss - config.entropy_coef * mean_entropy
+        metrics["entropy"] = mean_entropy.detach()
+    return loss, bias_surrogate, metrics
+
+
+def value_loss(*, values, old_values, returns, loss_mask, config, global_num_tokens=None):
+    """Critic loss 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2), token-mean over policy tokens.
+
+    Returns (loss, metrics) with ``value_loss``, ``value_clip_frac`` and ``explained_variance``.
+    """
+    returns = returns.detach()
+    clipped_values = old_values + (values - old_values).clamp(-config.value_clip, config.value_clip)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
+    loss = aggregate(per_token, loss_mask, "token-mean", global_num_tokens=global_num_tokens)
+    metrics = {
+        "value_loss": loss.detach(),
+        "value_clip_frac": masked_mean((clipped_error > unclipped_error).to(values.dtype), loss_mask).detach(),
+        "explained_variance": explained_variance(values.detach(), returns, loss_mask),
+    }
+    return loss, metrics
+
+
+def explained_variance(predictions, targets, loss_mask) -> torch.Tensor:
+    """1 - Var(targets - predictions) / Var(targets) over policy tokens (NaN-free: 0 when Var(targets) is 0)."""
+    residual_var = masked_mean((targets - predictions - masked_mean(targets - predictions, loss_mask)) ** 2, loss_mask)
+    target_var = masked_mean((targets - masked_mean(targets, loss_mask)) ** 2, loss_mask)
+    return torch.where(target_var > 0, 1 - residual_var / target_var.clamp(min=1e-12), torch.zeros_like(target_var))

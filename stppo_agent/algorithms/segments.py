@@ -1,0 +1,82 @@
+"""Segment reductions over (trajectory, turn) without Python loops, and masked batch statistics."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` where ``mask`` (bool, same shape) is True. Masked entries never enter, even as NaN."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over True entries of ``mask`` (0 when there are none)."""
+    return masked_sum(x, mask) / mask.sum().clamp(min=1).to(x.dtype)
+
+
+def segment_ids(turn_ids: torch.Tensor, loss_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, int]:
+    """Flat segment id per position for a ratio level, and the number of segments.
+
+    token: every policy token is its own segment; turn: (b, k) pairs; sequence: one per trajectory.
+    Positions outside ``loss_mask`` get id 0 and must be masked by the caller.
+    turn_ids (B, T) long, loss_mask (B, T) bool -> ids (B, T) long.
+    """
+    batch, length = loss_mask.shape
+    rows = torch.arange(batch, device=loss_mask.device).unsqueeze(1)
+    if level == "sequence":
+        return rows.expand(batch, length), batch
+    if level == "turn":
+        if loss_mask.any() and (turn_ids[loss_mask] < 0).any():
+            raise ValueError("turn_ids must be >= 0 on every policy token (loss_mask True)")
+        turns = int(turn_ids.max().item()) + 1 if loss_mask.any() else 1
+        ids = rows * turns + turn_ids.clamp(min=0)
+        return torch.where(loss_mask, ids, torch.zeros_like(ids)), batch * turns
+    if level == "token":
+        return torch.arange(batch * length, device=loss_mask.device).view(batch, length), batch * length
+    raise ValueError(f"unknown ratio level {level!r}; known: token, turn, sequence")
+
+
+def segment_mean(x: torch.Tensor, ids: torch.Tensor, num_segments: int, mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of ``x`` over each segment's masked positions, broadcast back to positions; and segment counts.
+
+    Differentiable (``index_add``): the gradient reaches every position of a segment.
+    x (B, T), ids (B, T) long, mask (B, T) bool -> (B, T) means, (num_segments,) counts.
+    """
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    flat_ids = ids.reshape(-1)
+    flat_mask = mask.reshape(-1)
+    sums = torch.zeros(num_segments, dtype=x.dtype, device=x.device).index_add(
+        0, flat_ids, torch.where(flat_mask, x.reshape(-1), zero))
+    counts = torch.zeros(num_segments, dtype=x.dtype, device=x.device).index_add(
+        0, flat_ids, flat_mask.to(x.dtype))
+    means = sums / counts.clamp(min=1)
+    return means[flat_ids].view_as(x), counts
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased variance); masked-out entries become 0."""
+    mean = masked_mean(x, mask)
+    count = mask.sum()
+    centered = torch.where(mask, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    var = (centered**2).sum() / (count - 1).clamp(min=1).to(x.dtype)
+    return centered * torch.rsqrt(var + eps)
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """y_j = sum_{k >= 0} discount^k x_{j+k} along the last dim, by a doubling scan (log2 T vector steps).
+
+    After the step with stride s, y_j holds sum_{k < 2s} discount^k x_{j+k}; no loop over positions.
+    """
+    if discount == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    y = x.clone()
+    length = x.shape[-1]
+    stride, weight = 1, discount
+    while stride < length and weight != 0.0:
+        shifted = torch.zeros_like(y)
+        shifted[..., : length - stride] = y[..., stride:]
+        y = y + weight * shifted
+        stride, weight = stride * 2, weight * weight
+    return y

@@ -1,0 +1,133 @@
+"""Slow, obviously-correct reference loops for every vectorised function of stppo_agent.algorithms,
+and a generator of random multi-turn batch layouts (padding, observation gaps, empty and 1-token turns)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+
+def random_layout(rng: random.Random, batch: int, length: int, max_turns: int = 8):
+    """loss_mask (B, T) bool and turn_ids (B, T) long with -1 off the mask.
+
+    Each row: a few policy tokens of turn 0, an observation gap, turn 1, ...; turns may be empty (their id is
+    then skipped) or a single token; the rest is padding.
+    """
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    turns = torch.full((batch, length), -1, dtype=torch.long)
+    for b in range(batch):
+        position = 0
+        for k in range(rng.randint(1, max_turns)):
+            size = rng.choice([0, 1, 1, 2, rng.randint(1, 6)])
+            for _ in range(size):
+                if position < length:
+                    mask[b, position], turns[b, position] = True, k
+                    position += 1
+            position += rng.randint(0, 4)  # observation tokens inserted by the env
+    return mask, turns
+
+
+def ref_gae(rewards, values, mask, gamma, lam, kl_penalty=None):
+    batch, length = mask.shape
+    advantages = torch.zeros_like(values)
+    returns = torch.zeros_like(values)
+    for b in range(batch):
+        positions = [t for t in range(length) if mask[b, t]]
+        next_advantage = 0.0
+        for j in reversed(range(len(positions))):
+            t = positions[j]
+            reward = float(rewards[b]) if j == len(positions) - 1 else 0.0
+            if kl_penalty is not None:
+                reward -= float(kl_penalty[b, t])
+            next_value = float(values[b, positions[j + 1]]) if j + 1 < len(positions) else 0.0
+            delta = reward + gamma * next_value - float(values[b, t])
+            next_advantage = delta + gamma * lam * next_advantage
+            advantages[b, t] = next_advantage
+            returns[b, t] = next_advantage + float(values[b, t])
+    return advantages, returns
+
+
+def ref_whiten(x, mask, eps=1e-8):
+    items = [float(v) for v, m in zip(x.flatten(), mask.flatten()) if m]
+    mean = sum(items) / len(items)
+    var = sum((v - mean) ** 2 for v in items) / max(1, len(items) - 1)
+    out = torch.zeros_like(x)
+    for index in zip(*torch.nonzero(mask, as_tuple=True)):
+        out[index] = (float(x[index]) - mean) / math.sqrt(var + eps)
+    return out
+
+
+def ref_group_advantages(rewards, group_ids, mask, mode, std_normalize=True):
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for b in range(len(rewards)):
+        members = [float(rewards[i]) for i in range(len(rewards)) if group_ids[i] == group_ids[b]]
+        if len(members) == 1:
+            advantage = 0.0
+        elif mode == "grpo":
+            mean = sum(members) / len(members)
+            std = math.sqrt(sum((r - mean) ** 2 for r in members) / (len(members) - 1))
+            advantage = float(rewards[b]) - mean
+            if std_normalize:
+                advantage /= std + 1e-6
+        else:  # rloo
+            others = list(members)
+            others.remove(float(rewards[b]))
+            advantage = float(rewards[b]) - sum(others) / len(others)
+        for t in range(mask.shape[1]):
+            if mask[b, t]:
+                out[b, t] = advantage
+    return out
+
+
+def ref_log_ratio(logprobs, old_logprobs, mask, turns, level):
+    out = torch.zeros_like(logprobs)
+    batch, length = mask.shape
+    for b in range(batch):
+        for t in range(length):
+            if not mask[b, t]:
+                continue
+            if level == "token":
+                members = [t]
+            elif level == "turn":
+                members = [s for s in range(length) if mask[b, s] and turns[b, s] == turns[b, t]]
+            else:
+                members = [s for s in range(length) if mask[b, s]]
+            out[b, t] = sum(float(logprobs[b, s] - old_logprobs[b, s]) for s in members) / len(members)
+    return out
+
+
+def ref_ppo_clip(logprobs, old_logprobs, advantages, mask, turns, level, eps_low, eps_high, agg):
+    """(loss, bias_surrogate, clip_frac) as floats."""
+    log_ratio = ref_log_ratio(logprobs, old_logprobs, mask, turns, level)
+    losses, biases, clipped_count = {}, {}, 0
+    for b, t in zip(*torch.nonzero(mask, as_tuple=True)):
+        b, t = int(b), int(t)
+        rho = math.exp(float(log_ratio[b, t]))
+        a = float(advantages[b, t])
+        clipped_rho = min(max(rho, 1 - eps_low), 1 + eps_high)
+        losses[b, t] = -min(rho * a, clipped_rho * a)
+        c = (a > 0 and rho > 1 + eps_high) or (a < 0 and rho < 1 - eps_low)
+        biases[b, t] = rho * a if c else 0.0
+        clipped_count += int(c)
+    return ref_aggregate(losses, mask, agg), ref_aggregate(biases, mask, agg), clipped_count / max(1, len(losses))
+
+
+def ref_aggregate(per_token: dict, mask, agg):
+    if agg == "token-mean":
+        return sum(per_token.values()) / max(1, len(per_token))
+    rows = {}
+    for (b, _), value in per_token.items():
+        rows.setdefault(b, []).append(value)
+    return sum(sum(v) / len(v) for v in rows.values()) / max(1, len(rows))
+
+
+def ref_value_loss(values, old_values, returns, mask, eps):
+    total, count = 0.0, 0
+    for b, t in zip(*torch.nonzero(mask, as_tuple=True)):
+        v, v_old, r = float(values[b, t]), float(old_values[b, t]), float(returns[b, t])
+        v_clipped = min(max(v, v_old - eps), v_old + eps)
+        total += 0.5 * max((v - r) ** 2, (v_clipped - r) ** 2)
+        count += 1
+    return total / max(1, count)
