@@ -15,7 +15,14 @@ from typing import Callable
 import torch
 
 from .registry import Registry
-from .segments import masked_mean, masked_sum, segment_ids, segment_mean
+from .segments import (
+    broadcast_segments,
+    masked_mean,
+    masked_sum,
+    segment_counts,
+    segment_ids,
+    segment_sum,
+)
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
@@ -38,13 +45,36 @@ def log_ratio_at_level(logprobs, old_logprobs, loss_mask, turn_ids, level: str) 
 
     exp of a segment mean is the geometric mean of the token ratios; the gradient flows to every token.
     """
+    log_ratio = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, level)[0]
+    return torch.where(loss_mask, log_ratio, torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device))
+
+
+def _ratios(logprobs, old_logprobs, loss_mask, turn_ids, level: str):
+    """(log-ratio at ``level`` per token, detached (turn log-ratio sums, turn token counts)) for the metrics.
+
+    The turn sums are computed once and shared between the turn-level ratio and ``turn_clip_frac``.
+    """
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero)
+    token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero)
+    turn_ids_flat, turn_segments = segment_ids(turn_ids, loss_mask, "turn")
+    turn_counts = segment_counts(turn_ids_flat, turn_segments, loss_mask, logprobs.dtype)
     if level == "token":
-        return log_ratio
-    ids, count = segment_ids(turn_ids, loss_mask, level)
-    means, _ = segment_mean(log_ratio, ids, count, loss_mask)
-    return torch.where(loss_mask, means, zero)
+        with torch.no_grad():
+            turn_sums = segment_sum(token_log_ratio, turn_ids_flat, turn_segments)
+        return token_log_ratio, (turn_sums, turn_counts)
+    if level == "turn":
+        turn_sums = segment_sum(token_log_ratio, turn_ids_flat, turn_segments)
+        # Off the mask this holds the mean of turn 0 (finite); every consumer masks those positions.
+        means = broadcast_segments(turn_sums / turn_counts.clamp(min=1), turn_ids_flat)
+        return means, (turn_sums.detach(), turn_counts)
+    if level != "sequence":
+        raise ValueError(f"unknown ratio level {level!r}; known: token, turn, sequence")
+    # A whole trajectory is one segment: a row sum, no scatter needed.
+    row_means = token_log_ratio.sum(1, keepdim=True) / loss_mask.sum(1, keepdim=True).clamp(min=1)
+    means = row_means.expand_as(token_log_ratio)
+    with torch.no_grad():
+        turn_sums = segment_sum(token_log_ratio, turn_ids_flat, turn_segments)
+    return torch.where(loss_mask, means, zero), (turn_sums, turn_counts)
 
 
 def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str, global_num_tokens=None,
@@ -86,15 +116,25 @@ def kl_reward_penalty(old_logprobs, ref_logprobs, loss_mask, config) -> torch.Te
     return torch.where(loss_mask, config.kl_in_reward * (old_logprobs - ref_logprobs), zero)
 
 
-def _turn_clip_fraction(log_ratio_tokens, loss_mask, turn_ids, config) -> torch.Tensor:
+def _turn_clip_fraction(turn_sums, turn_counts, config) -> torch.Tensor:
     """Fraction of (trajectory, turn) segments whose turn-level ratio left [1 - eps_low, 1 + eps_high]."""
-    ids, count = segment_ids(turn_ids, loss_mask, "turn")
-    means, counts = segment_mean(log_ratio_tokens.detach(), ids, count, loss_mask)
-    turn_ratio = torch.zeros(count, dtype=means.dtype, device=means.device).index_put_(
-        (ids[loss_mask],), means[loss_mask].exp())
-    present = counts > 0
+    present = turn_counts > 0
+    turn_ratio = torch.exp(turn_sums / turn_counts.clamp(min=1))
     outside = (turn_ratio > 1 + config.clip_high) | (turn_ratio < 1 - config.clip_low)
-    return (outside & present).sum().to(means.dtype) / present.sum().clamp(min=1)
+    return (outside & present).sum().to(turn_sums.dtype) / present.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def _ratio_metrics(logprobs, old_logprobs, ratio, clipped, loss_mask, turn_sums, turn_counts, config):
+    token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, torch.zeros((), dtype=ratio.dtype))
+    return {
+        "clip_frac": masked_mean(clipped.to(ratio.dtype), loss_mask),
+        "turn_clip_frac": _turn_clip_fraction(turn_sums, turn_counts, config),
+        "ratio/mean": masked_mean(ratio, loss_mask),
+        "ratio/max": torch.where(loss_mask, ratio, torch.full_like(ratio, -torch.inf)).max(),
+        "ratio/min": torch.where(loss_mask, ratio, torch.full_like(ratio, torch.inf)).min(),
+        "approx_kl": masked_mean(torch.exp(token_log_ratio) - 1 - token_log_ratio, loss_mask),
+    }
 
 
 @register_policy_loss("ppo_clip")
@@ -108,7 +148,7 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     agg_kwargs = dict(mode=config.loss_agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
-    log_ratio = log_ratio_at_level(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
+    log_ratio, (turn_sums, turn_counts) = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     surrogate = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
@@ -118,16 +158,9 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
     loss = pg_loss
 
-    token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero).detach()
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "clip_frac": masked_mean(clipped.to(ratio.dtype), loss_mask).detach(),
-        "turn_clip_frac": _turn_clip_fraction(token_log_ratio, loss_mask, turn_ids, config),
-        "ratio/mean": masked_mean(ratio, loss_mask).detach(),
-        "ratio/max": torch.where(loss_mask, ratio, torch.full_like(ratio, -torch.inf)).max().detach(),
-        "ratio/min": torch.where(loss_mask, ratio, torch.full_like(ratio, torch.inf)).min().detach(),
-        "approx_kl": masked_mean(torch.exp(token_log_ratio) - 1 - token_log_ratio, loss_mask),
-    }
+    metrics = {"pg_loss": pg_loss.detach()}
+    metrics.update(_ratio_metrics(logprobs.detach(), old_logprobs, ratio.detach(), clipped, loss_mask, turn_sums,
+                                  turn_counts, config))
     if ref_logprobs is not None and config.kl_loss_coef > 0:
         kl = aggregate(kl_estimate(logprobs, ref_logprobs, config.kl_estimator), loss_mask, **agg_kwargs)
         loss = loss + config.kl_loss_coef * kl

@@ -1,0 +1,100 @@
+"""Forward+backward time of each preset's policy loss, as a ratio to token-level PPO in the same run.
+
+    python benchmarks/losses.py [--batch 64] [--length 4096] [--repeats 20]
+
+Targets (issue 4): turn-level <= 1.3x token-level; the clip-bias correction's extra cost is reported as a
+ratio (it is one extra backward of the loss graph; with a real model it is one extra backward of the model
+on the micro-batch, which the trainer benchmark measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_advantage_estimator, get_policy_loss  # noqa: E402
+
+
+def make_batch(batch: int, length: int, seed: int = 0):
+    """A Search-R1-like layout: 2-5 turns of 50-400 policy tokens with 100-600-token observations between."""
+    rng = random.Random(seed)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    turns = torch.full((batch, length), -1, dtype=torch.long)
+    for b in range(batch):
+        position = 0
+        for k in range(rng.randint(2, 5)):
+            size = rng.randint(50, 400)
+            end = min(length, position + size)
+            mask[b, position:end], turns[b, position:end] = True, k
+            position = end + rng.randint(100, 600)
+            if position >= length:
+                break
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, length, generator=gen) * 3
+    logprobs = old + 0.3 * torch.randn(batch, length, generator=gen)
+    values = torch.randn(batch, length, generator=gen)
+    rewards = torch.randint(0, 2, (batch,), generator=gen).float()
+    groups = torch.arange(batch) // 8
+    return mask, turns, logprobs, old, values, rewards, groups
+
+
+def prepare(name: str, data):
+    mask, turns, logprobs, old, values, rewards, groups = data
+    preset = ALGORITHMS[name]
+    advantages, _ = get_advantage_estimator(preset.advantage)(
+        rewards=rewards, values=values, loss_mask=mask, group_ids=groups, config=preset)
+    return preset, advantages
+
+
+def time_once(preset, advantages, data) -> tuple[float, float]:
+    """Seconds of (loss forward + backward) and of the clip-bias correction's extra backward, one step."""
+    mask, turns, logprobs, old, *_ = data
+    theta = torch.nn.Parameter(logprobs.clone())
+    corrector = ClipBiasCorrector([theta], preset.clip_bias_kappa)
+    start = time.perf_counter()
+    loss, bias, _ = get_policy_loss(preset.policy_loss)(
+        logprobs=theta, old_logprobs=old, advantages=advantages, loss_mask=mask, turn_ids=turns, config=preset)
+    middle = time.perf_counter()
+    if preset.clip_bias_correction:
+        corrector.accumulate(bias)
+    after_correction = time.perf_counter()
+    loss.backward()
+    if preset.clip_bias_correction:
+        corrector.apply()
+    end = time.perf_counter()
+    return (middle - start) + (end - after_correction), after_correction - middle
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    data = make_batch(args.batch, args.length)
+    print(f"B={args.batch} T={args.length} policy tokens={int(data[0].sum())} threads={torch.get_num_threads()}")
+    prepared = {name: prepare(name, data) for name in ALGORITHMS}
+    samples = {name: [] for name in prepared}
+    for repeat in range(args.repeats + 3):  # round-robin, so machine noise hits every preset alike
+        for name, (preset, advantages) in prepared.items():
+            if repeat >= 3:  # the first rounds are warm-up
+                samples[name].append(time_once(preset, advantages, data))
+    baseline = statistics.median(step for step, _ in samples["ppo"])
+    print(f"{'preset':10s} {'ms':>8s} {'vs ppo':>8s} {'correction ms':>14s} {'correction / step':>18s}")
+    for name, (preset, _) in prepared.items():
+        step = statistics.median(s for s, _ in samples[name])
+        correction = statistics.median(c for _, c in samples[name])
+        extra = f"{correction * 1e3:14.1f} {correction / step:18.2f}" if preset.clip_bias_correction else ""
+        print(f"{name:10s} {step * 1e3:8.1f} {step / baseline:8.2f} {extra}")
+
+
+if __name__ == "__main__":
+    main()
