@@ -63,6 +63,23 @@ def _parser() -> argparse.ArgumentParser:
     bm25.add_argument("--out", required=True)
     bm25.add_argument("--threads", type=int, default=1)
     bm25.set_defaults(handler=_run_index_bm25)
+    dense = index_kinds.add_parser("dense", help="faiss index of passages embedded by a Hugging Face encoder")
+    dense.add_argument("--corpus", required=True, help='JSONL with {"id", "contents"}, or title/text records')
+    dense.add_argument("--encoder", required=True, help="local folder or hub name of the encoder")
+    dense.add_argument("--out", required=True)
+    dense.add_argument("--index-type", default="flat", choices=["flat", "hnsw", "ivf"])
+    dense.add_argument("--batch-size", type=int, default=64)
+    dense.add_argument("--shard-size", type=int, default=4096, help="passages per resumable shard")
+    dense.add_argument("--device", default=None)
+    dense.set_defaults(handler=_run_index_dense)
+
+    srv = commands.add_parser("serve", help="serve a retriever over HTTP with Search-R1's /retrieve API")
+    srv.add_argument("--retriever", required=True, help="demo, bm25:DIR, dense:DIR")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default: no authentication)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-topk", type=int, default=100)
+    srv.add_argument("--max-queries", type=int, default=1024, help="queries per request")
+    srv.set_defaults(handler=_run_serve)
     return parser
 
 
@@ -93,6 +110,25 @@ def _run_index_bm25(args: argparse.Namespace) -> int:
 
     out = build_bm25_from_corpus(args.corpus, args.out, threads=args.threads)
     print(f"BM25 index written to {out}; use it with --retriever bm25:{out}")
+    return 0
+
+
+def _run_index_dense(args: argparse.Namespace) -> int:
+    from stppo_envs.retrieval.dense import build_dense_index
+
+    out = build_dense_index(args.corpus, args.out, args.encoder, index_type=args.index_type,
+                            shard_size=args.shard_size, batch_size=args.batch_size, device=args.device)
+    print(f"dense index written to {out}; use it with --retriever dense:{out}")
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from stppo_envs.retrieval import make_retriever
+    from stppo_envs.retrieval.server import ServerLimits, serve
+
+    retriever = make_retriever(args.retriever)
+    retriever.search("warm up", 1)  # load the index (and start the JVM) before accepting requests
+    serve(retriever, args.host, args.port, ServerLimits(max_topk=args.max_topk, max_queries=args.max_queries))
     return 0
 
 

@@ -23,6 +23,13 @@ class CorpusFormatError(ValueError):
 
 def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
     """Yield (docid, title, text) for every passage of a corpus file."""
+    for docid, contents in iter_contents(path):
+        title, text = parse_contents(contents)
+        yield docid, title, text
+
+
+def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
+    """Yield (docid, contents) for every passage; pyserini ``contents`` pass through byte for byte."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {path}")
@@ -43,7 +50,7 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
     elif isinstance(data, dict):  # HotpotQA: title -> list of sentences
         for number, (title, sentences) in enumerate(data.items()):
             text = "".join(sentences) if isinstance(sentences, list) else str(sentences)
-            yield str(number), title, text
+            yield str(number), to_contents(title, text)
     else:
         raise CorpusFormatError(f"{path}: unsupported corpus layout")
 
@@ -55,13 +62,12 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _passage(record: dict, number: int, path: Path) -> tuple[str, str, str]:
+def _passage(record: dict, number: int, path: Path) -> tuple[str, str]:
     docid = str(record.get("id", record.get("docid", number)))
     if "contents" in record:
-        title, text = parse_contents(record["contents"])
-        return docid, title, text
+        return docid, str(record["contents"])
     if "text" in record:
-        return docid, str(record.get("title", "")), str(record["text"])
+        return docid, to_contents(str(record.get("title", "")), str(record["text"]))
     raise CorpusFormatError(f"{path}: passage {number} has neither 'contents' nor 'text' (fields: {sorted(record)})")
 
 
@@ -69,11 +75,11 @@ def write_jsonl_collection(corpus: str | os.PathLike, folder: Path) -> int:
     """Write ``corpus`` as one pyserini JsonCollection file in ``folder``; returns the number of passages."""
     count, seen = 0, set()
     with open(folder / "corpus.jsonl", "w", encoding="utf-8") as out:
-        for docid, title, text in iter_corpus(corpus):
+        for docid, contents in iter_contents(corpus):
             if docid in seen:
                 raise CorpusFormatError(f"{corpus}: duplicate passage id {docid!r}")
             seen.add(docid)
-            out.write(json.dumps({"id": docid, "contents": to_contents(title, text)}, ensure_ascii=False) + "\n")
+            out.write(json.dumps({"id": docid, "contents": contents}, ensure_ascii=False) + "\n")
             count += 1
     if count == 0:
         raise CorpusFormatError(f"{corpus}: no passages")

@@ -1,0 +1,98 @@
+"""A Hugging Face text encoder for dense retrieval (transformers ``AutoModel``; any local path or hub name).
+
+Pooling, normalisation and maximum length are read from a sentence-transformers layout when the model has one
+(``1_Pooling/config.json``, ``modules.json``, ``sentence_bert_config.json``); e5-style models get their
+``query: `` / ``passage: `` prefixes. Every choice is recorded in the index's ``meta.json`` so the query
+encoder always matches the passage encoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSettings:
+    """How text becomes a vector; stored with every dense index."""
+
+    model: str
+    pooling: str = "mean"  # mean | cls
+    normalize: bool = True
+    query_prefix: str = ""
+    passage_prefix: str = ""
+    max_length: int = 256
+
+    @classmethod
+    def detect(cls, model: str) -> "EncoderSettings":
+        """Settings for a model, from its sentence-transformers files and its name (e5 -> prefixes)."""
+        path = Path(model)
+        pooling, normalize, max_length = "mean", True, 256
+        pooling_file = path / "1_Pooling" / "config.json"
+        if pooling_file.exists():
+            config = json.loads(pooling_file.read_text())
+            pooling = "cls" if config.get("pooling_mode_cls_token") else "mean"
+        modules_file = path / "modules.json"
+        if modules_file.exists():
+            normalize = any("Normalize" in m.get("type", "") for m in json.loads(modules_file.read_text()))
+        st_config = path / "sentence_bert_config.json"
+        if st_config.exists():
+            max_length = int(json.loads(st_config.read_text()).get("max_seq_length", max_length))
+        is_e5 = "e5" in path.name.lower() or "e5" in model.lower().split("/")[-1]
+        prefixes = ("query: ", "passage: ") if is_e5 else ("", "")
+        return cls(model, pooling, normalize, prefixes[0], prefixes[1], max_length)
+
+
+class TextEncoder:
+    """Batched, no-grad encoding to float32 numpy arrays."""
+
+    def __init__(self, settings: EncoderSettings, device: str | None = None, batch_size: int = 64):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.settings = settings
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.batch_size = batch_size
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(settings.model)
+            self.model = AutoModel.from_pretrained(settings.model).to(self.device).eval()
+        except OSError as exc:
+            raise FileNotFoundError(f"cannot load encoder {settings.model!r} (a local folder or hub name): {exc}") from exc
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
+        return self.encode([self.settings.query_prefix + q for q in queries])
+
+    def encode_passages(self, passages: Sequence[str]) -> np.ndarray:
+        return self.encode([self.settings.passage_prefix + p for p in passages])
+
+    @torch.no_grad()
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        chunks = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(list(texts[start:start + self.batch_size]), padding=True, truncation=True,
+                                   max_length=self.settings.max_length, return_tensors="pt").to(self.device)
+            hidden = self.model(**batch).last_hidden_state
+            if self.settings.pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                weights = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            if self.settings.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+            chunks.append(pooled.float().cpu().numpy())
+        if not chunks:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.concatenate(chunks).astype(np.float32, copy=False)
+
+
+def passage_text(title: str, text: str) -> str:
+    """What the passage encoder sees: FlashRAG/Search-R1 encode ``"Title"\\ntext`` contents."""
+    return f"{title}\n{text}" if title else text

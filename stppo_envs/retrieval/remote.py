@@ -1,0 +1,87 @@
+"""HTTP client for a retrieval server speaking Search-R1's API (ours, ``stppo serve``, or Search-R1's own).
+
+``POST /retrieve {"queries": [...], "topk": k, "return_scores": true}`` ->
+``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``. Connection failures, timeouts and
+5xx answers are retried with backoff (urllib3 ``Retry``), then raised as :class:`RetrieverUnavailableError`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from .base import BatchSearchMixin, Hit, RetrievalError, RetrieverUnavailableError, parse_contents
+
+
+class RemoteRetriever(BatchSearchMixin):
+    """Search through a retrieval server at ``url`` (``http://host:port``; ``/retrieve`` is appended)."""
+
+    def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2, backoff: float = 0.2,
+                 max_batch: int = 512):
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/retrieve"):
+            self.url += "/retrieve"
+        self.timeout, self.retries, self.backoff, self.max_batch = timeout, retries, backoff, max_batch
+        self._session: requests.Session | None = None
+
+    @property
+    def index_id(self) -> str:
+        return f"remote:{self.url}"
+
+    @property
+    def session(self) -> requests.Session:
+        if self._session is None:
+            retry = Retry(total=self.retries, connect=self.retries, read=self.retries, backoff_factor=self.backoff,
+                          status_forcelist=(502, 503, 504), allowed_methods=frozenset({"POST"}))
+            session = requests.Session()
+            session.mount("http://", HTTPAdapter(max_retries=retry))
+            session.mount("https://", HTTPAdapter(max_retries=retry))
+            self._session = session
+        return self._session
+
+    def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
+        results: list[list[Hit]] = []
+        for start in range(0, len(queries), self.max_batch):  # servers cap request sizes
+            results += self._post(list(queries[start:start + self.max_batch]), k)
+        return results
+
+    def _post(self, queries: list[str], k: int) -> list[list[Hit]]:
+        if not queries:
+            return []
+        payload = {"queries": queries, "topk": k, "return_scores": True}
+        try:
+            response = self.session.post(self.url, json=payload, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise RetrieverUnavailableError(f"retrieval server {self.url} unreachable: {exc}") from exc
+        if response.status_code >= 500:
+            raise RetrieverUnavailableError(f"retrieval server {self.url} failed ({response.status_code}): "
+                                            f"{response.text[:300]}")
+        if response.status_code >= 400:
+            raise RetrievalError(f"retrieval server {self.url} rejected the request ({response.status_code}): "
+                                 f"{response.text[:300]}")
+        try:
+            result = response.json()["result"]
+            return [[_hit(item) for item in row] for row in result]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RetrievalError(f"retrieval server {self.url} sent an unexpected answer: {exc}") from exc
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_session"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"RemoteRetriever({self.url!r})"
+
+
+def _hit(item: dict) -> Hit:
+    """One Search-R1 result (``{"document": {...}, "score": s}``, or a bare document without scores)."""
+    document = item.get("document", item)
+    if "contents" in document:
+        title, text = parse_contents(document["contents"])
+    else:
+        title, text = document.get("title", ""), document.get("text", "")
+    return Hit(str(document.get("id", document.get("docid", ""))), float(item.get("score", 0.0)), title, text)

