@@ -75,9 +75,12 @@ class TextEncoder:
 
     @torch.no_grad()
     def encode(self, texts: Sequence[str]) -> np.ndarray:
+        # Batches of similar length waste little compute on padding (sentence-transformers does the same).
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
+        sorted_texts = [texts[i] for i in order]
         chunks = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(list(texts[start:start + self.batch_size]), padding=True, truncation=True,
+        for start in range(0, len(sorted_texts), self.batch_size):
+            batch = self.tokenizer(sorted_texts[start:start + self.batch_size], padding=True, truncation=True,
                                    max_length=self.settings.max_length, return_tensors="pt").to(self.device)
             hidden = self.model(**batch).last_hidden_state
             if self.settings.pooling == "cls":
@@ -90,7 +93,9 @@ class TextEncoder:
             chunks.append(pooled.float().cpu().numpy())
         if not chunks:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return np.concatenate(chunks).astype(np.float32, copy=False)
+        vectors = np.empty((len(texts), chunks[0].shape[1]), dtype=np.float32)
+        vectors[order] = np.concatenate(chunks)
+        return vectors
 
 
 def passage_text(title: str, text: str) -> str:
