@@ -13,7 +13,8 @@ import gymnasium
 from .data.loading import BENCHMARKS, benchmark_info, load_examples
 from .data.schema import DatasetFormatError, Example
 from .env import SearchQAEnv, Segment
-from .vector import SearchQAVectorEnv, make_vec
+from .toy import ToyTargetEnv
+from .vector import SearchQAVectorEnv, make_vec, step_envs
 
 __version__ = "0.1.0"
 
@@ -26,8 +27,12 @@ def env_id(benchmark: str) -> str:
     return f"stppo/{benchmark_info(benchmark).env_name}-v{ENV_VERSION}"
 
 
+TOY_ENV_ID = f"stppo/Toy-v{ENV_VERSION}"
+"""A tiny multi-turn env for learning tests and quick trainer checks (see ``stppo_envs.toy``)."""
+
+
 def registered_ids() -> list[str]:
-    """Every env id this package registers."""
+    """The id of every benchmark env this package registers (the toy env is ``TOY_ENV_ID``)."""
     return [env_id(name) for name in BENCHMARKS]
 
 
@@ -36,11 +41,13 @@ def _register_all() -> None:
         if env_id(name) not in gymnasium.registry:
             gymnasium.register(id=env_id(name), entry_point="stppo_envs.env:SearchQAEnv",
                                kwargs={"benchmark": name})
+    if TOY_ENV_ID not in gymnasium.registry:
+        gymnasium.register(id=TOY_ENV_ID, entry_point="stppo_envs.toy:ToyTargetEnv")
 
 
 _register_all()
 
 __all__ = [
-    "BENCHMARKS", "DatasetFormatError", "Example", "SearchQAEnv", "SearchQAVectorEnv", "Segment", "benchmark_info",
-    "env_id", "load_examples", "make_vec", "registered_ids",
+    "BENCHMARKS", "DatasetFormatError", "Example", "SearchQAEnv", "SearchQAVectorEnv", "Segment", "TOY_ENV_ID",
+    "ToyTargetEnv", "benchmark_info", "env_id", "load_examples", "make_vec", "registered_ids", "step_envs",
 ]

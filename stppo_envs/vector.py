@@ -99,6 +99,26 @@ def serve_searches(retriever, topk: int, pending: dict[int, ParsedAction]
     return dict(zip(keys, results)), {}
 
 
+def step_envs(envs: Sequence[gym.Env], actions: Sequence[str]) -> list[tuple]:
+    """Step several independent envs at once; the searches of all :class:`SearchQAEnv` among them that share
+    a retriever and top-k go out as one ``batch_search``. Other envs are stepped plainly."""
+    results: list[tuple | None] = [None] * len(envs)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, env in enumerate(envs):
+        if isinstance(env, SearchQAEnv):
+            groups.setdefault((id(env.retriever), env.topk), []).append(i)
+        else:
+            results[i] = env.step(actions[i])
+    for members in groups.values():
+        parsed = {i: envs[i].begin_step(actions[i]) for i in members}
+        first = envs[members[0]]
+        hits, errors = serve_searches(first.retriever, first.topk,
+                                      {i: p for i, p in parsed.items() if envs[i].needs_search(p)})
+        for i in members:
+            results[i] = envs[i].finish_step(actions[i], parsed[i], hits.get(i), errors.get(i))
+    return results  # type: ignore[return-value]
+
+
 def _per_env_seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
     if seed is None:
         return [None] * n

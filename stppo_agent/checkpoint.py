@@ -1,0 +1,126 @@
+"""Checkpoints as Hugging Face folders plus trainer state, written atomically and verified before loading.
+
+    checkpoints/step-N/
+      actor/              save_pretrained (safetensors) + tokenizer: AutoModelForCausalLM.from_pretrained works
+      critic/             AutoModelForTokenClassification folder (PPO family only)
+      trainer_state.pt    optimizer and scheduler state, torch RNG (torch.load(weights_only=True))
+      trainer_state.json  iteration, data position, python/numpy RNG, counters (human-readable)
+      manifest.json       sha256 and size of every file above, written last
+
+A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never leaves a
+half-written ``step-N``. On resume, the newest checkpoint whose manifest verifies is used; a corrupt one is
+reported and skipped, never loaded. Nothing is unpickled: weights are safetensors, state is weights_only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint's files do not match its manifest (or it has none)."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {str(p.relative_to(folder)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    (folder / "manifest.json").write_text(json.dumps(files, indent=1, sort_keys=True))
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Raise :class:`CorruptCheckpointError` unless every file matches ``manifest.json``."""
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.exists():
+        raise CorruptCheckpointError(f"{folder} has no manifest.json (an interrupted or foreign write)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpointError(f"{folder}/manifest.json is not valid JSON: {exc}") from exc
+    for name, expected in manifest.items():
+        path = folder / name
+        if not path.exists():
+            raise CorruptCheckpointError(f"{folder}: {name} is missing")
+        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+            raise CorruptCheckpointError(f"{folder}: {name} does not match its checksum (corrupt or edited)")
+
+
+def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tensor_state: dict[str, Any],
+                    json_state: dict[str, Any], keep: int) -> Path:
+    """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest."""
+    from .models import save_critic
+
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    scratch = root / f".step-{step}.tmp"
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir()
+    actor.save_pretrained(scratch / "actor", safe_serialization=True)
+    tokenizer.save_pretrained(scratch / "actor")
+    if critic is not None:
+        save_critic(critic, scratch / "critic")
+    torch.save(tensor_state, scratch / "trainer_state.pt")
+    (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
+    _write_manifest(scratch)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(scratch, final)
+    _fsync_dir(root)
+    for old in sorted(list_checkpoints(run_dir))[:-keep]:
+        shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def list_checkpoints(run_dir: Path) -> list[int]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+
+
+def latest_valid_checkpoint(run_dir: Path, report=print) -> Path | None:
+    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+    for step in reversed(list_checkpoints(run_dir)):
+        folder = run_dir / "checkpoints" / f"step-{step}"
+        try:
+            verify_checkpoint(folder)
+            return folder
+        except CorruptCheckpointError as exc:
+            report(f"skipping corrupt checkpoint: {exc}")
+    return None
+
+
+def load_trainer_state(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    verify_checkpoint(folder)
+    tensors = torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=True)
+    return tensors, json.loads((folder / "trainer_state.json").read_text())

@@ -1,0 +1,160 @@
+"""The training config: one dataclass, filled from a YAML file, then ``--set key=value`` overrides.
+
+Algorithm fields (``clip_high``, ``kl_loss_coef``, ...) default to the chosen preset (``--algo``); the user's
+values win: ``--set algorithm.clip_high=0.28`` (or the ``algorithm:`` mapping of the YAML file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .algorithms import ALGORITHMS, AlgorithmConfig
+from .rollout import RolloutLimits, SamplingSettings
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one ``stppo train`` run needs. Saved as ``config.yaml`` in the run folder."""
+
+    algo: str = "st_ppo"
+    """Algorithm preset (ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, or one registered by the user)."""
+    algorithm: dict = dataclasses.field(default_factory=dict)
+    """Overrides of the preset's fields, e.g. {clip_high: 0.28}."""
+    env: str = "stppo/NQ-v0"
+    """Comma-separated env ids; prompts are drawn from their union (e.g. stppo/NQ-v0,stppo/HotpotQA-v0)."""
+    env_kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments for gymnasium.make (dataset, split, retriever, topk, ...), shared by every env id."""
+    model: str = ""
+    """Actor: a local Hugging Face folder or hub name."""
+    critic_model: str | None = None
+    """Critic backbone (default: the actor's initial weights with a new value head)."""
+    output_dir: str = "runs/stppo"
+    """Run folder: config.yaml, metrics.jsonl, tensorboard/, checkpoints/step-N/."""
+    iterations: int = 100
+    """Rollout + update iterations."""
+    prompts_per_iteration: int = 8
+    """Distinct prompts per iteration."""
+    samples_per_prompt: int = 1
+    """Trajectories per prompt (the GRPO group size; use >= 2 for group-based advantages)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 8
+    """Trajectories per optimizer step."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward (gradient accumulation inside a mini-batch)."""
+    actor_lr: float = 1e-6
+    """Actor learning rate (Search-R1 PPO: 1e-6)."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (Search-R1 PPO: 1e-5)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping, after the clip-bias correction."""
+    max_turns: int = 4
+    max_new_tokens_per_turn: int = 256
+    max_observation_tokens: int = 512
+    max_prompt_tokens: int = 1024
+    max_total_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    dtype: str = "float32"
+    """float32, bfloat16 or float16 for the models' weights."""
+    gradient_checkpointing: bool = False
+    device: str = "auto"
+    """auto (cuda when available), cpu, cuda, cuda:N."""
+    seed: int = 0
+    save_every: int = 10
+    """Checkpoint every N iterations (and always at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    max_nan_skips: int = 3
+    """Consecutive skipped updates (NaN/inf loss or gradient) before the run stops."""
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    """Log to Weights & Biases too when set (needs `pip install wandb`)."""
+    progress: bool = True
+
+    def algorithm_config(self) -> AlgorithmConfig:
+        preset = ALGORITHMS[self.algo]
+        unknown = set(self.algorithm) - {f.name for f in dataclasses.fields(AlgorithmConfig)}
+        if unknown:
+            raise ValueError(f"unknown algorithm fields {sorted(unknown)}; known: "
+                             f"{', '.join(f.name for f in dataclasses.fields(AlgorithmConfig))}")
+        return dataclasses.replace(preset, **self.algorithm)
+
+    def rollout_limits(self) -> RolloutLimits:
+        return RolloutLimits(self.max_turns, self.max_new_tokens_per_turn, self.max_observation_tokens,
+                             self.max_prompt_tokens, self.max_total_tokens)
+
+    def sampling(self) -> SamplingSettings:
+        return SamplingSettings(self.temperature, self.top_p)
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ValueError("model is required: a Hugging Face folder or hub name (--model)")
+        for name in ("iterations", "prompts_per_iteration", "samples_per_prompt", "ppo_epochs", "mini_batch_size",
+                     "micro_batch_size", "save_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
+        self.algorithm_config()
+        self.rollout_limits().validate()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, **flags: Any) -> TrainConfig:
+    """Defaults <- YAML file <- explicit flags (those not None) <- ``--set key=value`` overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a config file must hold a mapping of field: value")
+        values.update(loaded)
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        value = yaml.safe_load(raw)
+        if key.startswith(("algorithm.", "env_kwargs.")):
+            section, _, field = key.partition(".")
+            values.setdefault(section, {})
+            values[section] = {**values[section], field: value}
+        else:
+            values[key] = value
+    return from_dict(values)
+
+
+def from_dict(values: dict[str, Any]) -> TrainConfig:
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown config fields {sorted(unknown)}; known: {', '.join(fields)}")
+    hints = typing.get_type_hints(TrainConfig)
+    coerced = {key: _coerce(key, value, hints[key]) for key, value in values.items()}
+    return TrainConfig(**coerced)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """YAML gives ints where floats are meant (1e-6 is fine, but 1 is an int); check and convert scalars."""
+    base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    target = base[0]
+    if value is None or target in (dict, typing.Any) or typing.get_origin(target) is dict:
+        return value
+    if target is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if target is bool and isinstance(value, bool) or target is int and isinstance(value, int) \
+            and not isinstance(value, bool) or target is str and isinstance(value, str):
+        return value
+    raise ValueError(f"config field {key} expects {getattr(target, '__name__', target)}, got {value!r}")

@@ -1,0 +1,56 @@
+"""Forward passes over a RolloutBatch: per-token log-probs (and entropies) of a causal LM, critic values.
+
+Alignment: with the prompt left-padded to width P, the logit at position P + t - 1 predicts response token t,
+and the critic's output there is V(s_t), the value of the state before token t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rollout import RolloutBatch
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as ``generate`` computes them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
+    """(B, T, V) logits predicting each response token."""
+    width = batch.response_ids.shape[1]
+    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=position_ids(batch.attention_mask), use_cache=False)
+    return output.logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
+
+
+def token_logprobs(model, batch: RolloutBatch, with_entropy: bool = False):
+    """log pi(y_t | y_<t) for every response token (B, T) float32, and per-token entropy when asked."""
+    logits = response_logits(model, batch).float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return chosen, None
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return chosen, entropy
+
+
+def critic_values(critic, batch: RolloutBatch) -> torch.Tensor:
+    """V(s_t) for every response position (B, T) float32."""
+    width = batch.response_ids.shape[1]
+    output = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=position_ids(batch.attention_mask))
+    return output.logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width, 0].float()
+
+
+@torch.no_grad()
+def batched_no_grad(fn, model, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
+    """Apply ``fn(model, micro_batch)`` over micro-batches without gradients and concatenate (B, T)."""
+    was_training = model.training
+    model.eval()
+    parts = []
+    for start in range(0, batch.batch_size, micro_batch_size):
+        part = fn(model, batch.select(range(start, min(start + micro_batch_size, batch.batch_size))))
+        parts.append(part[0] if isinstance(part, tuple) else part)
+    model.train(was_training)
+    return torch.cat(parts)

@@ -1,0 +1,97 @@
+"""Actor, critic and reference models: any Hugging Face causal LM, loaded from a local folder or the hub.
+
+- actor: ``AutoModelForCausalLM``.
+- critic: ``AutoModelForTokenClassification`` with one label -- a value head on the same backbone, the way verl
+  builds critics -- so a critic checkpoint is a plain Hugging Face folder too. Initialised from the actor's
+  weights (the head is new) or from a separate model.
+- reference: a frozen copy of the actor's initial weights, loaded only when a KL term needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class PolicyModels:
+    actor: torch.nn.Module
+    tokenizer: object
+    critic: torch.nn.Module | None
+    reference: torch.nn.Module | None
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_dtype(dtype))
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a causal LM from {path!r} (a local folder or hub name): {exc}") from exc
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False):
+    """A one-label token-classification model on ``path``'s backbone; a fresh value head when ``path`` is an LM."""
+    from transformers import AutoModelForTokenClassification
+
+    try:
+        model = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=_dtype(dtype))
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a critic from {path!r}: {exc}") from exc
+    if not (Path(str(path)) / "critic.json").exists():
+        # A new value head starts at zero output: the first advantages are then the plain returns, not noise.
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
+        if head is not None:
+            torch.nn.init.zeros_(head.weight)
+            if getattr(head, "bias", None) is not None:
+                torch.nn.init.zeros_(head.bias)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def save_critic(critic, path: Path) -> None:
+    critic.save_pretrained(path, safe_serialization=True)
+    (path / "critic.json").write_text('{"kind": "value-head", "num_labels": 1}\n')
+
+
+def load_reference(path: str | os.PathLike, dtype: str = "float32"):
+    model = load_actor(path, dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_policy_models(actor_path: str, *, critic_path: str | None, use_critic: bool, need_reference: bool,
+                       dtype: str = "float32", gradient_checkpointing: bool = False,
+                       reference_path: str | None = None) -> PolicyModels:
+    """Everything a run needs, from Hugging Face folders or names."""
+    tokenizer = load_tokenizer(actor_path)
+    actor = load_actor(actor_path, dtype, gradient_checkpointing)
+    critic = load_critic(critic_path or actor_path, dtype, gradient_checkpointing) if use_critic else None
+    reference = load_reference(reference_path or actor_path, dtype) if need_reference else None
+    return PolicyModels(actor, tokenizer, critic, reference)

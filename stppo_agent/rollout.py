@@ -1,0 +1,351 @@
+"""Multi-turn rollouts, token-in / token-out, into one :class:`RolloutBatch` of ALGORITHMS.md tensors.
+
+Per turn: the policy generates from each active trajectory's exact token sequence until ``</search>``,
+``</answer>``, EOS or the per-turn budget; the generated ids are kept as sampled (never decoded and
+re-encoded); the action text goes to the env; the env's observation text is tokenised *alone* and appended with
+``loss_mask`` False and ``turn_ids`` -1. Policy tokens of the k-th ``env.step`` get ``turn_ids`` k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol, Sequence
+
+import gymnasium as gym
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from stppo_envs import step_envs
+
+STOP_STRINGS = ("</search>", "</answer>")
+
+
+class RolloutLimitError(ValueError):
+    """A rollout limit is inconsistent or a prompt does not fit; the message names the limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLimits:
+    """Every length limit of a rollout, in one place."""
+
+    max_turns: int = 4
+    """env steps per trajectory (the env truncates after this many)."""
+    max_new_tokens_per_turn: int = 256
+    """tokens the policy may generate in one turn."""
+    max_observation_tokens: int = 512
+    """tokens of one observation kept (the rest is cut, as Search-R1 does)."""
+    max_prompt_tokens: int = 1024
+    """tokens of the prompt; a longer prompt is an error naming this limit."""
+    max_total_tokens: int = 4096
+    """prompt + response; a trajectory that reaches it ends (finish_reason max_total_tokens)."""
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_new_tokens_per_turn", "max_observation_tokens", "max_prompt_tokens",
+                     "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise RolloutLimitError(f"rollout limit {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens + self.max_new_tokens_per_turn > self.max_total_tokens:
+            raise RolloutLimitError(
+                f"max_total_tokens ({self.max_total_tokens}) must fit max_prompt_tokens ({self.max_prompt_tokens}) "
+                f"+ max_new_tokens_per_turn ({self.max_new_tokens_per_turn})")
+
+
+@dataclasses.dataclass
+class Generation:
+    """One turn's sample: token ids exactly as sampled and their log-probs under the sampling distribution."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class GenerationBackend(Protocol):
+    """Generates one turn for a batch of token sequences (HF here; vLLM in the scale issue)."""
+
+    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]: ...
+
+
+@dataclasses.dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+class HFGenerationBackend:
+    """``model.generate`` with stop strings; behaviour log-probs from the processed scores at sampling time."""
+
+    def __init__(self, model, tokenizer, sampling: SamplingSettings = SamplingSettings(),
+                 stop_strings: Sequence[str] = STOP_STRINGS, batch_size: int = 64):
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.stop_strings, self.batch_size = tuple(stop_strings), batch_size
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    @torch.no_grad()
+    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
+        out: list[Generation] = []
+        for start in range(0, len(contexts), self.batch_size):
+            out += self._generate_batch(contexts[start:start + self.batch_size], max_new_tokens)
+        return out
+
+    def _generate_batch(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id, device)
+        was_training = self.model.training
+        self.model.eval()
+        kwargs = dict(do_sample=not self.sampling.greedy, max_new_tokens=max_new_tokens,
+                      pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
+                      output_scores=True, return_dict_in_generate=True)
+        if not self.sampling.greedy:
+            kwargs.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0)
+        if self.stop_strings:
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [StopOnStrings(self.tokenizer, self.stop_strings, input_ids.shape[1])])
+        output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        self.model.train(was_training)
+        generated = output.sequences[:, input_ids.shape[1]:]
+        scores = torch.stack(output.scores, dim=1).float()  # (B, steps, V), after temperature / top-p
+        chosen = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row in range(generated.shape[0]):
+            ids = generated[row].tolist()
+            length = generated_length(ids, self.tokenizer, self.stop_strings, self.eos_ids)
+            results.append(Generation(ids[:length], chosen[row, :length].tolist()))
+        return results
+
+
+class StopOnStrings(StoppingCriteria):
+    """Ends a row once the text it generated contains a stop string. Decodes only the last few tokens per step,
+    so it works with any tokenizer (transformers' own ``stop_strings`` needs a BPE-style vocabulary)."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str], prompt_width: int, window: int = 24):
+        self.tokenizer, self.stop_strings = tokenizer, tuple(stop_strings)
+        self.prompt_width, self.window = prompt_width, window
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        start = max(self.prompt_width, input_ids.shape[1] - self.window)
+        tails = self.tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=False)
+        return torch.tensor([any(stop in tail for stop in self.stop_strings) for tail in tails],
+                            dtype=torch.bool, device=input_ids.device)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    ids = ids if ids is not None else tokenizer.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def generated_length(ids: Sequence[int], tokenizer, stop_strings: Sequence[str], eos_ids: Sequence[int]) -> int:
+    """How many of ``ids`` the model really generated: through the first EOS, or through the token that
+    completed a stop string (``generate`` pads finished rows, and the pad id is often the EOS id)."""
+    length = len(ids)
+    for i, token in enumerate(ids):
+        if token in eos_ids:
+            length = i + 1
+            break
+    if not stop_strings:
+        return length
+
+    def has_stop(n: int) -> bool:
+        text = tokenizer.decode(ids[:n], skip_special_tokens=False)
+        return any(stop in text for stop in stop_strings)
+
+    if not has_stop(length):
+        return length
+    low, high = 1, length  # smallest n with a stop string in decode(ids[:n]); decoding is monotone in n
+    while low < high:
+        middle = (low + high) // 2
+        if has_stop(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        if sequence:
+            input_ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
+            attention_mask[row, width - len(sequence):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One episode being built: its env, its prompt ids, and the response pieces with their roles."""
+
+    env: gym.Env
+    group_id: int
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    policy_mask: list[bool] = dataclasses.field(default_factory=list)
+    turn_ids: list[int] = dataclasses.field(default_factory=list)
+    sample_logprobs: list[float] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    finish_reason: str = ""
+    turns: int = 0
+    search_calls: int = 0
+    invalid_actions: int = 0
+    search_errors: int = 0
+    answered: bool = False
+
+    def append(self, ids: Sequence[int], *, policy: bool, turn: int, logprobs: Sequence[float] | None = None):
+        self.response_ids += list(ids)
+        self.policy_mask += [policy] * len(ids)
+        self.turn_ids += [turn if policy else -1] * len(ids)
+        self.sample_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Tensors of ALGORITHMS.md for B trajectories. ``input_ids`` = left-padded prompt (width P) followed by the
+    right-padded response (width T); per-token tensors cover the response positions."""
+
+    input_ids: torch.Tensor  # (B, P + T) long
+    attention_mask: torch.Tensor  # (B, P + T) long
+    prompt_width: int
+    response_ids: torch.Tensor  # (B, T) long
+    loss_mask: torch.Tensor  # (B, T) bool
+    turn_ids: torch.Tensor  # (B, T) long
+    sample_logprobs: torch.Tensor  # (B, T) float, behaviour log-probs recorded at sampling time
+    rewards: torch.Tensor  # (B,) float
+    group_ids: torch.Tensor  # (B,) long
+    terminated: torch.Tensor  # (B,) bool
+    truncated: torch.Tensor  # (B,) bool
+    stats: dict[str, float]
+    old_logprobs: torch.Tensor | None = None  # (B, T) under the actor before the update (recomputed)
+    ref_logprobs: torch.Tensor | None = None  # (B, T) under the frozen reference
+    values: torch.Tensor | None = None  # (B, T) critic values before the update
+    advantages: torch.Tensor | None = None  # (B, T)
+    returns: torch.Tensor | None = None  # (B, T)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> "RolloutBatch":
+        """The sub-batch of ``rows`` (tensors indexed, stats kept)."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        fields = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            fields[field.name] = value[index.to(value.device)] if isinstance(value, torch.Tensor) else value
+        return RolloutBatch(**fields)
+
+    def to(self, device) -> "RolloutBatch":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """The chat template (user turn + generation prompt) when the tokenizer has one, else plain encoding."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def collect_rollouts(backend: GenerationBackend, tokenizer, envs: Sequence[gym.Env],
+                     reset_options: Sequence[dict], group_ids: Sequence[int], limits: RolloutLimits,
+                     seeds: Sequence[int | None] | None = None,
+                     on_turn: Callable[[int, int], None] | None = None) -> RolloutBatch:
+    """Run one episode in each env (all in lock-step, one generation call per turn) and batch the result."""
+    limits.validate()
+    trajectories = []
+    for i, env in enumerate(envs):
+        prompt, _ = env.reset(seed=seeds[i] if seeds else None, options=reset_options[i])
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        if len(prompt_ids) > limits.max_prompt_tokens:
+            raise RolloutLimitError(f"a prompt has {len(prompt_ids)} tokens, over max_prompt_tokens="
+                                    f"{limits.max_prompt_tokens} (raise it or shorten the template)")
+        trajectories.append(Trajectory(env, int(group_ids[i]), prompt_ids))
+    for turn in range(limits.max_turns):
+        active = [t for t in trajectories if not t.done]
+        if not active:
+            break
+        _run_turn(backend, tokenizer, active, turn, limits)
+        if on_turn is not None:
+            on_turn(turn, len(active))
+    for trajectory in trajectories:
+        if not trajectory.done:  # the env allows more turns than the trainer's max_turns
+            trajectory.done, trajectory.truncated, trajectory.finish_reason = True, True, "max_turns"
+    return to_batch(trajectories, tokenizer.pad_token_id)
+
+
+def _run_turn(backend, tokenizer, active: list[Trajectory], turn: int, limits: RolloutLimits) -> None:
+    budgets = [min(limits.max_new_tokens_per_turn,
+                   limits.max_total_tokens - len(t.prompt_ids) - len(t.response_ids)) for t in active]
+    generations = backend.generate([t.prompt_ids + t.response_ids for t in active], max(budgets))
+    actions = []
+    for trajectory, generation, budget in zip(active, generations, budgets):
+        ids, logprobs = generation.token_ids[:budget], generation.logprobs[:budget]
+        trajectory.append(ids, policy=True, turn=turn, logprobs=logprobs)
+        actions.append(tokenizer.decode(ids, skip_special_tokens=True))
+    results = step_envs([t.env for t in active], actions)
+    for trajectory, (observation, reward, terminated, truncated, info) in zip(active, results):
+        trajectory.turns += 1
+        trajectory.search_calls = info.get("search_calls", 0)
+        trajectory.invalid_actions = info.get("invalid_actions", 0)
+        trajectory.search_errors = info.get("search_errors", 0)
+        if terminated or truncated:
+            trajectory.done, trajectory.reward = True, float(reward)
+            trajectory.terminated, trajectory.truncated = bool(terminated), bool(truncated)
+            trajectory.answered = info.get("prediction") is not None
+            trajectory.finish_reason = "answer" if terminated else "max_turns"
+            continue
+        obs_ids = tokenizer(observation, add_special_tokens=False)["input_ids"][: limits.max_observation_tokens]
+        room = limits.max_total_tokens - len(trajectory.prompt_ids) - len(trajectory.response_ids)
+        if len(obs_ids) >= room:  # no space left to generate after this observation
+            trajectory.append(obs_ids[:room], policy=False, turn=turn)
+            trajectory.done, trajectory.truncated, trajectory.finish_reason = True, True, "max_total_tokens"
+            continue
+        trajectory.append(obs_ids, policy=False, turn=turn)
+
+
+def to_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
+    batch = len(trajectories)
+    prompt_width = max(len(t.prompt_ids) for t in trajectories)
+    response_width = max(1, max(len(t.response_ids) for t in trajectories))
+    prompt_ids, prompt_mask = left_pad([t.prompt_ids for t in trajectories], pad_id, "cpu")
+    response_ids = torch.full((batch, response_width), pad_id, dtype=torch.long)
+    response_attention = torch.zeros((batch, response_width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, response_width), dtype=torch.bool)
+    turn_ids = torch.full((batch, response_width), -1, dtype=torch.long)
+    sample_logprobs = torch.zeros((batch, response_width), dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        n = len(t.response_ids)
+        if n:
+            response_ids[row, :n] = torch.tensor(t.response_ids)
+            response_attention[row, :n] = 1
+            loss_mask[row, :n] = torch.tensor(t.policy_mask)
+            turn_ids[row, :n] = torch.tensor(t.turn_ids)
+            sample_logprobs[row, :n] = torch.tensor(t.sample_logprobs)
+    stats = {
+        "reward": sum(t.reward for t in trajectories) / batch,
+        "response_tokens": float(loss_mask.sum()) / batch,
+        "turns": sum(t.turns for t in trajectories) / batch,
+        "search_calls": sum(t.search_calls for t in trajectories) / batch,
+        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(1, sum(t.turns for t in trajectories)),
+        "answer_rate": sum(t.answered for t in trajectories) / batch,
+        "search_error_rate": sum(t.search_errors for t in trajectories) / max(1, sum(
+            t.search_calls + t.search_errors for t in trajectories)),
+        "truncated_max_total_tokens": sum(t.finish_reason == "max_total_tokens" for t in trajectories) / batch,
+    }
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_attention], dim=1),
+        prompt_width=prompt_width, response_ids=response_ids, loss_mask=loss_mask, turn_ids=turn_ids,
+        sample_logprobs=sample_logprobs, rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        terminated=torch.tensor([t.terminated for t in trajectories]),
+        truncated=torch.tensor([t.truncated for t in trajectories]), stats=stats,
+    )

@@ -1,0 +1,397 @@
+"""The PPO-family update loop. One iteration reads as its steps:
+
+    batch = rollout()                      multi-turn episodes in the envs, token-in/token-out
+    score(batch)                           old / reference log-probs, values, KL penalty, advantages
+    update(batch)                          PPO epochs over shuffled mini-batches, gradient accumulation,
+                                           clip-bias correction, gradient clipping, optimizer steps
+    log + checkpoint                       metrics.jsonl / TensorBoard; atomic Hugging Face checkpoints
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+import stppo_envs  # noqa: F401  (registers the env ids)
+
+from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
+from .checkpoint import latest_valid_checkpoint, load_trainer_state, save_checkpoint
+from .config import TrainConfig
+from .forward import batched_no_grad, critic_values, token_logprobs
+from .logging_utils import MetricsLogger
+from .models import load_actor, load_critic, load_policy_models
+from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many consecutive updates had NaN/inf losses or gradients."""
+
+
+class PromptSampler:
+    """Walks a seeded permutation of (env, example) pairs per epoch; its position is part of the checkpoint."""
+
+    def __init__(self, sizes: list[int], seed: int):
+        self.pairs = [(env, example) for env, size in enumerate(sizes) for example in range(size)]
+        self.seed, self.epoch, self.cursor = seed, 0, 0
+
+    def _order(self) -> np.ndarray:
+        return np.random.default_rng(self.seed + self.epoch).permutation(len(self.pairs))
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        out = []
+        while len(out) < n:
+            order = self._order()
+            while self.cursor < len(order) and len(out) < n:
+                out.append(self.pairs[order[self.cursor]])
+                self.cursor += 1
+            if self.cursor == len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def _device(name: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """RL needs ratio == 1 on-policy: dropout would make the same tokens score differently on each pass."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+
+
+def _warmup(steps: int) -> Callable[[int], float]:
+    return lambda step: min(1.0, (step + 1) / steps) if steps > 0 else 1.0
+
+
+class Trainer:
+    """Trains ``config.model`` on ``config.env`` with ``config.algo``; ``resume=True`` continues a run."""
+
+    def __init__(self, config: TrainConfig, resume: bool = False, report: Callable[[str], None] = print,
+                 batch_hook: Callable[[RolloutBatch], None] | None = None):
+        config.validate()
+        self.config, self.report, self.batch_hook = config, report, batch_hook
+        self.algo = config.algorithm_config()
+        self.run_dir = Path(config.output_dir)
+        self.device = _device(config.device)
+        self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
+        self._seed_everything(config.seed)
+        checkpoint = latest_valid_checkpoint(self.run_dir, report) if resume else None
+        if resume and checkpoint is None:
+            report(f"--resume: no valid checkpoint in {self.run_dir}/checkpoints; starting from scratch")
+        self._build_models(checkpoint)
+        self._build_envs()
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
+                                    wandb_project=config.wandb_project, config=dataclasses.asdict(config))
+        self.logger.truncate_after(self.iteration)
+        (self.run_dir / "config.yaml").write_text(config.to_yaml())
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _build_models(self, checkpoint: Path | None) -> None:
+        config, algo = self.config, self.algo
+        need_reference = algo.kl_in_reward > 0 or algo.kl_loss_coef > 0
+        models = load_policy_models(config.model, critic_path=config.critic_model, use_critic=algo.use_critic,
+                                    need_reference=need_reference, dtype=config.dtype,
+                                    gradient_checkpointing=config.gradient_checkpointing)
+        if checkpoint is not None:  # weights from the checkpoint; the reference stays the initial policy
+            models.actor = load_actor(checkpoint / "actor", config.dtype, config.gradient_checkpointing)
+            if algo.use_critic:
+                models.critic = load_critic(checkpoint / "critic", config.dtype, config.gradient_checkpointing)
+        self.tokenizer = models.tokenizer
+        self.actor = models.actor.to(self.device)
+        self.critic = models.critic.to(self.device) if models.critic is not None else None
+        self.reference = models.reference.to(self.device) if models.reference is not None else None
+        for model in (self.actor, self.critic):
+            if model is not None:
+                _disable_dropout(model)
+                model.train()
+        self.actor_optimizer = torch.optim.AdamW(self.actor.parameters(), lr=config.actor_lr,
+                                                 weight_decay=config.weight_decay)
+        self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, _warmup(config.warmup_steps))
+        self.critic_optimizer = self.critic_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=config.critic_lr,
+                                                      weight_decay=config.weight_decay)
+            self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer,
+                                                                      _warmup(config.warmup_steps))
+        self.backend = HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
+                                           batch_size=max(self.config.micro_batch_size, 8))
+
+    def _build_envs(self) -> None:
+        self.env_ids = [e.strip() for e in self.config.env.split(",") if e.strip()]
+        if not self.env_ids:
+            raise ValueError("env is empty; pass one or more env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
+        probes = [gym.make(env_id, disable_env_checker=True, **self.config.env_kwargs).unwrapped
+                  for env_id in self.env_ids]
+        # Copies of a search env share its probe's retriever (one index in memory) and the trainer's max_turns.
+        self.env_kwargs = [dict(self.config.env_kwargs, retriever=env.retriever, max_turns=self.config.max_turns)
+                           if isinstance(env, stppo_envs.SearchQAEnv) else dict(self.config.env_kwargs)
+                           for env in probes]
+        sizes = [len(getattr(env, "examples", ())) or 1 for env in probes]
+        self.sampler = PromptSampler(sizes, self.config.seed)
+        self._env_pool: dict[tuple[int, int], gym.Env] = {}
+
+    def _env(self, slot: int, env_index: int) -> gym.Env:
+        key = (slot, env_index)
+        if key not in self._env_pool:
+            self._env_pool[key] = gym.make(self.env_ids[env_index], disable_env_checker=True,
+                                           **self.env_kwargs[env_index]).unwrapped
+        return self._env_pool[key]
+
+    # -- one iteration -----------------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.config.iterations, initial=self.iteration, desc="training", unit="it",
+                   disable=not self.config.progress)
+        metrics: dict[str, Any] = {}
+        try:
+            while self.iteration < self.config.iterations:
+                started = time.perf_counter()
+                batch = self.rollout()
+                rollout_seconds = time.perf_counter() - started
+                self.score(batch)
+                metrics = self.update(batch)
+                self.iteration += 1
+                metrics.update(batch.stats, rollout_seconds=rollout_seconds,
+                               iteration_seconds=time.perf_counter() - started,
+                               rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
+                self.logger.log(self.iteration, metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['update_tokens_per_s']:.0f}")
+                if self.iteration % self.config.save_every == 0 or self.iteration == self.config.iterations:
+                    self.save()
+        finally:
+            bar.close()
+            self.logger.close()
+        return metrics
+
+    def rollout(self) -> RolloutBatch:
+        config = self.config
+        prompts = self.sampler.take(config.prompts_per_iteration)
+        envs, options, groups, seeds = [], [], [], []
+        for prompt_number, (env_index, example) in enumerate(prompts):
+            for sample in range(config.samples_per_prompt):
+                slot = prompt_number * config.samples_per_prompt + sample
+                envs.append(self._env(slot, env_index))
+                options.append({"index": example})
+                groups.append(self.iteration * config.prompts_per_iteration + prompt_number)
+                seeds.append(config.seed + 1_000_003 * self.iteration + slot)
+        batch = collect_rollouts(self.backend, self.tokenizer, envs, options, groups, config.rollout_limits(), seeds)
+        if self.batch_hook is not None:
+            self.batch_hook(batch)
+        return batch.to(self.device)
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch) -> None:
+        """Behaviour (pre-update) and reference log-probs, values, then advantages and returns."""
+        micro = self.config.micro_batch_size
+        batch.old_logprobs = batched_no_grad(token_logprobs, self.actor, batch, micro)
+        if self.reference is not None:
+            batch.ref_logprobs = batched_no_grad(token_logprobs, self.reference, batch, micro)
+        if self.critic is not None:
+            batch.values = batched_no_grad(critic_values, self.critic, batch, micro)
+        kl_penalty = None
+        if self.algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
+            kl_penalty = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, self.algo)
+        values = batch.values if batch.values is not None else torch.zeros_like(batch.old_logprobs)
+        batch.advantages, batch.returns = get_advantage_estimator(self.algo.advantage)(
+            rewards=batch.rewards.to(self.device), values=values, loss_mask=batch.loss_mask,
+            group_ids=batch.group_ids, config=self.algo, kl_penalty=kl_penalty)
+        mask = batch.loss_mask
+        batch.stats["advantage/mean"] = float(batch.advantages[mask].mean()) if mask.any() else 0.0
+        batch.stats["advantage/std"] = float(batch.advantages[mask].std()) if mask.sum() > 1 else 0.0
+        batch.stats["rollout_logprob_diff"] = float((batch.old_logprobs - batch.sample_logprobs)[mask].abs().mean()) \
+            if mask.any() else 0.0
+        if batch.ref_logprobs is not None and mask.any():
+            batch.stats["kl_to_reference"] = float((batch.old_logprobs - batch.ref_logprobs)[mask].mean())
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        config = self.config
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        tokens, started = 0, time.perf_counter()
+        generator = torch.Generator().manual_seed(config.seed + self.iteration)
+        for _ in range(config.ppo_epochs):
+            order = torch.randperm(batch.batch_size, generator=generator)
+            for start in range(0, batch.batch_size, config.mini_batch_size):
+                mini = batch.select(order[start:start + config.mini_batch_size])
+                step_metrics = self._optimizer_step(mini)
+                tokens += int(mini.loss_mask.sum())
+                for key, value in step_metrics.items():
+                    sums[key] += value
+                    counts[key] += 1
+        metrics = {key: sums[key] / counts[key] for key in sums}
+        metrics["update_tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
+        metrics["nan_skips_total"] = self.nan_skips_total
+        metrics["actor_lr"] = self.actor_scheduler.get_last_lr()[0]
+        return metrics
+
+    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
+        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation."""
+        metrics = self._actor_step(mini)
+        if self.critic is not None:
+            metrics.update(self._critic_step(mini))
+        return metrics
+
+    def _micro_batches(self, mini: RolloutBatch):
+        for start in range(0, mini.batch_size, self.config.micro_batch_size):
+            yield mini.select(range(start, min(start + self.config.micro_batch_size, mini.batch_size)))
+
+    def _actor_step(self, mini: RolloutBatch) -> dict[str, float]:
+        algo, loss_fn = self.algo, get_policy_loss(self.algo.policy_loss)
+        params = [p for p in self.actor.parameters() if p.requires_grad]
+        corrector = ClipBiasCorrector(params, algo.clip_bias_kappa) if algo.clip_bias_correction else None
+        global_tokens, global_seqs = mini.loss_mask.sum().clamp(min=1), mini.loss_mask.any(1).sum().clamp(min=1)
+        self.actor_optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        finite = True
+        for micro in self._micro_batches(mini):
+            logprobs, entropy = token_logprobs(self.actor, micro, with_entropy=True)
+            loss, bias, metrics = loss_fn(
+                logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
+                loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
+                ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy.detach(),
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+            finite = finite and bool(torch.isfinite(loss))
+            if corrector is not None and finite:
+                corrector.accumulate(bias)
+            if finite:
+                loss.backward()
+            weight = micro.loss_mask.sum() / global_tokens
+            for key, value in metrics.items():
+                totals[key] = totals[key] + value.float() * weight
+        out = {key: float(value) for key, value in totals.items()}
+        if corrector is not None and finite:
+            corrector.all_reduce()
+            out.update({k: float(v) for k, v in corrector.apply().items()})
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm) if finite else torch.tensor(math.nan)
+        out["grad_norm"] = float(grad_norm)
+        if not (finite and torch.isfinite(grad_norm)):
+            return self._skip_step(out, "actor")
+        self.nan_skips_in_a_row = 0
+        self.actor_optimizer.step()
+        self.actor_scheduler.step()
+        self.optimizer_steps += 1
+        return out
+
+    def _skip_step(self, metrics: dict[str, float], which: str) -> dict[str, float]:
+        self.actor_optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        self.nan_skips_in_a_row += 1
+        self.nan_skips_total += 1
+        self.report(f"iteration {self.iteration + 1}: non-finite {which} loss or gradient; update skipped "
+                    f"({self.nan_skips_in_a_row} in a row)")
+        if self.nan_skips_in_a_row > self.config.max_nan_skips:
+            raise TrainingDivergedError(
+                f"{self.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
+                f"The last valid checkpoint is in {self.run_dir / 'checkpoints'}; lower the learning rate, "
+                "raise max_grad_norm headroom, or check the data and rewards, then --resume.")
+        metrics["skipped"] = 1.0
+        return metrics
+
+    def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
+        global_tokens = mini.loss_mask.sum().clamp(min=1)
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = defaultdict(float)
+        finite = True
+        for micro in self._micro_batches(mini):
+            values = critic_values(self.critic, micro)
+            loss, metrics = value_loss(values=values, old_values=micro.values, returns=micro.returns,
+                                       loss_mask=micro.loss_mask, config=self.algo, global_num_tokens=global_tokens)
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                loss.backward()
+            weight = float(micro.loss_mask.sum() / global_tokens)
+            for key, value in metrics.items():
+                totals[key] += float(value) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.max_grad_norm)
+        totals["critic_grad_norm"] = float(grad_norm)
+        if not (finite and math.isfinite(totals["critic_grad_norm"])):
+            return self._skip_step(dict(totals), "critic")
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        return dict(totals)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        tensor_state = {"actor_optimizer": self.actor_optimizer.state_dict(),
+                        "actor_scheduler": self.actor_scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.critic_optimizer is not None:
+            tensor_state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            tensor_state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        if torch.cuda.is_available():
+            tensor_state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        json_state = {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
+                      "nan_skips_total": self.nan_skips_total, "sampler": self.sampler.state(),
+                      "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
+                      "algo": self.config.algo, "model": self.config.model}
+        return save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
+                               critic=self.critic, tensor_state=tensor_state, json_state=json_state,
+                               keep=self.config.keep_checkpoints)
+
+    def _restore(self, checkpoint: Path) -> None:
+        tensors, state = load_trainer_state(checkpoint)
+        self.actor_optimizer.load_state_dict(tensors["actor_optimizer"])
+        self.actor_scheduler.load_state_dict(tensors["actor_scheduler"])
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.load_state_dict(tensors["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(tensors["critic_scheduler"])
+        torch.set_rng_state(tensors["torch_rng"])
+        if "cuda_rng" in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(tensors["cuda_rng"])
+        self.iteration, self.optimizer_steps = int(state["iteration"]), int(state["optimizer_steps"])
+        self.nan_skips_total = int(state["nan_skips_total"])
+        self.sampler.load(state["sampler"])
+        random.setstate(_python_rng(state["python_rng"]))
+        np.random.set_state(_numpy_rng(state["numpy_rng"]))
+        self.report(f"resumed from {checkpoint} (iteration {self.iteration}, {self.optimizer_steps} optimizer steps)")
+
+
+def _jsonable(value):
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _python_rng(state):
+    return (state[0], tuple(state[1]), state[2])
+
+
+def _numpy_rng(state):
+    array = state[1]
+    return (state[0], np.array(array["ndarray"], dtype=array["dtype"]), *state[2:])
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
