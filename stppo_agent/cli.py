@@ -24,9 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from stppo_envs.retrieval import RetrievalError
 
+    from .checkpoint import CorruptCheckpointError
+    from .trainer import TrainingDivergedError
+
     try:
         return args.handler(args) or 0
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, RetrievalError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, RetrievalError, CorruptCheckpointError,
+            TrainingDivergedError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"stppo {args.command}: error: {message}", file=sys.stderr)
         return 1
@@ -36,10 +40,24 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stppo", description=__doc__)
     commands = parser.add_subparsers(dest="command")
 
-    demo = commands.add_parser("demo", help="the embedded default: scripted agents on the bundled demo set")
-    demo.add_argument("--limit", type=int, default=None, help="examples per benchmark (default: all)")
-    demo.add_argument("--output-dir", default=None, help="where to write results (default: a temp folder)")
+    demo = commands.add_parser("demo", help="the embedded default: ST-PPO on SmolLM2-135M, demo data, CPU")
+    demo.add_argument("--iterations", type=int, default=3, help="training iterations (default 3)")
+    demo.add_argument("--limit", type=int, default=16, help="evaluation examples per benchmark (default 16)")
+    demo.add_argument("--model", default="smollm2", help="model to train (default: SmolLM2-135M-Instruct)")
+    demo.add_argument("--output-dir", default="runs/demo", help="run folder (default runs/demo)")
     demo.set_defaults(handler=_run_demo)
+
+    train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
+    train.add_argument("--algo", default=None, help="ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, ...")
+    train.add_argument("--env", default=None, help="comma-separated env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
+    train.add_argument("--model", default=None, help="Hugging Face folder or hub name; 'smollm2' for the default")
+    train.add_argument("--output-dir", default=None, help="run folder")
+    train.add_argument("--iterations", type=int, default=None)
+    train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field: lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
+    train.add_argument("--resume", action="store_true", help="continue from the run folder's last valid checkpoint")
+    train.set_defaults(handler=_run_train)
 
     ev = commands.add_parser("eval", help="evaluate an agent per benchmark")
     ev.add_argument("--agent", required=True, help="oracle, no-search, search-copy")
@@ -53,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-turns", type=int, default=4)
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--max-new-tokens", type=int, default=256, help="per turn, for LLM agents")
     ev.add_argument("--output-dir", required=True)
     ev.set_defaults(handler=_run_eval)
 
@@ -84,14 +103,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    out = Path(args.output_dir or tempfile.mkdtemp(prefix="stppo-demo-"))
-    print("stppo demo: scripted agents on the bundled demo set (BM25 over the demo corpus, top-3, 4 turns)")
-    for agent in ("oracle", "search-copy", "no-search"):
-        results = _evaluate_all(agent, DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 4, 32, 0)
-        _write_results(results, out / agent)
-        print(f"\nagent: {agent}")
-        print(format_table(results))
-    print(f"\nresults written under {out}")
+    from .assets import resolve_model
+    from .config import TrainConfig
+    from .trainer import Trainer
+
+    out = Path(args.output_dir)
+    model = resolve_model(args.model)
+    print(f"stppo demo: ST-PPO on {args.model} with the bundled demo set (BM25, CPU), {args.iterations} iterations")
+    config = TrainConfig(
+        algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model=model, output_dir=str(out / "train"),
+        # Search-R1's format reward gives an untuned 135M model some signal: a well-formed answer earns 0.2.
+        env_kwargs={"split": "train", "format_reward": 0.2}, iterations=args.iterations, prompts_per_iteration=2,
+        samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, actor_lr=1e-6, critic_lr=1e-5, max_turns=2,
+        max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400, max_total_tokens=768,
+        save_every=args.iterations, keep_checkpoints=1, device="auto")
+    metrics = Trainer(config).train()
+    print(f"trained: reward {metrics['reward']:.3f}, clip_frac {metrics['clip_frac']:.3f}, "
+          f"turn_clip_frac {metrics['turn_clip_frac']:.3f}, clip_bias_scale {metrics.get('clip_bias_scale', 1):.3f}")
+    checkpoint = out / "train" / "checkpoints" / f"step-{args.iterations}" / "actor"
+    results = _evaluate_all(f"hf:{checkpoint}", DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 2, 16, 0, 48)
+    _write_results(results, out / "eval")
+    print(format_table(results))
+    print(f"run folder: {out / 'train'}; evaluation: {out / 'eval'}")
+    return 0
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .assets import resolve_model
+    from .config import load_config
+    from .trainer import Trainer
+
+    config = load_config(args.config, args.overrides, algo=args.algo, env=args.env, model=args.model,
+                         output_dir=args.output_dir, iterations=args.iterations)
+    config.model = resolve_model(config.model) if config.model else config.model
+    metrics = Trainer(config, resume=args.resume).train()
+    print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
     return 0
 
 
@@ -99,7 +145,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     datasets = dict(_key_value(item) for item in args.dataset)
     results = _evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, args.retriever, args.topk,
-                            args.max_turns, args.batch_size, args.seed)
+                            args.max_turns, args.batch_size, args.seed, args.max_new_tokens)
     _write_results(results, Path(args.output_dir))
     print(format_table(results))
     return 0
@@ -133,14 +179,14 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _evaluate_all(agent: str, benchmarks: Sequence[str], datasets: dict[str, str], split, limit, retriever,
-                  topk, max_turns, batch_size, seed) -> list[dict[str, Any]]:
+                  topk, max_turns, batch_size, seed, max_new_tokens: int = 256) -> list[dict[str, Any]]:
     from stppo_envs import benchmark_info
 
     from .evaluate import EvalSettings, evaluate_benchmark
 
     names = [benchmark_info(b).name for b in benchmarks]  # fail fast on unknown names, before any work
     return [evaluate_benchmark(agent, EvalSettings(name, datasets.get(name), split, limit, retriever, topk,
-                                                   max_turns, batch_size, seed)) for name in names]
+                                                   max_turns, batch_size, seed, max_new_tokens)) for name in names]
 
 
 def _key_value(item: str) -> tuple[str, str]:

@@ -37,6 +37,7 @@ class EvalSettings:
     max_turns: int = 4
     batch_size: int = 32
     seed: int = 0
+    max_new_tokens: int = 256  # per turn, for LLM agents
 
 
 def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[int], seed: int = 0) -> list[dict]:
@@ -118,7 +119,7 @@ def evaluate_benchmark(agent_spec: str, settings: EvalSettings, agent_factory=No
             for _ in range(max(1, settings.batch_size))]
     examples = envs[0].examples
     envs = envs[: min(len(envs), len(examples))]
-    agent = (agent_factory or build_agent)(agent_spec, examples)
+    agent = (agent_factory or build_agent)(agent_spec, examples, settings.max_new_tokens)
     started = time.time()
     records = run_episodes(envs, agent, list(range(len(examples))), seed=settings.seed)
     multiple_choice = examples[0].is_multiple_choice
@@ -146,6 +147,7 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "max_turns": settings.max_turns,
         "prompt_template": template_hash(env.template, env.mcq_template),
         "seed": settings.seed,
+        "max_new_tokens": settings.max_new_tokens,
         "stppo_version": stppo_envs.__version__,
     }
 

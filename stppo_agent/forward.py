@@ -25,13 +25,18 @@ def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
 
 
 def token_logprobs(model, batch: RolloutBatch, with_entropy: bool = False):
-    """log pi(y_t | y_<t) for every response token (B, T) float32, and per-token entropy when asked."""
+    """log pi(y_t | y_<t) for every response token (B, T) float32, and per-token entropy (no gradient) when asked.
+
+    ``logit[y] - logsumexp(logits)`` avoids keeping a second (B, T, V) tensor of log-probs for the backward pass.
+    """
     logits = response_logits(model, batch).float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    normalizer = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - normalizer
     if not with_entropy:
         return chosen, None
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = normalizer - (probs * logits).sum(-1)
     return chosen, entropy
 
 

@@ -1,0 +1,51 @@
+"""An evaluation agent backed by a Hugging Face checkpoint (``hf:PATH``), greedy by default.
+
+It keeps each episode's exact token ids (prompt via the chat template, its own generated ids, observations
+tokenised alone), so evaluation sees the same token sequences training produced: no re-tokenisation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .agents import EpisodeView
+from .rollout import HFGenerationBackend, SamplingSettings, encode_prompt
+
+
+class HFAgent:
+    """Greedy (or sampled) generation with a causal LM checkpoint."""
+
+    def __init__(self, path: str, *, max_new_tokens: int = 256, max_observation_tokens: int = 512,
+                 sampling: SamplingSettings = SamplingSettings(greedy=True), device: str | None = None,
+                 batch_size: int = 16, dtype: str = "float32"):
+        from .assets import resolve_model
+        from .models import load_actor, load_tokenizer
+
+        self.name = f"hf:{path}"
+        resolved = resolve_model(path)
+        self.tokenizer = load_tokenizer(resolved)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_actor(resolved, dtype).to(device).eval()
+        self.backend = HFGenerationBackend(self.model, self.tokenizer, sampling, batch_size=batch_size)
+        self.max_new_tokens, self.max_observation_tokens = max_new_tokens, max_observation_tokens
+        self._contexts: dict[str, list[int]] = {}
+
+    def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
+        contexts = [self._context(ep) for ep in episodes]
+        generations = self.backend.generate(contexts, self.max_new_tokens)
+        actions = []
+        for episode, generation in zip(episodes, generations):
+            self._contexts[episode.example_id] += generation.token_ids
+            actions.append(self.tokenizer.decode(generation.token_ids, skip_special_tokens=True))
+        return actions
+
+    def _context(self, episode: EpisodeView) -> list[int]:
+        if episode.turn == 0:
+            self._contexts[episode.example_id] = encode_prompt(self.tokenizer, episode.transcript[0].text)
+        else:
+            observation = episode.transcript[-1].text
+            ids = self.tokenizer(observation, add_special_tokens=False)["input_ids"][: self.max_observation_tokens]
+            self._contexts[episode.example_id] += ids
+        return self._contexts[episode.example_id]

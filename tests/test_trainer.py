@@ -1,0 +1,196 @@
+"""The trainer learns on the toy env, fails when the math is broken, survives kill -9, NaNs and corrupt files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stppo_agent.algorithms import get_advantage_estimator, register_advantage_estimator
+from stppo_agent.checkpoint import CorruptCheckpointError, latest_valid_checkpoint, load_trainer_state
+from stppo_agent.config import TrainConfig, load_config
+from stppo_agent.trainer import Trainer, TrainingDivergedError, read_metrics
+
+from .tiny_models import tiny_llama, word_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
+
+def toy_config(model: Path, out: Path, algo: str, **overrides) -> TrainConfig:
+    values = dict(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=14,
+                  prompts_per_iteration=8, samples_per_prompt=8, mini_batch_size=32, micro_batch_size=16,
+                  ppo_epochs=2, actor_lr=3e-3, critic_lr=3e-3, max_turns=2, max_new_tokens_per_turn=1,
+                  max_prompt_tokens=8, max_total_tokens=32, progress=False, tensorboard=False, save_every=100,
+                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0})
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def rewards(out: Path) -> list[float]:
+    return [record["reward"] for record in read_metrics(out)]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "st_ppo", "grpo"])
+def test_tiny_model_learns_the_toy_env(tiny_model, tmp_path, algo):
+    Trainer(toy_config(tiny_model, tmp_path, algo)).train()
+    curve = rewards(tmp_path)
+    assert curve[0] < 0.4, curve  # chance: 1/9 per turn for an untrained model over a 9-token vocabulary
+    assert sum(curve[-3:]) / 3 > 0.8, curve
+    last = read_metrics(tmp_path)[-1]
+    for key in ("clip_frac", "turn_clip_frac", "ratio/mean", "approx_kl", "entropy", "grad_norm", "reward",
+                "response_tokens", "turns", "search_calls", "invalid_action_rate", "answer_rate", "advantage/mean"):
+        assert key in last, key
+    if algo != "grpo":
+        assert {"value_loss", "explained_variance"} <= set(last)
+    if algo == "st_ppo":
+        assert {"clip_bias_norm", "pg_grad_norm", "clip_bias_scale"} <= set(last)
+
+
+def _negated_grpo(**kwargs):
+    advantages, returns = get_advantage_estimator("grpo")(**kwargs)
+    return -advantages, -returns
+
+
+register_advantage_estimator("test_negated_grpo", _negated_grpo)
+
+
+def test_learning_fails_when_the_advantage_sign_is_flipped(tiny_model, tmp_path):
+    config = toy_config(tiny_model, tmp_path, "grpo")
+    config.algorithm = dict(config.algorithm, advantage="test_negated_grpo")
+    Trainer(config).train()
+    assert sum(rewards(tmp_path)[-3:]) / 3 < 0.2
+
+
+def test_learning_fails_when_the_loss_mask_is_off_by_one(tiny_model, tmp_path):
+    def shift_mask(batch):  # the classic alignment bug: train on the token after each sampled one
+        shifted = torch.zeros_like(batch.loss_mask)
+        shifted[:, 1:] = batch.loss_mask[:, :-1]
+        batch.loss_mask = shifted & batch.attention_mask[:, batch.prompt_width:].bool()
+        batch.turn_ids = torch.where(batch.loss_mask, torch.zeros_like(batch.turn_ids), -1)
+
+    Trainer(toy_config(tiny_model, tmp_path, "grpo"), batch_hook=shift_mask).train()
+    assert sum(rewards(tmp_path)[-3:]) / 3 < 0.5
+
+
+def test_nan_losses_are_skipped_then_stop_the_run(tiny_model, tmp_path):
+    def poison(batch):
+        batch.rewards[:] = float("nan")
+
+    messages = []
+    config = toy_config(tiny_model, tmp_path, "grpo", iterations=5, max_nan_skips=2, ppo_epochs=1,
+                        mini_batch_size=64, micro_batch_size=32)
+    with pytest.raises(TrainingDivergedError, match="3 consecutive updates had NaN/inf"):
+        Trainer(config, report=messages.append, batch_hook=poison).train()
+    assert sum("update skipped" in m for m in messages) == 3
+
+
+def test_checkpoint_is_a_plain_hf_folder_and_corruption_is_reported(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    Trainer(toy_config(tiny_model, tmp_path, "st_ppo", iterations=4, save_every=2, keep_checkpoints=3)).train()
+    step4 = tmp_path / "checkpoints" / "step-4"
+    actor = AutoModelForCausalLM.from_pretrained(step4 / "actor")
+    critic = AutoModelForTokenClassification.from_pretrained(step4 / "critic")
+    assert actor.config.vocab_size == critic.config.vocab_size
+    _, state = load_trainer_state(step4)
+    assert state["iteration"] == 4 and state["optimizer_steps"] == 4 * 2 * 2
+    weights = step4 / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="does not match its checksum"):
+        load_trainer_state(step4)
+    reports = []
+    assert latest_valid_checkpoint(tmp_path, reports.append).name == "step-2"
+    assert "skipping corrupt checkpoint" in reports[0]
+
+
+def _train_command(model: Path, out: Path, iterations: int, resume: bool = False) -> list[str]:
+    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
+               "--model", str(model), "--output-dir", str(out), "--iterations", str(iterations)]
+    for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
+                 "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
+                 "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
+                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0"):
+        command += ["--set", item]
+    return command + (["--resume"] if resume else [])
+
+
+def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
+    iterations = 12
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(_train_command(tiny_model, interrupted, iterations), env=env, cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (interrupted / "checkpoints" / "step-3").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    killed_at = max(int(p.name.split("-")[1]) for p in (interrupted / "checkpoints").glob("step-*"))
+    assert killed_at < iterations, "the run finished before it could be killed; the test needs a longer run"
+
+    subprocess.run(_train_command(tiny_model, interrupted, iterations, resume=True), env=env, cwd=REPO,
+                   check=True, capture_output=True)
+    subprocess.run(_train_command(tiny_model, reference, iterations), env=env, cwd=REPO, check=True,
+                   capture_output=True)
+
+    steps = [record["step"] for record in read_metrics(interrupted)]
+    assert steps == list(range(1, iterations + 1))
+    final = f"checkpoints/step-{iterations}"
+    _, resumed_state = load_trainer_state(interrupted / final)
+    _, reference_state = load_trainer_state(reference / final)
+    for key in ("iteration", "optimizer_steps", "sampler"):
+        assert resumed_state[key] == reference_state[key]
+    from safetensors.torch import load_file
+
+    resumed = load_file(interrupted / final / "actor" / "model.safetensors")
+    uninterrupted = load_file(reference / final / "actor" / "model.safetensors")
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+    tensors, _ = load_trainer_state(interrupted / final)
+    reference_tensors, _ = load_trainer_state(reference / final)
+    assert tensors["actor_optimizer"]["state"][0]["step"] == reference_tensors["actor_optimizer"]["state"][0]["step"]
+
+
+def test_config_layers_yaml_flags_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algo: grpo\niterations: 7\nactor_lr: 1\nalgorithm:\n  clip_high: 0.28\n")
+    config = load_config(path, ["iterations=9", "algorithm.clip_low=0.1", "env_kwargs.topk=5"], model="m", algo=None)
+    assert (config.algo, config.iterations, config.actor_lr, config.model) == ("grpo", 9, 1.0, "m")
+    algo = config.algorithm_config()
+    assert (algo.clip_high, algo.clip_low, algo.advantage) == (0.28, 0.1, "grpo")
+    assert config.env_kwargs == {"topk": 5}
+    with pytest.raises(ValueError, match="unknown config fields \\['lr'\\]"):
+        load_config(None, ["lr=3"])
+    with pytest.raises(ValueError, match="unknown algorithm fields \\['clip'\\]"):
+        load_config(None, ["algorithm.clip=3", "model=m"]).validate()
+    with pytest.raises(ValueError, match="iterations expects int"):
+        load_config(None, ["iterations=many"])
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        TrainConfig(model="m", mini_batch_size=6, micro_batch_size=4).validate()
+    with pytest.raises(KeyError, match="unknown algorithm 'stppo'"):
+        TrainConfig(model="m", algo="stppo").validate()
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(config.to_yaml())
+    assert load_config(saved) == config
+
+
+def test_metrics_file_is_json_lines(tiny_model, tmp_path):
+    Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=2)).train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert (tmp_path / "config.yaml").exists()
