@@ -6,6 +6,8 @@ and the critic's output there is V(s_t), the value of the state before token t.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .rollout import RolloutBatch
@@ -16,27 +18,40 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
-    """(B, T, V) logits predicting each response token."""
+    """(B, T, V) logits predicting each response token.
+
+    Models that support ``logits_to_keep`` skip the LM head over the prompt (a large share of the work when the
+    vocabulary is large and the prompt long).
+    """
     width = batch.response_ids.shape[1]
-    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=position_ids(batch.attention_mask), use_cache=False)
-    return output.logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
+    kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  position_ids=position_ids(batch.attention_mask), use_cache=False)
+    if _accepts_logits_to_keep(model):
+        return model(**kwargs, logits_to_keep=width + 1).logits[:, :width]  # positions P-1 .. P+T-1
+    return model(**kwargs).logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
 
 
-def token_logprobs(model, batch: RolloutBatch, with_entropy: bool = False):
-    """log pi(y_t | y_<t) for every response token (B, T) float32, and per-token entropy (no gradient) when asked.
+def token_logprobs(model, batch: RolloutBatch, with_entropy: bool = False, entropy_grad: bool = False):
+    """log pi(y_t | y_<t) for every response token (B, T) float32, and per-token entropy when asked.
 
     ``logit[y] - logsumexp(logits)`` avoids keeping a second (B, T, V) tensor of log-probs for the backward pass.
+    The entropy is computed only where the policy acted, and carries a gradient only with ``entropy_grad``
+    (an entropy bonus needs it; the metric does not).
     """
     logits = response_logits(model, batch).float()
     normalizer = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - normalizer
     if not with_entropy:
         return chosen, None
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy = normalizer - (probs * logits).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        policy_logits = logits[batch.loss_mask]
+        policy_entropy = normalizer[batch.loss_mask] - (torch.softmax(policy_logits, dim=-1) * policy_logits).sum(-1)
+        entropy = torch.zeros_like(chosen).masked_scatter(batch.loss_mask, policy_entropy)
     return chosen, entropy
 
 

@@ -122,10 +122,19 @@ class StopOnStrings(StoppingCriteria):
         self.prompt_width, self.window = prompt_width, window
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        start = max(self.prompt_width, input_ids.shape[1] - self.window)
-        tails = self.tokenizer.batch_decode(input_ids[:, start:], skip_special_tokens=False)
-        return torch.tensor([any(stop in tail for stop in self.stop_strings) for tail in tails],
-                            dtype=torch.bool, device=input_ids.device)
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if input_ids.shape[1] <= self.prompt_width:
+            return done
+        # Cheap pre-check: a stop string can only have completed if the newest token holds its last character.
+        last_chars = {stop[-1] for stop in self.stop_strings}
+        newest = self.tokenizer.batch_decode(input_ids[:, -1:], skip_special_tokens=False)
+        candidates = [row for row, text in enumerate(newest) if any(ch in text for ch in last_chars)]
+        if candidates:
+            start = max(self.prompt_width, input_ids.shape[1] - self.window)
+            tails = self.tokenizer.batch_decode(input_ids[candidates, start:], skip_special_tokens=False)
+            for row, tail in zip(candidates, tails):
+                done[row] = any(stop in tail for stop in self.stop_strings)
+        return done
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

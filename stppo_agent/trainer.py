@@ -273,11 +273,12 @@ class Trainer:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         finite = True
         for micro in self._micro_batches(mini):
-            logprobs, entropy = token_logprobs(self.actor, micro, with_entropy=True)
+            logprobs, entropy = token_logprobs(self.actor, micro, with_entropy=True,
+                                               entropy_grad=algo.entropy_coef > 0)
             loss, bias, metrics = loss_fn(
                 logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
                 loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
-                ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy.detach(),
+                ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy,
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
             finite = finite and bool(torch.isfinite(loss))
             if corrector is not None and finite:

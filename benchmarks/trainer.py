@@ -1,0 +1,116 @@
+"""Trainer throughput against raw baselines of the same model and batch, in one run.
+
+    python benchmarks/trainer.py [--hidden 256] [--layers 4] [--trajectories 16]
+
+- update: policy tokens/s of ``Trainer.update`` (GRPO: actor only, like the baseline) against a raw loop of
+  forward + log-softmax + masked mean loss + backward + AdamW step over the same micro-batches. Target >= 0.8.
+  ST-PPO's figure (critic + clip-bias correction: about twice the work) is printed for reference.
+- rollout: generated tokens/s of the multi-turn rollout (generation, env steps, observation tokenisation)
+  against one plain ``model.generate`` call producing the same number of tokens per trajectory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import REPO  # noqa: F401  (puts the repository on sys.path)
+
+sys.path.insert(0, str(REPO))
+from stppo_agent.config import TrainConfig  # noqa: E402
+from stppo_agent.forward import position_ids  # noqa: E402
+from stppo_agent.rollout import RolloutBatch, encode_prompt  # noqa: E402
+from stppo_agent.trainer import Trainer  # noqa: E402
+from tests.tiny_models import tiny_llama  # noqa: E402
+
+
+def make_model(hidden: int, layers: int) -> Path:
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_path()))
+    return tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=hidden, layers=layers)
+
+
+def raw_update(model, batch: RolloutBatch, micro: int) -> float:
+    """Seconds for a plain forward/backward/step over the batch, micro-batch by micro-batch."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    started = time.perf_counter()
+    optimizer.zero_grad()
+    for start in range(0, batch.batch_size, micro):
+        part = batch.select(range(start, min(start + micro, batch.batch_size)))
+        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask,
+                       position_ids=position_ids(part.attention_mask)).logits
+        width = part.response_ids.shape[1]
+        logits = logits[:, part.prompt_width - 1: part.prompt_width - 1 + width].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, part.response_ids.unsqueeze(-1)).squeeze(-1)
+        loss = -(logprobs * part.loss_mask).sum() / batch.loss_mask.sum()
+        loss.backward()
+    optimizer.step()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--trajectories", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model_path = make_model(args.hidden, args.layers)
+    common = dict(env="stppo/NQ-v0", model=str(model_path), output_dir=tempfile.mkdtemp(), iterations=1,
+                  prompts_per_iteration=args.trajectories, samples_per_prompt=1, mini_batch_size=args.trajectories,
+                  micro_batch_size=4, max_turns=3, max_new_tokens_per_turn=48, max_observation_tokens=256,
+                  max_prompt_tokens=512, max_total_tokens=1024, progress=False, tensorboard=False)
+    trainer = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, **common), report=lambda _: None)
+
+    started = time.perf_counter()
+    batch = trainer.rollout()
+    rollout_seconds = time.perf_counter() - started
+    generated = int(batch.loss_mask.sum())
+    per_trajectory = max(1, generated // batch.batch_size)
+    prompts = [encode_prompt(trainer.tokenizer, env.transcript[0].text)
+               for env in list(trainer._env_pool.values())[: batch.batch_size]]
+    from stppo_agent.rollout import left_pad
+
+    input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, "cpu")
+    started = time.perf_counter()
+    with torch.no_grad():
+        trainer.actor.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, top_k=0,
+                               max_new_tokens=per_trajectory, min_new_tokens=per_trajectory,
+                               pad_token_id=trainer.tokenizer.pad_token_id)
+    plain_seconds = time.perf_counter() - started
+    plain_tokens = per_trajectory * batch.batch_size
+
+    trainer.score(batch)
+    ours, raw = [], []
+    for _ in range(args.repeats):  # alternate, so machine noise hits both alike
+        started = time.perf_counter()
+        trainer.update(batch)
+        ours.append(time.perf_counter() - started)
+        raw.append(raw_update(trainer.actor, batch, 4))
+    ours_tps, raw_tps = generated / statistics.median(ours), generated / statistics.median(raw)
+
+    st_trainer = Trainer(TrainConfig(algo="st_ppo", **dict(common, output_dir=tempfile.mkdtemp())),
+                         report=lambda _: None)
+    st_trainer.score(batch)
+    started = time.perf_counter()
+    st_trainer.update(batch)
+    st_tps = generated / (time.perf_counter() - started)
+
+    print(f"model: random Llama hidden={args.hidden} layers={args.layers} vocab={trainer.actor.config.vocab_size}; "
+          f"{batch.batch_size} trajectories, {generated} policy tokens, {int(batch.attention_mask.sum())} tokens")
+    print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
+    print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   ratio {st_tps / raw_tps:.2f}")
+    print(f"rollout        {generated / rollout_seconds:9.1f} tok/s   plain generate {plain_tokens / plain_seconds:9.1f} "
+          f"tok/s   ratio {(generated / rollout_seconds) / (plain_tokens / plain_seconds):.2f}")
+
+
+if __name__ == "__main__":
+    main()

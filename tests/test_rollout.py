@@ -1,0 +1,143 @@
+"""Rollouts keep sampled token ids exactly, mask every observation token, and enforce their limits
+(on SmolLM2's real byte-level tokenizer, with multi-byte text)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import pytest
+import torch
+
+import stppo_envs  # noqa: F401
+from stppo_agent.rollout import (
+    Generation,
+    HFGenerationBackend,
+    RolloutLimitError,
+    RolloutLimits,
+    collect_rollouts,
+    generated_length,
+)
+
+from .conftest import KeywordRetriever
+
+PASSAGES = [("München", "München liegt an der Isar. 東京は日本の首都です。"), ("Zürich", "Zürich 🚀 café naïve façade.")]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    return load_tokenizer(str(smollm2_path()))
+
+
+def char_by_char(tokenizer, text: str) -> list[int]:
+    """A valid but non-canonical tokenisation: re-encoding its decoded text would give other ids."""
+    return [i for ch in text for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+
+
+class ScriptedBackend:
+    """Returns pre-set token ids per call, and records what it returned."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.calls = turns, []
+
+    def generate(self, contexts, max_new_tokens):
+        ids = self.turns[len(self.calls)]
+        self.calls.append([list(c) for c in contexts])
+        return [Generation(ids[:max_new_tokens], [-0.5] * min(len(ids), max_new_tokens)) for _ in contexts]
+
+
+def test_sampled_ids_are_kept_and_observations_masked(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    turn0 = char_by_char(tok, "<think>München? 東京</think>\n<search> Zürich 🚀 東京 </search>")
+    turn1 = char_by_char(tok, "<answer> Isar </answer>") + [tok.eos_token_id]
+    assert tok(tok.decode(turn0), add_special_tokens=False)["input_ids"] != turn0  # re-tokenising would differ
+    backend = ScriptedBackend([turn0, turn1])
+    envs = [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=3).unwrapped for _ in range(2)]
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=200, max_observation_tokens=400,
+                           max_prompt_tokens=400, max_total_tokens=2000)
+    batch = collect_rollouts(backend, tok, envs, [{"index": 0}, {"index": 1}], [0, 1], limits)
+
+    observation = envs[0].transcript[2].text
+    assert "Zürich 🚀 café" in observation and "東京は日本" in observation
+    obs_ids = tok(observation, add_special_tokens=False)["input_ids"]
+    for row in range(2):
+        n = int(batch.attention_mask[row, batch.prompt_width:].sum())
+        ids = batch.response_ids[row, :n].tolist()
+        mask = batch.loss_mask[row, :n].tolist()
+        turns = batch.turn_ids[row, :n].tolist()
+        assert ids == turn0 + obs_ids + turn1
+        assert mask == [True] * len(turn0) + [False] * len(obs_ids) + [True] * len(turn1)
+        assert turns == [0] * len(turn0) + [-1] * len(obs_ids) + [1] * len(turn1)
+        assert not batch.loss_mask[row, n:].any() and (batch.turn_ids[row, n:] == -1).all()
+    # the second turn was generated from the exact ids of the first turn plus the observation's ids
+    prompt_ids = backend.calls[0][0]
+    assert backend.calls[1][0] == prompt_ids + turn0 + obs_ids
+    assert batch.rewards.tolist() == [0.0, 0.0] and batch.terminated.all()
+    assert batch.sample_logprobs[batch.loss_mask].eq(-0.5).all()
+
+
+def test_real_generation_keeps_sampled_ids(smollm2_tokenizer, tmp_path):
+    """Random tokens from a tiny model over SmolLM2's vocabulary: byte pieces of multi-byte characters included."""
+    from .tiny_models import tiny_llama
+
+    tok = smollm2_tokenizer
+    path = tiny_llama(tmp_path / "tiny", tok, hidden=16, layers=1, seed=3)
+    from stppo_agent.models import load_actor
+
+    backend = HFGenerationBackend(load_actor(path), tok)
+    recorded = []
+    original = backend.generate
+
+    def record(contexts, max_new_tokens):
+        out = original(contexts, max_new_tokens)
+        recorded.append([g.token_ids for g in out])
+        return out
+
+    backend.generate = record
+    torch.manual_seed(0)
+    envs = [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=2).unwrapped for _ in range(3)]
+    limits = RolloutLimits(max_turns=2, max_new_tokens_per_turn=12, max_observation_tokens=64, max_prompt_tokens=400,
+                           max_total_tokens=800)
+    batch = collect_rollouts(backend, tok, envs, [{"index": i} for i in range(3)], [0, 1, 2], limits)
+    for row in range(3):
+        policy_ids = batch.response_ids[row][batch.loss_mask[row]].tolist()
+        assert policy_ids == [t for turn in recorded for t in turn[row]]
+        observation_ids = batch.response_ids[row][~batch.loss_mask[row] & batch.attention_mask[row, batch.prompt_width:].bool()]
+        assert (batch.turn_ids[row][~batch.loss_mask[row]] == -1).all()
+        assert observation_ids.tolist() == tok(envs[row].transcript[2].text, add_special_tokens=False)["input_ids"][:64]
+    assert batch.sample_logprobs[batch.loss_mask].lt(0).all()
+
+
+def test_generated_length_stops_after_stop_string_or_eos(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    head = tok("<search> x </search>", add_special_tokens=False)["input_ids"]
+    tail = tok(" more text", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    assert generated_length(head + tail, tok, ["</search>"], [eos]) == len(head)
+    assert generated_length(tail + [eos, eos, eos], tok, ["</search>"], [eos]) == len(tail) + 1
+    assert generated_length(tail, tok, ["</search>"], [eos]) == len(tail)
+
+
+def test_limits_are_validated_and_named(smollm2_tokenizer):
+    with pytest.raises(RolloutLimitError, match="max_total_tokens \\(100\\) must fit max_prompt_tokens"):
+        RolloutLimits(max_prompt_tokens=90, max_new_tokens_per_turn=20, max_total_tokens=100).validate()
+    with pytest.raises(RolloutLimitError, match="max_turns must be >= 1"):
+        RolloutLimits(max_turns=0).validate()
+    env = gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES)).unwrapped
+    with pytest.raises(RolloutLimitError, match="over max_prompt_tokens=16"):
+        collect_rollouts(ScriptedBackend([[1]]), smollm2_tokenizer, [env], [{"index": 0}], [0],
+                         RolloutLimits(max_prompt_tokens=16, max_new_tokens_per_turn=8, max_total_tokens=64))
+
+
+def test_total_token_budget_ends_a_trajectory(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    search = char_by_char(tok, "<search> München </search>")
+    env = gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=4).unwrapped
+    prompt_tokens = 300
+    limits = RolloutLimits(max_turns=4, max_new_tokens_per_turn=40, max_observation_tokens=400,
+                           max_prompt_tokens=prompt_tokens, max_total_tokens=prompt_tokens + 60)
+    batch = collect_rollouts(ScriptedBackend([search] * 4), tok, [env], [{"index": 0}], [0], limits)
+    assert batch.stats["truncated_max_total_tokens"] == 1.0 and batch.truncated.all()
+    used = int(batch.attention_mask.sum())
+    assert used <= limits.max_total_tokens
