@@ -9,7 +9,8 @@ from stppo_envs import Example
 
 from .agents import SCRIPTED_AGENTS, Agent
 
-SPEC_HELP = "agent specs: hf:PATH (a checkpoint folder, or hf:smollm2), " + ", ".join(sorted(SCRIPTED_AGENTS))
+SPEC_HELP = ("agent specs: hf:PATH (a checkpoint folder, or hf:smollm2), openai:http://HOST:PORT/v1#MODEL, "
+             + ", ".join(sorted(SCRIPTED_AGENTS)))
 
 
 @functools.lru_cache(maxsize=2)
@@ -26,4 +27,8 @@ def build_agent(spec: str, examples: Sequence[Example], max_new_tokens: int = 25
         return SCRIPTED_AGENTS[spec](examples)
     if spec.startswith("hf:") and len(spec) > 3:
         return _hf_agent(spec[3:], max_new_tokens)
+    if spec.startswith("openai:"):
+        from .openai_agent import OpenAIChatAgent
+
+        return OpenAIChatAgent.from_spec(spec[len("openai:"):], max_tokens=max_new_tokens)
     raise ValueError(f"unknown agent spec {spec!r}; {SPEC_HELP}")

@@ -6,7 +6,8 @@ same agent object can serve any number of episodes in any order.
 
 Scripted baselines sanity-check environments and retrieval:
 - ``oracle`` answers with a golden answer (it is given the examples): EM / accuracy must be 1.0.
-- ``no-search`` answers "unknown" at once: EM / accuracy must be 0.0 (no letter is named).
+- ``no-search`` answers the sentinel "∅" at once: EM / accuracy must be 0.0 (no gold answer or option is "∅";
+  "unknown", the obvious choice, is a gold answer in NQ-open).
 - ``search-copy`` searches the question once, then answers with the title of the top passage (QA) or the
   option whose words overlap the passages most (MCQ): a retrieval-only baseline.
 """
@@ -62,7 +63,7 @@ class NoSearchAgent:
     name = "no-search"
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
-        return ["<think>I will not search.</think>\n<answer> unknown </answer>" for _ in episodes]
+        return ["<think>I will not search.</think>\n<answer> ∅ </answer>" for _ in episodes]
 
 
 _TITLE = re.compile(r'Doc 1\(Title: "(.*?)"\)')

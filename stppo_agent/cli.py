@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args) or 0
     except (FileNotFoundError, FileExistsError, ValueError, KeyError, RetrievalError, CorruptCheckpointError,
-            TrainingDivergedError) as exc:
+            TrainingDivergedError, ConnectionError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"stppo {args.command}: error: {message}", file=sys.stderr)
         return 1
@@ -99,7 +99,31 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-topk", type=int, default=100)
     srv.add_argument("--max-queries", type=int, default=1024, help="queries per request")
     srv.set_defaults(handler=_run_serve)
+    cmp = commands.add_parser("compare", help="compare evaluation results; refuses mismatched provenance")
+    cmp.add_argument("results", nargs="+", help="results.json files or evaluation folders")
+    cmp.add_argument("--force", action="store_true", help="print mismatched results anyway, flagged")
+    cmp.set_defaults(handler=_run_compare)
+
+    plot = commands.add_parser("plot", help="training curves of one or more runs as PNG files")
+    plot.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
+    plot.add_argument("--out", required=True)
+    plot.set_defaults(handler=_run_plot)
     return parser
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from .reports import compare, load_results
+
+    print(compare([load_results(path) for path in args.results], [Path(p).name for p in args.results], args.force))
+    return 0
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from .reports import plot_runs
+
+    for path in plot_runs(args.runs, args.out):
+        print(path)
+    return 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -58,10 +58,16 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
     """A one-label token-classification model on ``path``'s backbone; a fresh value head when ``path`` is an LM."""
     from transformers import AutoModelForTokenClassification
 
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "lm_head unused / score newly initialised" report is expected here
     try:
         model = AutoModelForTokenClassification.from_pretrained(str(path), num_labels=1, dtype=_dtype(dtype))
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a critic from {path!r}: {exc}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if not (Path(str(path)) / "critic.json").exists():
         # A new value head starts at zero output: the first advantages are then the plain returns, not noise.
         head = getattr(model, "score", None) or getattr(model, "classifier", None)

@@ -12,8 +12,9 @@ import dataclasses
 import enum
 import re
 
-MAX_QUERY_CHARS = 512
-"""Queries longer than this are invalid: no real search query is this long, and BM25 cost grows with it."""
+MAX_QUERY_CHARS = 4096
+"""Queries longer than this are invalid (a runaway generation, not a query; BM25 cost grows with length). Long
+enough for a whole MedQA vignette, which a search-the-question baseline sends."""
 
 INVALID_ACTION_MESSAGE = (
     "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "

@@ -1,0 +1,109 @@
+"""Comparing evaluation records (refusing apples to oranges) and plotting training curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+# Provenance fields that may differ between records that are still comparable: they identify the contestant.
+CONTESTANT_FIELDS = ("agent",)
+
+
+class ProvenanceMismatchError(ValueError):
+    """Two results were produced under different conditions (data, retriever, prompt, limits, ...)."""
+
+
+def load_results(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no results.json at {path}; produce one with `stppo eval ... --output-dir DIR`")
+    return json.loads(path.read_text())
+
+
+def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Fields (other than the contestant's identity) whose values differ across records of one benchmark."""
+    keys = sorted({k for r in records for k in r["provenance"]} - set(CONTESTANT_FIELDS))
+    differences = {}
+    for key in keys:
+        values = [r["provenance"].get(key) for r in records]
+        if any(v != values[0] for v in values):
+            differences[key] = values
+    return differences
+
+
+def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[str], force: bool = False) -> str:
+    """A table of the primary metric per benchmark and result set; mismatched provenance raises unless ``force``."""
+    benchmarks = sorted({r["benchmark"] for results in result_sets for r in results})
+    lines, warnings = [], []
+    header = ["benchmark", *labels]
+    rows = []
+    for benchmark in benchmarks:
+        records = [next((r for r in results if r["benchmark"] == benchmark), None) for results in result_sets]
+        present = [r for r in records if r is not None]
+        differences = provenance_differences(present)
+        if differences:
+            detail = "; ".join(f"{k}: {v}" for k, v in differences.items())
+            if not force:
+                raise ProvenanceMismatchError(
+                    f"{benchmark}: results are not comparable ({detail}); rerun under the same settings or pass "
+                    "--force to print them flagged")
+            warnings.append(f"!! {benchmark} NOT COMPARABLE: {detail}")
+        cells = []
+        for record in records:
+            if record is None:
+                cells.append("-")
+            else:
+                metrics = record["metrics"]
+                cells.append(f"{metrics.get('em', metrics.get('acc', 0.0)):.3f}")
+        rows.append([benchmark + (" (!)" if differences else ""), *cells])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines + warnings)
+
+
+PLOTS = {
+    "reward": ["reward"],
+    "clipping": ["clip_frac", "turn_clip_frac"],
+    "clip_bias": ["clip_bias_norm", "pg_grad_norm", "clip_bias_scale"],
+    "kl": ["approx_kl", "kl_to_reference", "kl_loss"],
+    "entropy": ["entropy"],
+    "response_length": ["response_tokens", "turns"],
+}
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
+    """One PNG per metric group, every run a line; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .trainer import read_metrics
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {Path(d).name or str(d): read_metrics(d) for d in run_dirs}
+    if not any(runs.values()):
+        raise FileNotFoundError(f"no metrics.jsonl in {', '.join(map(str, run_dirs))}")
+    written = []
+    for name, keys in PLOTS.items():
+        figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+        for axis, key in zip(axes[0], keys):
+            for run, records in runs.items():
+                points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+                if points:
+                    axis.plot(*zip(*points), label=run)
+            axis.set_title(key)
+            axis.set_xlabel("iteration")
+            if len(runs) > 1:
+                axis.legend(fontsize="small")
+        figure.tight_layout()
+        path = out / f"{name}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        written.append(path)
+    return written

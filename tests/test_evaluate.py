@@ -1,0 +1,124 @@
+"""Evaluation: scripted baselines on the real slices, determinism, provenance checks, plots, OpenAI endpoints."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from stppo_agent.cli import main
+from stppo_agent.evaluate import EvalSettings, evaluate_benchmark
+from stppo_agent.reports import ProvenanceMismatchError, compare, load_results
+
+REAL = {  # benchmark -> file of the fixture pack
+    "nq": "qa/nq_open_dev.jsonl", "hotpotqa": "qa/hotpotqa_dev.json", "bamboogle": "qa/bamboogle_test.csv",
+    "musique": "qa/musique_100.json", "medqa": "medical/medqa_us_4opt_test.jsonl",
+    "medmcqa": "medical/medmcqa_dev.jsonl", "pubmedqa": "medical/pubmedqa_test.json", "mmlu_med": "medical/mmlu_med",
+}
+
+
+@pytest.mark.parametrize("benchmark", sorted(REAL))
+def test_oracle_scores_one_and_no_search_zero_on_real_slices(shared_data, benchmark):
+    dataset = str(shared_data / REAL[benchmark])
+    settings = EvalSettings(benchmark, dataset, batch_size=256)
+    oracle = evaluate_benchmark("oracle", settings)
+    metric = "acc" if "acc" in oracle["metrics"] else "em"
+    assert oracle["metrics"][metric] == 1.0 and oracle["metrics"]["answer_rate"] == 1.0
+    assert oracle["metrics"]["n"] == len(oracle["episodes"]) > 0
+    assert [e["example_id"] for e in oracle["episodes"]] == [e.id for e in
+                                                             __import__("stppo_envs").load_examples(benchmark, dataset)]
+    nothing = evaluate_benchmark("no-search", settings)
+    assert nothing["metrics"][metric] == 0.0
+    assert oracle["provenance"]["dataset_sha256"] == nothing["provenance"]["dataset_sha256"]
+
+
+def _eval(out: Path, *extra: str) -> int:
+    return main(["eval", "--agent", "search-copy", "--benchmarks", "nq,hotpotqa,medqa", "--limit", "12",
+                 "--output-dir", str(out), *extra])
+
+
+def test_same_evaluation_twice_is_byte_identical_but_for_timing(tmp_path):
+    assert _eval(tmp_path / "a") == 0 and _eval(tmp_path / "b") == 0
+    def strip(path):
+        return [{k: v for k, v in r.items() if k != "timing"} for r in json.loads(path.read_text())]
+    a, b = strip(tmp_path / "a/results.json"), strip(tmp_path / "b/results.json")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert (tmp_path / "a/episodes.jsonl").read_bytes() == (tmp_path / "b/episodes.jsonl").read_bytes()
+    assert (tmp_path / "a/results.csv").read_bytes() == (tmp_path / "b/results.csv").read_bytes()
+    provenance = a[0]["provenance"]
+    for key in ("dataset_sha256", "retriever", "retriever_id", "topk", "prompt_template", "max_turns", "agent",
+                "seed", "stppo_version", "split"):
+        assert key in provenance
+
+
+def test_compare_refuses_mismatched_provenance(tmp_path, capsys):
+    _eval(tmp_path / "k3")
+    _eval(tmp_path / "k5", "--topk", "5")
+    main(["eval", "--agent", "oracle", "--benchmarks", "nq,hotpotqa,medqa", "--limit", "12", "--output-dir",
+          str(tmp_path / "oracle")])
+    table = compare([load_results(tmp_path / "k3"), load_results(tmp_path / "oracle")], ["copy", "oracle"])
+    assert "nq" in table and "1.000" in table
+    with pytest.raises(ProvenanceMismatchError, match="topk: \\[3, 5\\]"):
+        compare([load_results(tmp_path / "k3"), load_results(tmp_path / "k5")], ["k3", "k5"])
+    flagged = compare([load_results(tmp_path / "k3"), load_results(tmp_path / "k5")], ["k3", "k5"], force=True)
+    assert "NOT COMPARABLE" in flagged
+    assert main(["compare", str(tmp_path / "k3"), str(tmp_path / "k5")]) == 1
+    assert "not comparable" in capsys.readouterr().err
+
+
+def test_plot_draws_every_group(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": i, "reward": i / 10, "clip_frac": 0.1, "turn_clip_frac": 0.2, "clip_bias_norm": 1.0,
+                "pg_grad_norm": 2.0, "clip_bias_scale": 1.0, "approx_kl": 0.01, "entropy": 1.5,
+                "response_tokens": 100, "turns": 2} for i in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(run), str(run), "--out", str(tmp_path / "plots")]) == 0
+    names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert names == ["clip_bias.png", "clipping.png", "entropy.png", "kl.png", "response_length.png", "reward.png"]
+    assert all(p.stat().st_size > 5000 for p in (tmp_path / "plots").glob("*.png"))
+
+
+class _ChatStub(BaseHTTPRequestHandler):
+    """Search on the first turn (vLLM-style stop_reason), answer with the first word after 'Doc 1' next."""
+
+    requests_seen: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _ChatStub.requests_seen.append(body)
+        last = body["messages"][-1]["content"]
+        if len(body["messages"]) == 1:
+            choice = {"message": {"content": "<think>look</think><search> capital"}, "finish_reason": "stop",
+                      "stop_reason": "</search>"}
+        else:
+            title = last.split('(Title: "')[1].split('"')[0] if "Title" in last else "none"
+            choice = {"message": {"content": f"<answer> {title}"}, "finish_reason": "stop", "stop_reason": None}
+        data = json.dumps({"choices": [choice]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_openai_compatible_agent_against_a_stub_server(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        result = evaluate_benchmark(f"openai:{url}#stub-model", EvalSettings("nq", limit=5, batch_size=5))
+    finally:
+        server.shutdown()
+    assert result["metrics"]["answer_rate"] == 1.0 and result["metrics"]["mean_search_calls"] == 1.0
+    assert result["metrics"]["invalid_action_rate"] == 0.0
+    first, second = _ChatStub.requests_seen[0], _ChatStub.requests_seen[-1]
+    assert first["model"] == "stub-model" and first["stop"] == ["</search>", "</answer>"]
+    assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+    assert second["messages"][1]["content"].endswith("</search>")
