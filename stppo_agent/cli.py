@@ -153,15 +153,18 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from . import distributed
     from .assets import resolve_model
     from .config import load_config
     from .trainer import Trainer
 
+    distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, NCCL on GPUs)
     config = load_config(args.config, args.overrides, algo=args.algo, env=args.env, model=args.model,
                          output_dir=args.output_dir, iterations=args.iterations)
     config.model = resolve_model(config.model) if config.model else config.model
     metrics = Trainer(config, resume=args.resume).train()
-    print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+    if distributed.is_main():
+        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import time
 from collections import defaultdict
@@ -25,6 +26,7 @@ import torch
 import stppo_envs  # noqa: F401  (registers the env ids)
 
 from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
+from . import distributed
 from .checkpoint import latest_valid_checkpoint, load_trainer_state, save_checkpoint
 from .config import TrainConfig
 from .forward import batched_no_grad, critic_values, token_logprobs
@@ -66,7 +68,11 @@ class PromptSampler:
 
 
 def _device(name: str) -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(name)
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -93,6 +99,10 @@ class Trainer:
         self.algo = config.algorithm_config()
         self.run_dir = Path(config.output_dir)
         self.device = _device(config.device)
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        if config.prompts_per_iteration % self.world or config.mini_batch_size % self.world:
+            raise ValueError(f"prompts_per_iteration ({config.prompts_per_iteration}) and mini_batch_size "
+                             f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
         self._seed_everything(config.seed)
         checkpoint = latest_valid_checkpoint(self.run_dir, report) if resume else None
@@ -102,10 +112,12 @@ class Trainer:
         self._build_envs()
         if checkpoint is not None:
             self._restore(checkpoint)
-        self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
-                                    wandb_project=config.wandb_project, config=dataclasses.asdict(config))
-        self.logger.truncate_after(self.iteration)
-        (self.run_dir / "config.yaml").write_text(config.to_yaml())
+        self.logger = None
+        if distributed.is_main():  # one process writes the run folder
+            self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
+                                        wandb_project=config.wandb_project, config=dataclasses.asdict(config))
+            self.logger.truncate_after(self.iteration)
+            (self.run_dir / "config.yaml").write_text(config.to_yaml())
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:
@@ -131,6 +143,9 @@ class Trainer:
             if model is not None:
                 _disable_dropout(model)
                 model.train()
+        # Gradients go through DDP wrappers when distributed; generation and scoring use the plain modules.
+        self.actor_train = distributed.wrap_ddp(self.actor, self.device)
+        self.critic_train = distributed.wrap_ddp(self.critic, self.device) if self.critic is not None else None
         self.actor_optimizer = torch.optim.AdamW(self.actor.parameters(), lr=config.actor_lr,
                                                  weight_decay=config.weight_decay)
         self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, _warmup(config.warmup_steps))
@@ -169,7 +184,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=self.config.iterations, initial=self.iteration, desc="training", unit="it",
-                   disable=not self.config.progress)
+                   disable=not (self.config.progress and distributed.is_main()))
         metrics: dict[str, Any] = {}
         try:
             while self.iteration < self.config.iterations:
@@ -182,21 +197,23 @@ class Trainer:
                 metrics.update(batch.stats, rollout_seconds=rollout_seconds,
                                iteration_seconds=time.perf_counter() - started,
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
-                self.logger.log(self.iteration, metrics)
+                if self.logger is not None:
+                    self.logger.log(self.iteration, metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['update_tokens_per_s']:.0f}")
                 if self.iteration % self.config.save_every == 0 or self.iteration == self.config.iterations:
                     self.save()
         finally:
             bar.close()
-            self.logger.close()
+            if self.logger is not None:
+                self.logger.close()
         return metrics
 
     def rollout(self) -> RolloutBatch:
         config = self.config
-        prompts = self.sampler.take(config.prompts_per_iteration)
+        prompts = list(enumerate(self.sampler.take(config.prompts_per_iteration)))  # the same on every rank
         envs, options, groups, seeds = [], [], [], []
-        for prompt_number, (env_index, example) in enumerate(prompts):
+        for prompt_number, (env_index, example) in prompts[self.rank::self.world]:  # this rank's share
             for sample in range(config.samples_per_prompt):
                 slot = prompt_number * config.samples_per_prompt + sample
                 envs.append(self._env(slot, env_index))
@@ -221,9 +238,14 @@ class Trainer:
         if self.algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
             kl_penalty = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, self.algo)
         values = batch.values if batch.values is not None else torch.zeros_like(batch.old_logprobs)
+        # Whitening must use the statistics of the whole global batch, so with several ranks it happens here.
+        whiten_globally = self.world > 1 and self.algo.whiten_advantages
+        estimator_config = dataclasses.replace(self.algo, whiten_advantages=False) if whiten_globally else self.algo
         batch.advantages, batch.returns = get_advantage_estimator(self.algo.advantage)(
             rewards=batch.rewards.to(self.device), values=values, loss_mask=batch.loss_mask,
-            group_ids=batch.group_ids, config=self.algo, kl_penalty=kl_penalty)
+            group_ids=batch.group_ids, config=estimator_config, kl_penalty=kl_penalty)
+        if whiten_globally:
+            batch.advantages = distributed.distributed_whiten(batch.advantages, batch.loss_mask)
         mask = batch.loss_mask
         batch.stats["advantage/mean"] = float(batch.advantages[mask].mean()) if mask.any() else 0.0
         batch.stats["advantage/std"] = float(batch.advantages[mask].std()) if mask.sum() > 1 else 0.0
@@ -240,8 +262,9 @@ class Trainer:
         generator = torch.Generator().manual_seed(config.seed + self.iteration)
         for _ in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
-            for start in range(0, batch.batch_size, config.mini_batch_size):
-                mini = batch.select(order[start:start + config.mini_batch_size])
+            local_mini = config.mini_batch_size // self.world
+            for start in range(0, batch.batch_size, local_mini):
+                mini = batch.select(order[start:start + local_mini])
                 step_metrics = self._optimizer_step(mini)
                 tokens += int(mini.loss_mask.sum())
                 for key, value in step_metrics.items():
@@ -264,37 +287,50 @@ class Trainer:
         for start in range(0, mini.batch_size, self.config.micro_batch_size):
             yield mini.select(range(start, min(start + self.config.micro_batch_size, mini.batch_size)))
 
-    def _actor_step(self, mini: RolloutBatch) -> dict[str, float]:
+    def _global_counts(self, mini: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy tokens and trajectories of the *global* mini-batch, divided by the number of ranks: DDP
+        averages gradients over ranks, so each rank normalises by global / world to get the global mean."""
+        counts = torch.stack([mini.loss_mask.sum(), mini.loss_mask.any(1).sum()]).float()
+        tokens, seqs = distributed.all_reduce_sum(counts) / self.world
+        return tokens.clamp(min=1 / self.world), seqs.clamp(min=1 / self.world)
+
+    def actor_gradients(self, mini: RolloutBatch) -> dict[str, float]:
+        """Fill the actor's ``.grad`` for one optimizer step over ``mini`` (clip-bias correction and gradient
+        clipping included) and return the step's metrics; ``grad_norm`` is NaN when the step must be skipped."""
         algo, loss_fn = self.algo, get_policy_loss(self.algo.policy_loss)
         params = [p for p in self.actor.parameters() if p.requires_grad]
         corrector = ClipBiasCorrector(params, algo.clip_bias_kappa) if algo.clip_bias_correction else None
-        global_tokens, global_seqs = mini.loss_mask.sum().clamp(min=1), mini.loss_mask.any(1).sum().clamp(min=1)
+        global_tokens, global_seqs = self._global_counts(mini)
         self.actor_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
-        finite = True
+        finite = torch.ones((), device=self.device)
         for micro in self._micro_batches(mini):
-            logprobs, entropy = token_logprobs(self.actor, micro, with_entropy=True,
+            logprobs, entropy = token_logprobs(self.actor_train, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef > 0)
             loss, bias, metrics = loss_fn(
                 logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
                 loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
                 ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy,
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
-            finite = finite and bool(torch.isfinite(loss))
-            if corrector is not None and finite:
+            finite = finite * torch.isfinite(loss)
+            if corrector is not None:
                 corrector.accumulate(bias)
-            if finite:
-                loss.backward()
-            weight = micro.loss_mask.sum() / global_tokens
+            loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
+            weight = micro.loss_mask.sum() / (global_tokens * self.world)
             for key, value in metrics.items():
                 totals[key] = totals[key] + value.float() * weight
-        out = {key: float(value) for key, value in totals.items()}
-        if corrector is not None and finite:
+        out = _reduce_metrics(totals)
+        if corrector is not None:
             corrector.all_reduce()
             out.update({k: float(v) for k, v in corrector.apply().items()})
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm) if finite else torch.tensor(math.nan)
-        out["grad_norm"] = float(grad_norm)
-        if not (finite and torch.isfinite(grad_norm)):
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        ok = bool(distributed.all_reduce_sum(finite) == self.world) and bool(torch.isfinite(grad_norm))
+        out["grad_norm"] = float(grad_norm) if ok else math.nan
+        return out
+
+    def _actor_step(self, mini: RolloutBatch) -> dict[str, float]:
+        out = self.actor_gradients(mini)
+        if not math.isfinite(out["grad_norm"]):
             return self._skip_step(out, "actor")
         self.nan_skips_in_a_row = 0
         self.actor_optimizer.step()
@@ -319,23 +355,23 @@ class Trainer:
         return metrics
 
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
-        global_tokens = mini.loss_mask.sum().clamp(min=1)
+        global_tokens, _ = self._global_counts(mini)
         self.critic_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = defaultdict(float)
-        finite = True
+        finite = torch.ones((), device=self.device)
         for micro in self._micro_batches(mini):
-            values = critic_values(self.critic, micro)
+            values = critic_values(self.critic_train, micro)
             loss, metrics = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                        loss_mask=micro.loss_mask, config=self.algo, global_num_tokens=global_tokens)
-            finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                loss.backward()
-            weight = float(micro.loss_mask.sum() / global_tokens)
+            finite = finite * torch.isfinite(loss)
+            loss.backward()
+            weight = float(micro.loss_mask.sum() / (global_tokens * self.world))
             for key, value in metrics.items():
                 totals[key] += float(value) * weight
+        totals = _reduce_metrics({k: torch.tensor(v, device=self.device) for k, v in totals.items()})
         grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.max_grad_norm)
         totals["critic_grad_norm"] = float(grad_norm)
-        if not (finite and math.isfinite(totals["critic_grad_norm"])):
+        if not (bool(distributed.all_reduce_sum(finite) == self.world) and math.isfinite(totals["critic_grad_norm"])):
             return self._skip_step(dict(totals), "critic")
         self.critic_optimizer.step()
         self.critic_scheduler.step()
@@ -354,9 +390,13 @@ class Trainer:
                       "nan_skips_total": self.nan_skips_total, "sampler": self.sampler.state(),
                       "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
                       "algo": self.config.algo, "model": self.config.model}
-        return save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
-                               critic=self.critic, tensor_state=tensor_state, json_state=json_state,
-                               keep=self.config.keep_checkpoints)
+        path = self.run_dir / "checkpoints" / f"step-{self.iteration}"
+        if distributed.is_main():  # optimizer state is identical on every rank under DDP: one copy suffices
+            path = save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
+                                   critic=self.critic, tensor_state=tensor_state, json_state=json_state,
+                                   keep=self.config.keep_checkpoints)
+        distributed.barrier()
+        return path
 
     def _restore(self, checkpoint: Path) -> None:
         tensors, state = load_trainer_state(checkpoint)
@@ -374,6 +414,15 @@ class Trainer:
         random.setstate(_python_rng(state["python_rng"]))
         np.random.set_state(_numpy_rng(state["numpy_rng"]))
         self.report(f"resumed from {checkpoint} (iteration {self.iteration}, {self.optimizer_steps} optimizer steps)")
+
+
+def _reduce_metrics(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Token-weighted partial means from every rank summed into global means (one all-reduce)."""
+    if not totals:
+        return {}
+    keys = sorted(totals)
+    summed = distributed.all_reduce_sum(torch.stack([totals[k].float() for k in keys]))
+    return {key: float(value) for key, value in zip(keys, summed)}
 
 
 def _jsonable(value):
