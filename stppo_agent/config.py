@@ -64,6 +64,10 @@ class TrainConfig:
     max_total_tokens: int = 4096
     temperature: float = 1.0
     top_p: float = 1.0
+    generation_backend: str = "hf"
+    """hf (transformers generate) or vllm (colocated vLLM engine, weights synced after every update; GPU only)."""
+    vllm_gpu_memory_utilization: float = 0.35
+    """Share of GPU memory the vLLM engine may take (the rest is the trainer's)."""
     dtype: str = "float32"
     """float32, bfloat16 or float16 for the models' weights."""
     gradient_checkpointing: bool = False
@@ -106,6 +110,8 @@ class TrainConfig:
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
+        if self.generation_backend not in ("hf", "vllm"):
+            raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.algorithm_config()
         self.rollout_limits().validate()
 

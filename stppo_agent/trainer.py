@@ -155,8 +155,19 @@ class Trainer:
                                                       weight_decay=config.weight_decay)
             self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(self.critic_optimizer,
                                                                       _warmup(config.warmup_steps))
-        self.backend = HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
-                                           batch_size=max(self.config.micro_batch_size, 8))
+        self.backend = self._generation_backend(checkpoint)
+
+    def _generation_backend(self, checkpoint: Path | None):
+        if self.config.generation_backend == "vllm":
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights can be synced
+            from .vllm_backend import VLLMGenerationBackend
+
+            path = str(checkpoint / "actor") if checkpoint is not None else self.config.model
+            dtype = "bfloat16" if self.config.dtype == "float32" else self.config.dtype
+            return VLLMGenerationBackend(path, self.config.sampling(), dtype=dtype, seed=self.config.seed + self.rank,
+                                         gpu_memory_utilization=self.config.vllm_gpu_memory_utilization)
+        return HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
+                                   batch_size=max(self.config.micro_batch_size, 8))
 
     def _build_envs(self) -> None:
         self.env_ids = [e.strip() for e in self.config.env.split(",") if e.strip()]
@@ -193,6 +204,8 @@ class Trainer:
                 rollout_seconds = time.perf_counter() - started
                 self.score(batch)
                 metrics = self.update(batch)
+                if hasattr(self.backend, "sync_weights"):  # an engine with its own copy of the weights
+                    self.backend.sync_weights(self.actor)
                 self.iteration += 1
                 metrics.update(batch.stats, rollout_seconds=rollout_seconds,
                                iteration_seconds=time.perf_counter() - started,
@@ -283,9 +296,17 @@ class Trainer:
             metrics.update(self._critic_step(mini))
         return metrics
 
-    def _micro_batches(self, mini: RolloutBatch):
-        for start in range(0, mini.batch_size, self.config.micro_batch_size):
-            yield mini.select(range(start, min(start + self.config.micro_batch_size, mini.batch_size)))
+    def _micro_batches(self, mini: RolloutBatch, ddp_module: torch.nn.Module | None = None):
+        """Micro-batches of ``mini``; under DDP, gradients are all-reduced only after the last one."""
+        starts = list(range(0, mini.batch_size, self.config.micro_batch_size))
+        for number, start in enumerate(starts):
+            micro = mini.select(range(start, min(start + self.config.micro_batch_size, mini.batch_size)))
+            last = number == len(starts) - 1
+            if ddp_module is not None and hasattr(ddp_module, "no_sync") and not last:
+                with ddp_module.no_sync():
+                    yield micro
+            else:
+                yield micro
 
     def _global_counts(self, mini: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy tokens and trajectories of the *global* mini-batch, divided by the number of ranks: DDP
@@ -304,7 +325,7 @@ class Trainer:
         self.actor_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         finite = torch.ones((), device=self.device)
-        for micro in self._micro_batches(mini):
+        for micro in self._micro_batches(mini, self.actor_train):
             logprobs, entropy = token_logprobs(self.actor_train, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef > 0)
             loss, bias, metrics = loss_fn(
@@ -359,7 +380,7 @@ class Trainer:
         self.critic_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = defaultdict(float)
         finite = torch.ones((), device=self.device)
-        for micro in self._micro_batches(mini):
+        for micro in self._micro_batches(mini, self.critic_train):
             values = critic_values(self.critic_train, micro)
             loss, metrics = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                        loss_mask=micro.loss_mask, config=self.algo, global_num_tokens=global_tokens)

@@ -50,9 +50,13 @@ class ClipBiasCorrector:
         world = dist.get_world_size(group)
         if self._bias is None:
             self._bias = [torch.zeros_like(p) for p in self.parameters]
+        flat = torch.cat([t.reshape(-1) for t in self._bias])  # one collective instead of one per tensor
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world)
+        offset = 0
         for total in self._bias:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-            total.div_(world)
+            total.copy_(flat[offset:offset + total.numel()].view_as(total))
+            offset += total.numel()
 
     def apply(self) -> dict[str, torch.Tensor]:
         """Scale the actor's gradients; return ``clip_bias_norm``, ``pg_grad_norm``, ``clip_bias_scale``; reset C."""

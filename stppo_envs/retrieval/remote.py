@@ -37,8 +37,9 @@ class RemoteRetriever(BatchSearchMixin):
             retry = Retry(total=self.retries, connect=self.retries, read=self.retries, backoff_factor=self.backoff,
                           status_forcelist=(502, 503, 504), allowed_methods=frozenset({"POST"}))
             session = requests.Session()
-            session.mount("http://", HTTPAdapter(max_retries=retry))
-            session.mount("https://", HTTPAdapter(max_retries=retry))
+            adapter = HTTPAdapter(max_retries=retry, pool_maxsize=64)  # many rollout threads may share one client
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
             self._session = session
         return self._session
 

@@ -1,0 +1,95 @@
+"""Scaling on this machine: data-parallel update throughput (1 vs 2 processes, gloo, CPU) and the retrieval
+server's queries/second under 1, 4 and 16 concurrent clients against in-process batch search.
+
+    python benchmarks/scaling.py
+
+Each process gets one CPU thread in both settings, so the ratio measures parallel efficiency (the ideal is 2.0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from _common import REPO, cached_index, shared_data
+
+sys.path.insert(0, str(REPO))
+from tests.tiny_models import tiny_llama  # noqa: E402
+
+
+def train_throughput(processes: int, model: Path) -> float:
+    """Global policy tokens/s of the update (every rank's share), median over iterations 2..4."""
+    out = Path(tempfile.mkdtemp())
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    command = launcher + ["-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/NQ-v0", "--model",
+                          str(model), "--output-dir", str(out), "--iterations", "4"]
+    for item in ("prompts_per_iteration=16", "samples_per_prompt=1", "mini_batch_size=16", "micro_batch_size=4",
+                 "max_turns=2", "max_new_tokens_per_turn=48", "max_prompt_tokens=512", "max_total_tokens=1024",
+                 "progress=false", "tensorboard=false", "save_every=100"):
+        command += ["--set", item]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    subprocess.run(command, check=True, capture_output=True, env=env, cwd=REPO)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_rank = sorted(r["update_tokens_per_s"] for r in records[1:])
+    return per_rank[len(per_rank) // 2] * processes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_qps(index: Path, queries: list[str]) -> None:
+    import uvicorn
+
+    from stppo_envs.retrieval import make_retriever
+    from stppo_envs.retrieval.server import create_app
+
+    backend = make_retriever(f"bm25:{index}", cache_size=0)
+    for _ in range(3):  # JIT warm-up
+        backend.batch_search(queries, 3)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    started = time.perf_counter()
+    for start in range(0, len(queries), 64):
+        backend.batch_search(queries[start:start + 64], 3)
+    in_process = len(queries) / (time.perf_counter() - started)
+    print(f"in-process batch_search (batches of 64): {in_process:8.1f} q/s")
+    for clients in (1, 4, 16):
+        remote = make_retriever(f"http://127.0.0.1:{port}", cache_size=0)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:  # each client sends one query per request, like a rollout worker
+            list(pool.map(lambda q: remote.search(q, 3), queries))
+        qps = len(queries) / (time.perf_counter() - started)
+        print(f"server, {clients:2d} concurrent clients:       {qps:8.1f} q/s   ({qps / in_process:.2f}x in-process)")
+    server.should_exit = True
+
+
+def main() -> None:
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    # a random 4-layer model over SmolLM2's vocabulary, on the demo NQ env (prompts of a few hundred tokens)
+    model = tiny_llama(Path(tempfile.mkdtemp()) / "model", load_tokenizer(str(smollm2_path())), hidden=256, layers=4)
+    one, two = train_throughput(1, model), train_throughput(2, model)
+    print(f"update, 1 process : {one:8.1f} policy tok/s")
+    print(f"update, 2 processes: {two:8.1f} policy tok/s   ({two / one:.2f}x; ideal 2.0)")
+    data = shared_data()
+    queries = [json.loads(line)["question"] for _, line in zip(range(640), open(data / "qa/nq_open_dev.jsonl"))]
+    server_qps(cached_index("bm25", data / "corpus/wiki_dpr_sample_1000.jsonl", "wiki1000"), queries)
+
+
+if __name__ == "__main__":
+    main()

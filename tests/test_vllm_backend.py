@@ -1,0 +1,73 @@
+"""The vLLM backend's request building, output parsing and weight sync, without vLLM or a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stppo_agent.rollout import SamplingSettings
+from stppo_agent.vllm_backend import (
+    INSTALL_HINT,
+    VLLMGenerationBackend,
+    generations_from_outputs,
+    sampling_kwargs,
+    token_prompts,
+    weight_items,
+)
+
+
+def test_sampling_kwargs_match_the_hf_backend():
+    sampled = sampling_kwargs(SamplingSettings(temperature=0.7, top_p=0.9), 64, ["</search>", "</answer>"], seed=3)
+    assert sampled == {"max_tokens": 64, "stop": ["</search>", "</answer>"], "include_stop_str_in_output": True,
+                       "logprobs": 0, "skip_special_tokens": False, "detokenize": True, "temperature": 0.7,
+                       "top_p": 0.9, "top_k": -1, "seed": 3}
+    greedy = sampling_kwargs(SamplingSettings(greedy=True), 8, [])
+    assert greedy["temperature"] == 0.0 and "top_p" not in greedy and "seed" not in greedy
+
+
+def test_prompts_are_token_ids():
+    assert token_prompts([[1, 2, 3], (4,)]) == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4]}]
+
+
+def test_outputs_become_generations_with_sampled_logprobs():
+    def logprob(value):
+        return SimpleNamespace(logprob=value)
+
+    output = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5, 9], logprobs=[{5: logprob(-0.1), 7: logprob(-3.0)},
+                                                                                   {9: logprob(-0.2)}])])
+    missing = SimpleNamespace(outputs=[SimpleNamespace(token_ids=(4,), logprobs=None)])
+    first, second = generations_from_outputs([output, missing])
+    assert first.token_ids == [5, 9] and first.logprobs == [-0.1, -0.2]
+    assert second.token_ids == [4] and second.logprobs[0] != second.logprobs[0]  # NaN when not reported
+
+
+def test_weight_items_use_hf_names_and_chunk():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    wrapped = torch.nn.Module()
+    wrapped.module = model
+    chunks = list(weight_items(wrapped, chunk_bytes=64))
+    names = [name for chunk in chunks for name, _ in chunk]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias"] and len(chunks) > 1
+    assert all(not tensor.requires_grad for chunk in chunks for _, tensor in chunk)
+
+
+def test_sync_weights_loads_every_tensor_into_the_engine_model():
+    loaded = []
+    engine_model = SimpleNamespace(load_weights=lambda weights: loaded.extend(name for name, _ in weights))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=engine_model))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(worker=worker))), reset_prefix_cache=lambda: loaded.append("reset"))
+    backend = VLLMGenerationBackend.__new__(VLLMGenerationBackend)
+    backend.llm = llm
+    backend.sync_weights(torch.nn.Linear(3, 3))
+    assert loaded == ["weight", "bias", "reset"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed: nothing to refuse")
+def test_missing_vllm_gives_an_install_hint(tmp_path):
+    with pytest.raises(ImportError, match="pip install 'stppo\\[vllm\\]'"):
+        VLLMGenerationBackend(str(tmp_path))
+    assert "GPU" in INSTALL_HINT
