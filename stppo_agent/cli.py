@@ -227,16 +227,18 @@ def _key_value(item: str) -> tuple[str, str]:
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table, one row per benchmark, plus the QA-family average as in Search-R1's tables."""
-    header = ["benchmark", "n", "EM/acc", "F1", "answer", "invalid", "turns", "searches"]
+    with_tokens = any("mean_response_tokens" in r["metrics"] for r in results)  # LLM agents only
+    header = ["benchmark", "n", "EM/acc", "F1", "answer", "invalid", "turns", "searches"] + ["tokens"] * with_tokens
     rows = []
     for result in results:
         m = result["metrics"]
         rows.append([result["benchmark"], str(m["n"]), f"{m.get('em', m.get('acc', 0.0)):.3f}",
                      f"{m['f1']:.3f}" if "f1" in m else "-", f"{m['answer_rate']:.3f}",
-                     f"{m['invalid_action_rate']:.3f}", f"{m['mean_turns']:.2f}", f"{m['mean_search_calls']:.2f}"])
+                     f"{m['invalid_action_rate']:.3f}", f"{m['mean_turns']:.2f}", f"{m['mean_search_calls']:.2f}"]
+                    + [f"{m.get('mean_response_tokens', 0.0):.1f}"] * with_tokens)
     qa = [r["metrics"]["em"] for r in results if "em" in r["metrics"]]
     if len(qa) > 1:
-        rows.append(["QA avg (EM)", "", f"{sum(qa) / len(qa):.3f}", "", "", "", "", ""])
+        rows.append(["QA avg (EM)", "", f"{sum(qa) / len(qa):.3f}"] + [""] * (len(header) - 3))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -62,6 +62,8 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
                                                                          errors.get(slot))
                 if terminated or truncated:
                     chunk_records[slot] = _episode_record(env, reward, terminated, truncated, info)
+                    if hasattr(agent, "generated_tokens"):  # LLM agents count their tokens; scripted ones have none
+                        chunk_records[slot]["response_tokens"] = agent.generated_tokens(env.example.id)
                     del active[slot]
         records += [chunk_records[slot] for slot in range(len(chunk))]
     return records
@@ -106,6 +108,8 @@ def summarize(records: Sequence[dict], multiple_choice: bool) -> dict[str, float
             r["search_calls"] + r["search_errors"] for r in records)),
         "mean_response_chars": mean("response_chars"),
     })
+    if records and all("response_tokens" in r for r in records):
+        metrics["mean_response_tokens"] = mean("response_tokens")
     return metrics
 
 

@@ -31,6 +31,7 @@ class HFAgent:
         self.backend = HFGenerationBackend(self.model, self.tokenizer, sampling, batch_size=batch_size)
         self.max_new_tokens, self.max_observation_tokens = max_new_tokens, max_observation_tokens
         self._contexts: dict[str, list[int]] = {}
+        self._generated: dict[str, int] = {}
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
         contexts = [self._context(ep) for ep in episodes]
@@ -38,11 +39,18 @@ class HFAgent:
         actions = []
         for episode, generation in zip(episodes, generations):
             self._contexts[episode.example_id] += generation.token_ids
+            self._generated[episode.example_id] = self._generated.get(episode.example_id, 0) + len(
+                generation.token_ids)
             actions.append(self.tokenizer.decode(generation.token_ids, skip_special_tokens=True))
         return actions
 
+    def generated_tokens(self, example_id: str) -> int:
+        """Tokens this agent generated in the episode of ``example_id`` (for the evaluation's token count)."""
+        return self._generated.get(example_id, 0)
+
     def _context(self, episode: EpisodeView) -> list[int]:
         if episode.turn == 0:
+            self._generated[episode.example_id] = 0
             self._contexts[episode.example_id] = encode_prompt(self.tokenizer, episode.transcript[0].text)
         else:
             observation = episode.transcript[-1].text

@@ -146,3 +146,19 @@ def test_parquet_and_aliases(tmp_path):
     datasets.Dataset.from_list([{"id": "a", "question": "who?", "golden_answers": ["me"]}]).to_parquet(path)
     assert load_examples("NQ", path)[0].golden_answers == ("me",)
     assert benchmark_info("2WikiMultihopQA").name == "2wiki" and "mmlu_med" in BENCHMARKS
+
+
+def test_triviaqa_popqa_and_generic_mcq_raw_formats(tmp_path):
+    """Formats without a slice in the fixture pack, built from their documented shapes."""
+    trivia = tmp_path / "triviaqa.jsonl"
+    trivia.write_text(json.dumps({"question_id": "tq1", "question": "Which river?",
+                                  "answer": {"value": "Thames", "aliases": ["River Thames", "Thames"]}}) + "\n")
+    example = load_examples("triviaqa", trivia)[0]
+    assert example.id == "tq1" and example.golden_answers == ("Thames", "River Thames")
+    popqa = tmp_path / "popqa.jsonl"
+    popqa.write_text(json.dumps({"id": 7, "question": "Who?", "possible_answers": '["Ann", "Anne"]'}) + "\n")
+    assert load_examples("popqa", popqa)[0].golden_answers == ("Ann", "Anne")
+    generic = tmp_path / "mcq.jsonl"
+    generic.write_text(json.dumps({"question": "Pick", "choices": ["x", "y", "z"], "answer": 2}) + "\n")
+    example = load_examples("medqa", generic)[0]
+    assert (example.answer_letter, example.golden_answers) == ("C", ("z", "C"))
