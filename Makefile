@@ -23,4 +23,5 @@ demo: $(STAMP)
 	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(VENV)/bin/stppo demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(PY) -m pytest -q

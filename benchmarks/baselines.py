@@ -35,7 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     data = shared_data()
     wiki = f"bm25:{cached_index('bm25', data / 'corpus/wiki_dpr_sample_1000.jsonl', 'wiki1000')}"
-    hotpot = f"bm25:{cached_index('bm25', jsonl_corpus(data / 'corpus/hotpotqa_distractor_100_corpus.json', 'hp'), 'hotpot100')}"
+    hotpot_corpus = jsonl_corpus(data / "corpus/hotpotqa_distractor_100_corpus.json", "hp")
+    hotpot = f"bm25:{cached_index('bm25', hotpot_corpus, 'hotpot100')}"
     musique = f"bm25:{cached_index('bm25', data / 'corpus/musique_100_corpus.json', 'musique100')}"
     runs = [("hotpotqa", "qa/hotpotqa_distractor_100.json", hotpot), ("musique", "qa/musique_100.json", musique),
             ("nq", "qa/nq_open_dev.jsonl", wiki), ("bamboogle", "qa/bamboogle_test.csv", wiki),

@@ -47,7 +47,8 @@ def raw_pyserini_qps(index: str, queries: list[str], batch: int, rounds: int = 3
         for start in range(0, len(queries), batch):
             chunk = queries[start:start + batch]
             results = searcher.batch_search(chunk, [str(i) for i in range(len(chunk))], k=3, threads=1)
-            texts = [json.loads(hit.lucene_document.get("raw"))["contents"] for hits in results.values() for hit in hits]
+            texts = [json.loads(hit.lucene_document.get("raw"))["contents"]
+                     for hits in results.values() for hit in hits]
             assert texts
         best = min(best, time.perf_counter() - began)
     return len(queries) / best

@@ -107,9 +107,11 @@ def main() -> None:
     print(f"model: random Llama hidden={args.hidden} layers={args.layers} vocab={trainer.actor.config.vocab_size}; "
           f"{batch.batch_size} trajectories, {generated} policy tokens, {int(batch.attention_mask.sum())} tokens")
     print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
-    print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   ratio {st_tps / raw_tps:.2f}")
-    print(f"rollout        {generated / rollout_seconds:9.1f} tok/s   plain generate {plain_tokens / plain_seconds:9.1f} "
-          f"tok/s   ratio {(generated / rollout_seconds) / (plain_tokens / plain_seconds):.2f}")
+    print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   "
+          f"ratio {st_tps / raw_tps:.2f}")
+    rollout_tps, plain_tps = generated / rollout_seconds, plain_tokens / plain_seconds
+    print(f"rollout        {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
+          f"ratio {rollout_tps / plain_tps:.2f}")
 
 
 if __name__ == "__main__":

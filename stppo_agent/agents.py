@@ -94,7 +94,8 @@ def best_overlapping_option(text: str, choices: Mapping[str, str]) -> str:
     'B'
     """
     words = normalize_answer(text).split()
-    counts = {letter: sum(words.count(w) for w in normalize_answer(option).split()) for letter, option in choices.items()}
+    counts = {letter: sum(words.count(w) for w in normalize_answer(option).split())
+              for letter, option in choices.items()}
     return max(counts, key=lambda letter: (counts[letter], -ord(letter[0])))
 
 

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 

@@ -57,7 +57,6 @@ def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpo
 def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False):
     """A one-label token-classification model on ``path``'s backbone; a fresh value head when ``path`` is an LM."""
     from transformers import AutoModelForTokenClassification
-
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

@@ -343,7 +343,8 @@ def to_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
         "response_tokens": float(loss_mask.sum()) / batch,
         "turns": sum(t.turns for t in trajectories) / batch,
         "search_calls": sum(t.search_calls for t in trajectories) / batch,
-        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(1, sum(t.turns for t in trajectories)),
+        "invalid_action_rate": sum(t.invalid_actions for t in trajectories)
+        / max(1, sum(t.turns for t in trajectories)),
         "answer_rate": sum(t.answered for t in trajectories) / batch,
         "search_error_rate": sum(t.search_errors for t in trajectories) / max(1, sum(
             t.search_calls + t.search_errors for t in trajectories)),

@@ -25,8 +25,8 @@ import torch
 
 import stppo_envs  # noqa: F401  (registers the env ids)
 
-from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
 from . import distributed
+from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
 from .checkpoint import latest_valid_checkpoint, load_trainer_state, save_checkpoint
 from .config import TrainConfig
 from .forward import batched_no_grad, critic_values, token_logprobs

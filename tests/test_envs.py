@@ -25,7 +25,7 @@ def gold_action(env) -> str:
 def wrong_action(env) -> str:
     example = env.unwrapped.example
     if example.is_multiple_choice:
-        return "<answer>" + next(l for l in example.choices if l != example.answer_letter) + "</answer>"
+        return "<answer>" + next(c for c in example.choices if c != example.answer_letter) + "</answer>"
     return "<answer>certainly not the answer 123</answer>"
 
 

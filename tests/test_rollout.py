@@ -19,7 +19,8 @@ from stppo_agent.rollout import (
 
 from .conftest import KeywordRetriever
 
-PASSAGES = [("München", "München liegt an der Isar. 東京は日本の首都です。"), ("Zürich", "Zürich 🚀 café naïve façade.")]
+PASSAGES = [("München", "München liegt an der Isar. 東京は日本の首都です。"),
+            ("Zürich", "Zürich 🚀 café naïve façade.")]
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,8 @@ def test_real_generation_keeps_sampled_ids(smollm2_tokenizer, tmp_path):
     for row in range(3):
         policy_ids = batch.response_ids[row][batch.loss_mask[row]].tolist()
         assert policy_ids == [t for turn in recorded for t in turn[row]]
-        observation_ids = batch.response_ids[row][~batch.loss_mask[row] & batch.attention_mask[row, batch.prompt_width:].bool()]
+        in_response = batch.attention_mask[row, batch.prompt_width:].bool()
+        observation_ids = batch.response_ids[row][~batch.loss_mask[row] & in_response]
         assert (batch.turn_ids[row][~batch.loss_mask[row]] == -1).all()
         assert observation_ids.tolist() == tok(envs[row].transcript[2].text, add_special_tokens=False)["input_ids"][:64]
     assert batch.sample_logprobs[batch.loss_mask].lt(0).all()

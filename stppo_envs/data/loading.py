@@ -162,7 +162,8 @@ def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
     files = list(files)
     suffixes = {p.suffix for p in files}
     if len(suffixes) != 1 or not suffixes <= set(_FILE_BUILDERS):
-        raise DatasetFormatError(f"cannot mix or read file types {sorted(suffixes)}; use one of {sorted(_FILE_BUILDERS)}")
+        raise DatasetFormatError(
+            f"cannot mix or read file types {sorted(suffixes)}; use one of {sorted(_FILE_BUILDERS)}")
     suffix = suffixes.pop()
     data_files = [str(p) for p in files]
     if suffix == ".json" and _is_json_object_of_records(files[0]):

@@ -76,6 +76,19 @@ class Retriever(Protocol):
     def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]: ...
 
 
+class ReopensAfterPickling:
+    """Pickles without the attributes named in ``_transient`` (a JVM searcher, a faiss index, an HTTP session):
+    they are rebuilt lazily in the process that unpickles, from the constructor arguments that do travel."""
+
+    _transient: tuple[str, ...] = ()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in self._transient:
+            state[name] = None
+        return state
+
+
 class BatchSearchMixin:
     """``search`` in terms of ``batch_search`` (backends implement the batched call once)."""
 

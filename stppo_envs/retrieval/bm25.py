@@ -13,18 +13,20 @@ from pathlib import Path
 from typing import Sequence
 
 from ._pyserini import ensure_pyserini
-from .base import BatchSearchMixin, Hit, IndexNotFoundError, RetrievalError, parse_contents
+from .base import BatchSearchMixin, Hit, IndexNotFoundError, ReopensAfterPickling, RetrievalError, parse_contents
 
 BUILD_HINT = "build one with: stppo index bm25 --corpus CORPUS.jsonl --out {path}"
 
 
-class BM25Retriever(BatchSearchMixin):
+class BM25Retriever(ReopensAfterPickling, BatchSearchMixin):
     """pyserini ``LuceneSearcher`` behind the retriever protocol.
 
     ``index`` is a directory or, with ``prebuilt=True``, a pyserini prebuilt-index name (downloaded by
     pyserini on a connected machine). ``k1``/``b`` default to pyserini's 0.9/0.4. Pickles by its arguments:
     the Java searcher is reopened lazily in the receiving process.
     """
+
+    _transient = ("_searcher",)
 
     def __init__(self, index: str | os.PathLike, *, prebuilt: bool = False, k1: float = 0.9, b: float = 0.4,
                  threads: int = 1):
@@ -77,11 +79,6 @@ class BM25Retriever(BatchSearchMixin):
         fields = json.loads(raw)
         title, text = parse_contents(fields.get("contents", ""))
         return Hit(docid=str(result.docid), score=float(result.score), title=title, text=text)
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_searcher"] = None
-        return state
 
     def __repr__(self) -> str:
         return f"BM25Retriever({self.index!r})"

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import BatchSearchMixin, Hit, IndexNotFoundError, RetrievalError
+from .base import BatchSearchMixin, Hit, IndexNotFoundError, ReopensAfterPickling, RetrievalError
 from .encoder import EncoderSettings, TextEncoder, passage_text
 from .indexing import iter_corpus
 
@@ -28,12 +28,14 @@ BUILD_HINT = "build one with: stppo index dense --corpus CORPUS.jsonl --encoder 
 INDEX_TYPES = ("flat", "hnsw", "ivf")
 
 
-class DenseRetriever(BatchSearchMixin):
+class DenseRetriever(ReopensAfterPickling, BatchSearchMixin):
     """faiss search over a dense index folder; queries are encoded with the index's own encoder settings.
 
     ``encoder`` overrides the stored encoder path (for an index built elsewhere); ``nprobe`` / ``ef_search``
     tune IVF / HNSW recall. Pickles by its arguments.
     """
+
+    _transient = ("_loaded",)
 
     def __init__(self, index_dir: str | os.PathLike, *, encoder: str | None = None, device: str | None = None,
                  nprobe: int = 32, ef_search: int = 128):
@@ -77,11 +79,6 @@ class DenseRetriever(BatchSearchMixin):
         rows = dict(zip(wanted, docs.select(wanted))) if wanted else {}
         return [[Hit(rows[int(i)]["id"], float(s), rows[int(i)]["title"], rows[int(i)]["text"])
                  for s, i in zip(score_row, id_row) if i >= 0] for score_row, id_row in zip(scores, ids)]
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_loaded"] = None
-        return state
 
     def __repr__(self) -> str:
         return f"DenseRetriever({str(self.index_dir)!r})"

@@ -61,7 +61,8 @@ class TextEncoder:
             self.tokenizer = AutoTokenizer.from_pretrained(settings.model)
             self.model = AutoModel.from_pretrained(settings.model).to(self.device).eval()
         except OSError as exc:
-            raise FileNotFoundError(f"cannot load encoder {settings.model!r} (a local folder or hub name): {exc}") from exc
+            raise FileNotFoundError(
+                f"cannot load encoder {settings.model!r} (a local folder or hub name): {exc}") from exc
 
     @property
     def dim(self) -> int:

@@ -13,11 +13,13 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from .base import BatchSearchMixin, Hit, RetrievalError, RetrieverUnavailableError, parse_contents
+from .base import BatchSearchMixin, Hit, ReopensAfterPickling, RetrievalError, RetrieverUnavailableError, parse_contents
 
 
-class RemoteRetriever(BatchSearchMixin):
+class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
     """Search through a retrieval server at ``url`` (``http://host:port``; ``/retrieve`` is appended)."""
+
+    _transient = ("_session",)
 
     def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2, backoff: float = 0.2,
                  max_batch: int = 512):
@@ -68,11 +70,6 @@ class RemoteRetriever(BatchSearchMixin):
             return [[_hit(item) for item in row] for row in result]
         except (ValueError, KeyError, TypeError) as exc:
             raise RetrievalError(f"retrieval server {self.url} sent an unexpected answer: {exc}") from exc
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state["_session"] = None
-        return state
 
     def __repr__(self) -> str:
         return f"RemoteRetriever({self.url!r})"
