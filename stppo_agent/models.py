@@ -32,6 +32,20 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def enable_checkpointing(model) -> None:
+    """Activation (gradient) checkpointing under its current transformers name. Non-reentrant: the clip-bias
+    correction's ``torch.autograd.grad`` does not work through reentrant checkpoints."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def is_checkpointing(model) -> bool:
+    return bool(getattr(model, "is_activation_checkpointing", None) if hasattr(model, "is_activation_checkpointing")
+                else model.is_gradient_checkpointing)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -49,7 +63,7 @@ def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpo
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a causal LM from {path!r} (a local folder or hub name): {exc}") from exc
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
         model.config.use_cache = False
     return model
 
@@ -75,7 +89,7 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
             if getattr(head, "bias", None) is not None:
                 torch.nn.init.zeros_(head.bias)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     return model
 
 

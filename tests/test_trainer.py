@@ -194,3 +194,15 @@ def test_metrics_file_is_json_lines(tiny_model, tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert (tmp_path / "config.yaml").exists()
+
+
+def test_bfloat16_and_gradient_checkpointing_options_train(tiny_model, tmp_path):
+    config = toy_config(tiny_model, tmp_path, "st_ppo", iterations=2, dtype="bfloat16", gradient_checkpointing=True)
+    trainer = Trainer(config)
+    from stppo_agent.models import is_checkpointing
+
+    assert trainer.actor.dtype == torch.bfloat16 and is_checkpointing(trainer.actor)
+    before = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.actor.named_parameters())
+    assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in read_metrics(tmp_path))
