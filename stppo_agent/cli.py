@@ -180,7 +180,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 def _run_index_bm25(args: argparse.Namespace) -> int:
     from stppo_envs.retrieval.indexing import build_bm25_from_corpus
 
-    out = build_bm25_from_corpus(args.corpus, args.out, threads=args.threads)
+    out = build_bm25_from_corpus(args.corpus, args.out, threads=args.threads, quiet=False)  # Anserini logs progress
     print(f"BM25 index written to {out}; use it with --retriever bm25:{out}")
     return 0
 

@@ -283,3 +283,21 @@ def test_remote_client_reports_4xx_as_retrieval_error(threaded_server):
     with pytest.raises(RetrievalError, match="rejected the request \\(422\\)"):
         make_retriever(url, cache_size=0).search("q", 0)
     assert isinstance(make_retriever(url, cache_size=0).search("Paris", 1)[0], Hit)
+
+
+def test_index_commands(shared_data, tmp_path, capsys):
+    from stppo_agent.cli import main
+
+    corpus = tmp_path / "small.jsonl"
+    with open(shared_data / "corpus/wiki_dpr_sample_1000.jsonl", encoding="utf-8") as src:
+        corpus.write_text("".join(line for _, line in zip(range(40), src)))
+    assert main(["index", "bm25", "--corpus", str(corpus), "--out", str(tmp_path / "bm25")]) == 0
+    assert "bm25:" in capsys.readouterr().out
+    assert main(["index", "bm25", "--corpus", str(corpus), "--out", str(tmp_path / "bm25")]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["index", "dense", "--corpus", str(corpus), "--encoder", str(MINILM), "--out",
+                 str(tmp_path / "dense"), "--index-type", "ivf"]) == 0
+    for spec in (f"bm25:{tmp_path / 'bm25'}", f"dense:{tmp_path / 'dense'}"):
+        assert make_retriever(spec).search("lobbyist for Genentech", 1)[0].docid == "0", spec
+    assert main(["index", "bm25", "--corpus", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 1
+    assert "corpus file not found" in capsys.readouterr().err

@@ -94,7 +94,8 @@ def prepare_output_dir(out: str | os.PathLike) -> Path:
     return out
 
 
-def build_bm25_from_corpus(corpus: str | os.PathLike, out: str | os.PathLike, *, threads: int = 1) -> Path:
+def build_bm25_from_corpus(corpus: str | os.PathLike, out: str | os.PathLike, *, threads: int = 1,
+                           quiet: bool = True) -> Path:
     """Build a pyserini BM25 index of ``corpus`` at ``out``, atomically (a half-built index never appears)."""
     from .bm25 import build_bm25_index
 
@@ -103,7 +104,7 @@ def build_bm25_from_corpus(corpus: str | os.PathLike, out: str | os.PathLike, *,
         collection = Path(scratch) / "collection"
         collection.mkdir()
         count = write_jsonl_collection(corpus, collection)
-        built = build_bm25_index(collection, Path(scratch) / "index", threads=threads)
+        built = build_bm25_index(collection, Path(scratch) / "index", threads=threads, quiet=quiet)
         if out.exists():
             out.rmdir()
         shutil.move(str(built), out)
