@@ -49,7 +49,10 @@ def is_checkpointing(model) -> bool:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a tokenizer from {path!r} (a local folder or hub name): {exc}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

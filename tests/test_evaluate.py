@@ -122,3 +122,22 @@ def test_openai_compatible_agent_against_a_stub_server(tmp_path):
     assert first["model"] == "stub-model" and first["stop"] == ["</search>", "</answer>"]
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
     assert second["messages"][1]["content"].endswith("</search>")
+
+
+def test_hf_checkpoint_agent_is_deterministic_and_counts_tokens(tmp_path):
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    from .tiny_models import tiny_llama
+
+    model = tiny_llama(tmp_path / "tiny", load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
+    runs = []
+    for out in ("a", "b"):
+        assert main(["eval", "--agent", f"hf:{model}", "--benchmarks", "nq,medqa", "--limit", "3", "--max-turns", "2",
+                     "--max-new-tokens", "6", "--output-dir", str(tmp_path / out)]) == 0
+        runs.append([{k: v for k, v in r.items() if k != "timing"}
+                     for r in json.loads((tmp_path / out / "results.json").read_text())])
+    assert runs[0] == runs[1]
+    metrics = runs[0][0]["metrics"]
+    assert metrics["n"] == 3 and 0 < metrics["mean_response_tokens"] <= 12
+    assert runs[0][0]["provenance"]["agent"] == f"hf:{model}"

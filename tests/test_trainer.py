@@ -206,3 +206,29 @@ def test_bfloat16_and_gradient_checkpointing_options_train(tiny_model, tmp_path)
     trainer.train()
     assert any(not torch.equal(before[n], p) for n, p in trainer.actor.named_parameters())
     assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in read_metrics(tmp_path))
+
+
+def test_train_command_reports_bad_input(tmp_path, capsys):
+    from stppo_agent.cli import main
+
+    assert main(["train", "--env", "stppo/Toy-v0", "--output-dir", str(tmp_path)]) == 1
+    assert "model is required" in capsys.readouterr().err
+    assert main(["train", "--model", str(tmp_path / "nothing"), "--env", "stppo/Toy-v0", "--output-dir",
+                 str(tmp_path)]) == 1
+    assert "cannot load a tokenizer from" in capsys.readouterr().err
+    assert main(["train", "--model", "m", "--set", "algorithm.clip_hgh=0.3"]) == 1
+    assert "unknown algorithm fields ['clip_hgh']" in capsys.readouterr().err
+
+
+def test_entropy_bonus_changes_the_gradient(tiny_model, tmp_path):
+    grads = []
+    for coef in (0.0, 0.5):
+        trainer = Trainer(toy_config(tiny_model, tmp_path / str(coef), "grpo",
+                                     algorithm={"kl_loss_coef": 0.0, "entropy_coef": coef}))
+        torch.manual_seed(0)
+        batch = trainer.rollout()
+        trainer.score(batch)
+        metrics = trainer.actor_gradients(batch)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.actor.parameters()]))
+        assert metrics["entropy"] > 0
+    assert not torch.allclose(grads[0], grads[1])
