@@ -31,7 +31,7 @@ from .checkpoint import latest_valid_checkpoint, load_trainer_state, save_checkp
 from .config import TrainConfig
 from .forward import batched_no_grad, critic_values, token_logprobs
 from .logging_utils import MetricsLogger
-from .models import load_actor, load_critic, load_policy_models
+from .models import load_policy_models
 from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
 
 
@@ -128,13 +128,12 @@ class Trainer:
     def _build_models(self, checkpoint: Path | None) -> None:
         config, algo = self.config, self.algo
         need_reference = algo.kl_in_reward > 0 or algo.kl_loss_coef > 0
-        models = load_policy_models(config.model, critic_path=config.critic_model, use_critic=algo.use_critic,
+        # On resume the actor and critic come from the checkpoint; the reference is always the initial policy.
+        actor_path = str(checkpoint / "actor") if checkpoint is not None else config.model
+        critic_path = str(checkpoint / "critic") if checkpoint is not None else config.critic_model
+        models = load_policy_models(actor_path, critic_path=critic_path, use_critic=algo.use_critic,
                                     need_reference=need_reference, dtype=config.dtype,
-                                    gradient_checkpointing=config.gradient_checkpointing)
-        if checkpoint is not None:  # weights from the checkpoint; the reference stays the initial policy
-            models.actor = load_actor(checkpoint / "actor", config.dtype, config.gradient_checkpointing)
-            if algo.use_critic:
-                models.critic = load_critic(checkpoint / "critic", config.dtype, config.gradient_checkpointing)
+                                    gradient_checkpointing=config.gradient_checkpointing, reference_path=config.model)
         self.tokenizer = models.tokenizer
         self.actor = models.actor.to(self.device)
         self.critic = models.critic.to(self.device) if models.critic is not None else None

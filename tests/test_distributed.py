@@ -41,9 +41,13 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
             torch.save({"grads": grads, "metrics": metrics, "whitened": whitened}, result_path)
         else:
             torch.save({"whitened": whitened}, result_path + ".1")
-        dist.barrier()  # both ranks done talking before either tears the group down
-    finally:
+        dist.barrier()  # both ranks are done talking
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # gloo's teardown occasionally aborts in C++ ("terminate called without an active exception") after all work
+    # is done and saved; leave without running destructors so that cannot turn a passed check into a failure
+    os._exit(0)
 
 
 def free_port() -> int:
