@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" -c "import torch, vllm; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'vllm', vllm.__version__)"
 for backend in vllm hf; do
   rm -rf "$OUT/$backend"
-  timeout 240 "$PY" -m stppo_agent.cli train --algo st_ppo --env stppo/NQ-v0,stppo/HotpotQA-v0 --model "$MODEL" \
+  timeout 140 "$PY" -m stppo_agent.cli train --algo st_ppo --env stppo/NQ-v0,stppo/HotpotQA-v0 --model "$MODEL" \
     --output-dir "$OUT/$backend" --iterations 3 \
     --set generation_backend=$backend --set device=cuda --set dtype=bfloat16 \
     --set prompts_per_iteration=32 --set samples_per_prompt=2 --set mini_batch_size=64 --set micro_batch_size=8 \
