@@ -30,6 +30,8 @@ class TrainConfig:
     """Comma-separated env ids; prompts are drawn from their union (e.g. stppo/NQ-v0,stppo/HotpotQA-v0)."""
     env_kwargs: dict = dataclasses.field(default_factory=dict)
     """Keyword arguments for gymnasium.make (dataset, split, retriever, topk, ...), shared by every env id."""
+    share_retriever: bool = True
+    """With several processes and a local retriever spec, rank 0 serves the index to all ranks over HTTP."""
     model: str = ""
     """Actor: a local Hugging Face folder or hub name."""
     critic_model: str | None = None

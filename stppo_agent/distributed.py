@@ -68,3 +68,12 @@ def distributed_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     centered = torch.where(mask, x - mean, zero)
     var = all_reduce_sum((centered**2).sum()) / (count - 1).clamp(min=1)
     return centered * torch.rsqrt(var + eps)
+
+
+def broadcast_from_main(value):
+    """``value`` as rank 0 has it, on every rank (any picklable object)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

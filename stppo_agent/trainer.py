@@ -33,6 +33,7 @@ from .forward import batched_no_grad, critic_values, token_logprobs
 from .logging_utils import MetricsLogger
 from .models import load_policy_models
 from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
+from .shared_retrieval import shared_retriever_spec
 
 
 class TrainingDivergedError(RuntimeError):
@@ -172,15 +173,22 @@ class Trainer:
         self.env_ids = [e.strip() for e in self.config.env.split(",") if e.strip()]
         if not self.env_ids:
             raise ValueError("env is empty; pass one or more env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
-        probes = [gym.make(env_id, disable_env_checker=True, **self.config.env_kwargs).unwrapped
-                  for env_id in self.env_ids]
+        base_kwargs = dict(self.config.env_kwargs)
+        if self.config.share_retriever and any(self._is_search_env(e) for e in self.env_ids):
+            base_kwargs["retriever"] = shared_retriever_spec(base_kwargs.get("retriever", "demo"), self.run_dir)
+        probes = [gym.make(env_id, disable_env_checker=True, **base_kwargs).unwrapped for env_id in self.env_ids]
         # Copies of a search env share its probe's retriever (one index in memory) and the trainer's max_turns.
-        self.env_kwargs = [dict(self.config.env_kwargs, retriever=env.retriever, max_turns=self.config.max_turns)
-                           if isinstance(env, stppo_envs.SearchQAEnv) else dict(self.config.env_kwargs)
+        self.env_kwargs = [dict(base_kwargs, retriever=env.retriever, max_turns=self.config.max_turns)
+                           if isinstance(env, stppo_envs.SearchQAEnv) else dict(base_kwargs)
                            for env in probes]
         sizes = [len(getattr(env, "examples", ())) or 1 for env in probes]
         self.sampler = PromptSampler(sizes, self.config.seed)
         self._env_pool: dict[tuple[int, int], gym.Env] = {}
+
+    @staticmethod
+    def _is_search_env(env_id: str) -> bool:
+        entry_point = gym.spec(env_id).entry_point
+        return isinstance(entry_point, str) and entry_point.endswith(":SearchQAEnv")
 
     def _env(self, slot: int, env_index: int) -> gym.Env:
         key = (slot, env_index)

@@ -115,3 +115,30 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     _, state = load_trainer_state(out / "checkpoints" / "step-4")
     assert state["iteration"] == 4 and state["optimizer_steps"] == 4
+
+
+def test_torchrun_ranks_share_one_retrieval_server(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import requests
+
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    model = tiny_llama(tmp_path / "model", load_tokenizer(str(smollm2_path())), hidden=16, layers=1)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/NQ-v0", "--model", str(model),
+               "--output-dir", str(out), "--iterations", "1"]
+    for item in ("prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4", "micro_batch_size=2",
+                 "max_turns=2", "max_new_tokens_per_turn=8", "max_prompt_tokens=512", "max_total_tokens=1024",
+                 "progress=false", "tensorboard=false", "env_kwargs.retriever=demo"):
+        command += ["--set", item]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    server = json.loads((out / "retrieval_server.json").read_text())
+    assert server["spec"] == "demo" and server["url"].startswith("http://127.0.0.1:")
+    with pytest.raises(requests.ConnectionError):  # stopped with the run
+        requests.get(server["url"] + "/health", timeout=2)

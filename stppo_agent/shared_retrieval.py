@@ -1,0 +1,70 @@
+"""One retrieval server for all ranks of a data-parallel run, started by rank 0.
+
+Loading a BM25 index (a JVM each) or a dense index (tens of GB of vectors each) in every training process
+wastes memory; with ``share_retriever`` (the default) and a local retriever spec, rank 0 starts ``stppo serve``
+on a free loopback port, every rank talks to it over HTTP, and it stops with the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from . import distributed
+
+
+def is_local_spec(spec) -> bool:
+    return isinstance(spec, str) and not spec.startswith(("http://", "https://"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(spec: str, run_dir: Path, timeout: float = 600.0) -> str:
+    """Start ``stppo serve --retriever spec`` and wait until it answers; returns its URL."""
+    port = _free_port()
+    log = open(run_dir / "retrieval_server.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", spec, "--port",
+                                str(port)], stdout=log, stderr=subprocess.STDOUT)
+    atexit.register(_stop, process)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the shared retrieval server for {spec!r} exited; see {run_dir}/retrieval_server.log")
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                (run_dir / "retrieval_server.json").write_text(json.dumps({"spec": spec, "url": url}) + "\n")
+                return url
+        except requests.RequestException:
+            time.sleep(0.5)
+    _stop(process)
+    raise RuntimeError(f"the shared retrieval server for {spec!r} did not start within {timeout:.0f} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def shared_retriever_spec(spec, run_dir: Path):
+    """The spec every rank should use: the shared server's URL for a local spec in a multi-process run."""
+    if distributed.world_size() <= 1 or not is_local_spec(spec):
+        return spec
+    run_dir.mkdir(parents=True, exist_ok=True)
+    url = start_server(spec, run_dir) if distributed.is_main() else None
+    return distributed.broadcast_from_main(url)
