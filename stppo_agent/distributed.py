@@ -70,10 +70,10 @@ def distributed_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     return centered * torch.rsqrt(var + eps)
 
 
-def broadcast_from_main(value):
-    """``value`` as rank 0 has it, on every rank (any picklable object)."""
+def all_gather_objects(value) -> list:
+    """Every rank's ``value`` (any picklable object), in rank order."""
     if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -62,9 +63,18 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def shared_retriever_spec(spec, run_dir: Path):
-    """The spec every rank should use: the shared server's URL for a local spec in a multi-process run."""
+    """The spec every rank should use: its node's server URL for a local spec in a multi-process run.
+
+    The first process of each node (LOCAL_RANK 0) starts a server on loopback; ranks find their node's URL by
+    host name, so several nodes never talk to each other's loopback addresses.
+    """
     if distributed.world_size() <= 1 or not is_local_spec(spec):
         return spec
     run_dir.mkdir(parents=True, exist_ok=True)
-    url = start_server(spec, run_dir) if distributed.is_main() else None
-    return distributed.broadcast_from_main(url)
+    local_rank = int(os.environ.get("LOCAL_RANK", distributed.rank()))
+    url = start_server(spec, run_dir) if local_rank == 0 else None
+    host = socket.gethostname()
+    urls = [u for h, u in distributed.all_gather_objects((host, url)) if h == host and u]
+    if not urls:
+        raise RuntimeError(f"no process on {host} started the shared retrieval server (is LOCAL_RANK set?)")
+    return urls[0]

@@ -142,3 +142,33 @@ def test_torchrun_ranks_share_one_retrieval_server(tmp_path):
     assert server["spec"] == "demo" and server["url"].startswith("http://127.0.0.1:")
     with pytest.raises(requests.ConnectionError):  # stopped with the run
         requests.get(server["url"] + "/health", timeout=2)
+
+
+def test_two_node_rendezvous_on_one_host(tmp_path):
+    """torchrun's c10d rendezvous with two 'nodes' of one process each (both on loopback)."""
+    import subprocess
+    import sys
+
+    from stppo_agent.checkpoint import load_trainer_state
+
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    out = tmp_path / "run"
+    port = free_port()
+
+    def node(rank: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                   "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                   "--rdzv_id", "stppo-test", "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env",
+                   "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
+        for item in ("prompts_per_iteration=8", "mini_batch_size=8", "micro_batch_size=2", "max_turns=2",
+                     "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32", "progress=false",
+                     "tensorboard=false"):
+            command += ["--set", item]
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    nodes = [node(0), node(1)]
+    for process in nodes:
+        _, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+    _, state = load_trainer_state(out / "checkpoints" / "step-2")
+    assert state["iteration"] == 2 and state["optimizer_steps"] == 2
