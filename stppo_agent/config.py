@@ -59,11 +59,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     """Gradient-norm clipping, after the clip-bias correction."""
-    max_turns: int = 4
-    max_new_tokens_per_turn: int = 256
-    max_observation_tokens: int = 512
-    max_prompt_tokens: int = 1024
-    max_total_tokens: int = 4096
+    # Rollout limits: flat here for --set, defaults and meanings from RolloutLimits (the one place they live).
+    max_turns: int = RolloutLimits.max_turns
+    max_new_tokens_per_turn: int = RolloutLimits.max_new_tokens_per_turn
+    max_observation_tokens: int = RolloutLimits.max_observation_tokens
+    max_prompt_tokens: int = RolloutLimits.max_prompt_tokens
+    max_total_tokens: int = RolloutLimits.max_total_tokens
     temperature: float = 1.0
     top_p: float = 1.0
     generation_backend: str = "hf"
@@ -96,8 +97,7 @@ class TrainConfig:
         return dataclasses.replace(preset, **self.algorithm)
 
     def rollout_limits(self) -> RolloutLimits:
-        return RolloutLimits(self.max_turns, self.max_new_tokens_per_turn, self.max_observation_tokens,
-                             self.max_prompt_tokens, self.max_total_tokens)
+        return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
 
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(self.temperature, self.top_p)
