@@ -22,6 +22,7 @@ from stppo_envs.retrieval import make_retriever
 from stppo_envs.vector import serve_searches
 
 from .agents import Agent, EpisodeView
+from .episode_stats import episode_rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,20 +93,16 @@ def summarize(records: Sequence[dict], multiple_choice: bool) -> dict[str, float
     def mean(key: str) -> float:
         return statistics.fmean(r[key] for r in records) if records else 0.0
 
-    turns = sum(r["turns"] for r in records)
     metrics = {"n": len(records)}
     if multiple_choice:
         metrics["acc"] = mean("correct")
     else:
         metrics["em"] = mean("em")
         metrics["f1"] = mean("f1")
+    metrics.update(episode_rates([{**r, "answered": r["terminated"]} for r in records]))
     metrics.update({
-        "answer_rate": mean("terminated"),
-        "invalid_action_rate": sum(r["invalid_actions"] for r in records) / turns if turns else 0.0,
         "mean_turns": mean("turns"),
         "mean_search_calls": mean("search_calls"),
-        "search_error_rate": sum(r["search_errors"] for r in records) / max(1, sum(
-            r["search_calls"] + r["search_errors"] for r in records)),
         "mean_response_chars": mean("response_chars"),
     })
     if records and all("response_tokens" in r for r in records):

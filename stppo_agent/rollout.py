@@ -17,6 +17,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stppo_envs import step_envs
 
+from .episode_stats import episode_rates
+
 STOP_STRINGS = ("</search>", "</answer>")
 
 
@@ -206,6 +208,11 @@ class Trajectory:
     search_errors: int = 0
     answered: bool = False
 
+    def counters(self) -> dict[str, int]:
+        """The per-episode counters :func:`episode_rates` reads."""
+        return {key: getattr(self, key) for key in ("turns", "invalid_actions", "search_calls", "search_errors",
+                                                     "answered")}
+
     def append(self, ids: Sequence[int], *, policy: bool, turn: int, logprobs: Sequence[float] | None = None):
         self.response_ids += list(ids)
         self.policy_mask += [policy] * len(ids)
@@ -343,11 +350,7 @@ def to_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
         "response_tokens": float(loss_mask.sum()) / batch,
         "turns": sum(t.turns for t in trajectories) / batch,
         "search_calls": sum(t.search_calls for t in trajectories) / batch,
-        "invalid_action_rate": sum(t.invalid_actions for t in trajectories)
-        / max(1, sum(t.turns for t in trajectories)),
-        "answer_rate": sum(t.answered for t in trajectories) / batch,
-        "search_error_rate": sum(t.search_errors for t in trajectories) / max(1, sum(
-            t.search_calls + t.search_errors for t in trajectories)),
+        **episode_rates([t.counters() for t in trajectories]),
         "truncated_max_total_tokens": sum(t.finish_reason == "max_total_tokens" for t in trajectories) / batch,
     }
     return RolloutBatch(
