@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from _common import REPO, cached_index, shared_data
 
-sys.path.insert(0, str(REPO))
+from stppo_agent.shared_retrieval import free_port  # noqa: E402
 from tests.tiny_models import tiny_llama  # noqa: E402
 
 
@@ -41,11 +40,6 @@ def train_throughput(processes: int, model: Path) -> float:
     per_rank = sorted(r["update_tokens_per_s"] for r in records[1:])
     return per_rank[len(per_rank) // 2] * processes
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_qps(index: Path, queries: list[str]) -> None:

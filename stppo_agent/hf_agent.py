@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from .agents import EpisodeView
-from .rollout import HFGenerationBackend, SamplingSettings, encode_prompt
+from .rollout import HFGenerationBackend, SamplingSettings, encode_observation, encode_prompt
 
 
 class HFAgent:
@@ -53,7 +53,6 @@ class HFAgent:
             self._generated[episode.example_id] = 0
             self._contexts[episode.example_id] = encode_prompt(self.tokenizer, episode.transcript[0].text)
         else:
-            observation = episode.transcript[-1].text
-            ids = self.tokenizer(observation, add_special_tokens=False)["input_ids"][: self.max_observation_tokens]
-            self._contexts[episode.example_id] += ids
+            self._contexts[episode.example_id] += encode_observation(self.tokenizer, episode.transcript[-1].text,
+                                                                     self.max_observation_tokens)
         return self._contexts[episode.example_id]

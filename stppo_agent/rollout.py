@@ -270,6 +270,11 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
+def encode_observation(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """An env observation tokenised alone (no special tokens), cut to ``max_tokens`` as Search-R1 does."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+
+
 def collect_rollouts(backend: GenerationBackend, tokenizer, envs: Sequence[gym.Env],
                      reset_options: Sequence[dict], group_ids: Sequence[int], limits: RolloutLimits,
                      seeds: Sequence[int | None] | None = None,
@@ -318,7 +323,7 @@ def _run_turn(backend, tokenizer, active: list[Trajectory], turn: int, limits: R
             trajectory.answered = info.get("prediction") is not None
             trajectory.finish_reason = "answer" if terminated else "max_turns"
             continue
-        obs_ids = tokenizer(observation, add_special_tokens=False)["input_ids"][: limits.max_observation_tokens]
+        obs_ids = encode_observation(tokenizer, observation, limits.max_observation_tokens)
         room = limits.max_total_tokens - len(trajectory.prompt_ids) - len(trajectory.response_ids)
         if len(obs_ids) >= room:  # no space left to generate after this observation
             trajectory.append(obs_ids[:room], policy=False, turn=turn)

@@ -25,7 +25,8 @@ def is_local_spec(spec) -> bool:
     return isinstance(spec, str) and not spec.startswith(("http://", "https://"))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """An unused TCP port on loopback."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -33,7 +34,7 @@ def _free_port() -> int:
 
 def start_server(spec: str, run_dir: Path, timeout: float = 600.0) -> str:
     """Start ``stppo serve --retriever spec`` and wait until it answers; returns its URL."""
-    port = _free_port()
+    port = free_port()
     log = open(run_dir / "retrieval_server.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", spec, "--port",
                                 str(port)], stdout=log, stderr=subprocess.STDOUT)

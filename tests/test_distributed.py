@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stppo_agent.config import TrainConfig
+from stppo_agent.shared_retrieval import free_port
 from stppo_agent.trainer import Trainer
 
 from .tiny_models import tiny_llama, word_tokenizer
@@ -49,11 +49,6 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
     # is done and saved; leave without running destructors so that cannot turn a passed check into a failure
     os._exit(0)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("algo", ["st_ppo", "s_ppo"])

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 import requests
 
 import stppo_envs  # noqa: F401
+from stppo_agent.shared_retrieval import free_port
 from stppo_envs.retrieval import (
     CachedRetriever,
     Hit,
@@ -162,11 +162,6 @@ def test_dense_index_types_and_resume(dense_setup, tmp_path, monkeypatch):
 
 
 # --- server ----------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
