@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_advantage_estimator, get_policy_loss  # noqa: E402
+from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_advantage_estimator, get_policy_loss
 
 
 def make_batch(batch: int, length: int, seed: int = 0):

@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
-from _common import REPO  # noqa: F401  (puts the repository on sys.path)
 
-sys.path.insert(0, str(REPO))
-from stppo_agent.config import TrainConfig  # noqa: E402
-from stppo_agent.forward import position_ids  # noqa: E402
-from stppo_agent.rollout import RolloutBatch, encode_prompt  # noqa: E402
-from stppo_agent.trainer import Trainer  # noqa: E402
-from tests.tiny_models import tiny_llama  # noqa: E402
+from stppo_agent.config import TrainConfig
+from stppo_agent.forward import position_ids
+from stppo_agent.rollout import RolloutBatch, encode_prompt
+from stppo_agent.trainer import Trainer
+from tests.tiny_models import tiny_llama
 
 
 def make_model(hidden: int, layers: int) -> Path:

@@ -188,20 +188,15 @@ def _load_headerless_mcq_csv(path: Path) -> datasets.Dataset:
 
 
 def _is_json_object_of_records(path: Path) -> bool:
+    """PubMedQA ships ``{"PMID": {...}, ...}``; a JSON-lines file also starts with '{', but its first line is a
+    complete object."""
     with open(path, encoding="utf-8") as handle:
-        head = handle.read(4096).lstrip()
-    return head.startswith("{") and _first_value_is_object(path)
-
-
-def _first_value_is_object(path: Path) -> bool:
-    """PubMedQA ships ``{"PMID": {...}, ...}``; a JSON-lines file also starts with '{' but parses line by line."""
-    with open(path, encoding="utf-8") as handle:
-        first_line = handle.readline().strip()
-    if first_line == "{":
-        return True
+        first_line = next((line.strip() for line in handle if line.strip()), "")
+    if not first_line.startswith("{"):
+        return False
     try:
         json.loads(first_line)
-        return False  # a complete object on line one: JSON lines
+        return False
     except json.JSONDecodeError:
         return True
 
