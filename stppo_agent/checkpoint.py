@@ -63,8 +63,10 @@ def verify_checkpoint(folder: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tensor_state: dict[str, Any],
-                    json_state: dict[str, Any], keep: int) -> Path:
-    """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest."""
+                    json_state: dict[str, Any], keep: int, actor_state: dict | None = None,
+                    critic_state: dict | None = None) -> Path:
+    """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest. ``actor_state`` /
+    ``critic_state``: full state dicts to write instead of the modules' own (gathered from FSDP2 shards)."""
     from .models import save_critic
 
     root = run_dir / "checkpoints"
@@ -74,10 +76,10 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir()
-    actor.save_pretrained(scratch / "actor", safe_serialization=True)
+    actor.save_pretrained(scratch / "actor", state_dict=actor_state, safe_serialization=True)
     tokenizer.save_pretrained(scratch / "actor")
     if critic is not None:
-        save_critic(critic, scratch / "critic")
+        save_critic(critic, scratch / "critic", critic_state)
     torch.save(tensor_state, scratch / "trainer_state.pt")
     (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
     _write_manifest(scratch)
@@ -88,6 +90,30 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     for old in sorted(list_checkpoints(run_dir))[:-keep]:
         shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     return final
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's CPU (gathered from FSDP2 shards; empty on other ranks).
+    A collective under FSDP2: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name, with full (unsharded) tensors on rank 0's CPU: loadable under
+    DDP or FSDP2 with any number of processes. A collective under FSDP2: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load :func:`full_optimizer_state`'s output (every rank passes the whole state; FSDP2 keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,12 +1,18 @@
 """torch.distributed plumbing for data-parallel training (torchrun; gloo on CPU, NCCL on GPUs).
 
-Every rank runs its share of the rollouts and of the update; gradients are averaged by DDP, the clip-bias
-gradient C by :meth:`ClipBiasCorrector.all_reduce`, and loss normalisers (policy-token counts) are global, so
-that one data-parallel step computes exactly the gradient of the whole global batch.
+Every rank runs its share of the rollouts and of the update; loss normalisers (policy-token counts) are global,
+so that one data-parallel step computes exactly the gradient of the whole global batch. Two strategies:
+
+- ``ddp``: every rank holds the whole model; DDP averages gradients, :meth:`ClipBiasCorrector.all_reduce`
+  averages the clip-bias gradient C the same way.
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every transformer block and on the root, so parameters,
+  gradients and AdamW state are split over the ranks; gradients (C included) arrive reduce-scattered and
+  averaged in ``.grad`` as DTensor shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -22,6 +28,30 @@ def init_from_env() -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
     return True
+
+
+STRATEGIES = ("ddp", "fsdp2")
+
+
+def ensure_process_group() -> None:
+    """A process group even for one process: FSDP2 needs a device mesh, also a one-way one."""
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" in os.environ:  # torchrun (any world size)
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        init_from_env() if int(os.environ["WORLD_SIZE"]) > 1 else _init_single("env://")
+        return
+    from .shared_retrieval import free_port
+
+    _init_single(f"tcp://127.0.0.1:{free_port()}")
+
+
+def _init_single(init_method: str) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, init_method=init_method, rank=0, world_size=1)
 
 
 def rank() -> int:
@@ -57,6 +87,86 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` each transformer block (the classes Hugging Face lists in ``_no_split_modules``), then the
+    root (embeddings, final norm, heads). Blocks free their gathered weights after forward; the root keeps its
+    own, which backward needs at once. Call on a model already on its device, before building its optimizer."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no transformer block class in _no_split_modules "
+                         f"({sorted(block_names)}); FSDP2 needs one to shard layer by layer: use strategy=ddp")
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """Hold an FSDP2 model's full weights for the duration (a no-op for other models).
+
+    Generation runs a different number of forwards on every rank (episodes end at different turns and
+    lengths); a sharded forward is a collective, so ranks would wait on each other forever. With every block
+    gathered up front and not freed after forward, forwards involve no communication. Memory: the full
+    weights in their training dtype, once, for the duration -- not the optimizer state or gradients.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        yield model
+        return
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def global_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The 2-norm of all ``tensors`` together; DTensor shards are summed over ranks (each holds a disjoint part).
+    Half-precision values are normed in float32; float64 stays float64 (exactness in tests)."""
+    from torch.distributed.tensor import DTensor
+
+    if not tensors:
+        return torch.zeros((), device=device)
+    squares = [torch.linalg.vector_norm(local_tensor(t).to(torch.float64 if t.dtype == torch.float64
+                                                             else torch.float32)) ** 2 for t in tensors]
+    dtype = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
+    total = torch.stack([s.to(dtype) for s in squares]).sum()
+    if any(isinstance(t, DTensor) for t in tensors) and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.sqrt()
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for plain and FSDP2-sharded parameters alike; returns the total norm as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def distributed_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -96,8 +96,8 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
     return model
 
 
-def save_critic(critic, path: Path) -> None:
-    critic.save_pretrained(path, safe_serialization=True)
+def save_critic(critic, path: Path, state_dict: dict | None = None) -> None:
+    critic.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
     (path / "critic.json").write_text('{"kind": "value-head", "num_labels": 1}\n')
 
 

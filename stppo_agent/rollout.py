@@ -96,7 +96,9 @@ class HFGenerationBackend:
         self.model.eval()
         kwargs = dict(do_sample=not self.sampling.greedy, max_new_tokens=max_new_tokens,
                       pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
-                      output_scores=True, return_dict_in_generate=True)
+                      output_scores=True, return_dict_in_generate=True,
+                      # ranks generate independently (an FSDP2 actor is gathered first): never lock-step
+                      synced_gpus=False)
         if not self.sampling.greedy:
             kwargs.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0)
         if self.stop_strings:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,7 +28,14 @@ import stppo_envs  # noqa: F401  (registers the env ids)
 
 from . import distributed
 from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
-from .checkpoint import latest_valid_checkpoint, load_trainer_state, save_checkpoint
+from .checkpoint import (
+    full_model_state,
+    full_optimizer_state,
+    latest_valid_checkpoint,
+    load_full_optimizer_state,
+    load_trainer_state,
+    save_checkpoint,
+)
 from .config import TrainConfig
 from .forward import batched_no_grad, critic_values, token_logprobs
 from .logging_utils import MetricsLogger
@@ -69,10 +77,11 @@ class PromptSampler:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """``auto`` and plain ``cuda`` mean this process's GPU (torchrun's LOCAL_RANK), not always GPU 0."""
+    if name == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
+    if name in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(name)
 
 
@@ -100,6 +109,9 @@ class Trainer:
         self.algo = config.algorithm_config()
         self.run_dir = Path(config.output_dir)
         self.device = _device(config.device)
+        self.sharded = config.strategy == "fsdp2"
+        if self.sharded:
+            distributed.ensure_process_group()
         self.rank, self.world = distributed.rank(), distributed.world_size()
         if config.prompts_per_iteration % self.world or config.mini_batch_size % self.world:
             raise ValueError(f"prompts_per_iteration ({config.prompts_per_iteration}) and mini_batch_size "
@@ -143,9 +155,14 @@ class Trainer:
             if model is not None:
                 _disable_dropout(model)
                 model.train()
-        # Gradients go through DDP wrappers when distributed; generation and scoring use the plain modules.
-        self.actor_train = distributed.wrap_ddp(self.actor, self.device)
-        self.critic_train = distributed.wrap_ddp(self.critic, self.device) if self.critic is not None else None
+        if self.sharded:  # sharded in place: the same modules train, score and (gathered) generate
+            for model in (self.actor, self.critic, self.reference):
+                if model is not None:
+                    distributed.shard_fsdp2(model)
+            self.actor_train, self.critic_train = self.actor, self.critic
+        else:  # gradients go through DDP wrappers when distributed; generation and scoring use the plain modules
+            self.actor_train = distributed.wrap_ddp(self.actor, self.device)
+            self.critic_train = distributed.wrap_ddp(self.critic, self.device) if self.critic is not None else None
         self.actor_optimizer = torch.optim.AdamW(self.actor.parameters(), lr=config.actor_lr,
                                                  weight_decay=config.weight_decay)
         self.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(self.actor_optimizer, _warmup(config.warmup_steps))
@@ -167,7 +184,7 @@ class Trainer:
             return VLLMGenerationBackend(path, self.config.sampling(), dtype=dtype, seed=self.config.seed + self.rank,
                                          gpu_memory_utilization=self.config.vllm_gpu_memory_utilization)
         return HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
-                                   batch_size=max(self.config.micro_batch_size, 8))
+                                   batch_size=self.config.generation_batch_size)
 
     def _build_envs(self) -> None:
         self.env_ids = [e.strip() for e in self.config.env.split(",") if e.strip()]
@@ -207,6 +224,8 @@ class Trainer:
         try:
             while self.iteration < self.config.iterations:
                 started = time.perf_counter()
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
                 batch = self.rollout()
                 rollout_seconds = time.perf_counter() - started
                 self.score(batch)
@@ -217,6 +236,8 @@ class Trainer:
                 metrics.update(batch.stats, rollout_seconds=rollout_seconds,
                                iteration_seconds=time.perf_counter() - started,
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
+                if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
+                    metrics["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 if self.logger is not None:
                     self.logger.log(self.iteration, metrics)
                 bar.update(1)
@@ -240,7 +261,11 @@ class Trainer:
                 options.append({"index": example})
                 groups.append(self.iteration * config.prompts_per_iteration + prompt_number)
                 seeds.append(config.seed + 1_000_003 * self.iteration + slot)
-        batch = collect_rollouts(self.backend, self.tokenizer, envs, options, groups, config.rollout_limits(), seeds)
+        gathered = distributed.gathered(self.actor) if isinstance(self.backend, HFGenerationBackend) \
+            else contextlib.nullcontext()
+        with gathered:
+            batch = collect_rollouts(self.backend, self.tokenizer, envs, options, groups, config.rollout_limits(),
+                                     seeds)
         if self.batch_hook is not None:
             self.batch_hook(batch)
         return batch.to(self.device)
@@ -327,7 +352,8 @@ class Trainer:
         clipping included) and return the step's metrics; ``grad_norm`` is NaN when the step must be skipped."""
         algo, loss_fn = self.algo, get_policy_loss(self.algo.policy_loss)
         params = [p for p in self.actor.parameters() if p.requires_grad]
-        corrector = ClipBiasCorrector(params, algo.clip_bias_kappa) if algo.clip_bias_correction else None
+        corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=self.sharded) \
+            if algo.clip_bias_correction else None
         global_tokens, global_seqs = self._global_counts(mini)
         self.actor_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
@@ -342,6 +368,8 @@ class Trainer:
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
             finite = finite * torch.isfinite(loss)
             if corrector is not None:
+                if self.sharded and not bias.requires_grad:  # the backward is a collective: every rank joins
+                    bias = logprobs.sum() * 0.0
                 corrector.accumulate(bias)
             loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
             weight = micro.loss_mask.sum() / (global_tokens * self.world)
@@ -351,7 +379,7 @@ class Trainer:
         if corrector is not None:
             corrector.all_reduce()
             out.update({k: float(v) for k, v in corrector.apply().items()})
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        grad_norm = distributed.clip_grad_norm(params, self.config.max_grad_norm)
         ok = bool(distributed.all_reduce_sum(finite) == self.world) and bool(torch.isfinite(grad_norm))
         out["grad_norm"] = float(grad_norm) if ok else math.nan
         return out
@@ -397,7 +425,7 @@ class Trainer:
             for key, value in metrics.items():
                 totals[key] += float(value) * weight
         totals = _reduce_metrics({k: torch.tensor(v, device=self.device) for k, v in totals.items()})
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.config.max_grad_norm)
+        grad_norm = distributed.clip_grad_norm(list(self.critic.parameters()), self.config.max_grad_norm)
         totals["critic_grad_norm"] = float(grad_norm)
         if not (bool(distributed.all_reduce_sum(finite) == self.world) and math.isfinite(totals["critic_grad_norm"])):
             return self._skip_step(dict(totals), "critic")
@@ -407,11 +435,15 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save(self) -> Path:
-        tensor_state = {"actor_optimizer": self.actor_optimizer.state_dict(),
+        """Rank 0 writes one checkpoint of full tensors (gathered from FSDP2 shards); optimizer state is keyed by
+        parameter name, so a run resumes under either strategy and any number of processes."""
+        tensor_state = {"actor_optimizer": full_optimizer_state(self.actor, self.actor_optimizer),
                         "actor_scheduler": self.actor_scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
         if self.critic_optimizer is not None:
-            tensor_state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            tensor_state["critic_optimizer"] = full_optimizer_state(self.critic, self.critic_optimizer)
             tensor_state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        actor_state = full_model_state(self.actor) if self.sharded else None
+        critic_state = full_model_state(self.critic) if self.sharded and self.critic is not None else None
         if torch.cuda.is_available():
             tensor_state["cuda_rng"] = torch.cuda.get_rng_state_all()
         json_state = {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
@@ -422,16 +454,17 @@ class Trainer:
         if distributed.is_main():  # optimizer state is identical on every rank under DDP: one copy suffices
             path = save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
                                    critic=self.critic, tensor_state=tensor_state, json_state=json_state,
-                                   keep=self.config.keep_checkpoints)
+                                   keep=self.config.keep_checkpoints, actor_state=actor_state,
+                                   critic_state=critic_state)
         distributed.barrier()
         return path
 
     def _restore(self, checkpoint: Path) -> None:
         tensors, state = load_trainer_state(checkpoint)
-        self.actor_optimizer.load_state_dict(tensors["actor_optimizer"])
+        load_full_optimizer_state(self.actor, self.actor_optimizer, tensors["actor_optimizer"])
         self.actor_scheduler.load_state_dict(tensors["actor_scheduler"])
         if self.critic_optimizer is not None:
-            self.critic_optimizer.load_state_dict(tensors["critic_optimizer"])
+            load_full_optimizer_state(self.critic, self.critic_optimizer, tensors["critic_optimizer"])
             self.critic_scheduler.load_state_dict(tensors["critic_scheduler"])
         torch.set_rng_state(tensors["torch_rng"])
         if "cuda_rng" in tensors and torch.cuda.is_available():

@@ -54,10 +54,15 @@ def generations_from_outputs(outputs: Iterable[Any]) -> list[Generation]:
 
 
 def weight_items(model: torch.nn.Module, chunk_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The actor's parameters and buffers as (name, tensor) chunks of about ``chunk_bytes``, with the
+    """The actor's parameters and buffers as (name, tensor) chunks of about ``chunk_bytes`` (FSDP2 shards
+    gathered), with the
     ``module.`` prefix of DDP/FSDP wrappers removed (vLLM expects the Hugging Face names)."""
+    from torch.distributed.tensor import DTensor
+
     chunk, size = [], 0
     for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):  # FSDP2 shard: gather the whole tensor (a collective: all ranks sync)
+            tensor = tensor.full_tensor()
         while name.startswith("module."):
             name = name[len("module."):]
         name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")

@@ -1,5 +1,6 @@
 """Two gloo processes compute exactly the gradient one process computes on the same global batch
-(tolerance: rtol 1e-5, atol 1e-7 -- float32 sums in another order), clip-bias correction included."""
+(tolerance: rtol 1e-5, atol 1e-7 -- float32 sums in another order), clip-bias correction included, under DDP and
+under FSDP2 (parameters, gradients and optimizer state sharded)."""
 
 from __future__ import annotations
 
@@ -18,26 +19,34 @@ from stppo_agent.trainer import Trainer
 from .tiny_models import tiny_llama, word_tokenizer
 
 
-def config(model: Path, out: Path, algo: str) -> TrainConfig:
+def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
     return TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
+                       strategy=strategy,
                        prompts_per_iteration=8, samples_per_prompt=1, mini_batch_size=8, micro_batch_size=2,
                        max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32,
                        progress=False, tensorboard=False, algorithm={"kl_in_reward": 0.0, "clip_bias_kappa": 0.01})
 
 
-def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path: str, result_path: str) -> None:
+def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path: str, result_path: str,
+               strategy: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        trainer = Trainer(config(Path(model), Path(out), algo), report=lambda _: None)
+        from torch.distributed.tensor import DTensor
+
+        trainer = Trainer(config(Path(model), Path(out), algo, strategy), report=lambda _: None)
         batch = torch.load(batch_path, weights_only=False)
         local = batch.select(list(range(rank, batch.batch_size, 2)))
         metrics = trainer.actor_gradients(local)
         from stppo_agent.distributed import distributed_whiten
 
         whitened = distributed_whiten(local.values, local.loss_mask)
+        sharded = [isinstance(p, DTensor) for p in trainer.actor.parameters()]
+        assert all(sharded) if strategy == "fsdp2" else not any(sharded)
+        # gathering FSDP2 shards is a collective: every rank takes part
+        grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                 for name, p in trainer.actor.named_parameters()}
         if rank == 0:
-            grads = {name: p.grad.clone() for name, p in trainer.actor.named_parameters()}
             torch.save({"grads": grads, "metrics": metrics, "whitened": whitened}, result_path)
         else:
             torch.save({"whitened": whitened}, result_path + ".1")
@@ -51,8 +60,9 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
 
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("algo", ["st_ppo", "s_ppo"])
-def test_two_process_gradient_equals_single_process(tmp_path, algo):
+def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy):
     model = tiny_llama(tmp_path / "model", word_tokenizer())
     single = Trainer(config(model, tmp_path / "single", algo), report=lambda _: None)
     batch = single.rollout()
@@ -66,7 +76,8 @@ def test_two_process_gradient_equals_single_process(tmp_path, algo):
 
     result = tmp_path / "rank0.pt"
     mp.start_processes(_rank_main, args=(free_port(), str(model), str(tmp_path / "ddp"), algo,
-                                         str(tmp_path / "batch.pt"), str(result)), nprocs=2, start_method="spawn")
+                                         str(tmp_path / "batch.pt"), str(result), strategy),
+                       nprocs=2, start_method="spawn")
     got = torch.load(result, weights_only=False)
     for name, param in single.actor.named_parameters():
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
@@ -81,7 +92,10 @@ def test_two_process_gradient_equals_single_process(tmp_path, algo):
     torch.testing.assert_close(other, full[1::2], rtol=1e-5, atol=1e-6)
 
 
-def test_torchrun_two_processes_then_resume_with_one(tmp_path):
+@pytest.mark.parametrize("first, then", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
+def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
+    """Checkpoints hold full tensors and name-keyed optimizer state: a run resumes with another number of
+    processes and the other strategy."""
     import subprocess
     import sys
 
@@ -91,9 +105,9 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path):
     model = tiny_llama(tmp_path / "model", word_tokenizer())
     out = tmp_path / "run"
 
-    def command(launcher, iterations, resume=False):
+    def command(launcher, iterations, strategy, resume=False):
         args = [*launcher, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0", "--model",
-                str(model), "--output-dir", str(out), "--iterations", str(iterations)]
+                str(model), "--output-dir", str(out), "--iterations", str(iterations), "--set", f"strategy={strategy}"]
         for item in ("prompts_per_iteration=8", "mini_batch_size=8", "micro_batch_size=2", "max_turns=2",
                      "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32", "progress=false",
                      "tensorboard=false", "save_every=1", "actor_lr=0.003"):
@@ -101,11 +115,12 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path):
         return args + (["--resume"] if resume else [])
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run(command(torchrun, 2), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command(torchrun, 2, first), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     _, state = load_trainer_state(out / "checkpoints" / "step-2")
     assert state["iteration"] == 2 and state["optimizer_steps"] == 2
-    done = subprocess.run(command([sys.executable], 4, resume=True), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command([sys.executable], 4, then, resume=True), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     _, state = load_trainer_state(out / "checkpoints" / "step-4")
@@ -167,3 +182,68 @@ def test_two_node_rendezvous_on_one_host(tmp_path):
         assert process.returncode == 0, err[-3000:]
     _, state = load_trainer_state(out / "checkpoints" / "step-2")
     assert state["iteration"] == 2 and state["optimizer_steps"] == 2
+
+
+def _uneven_generation_main(rank: int, port: int, model_path: str, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.distributed import gathered, shard_fsdp2
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    shard_fsdp2(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with gathered(model), torch.no_grad():
+        for _ in range(1 + 3 * rank):  # as many forwards as this rank's episodes need: differs between ranks
+            model(input_ids=ids)
+    model(input_ids=ids).logits.sum().backward()  # sharded again: collectives line up
+    full = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+    if rank == 0:
+        torch.save({"expected": expected, "full": full}, result_path)
+    dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
+    """Inside ``gathered`` an FSDP2 model's forwards do not communicate, so ranks may run different numbers of
+    them (generation); afterwards the model is sharded again with unchanged weights."""
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    context = mp.start_processes(_uneven_generation_main, args=(free_port(), str(model), str(tmp_path / "r.pt")),
+                                 nprocs=2, start_method="spawn", join=False)
+    import time
+
+    deadline = time.time() + 120
+    while not context.join(timeout=1):
+        if time.time() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("FSDP2 ranks deadlocked: a forward inside gathered() communicated")
+    got = torch.load(tmp_path / "r.pt", weights_only=False)
+    for name, tensor in got["expected"].items():
+        torch.testing.assert_close(got["full"][name], tensor, rtol=0, atol=0)
+
+
+def test_fsdp2_in_one_process_trains(tmp_path):
+    """strategy=fsdp2 without torchrun: a one-process group and a one-way mesh; the run trains and saves a plain
+    Hugging Face checkpoint."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
+               "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
+    for item in ("strategy=fsdp2", "prompts_per_iteration=8", "mini_batch_size=8", "micro_batch_size=2",
+                 "max_turns=2", "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32",
+                 "progress=false", "tensorboard=false"):
+        command += ["--set", item]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-2" / "actor")
+    initial = AutoModelForCausalLM.from_pretrained(model)
+    changed = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
+    assert any(changed)

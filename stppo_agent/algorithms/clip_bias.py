@@ -12,6 +12,12 @@ Use per optimizer step::
         loss.backward()
     # (data parallel: DDP has averaged .grad; corrector.all_reduce() averages C the same way)
     metrics = corrector.apply()                   # scales .grad of the actor; before grad-norm clipping
+
+With FSDP2-sharded parameters (``through_grad=True``) ``torch.autograd.grad`` cannot reach the parameters
+(forward runs on gathered copies), so C comes from a second ``backward`` into ``.grad``, which FSDP2
+reduce-scatters and averages like any gradient: ``accumulate`` parks the loss gradient accumulated so far, takes
+C's share from ``.grad`` and puts the loss gradient back. ``all_reduce`` is then a no-op and norms sum the
+squared shards over ranks.
 """
 
 from __future__ import annotations
@@ -21,19 +27,27 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..distributed import global_norm, local_tensor
+
 
 class ClipBiasCorrector:
     """Accumulates C over micro-batches and rescales the actor's gradient by max(1, ||C|| / kappa)."""
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], kappa: float = 1.0):
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], kappa: float = 1.0, through_grad: bool = False):
         self.parameters = [p for p in parameters if p.requires_grad]
         if kappa <= 0:
             raise ValueError(f"kappa must be > 0, got {kappa}")
         self.kappa = kappa
+        self.through_grad = through_grad
         self._bias: list[torch.Tensor] | None = None
 
     def accumulate(self, bias_surrogate: torch.Tensor) -> None:
-        """Add grad(bias_surrogate) to C without touching ``.grad`` (the loss backward comes after)."""
+        """Add grad(bias_surrogate) to C; ``.grad`` is left as it was (the loss backward comes after).
+
+        With ``through_grad`` every rank must call this for every micro-batch (the backward is a collective)."""
+        if self.through_grad:
+            self._accumulate_through_grad(bias_surrogate)
+            return
         if not bias_surrogate.requires_grad:  # nothing in this micro-batch depends on the policy
             return
         grads = torch.autograd.grad(bias_surrogate, self.parameters, retain_graph=True, allow_unused=True)
@@ -43,9 +57,24 @@ class ClipBiasCorrector:
             if grad is not None:
                 total.add_(grad)
 
+    def _accumulate_through_grad(self, bias_surrogate: torch.Tensor) -> None:
+        # FSDP2 may hand out gradients that are views of its communication buffers, which the next
+        # reduce-scatter overwrites: both the parked loss gradient and C's share are copied.
+        parked = [None if p.grad is None else p.grad.clone() for p in self.parameters]
+        for param in self.parameters:
+            param.grad = None
+        bias_surrogate.backward(retain_graph=True)
+        if self._bias is None:
+            self._bias = [torch.zeros_like(p) for p in self.parameters]
+        for total, param, grad in zip(self._bias, self.parameters, parked):
+            if param.grad is not None:
+                total.add_(param.grad)
+            param.grad = grad
+
     def all_reduce(self, group=None) -> None:
-        """Average C over data-parallel ranks exactly as DDP averages gradients (no-op when not distributed)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        """Average C over data-parallel ranks exactly as DDP averages gradients (no-op when not distributed, and
+        with ``through_grad``: FSDP2 has averaged C already)."""
+        if self.through_grad or not (dist.is_available() and dist.is_initialized()):
             return
         world = dist.get_world_size(group)
         if self._bias is None:
@@ -61,20 +90,11 @@ class ClipBiasCorrector:
     def apply(self) -> dict[str, torch.Tensor]:
         """Scale the actor's gradients; return ``clip_bias_norm``, ``pg_grad_norm``, ``clip_bias_scale``; reset C."""
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
-        bias_norm = _global_norm(self._bias or [], device)
+        bias_norm = global_norm(self._bias or [], device)
         grads = [p.grad for p in self.parameters if p.grad is not None]
-        grad_norm = _global_norm(grads, device)
+        grad_norm = global_norm(grads, device)
         scale = torch.clamp(bias_norm / self.kappa, min=1.0)
         for grad in grads:
-            grad.div_(scale.to(grad.dtype))
+            local_tensor(grad).div_(scale.to(grad.dtype))
         self._bias = None
         return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm, "clip_bias_scale": scale}
-
-
-def _global_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros((), device=device)
-    # Half-precision tensors are normed in float32; float64 stays float64 (exactness in tests and reductions).
-    norms = [torch.linalg.vector_norm(t if t.dtype in (torch.float32, torch.float64) else t.float()) for t in tensors]
-    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
-    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
