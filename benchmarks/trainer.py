@@ -1,6 +1,9 @@
 """Trainer throughput against raw baselines of the same model and batch, in one run.
 
-    python benchmarks/trainer.py [--hidden 256] [--layers 4] [--trajectories 16]
+    python benchmarks/trainer.py [--hidden 256] [--layers 4] [--trajectories 16] [--env stppo/NQ-v0]
+                                 [--tokenizer FOLDER]
+
+Runs on the GPU when there is one (the trainer's device "auto"); the default tokenizer is SmolLM2's.
 
 - update: policy tokens/s of ``Trainer.update`` (GRPO: actor only, like the baseline) against a raw loop of
   forward + log-softmax + masked mean loss + backward + AdamW step over the same micro-batches. Target >= 0.8.
@@ -27,11 +30,11 @@ from stppo_agent.trainer import Trainer
 from tests.tiny_models import tiny_llama
 
 
-def make_model(hidden: int, layers: int) -> Path:
+def make_model(hidden: int, layers: int, tokenizer_path: str | None) -> Path:
     from stppo_agent.assets import smollm2_path
     from stppo_agent.models import load_tokenizer
 
-    tokenizer = load_tokenizer(str(smollm2_path()))
+    tokenizer = load_tokenizer(tokenizer_path or str(smollm2_path()))
     return tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=hidden, layers=layers)
 
 
@@ -50,7 +53,14 @@ def raw_update(model, batch: RolloutBatch, micro: int) -> float:
         loss = -(logprobs * part.loss_mask).sum() / batch.loss_mask.sum()
         loss.backward()
     optimizer.step()
+    _synchronize(model)
     return time.perf_counter() - started
+
+
+def _synchronize(model) -> None:
+    """GPU work is asynchronous: wait for it before reading the clock."""
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -59,10 +69,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--trajectories", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--env", default="stppo/NQ-v0", help="env id (stppo/Toy-v0 needs no retriever)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: SmolLM2's)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model_path = make_model(args.hidden, args.layers)
-    common = dict(env="stppo/NQ-v0", model=str(model_path), output_dir=tempfile.mkdtemp(), iterations=1,
+    model_path = make_model(args.hidden, args.layers, args.tokenizer)
+    common = dict(env=args.env, model=str(model_path), output_dir=tempfile.mkdtemp(), iterations=1,
                   prompts_per_iteration=args.trajectories, samples_per_prompt=1, mini_batch_size=args.trajectories,
                   micro_batch_size=4, max_turns=3, max_new_tokens_per_turn=48, max_observation_tokens=256,
                   max_prompt_tokens=512, max_total_tokens=1024, progress=False, tensorboard=False)
@@ -77,12 +89,13 @@ def main() -> None:
                for env in list(trainer._env_pool.values())[: batch.batch_size]]
     from stppo_agent.rollout import left_pad
 
-    input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, "cpu")
+    input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)
     started = time.perf_counter()
     with torch.no_grad():
         trainer.actor.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, top_k=0,
                                max_new_tokens=per_trajectory, min_new_tokens=per_trajectory,
                                pad_token_id=trainer.tokenizer.pad_token_id)
+    _synchronize(trainer.actor)
     plain_seconds = time.perf_counter() - started
     plain_tokens = per_trajectory * batch.batch_size
 
@@ -102,7 +115,8 @@ def main() -> None:
     st_trainer.update(batch)
     st_tps = generated / (time.perf_counter() - started)
 
-    print(f"model: random Llama hidden={args.hidden} layers={args.layers} vocab={trainer.actor.config.vocab_size}; "
+    print(f"device {trainer.device}; model: random Llama hidden={args.hidden} layers={args.layers} "
+          f"vocab={trainer.actor.config.vocab_size}; "
           f"{batch.batch_size} trajectories, {generated} policy tokens, {int(batch.attention_mask.sum())} tokens")
     print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
     print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   "
