@@ -28,7 +28,7 @@ def sampling_kwargs(sampling: SamplingSettings, max_new_tokens: int, stop_string
     if sampling.greedy:
         kwargs.update(temperature=0.0)
     else:
-        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=-1)
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)  # top_k: vLLM's default, off
     if seed is not None:
         kwargs["seed"] = seed
     return kwargs
@@ -75,6 +75,15 @@ def weight_items(model: torch.nn.Module, chunk_bytes: int = 1 << 30) -> Iterator
         yield chunk
 
 
+def engine_defaults(vllm: Any) -> dict[str, Any]:
+    """Engine options this vLLM knows: log-probs after temperature/top-p (V1 reports raw ones by default), so
+    they compare with the HF backend's and with the trainer's recomputed old log-probs."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)} if hasattr(vllm, "EngineArgs") else set()
+    return {"logprobs_mode": "processed_logprobs"} if "logprobs_mode" in fields else {}
+
+
 class VLLMGenerationBackend:
     """``vllm.LLM`` behind the :class:`~stppo_agent.rollout.GenerationBackend` interface."""
 
@@ -89,7 +98,7 @@ class VLLMGenerationBackend:
         self.sampling, self.stop_strings, self.seed = sampling, tuple(stop_strings), seed
         self.llm = vllm.LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True, seed=seed,
-                            **llm_kwargs)
+                            **engine_defaults(vllm), **llm_kwargs)
         self._calls = 0
 
     def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
@@ -101,9 +110,11 @@ class VLLMGenerationBackend:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load the trainer's current actor weights into the engine, chunk by chunk; reset the prefix cache."""
-        target = _engine_model(self.llm)
         for chunk in weight_items(model):
-            target.load_weights(weights=chunk)
+            if hasattr(self.llm, "apply_model"):  # vLLM >= 0.9: the supported way into the worker's model
+                self.llm.apply_model(lambda engine_model, chunk=chunk: engine_model.load_weights(weights=chunk))
+            else:
+                _engine_model(self.llm).load_weights(weights=chunk)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 

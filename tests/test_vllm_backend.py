@@ -23,7 +23,7 @@ def test_sampling_kwargs_match_the_hf_backend():
     sampled = sampling_kwargs(SamplingSettings(temperature=0.7, top_p=0.9), 64, ["</search>", "</answer>"], seed=3)
     assert sampled == {"max_tokens": 64, "stop": ["</search>", "</answer>"], "include_stop_str_in_output": True,
                        "logprobs": 0, "skip_special_tokens": False, "detokenize": True, "temperature": 0.7,
-                       "top_p": 0.9, "top_k": -1, "seed": 3}
+                       "top_p": 0.9, "seed": 3}
     greedy = sampling_kwargs(SamplingSettings(greedy=True), 8, [])
     assert greedy["temperature"] == 0.0 and "top_p" not in greedy and "seed" not in greedy
 
@@ -64,6 +64,35 @@ def test_sync_weights_loads_every_tensor_into_the_engine_model():
     backend.llm = llm
     backend.sync_weights(torch.nn.Linear(3, 3))
     assert loaded == ["weight", "bias", "reset"]
+
+
+def test_sync_weights_goes_through_apply_model_when_vllm_has_it():
+    """vLLM >= 0.9 (checked against 0.33): ``LLM.apply_model(func)`` runs ``func`` on each worker's model."""
+    loaded = []
+    engine_model = SimpleNamespace(load_weights=lambda weights: loaded.extend(name for name, _ in weights))
+    llm = SimpleNamespace(apply_model=lambda func: [func(engine_model)],
+                          reset_prefix_cache=lambda: loaded.append("reset"))
+    backend = VLLMGenerationBackend.__new__(VLLMGenerationBackend)
+    backend.llm = llm
+    backend.sync_weights(torch.nn.Linear(3, 3))
+    assert loaded == ["weight", "bias", "reset"]
+
+
+def test_engine_defaults_ask_for_processed_logprobs_only_where_known():
+    import dataclasses
+
+    from stppo_agent.vllm_backend import engine_defaults
+
+    @dataclasses.dataclass
+    class NewArgs:
+        logprobs_mode: str = "raw_logprobs"
+
+    @dataclasses.dataclass
+    class OldArgs:
+        model: str = ""
+
+    assert engine_defaults(SimpleNamespace(EngineArgs=NewArgs)) == {"logprobs_mode": "processed_logprobs"}
+    assert engine_defaults(SimpleNamespace(EngineArgs=OldArgs)) == {}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed: nothing to refuse")
