@@ -74,6 +74,10 @@ class TrainConfig:
     strategy: str = "ddp"
     """Data-parallel strategy under torchrun: ddp (whole model per rank) or fsdp2 (parameters, gradients and
     optimizer state sharded over the ranks by torch.distributed.fsdp.fully_shard; also runs in one process)."""
+    fsdp_compute_dtype: str | None = None
+    """strategy=fsdp2 only: bfloat16 or float16 to gather weights and compute forward/backward in that dtype while
+    the sharded master weights and AdamW state stay in `dtype` (float32) and gradients are reduced in float32
+    (FSDP2's MixedPrecisionPolicy). None: compute in `dtype`."""
     generation_backend: str = "hf"
     """hf (transformers generate) or vllm (colocated vLLM engine, weights synced after every update; GPU only)."""
     vllm_gpu_memory_utilization: float = 0.35
@@ -121,6 +125,11 @@ class TrainConfig:
                              f"({self.micro_batch_size})")
         if self.strategy not in ("ddp", "fsdp2"):
             raise ValueError(f"strategy must be ddp or fsdp2, got {self.strategy!r}")
+        if self.fsdp_compute_dtype is not None:
+            if self.strategy != "fsdp2":
+                raise ValueError("fsdp_compute_dtype needs strategy=fsdp2 (DDP computes in `dtype`)")
+            if self.fsdp_compute_dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {self.fsdp_compute_dtype!r}")
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.algorithm_config()

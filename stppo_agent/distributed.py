@@ -89,11 +89,15 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+def shard_fsdp2(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``fully_shard`` each transformer block (the classes Hugging Face lists in ``_no_split_modules``), then the
     root (embeddings, final norm, heads). Blocks free their gathered weights after forward; the root keeps its
-    own, which backward needs at once. Call on a model already on its device, before building its optimizer."""
-    from torch.distributed.fsdp import fully_shard
+    own, which backward needs at once. Call on a model already on its device, before building its optimizer.
+    ``compute_dtype``: gather and compute in it, keep master weights as they are, reduce gradients in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype \
+        else MixedPrecisionPolicy()
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [module for module in model.modules() if type(module).__name__ in block_names]
@@ -101,8 +105,8 @@ def shard_fsdp2(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"{type(model).__name__} names no transformer block class in _no_split_modules "
                          f"({sorted(block_names)}); FSDP2 needs one to shard layer by layer: use strategy=ddp")
     for block in blocks:
-        fully_shard(block, reshard_after_forward=True)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(block, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=False, mp_policy=policy)
     return model
 
 

@@ -39,7 +39,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .forward import batched_no_grad, critic_values, token_logprobs
 from .logging_utils import MetricsLogger
-from .models import load_policy_models
+from .models import DTYPES, load_policy_models
 from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
 from .shared_retrieval import shared_retriever_spec
 
@@ -156,9 +156,10 @@ class Trainer:
                 _disable_dropout(model)
                 model.train()
         if self.sharded:  # sharded in place: the same modules train, score and (gathered) generate
+            compute_dtype = DTYPES[config.fsdp_compute_dtype] if config.fsdp_compute_dtype else None
             for model in (self.actor, self.critic, self.reference):
                 if model is not None:
-                    distributed.shard_fsdp2(model)
+                    distributed.shard_fsdp2(model, compute_dtype)
             self.actor_train, self.critic_train = self.actor, self.critic
         else:  # gradients go through DDP wrappers when distributed; generation and scoring use the plain modules
             self.actor_train = distributed.wrap_ddp(self.actor, self.device)

@@ -43,6 +43,11 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
         whitened = distributed_whiten(local.values, local.loss_mask)
         sharded = [isinstance(p, DTensor) for p in trainer.actor.parameters()]
         assert all(sharded) if strategy == "fsdp2" else not any(sharded)
+        if strategy == "fsdp2":  # each rank holds about half of every parameter and gradient (dim-0 shards)
+            params = list(trainer.actor.parameters())
+            held = sum(p.to_local().numel() + p.grad.to_local().numel() for p in params)
+            whole = sum(2 * p.numel() for p in params)
+            assert held <= whole / 2 + 2 * sum(p.numel() // p.shape[0] for p in params)
         # gathering FSDP2 shards is a collective: every rank takes part
         grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
                  for name, p in trainer.actor.named_parameters()}
@@ -225,9 +230,10 @@ def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
         torch.testing.assert_close(got["full"][name], tensor, rtol=0, atol=0)
 
 
-def test_fsdp2_in_one_process_trains(tmp_path):
+@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
+def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
     """strategy=fsdp2 without torchrun: a one-process group and a one-way mesh; the run trains and saves a plain
-    Hugging Face checkpoint."""
+    Hugging Face checkpoint. With a bf16 compute dtype the master weights (and so the checkpoint) stay float32."""
     import subprocess
     import sys
 
@@ -241,9 +247,12 @@ def test_fsdp2_in_one_process_trains(tmp_path):
                  "max_turns=2", "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32",
                  "progress=false", "tensorboard=false"):
         command += ["--set", item]
+    if compute_dtype:
+        command += ["--set", f"fsdp_compute_dtype={compute_dtype}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-2" / "actor")
+    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-2" / "actor", dtype="auto")
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
     initial = AutoModelForCausalLM.from_pretrained(model)
     changed = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert any(changed)

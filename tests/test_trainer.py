@@ -191,6 +191,13 @@ def test_config_layers_yaml_flags_and_overrides(tmp_path):
         TrainConfig(model="m", mini_batch_size=6, micro_batch_size=4).validate()
     with pytest.raises(KeyError, match="unknown algorithm 'stppo'"):
         TrainConfig(model="m", algo="stppo").validate()
+    with pytest.raises(ValueError, match="strategy must be ddp or fsdp2"):
+        TrainConfig(model="m", strategy="zero3").validate()
+    load_config(None, ["model=m", "strategy=fsdp2", "fsdp_compute_dtype=bfloat16"]).validate()
+    with pytest.raises(ValueError, match="fsdp_compute_dtype needs strategy=fsdp2"):
+        TrainConfig(model="m", fsdp_compute_dtype="bfloat16").validate()
+    with pytest.raises(ValueError, match="must be bfloat16 or float16"):
+        TrainConfig(model="m", strategy="fsdp2", fsdp_compute_dtype="int8").validate()
     saved = tmp_path / "saved.yaml"
     saved.write_text(config.to_yaml())
     assert load_config(saved) == config
