@@ -1,5 +1,5 @@
-"""Scaling on this machine: data-parallel update throughput (1 vs 2 processes, gloo, CPU) and the retrieval
-server's queries/second under 1, 4 and 16 concurrent clients against in-process batch search.
+"""Scaling on this machine: data-parallel update throughput (1 vs 2 processes, gloo, CPU; DDP and FSDP2) and the
+retrieval server's queries/second under 1, 4 and 16 concurrent clients against in-process batch search.
 
     python benchmarks/scaling.py
 
@@ -24,7 +24,7 @@ from stppo_agent.shared_retrieval import free_port  # noqa: E402
 from tests.tiny_models import tiny_llama  # noqa: E402
 
 
-def train_throughput(processes: int, model: Path) -> float:
+def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> float:
     """Global policy tokens/s of the update (every rank's share), median over iterations 2..4."""
     out = Path(tempfile.mkdtemp())
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
@@ -32,7 +32,7 @@ def train_throughput(processes: int, model: Path) -> float:
                           str(model), "--output-dir", str(out), "--iterations", "4"]
     for item in ("prompts_per_iteration=16", "samples_per_prompt=1", "mini_batch_size=16", "micro_batch_size=4",
                  "max_turns=2", "max_new_tokens_per_turn=48", "max_prompt_tokens=512", "max_total_tokens=1024",
-                 "progress=false", "tensorboard=false", "save_every=100"):
+                 "progress=false", "tensorboard=false", "save_every=100", f"strategy={strategy}"):
         command += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     subprocess.run(command, check=True, capture_output=True, env=env, cwd=REPO)
@@ -80,6 +80,8 @@ def main() -> None:
     one, two = train_throughput(1, model), train_throughput(2, model)
     print(f"update, 1 process : {one:8.1f} policy tok/s")
     print(f"update, 2 processes: {two:8.1f} policy tok/s   ({two / one:.2f}x; ideal 2.0)")
+    sharded = train_throughput(2, model, "fsdp2")
+    print(f"update, 2 processes, FSDP2: {sharded:8.1f} policy tok/s   ({sharded / two:.2f}x DDP on 2 processes)")
     data = shared_data()
     queries = [json.loads(line)["question"] for _, line in zip(range(640), open(data / "qa/nq_open_dev.jsonl"))]
     server_qps(cached_index("bm25", data / "corpus/wiki_dpr_sample_1000.jsonl", "wiki1000"), queries)
