@@ -201,6 +201,19 @@ def test_nothing_clipped_s_ppo_is_ppo_and_st_ppo_is_turn_ppo(seed):
         assert metrics["clip_bias_norm"].item() == 0.0 and metrics["clip_bias_scale"].item() == 1.0
 
 
+@pytest.mark.parametrize("level", ["token", "turn", "sequence"])
+def test_bias_surrogate_needs_a_backward_only_when_something_is_clipped(level):
+    """Nothing clipped -> C's share is exactly 0 and the surrogate is detached (the corrector skips a backward)."""
+    loss_fn = get_policy_loss("ppo_clip")
+    config = dataclasses.replace(ALGORITHMS["st_ppo"], ratio_level=level)
+    for spread, clipped in ((0.0, False), (1.5, True)):
+        data = random_batch(3, torch.float64, spread=spread)
+        logprobs = data["logprobs"].clone().requires_grad_(True)
+        _, bias, metrics = loss_fn(logprobs=logprobs, old_logprobs=data["old"], advantages=data["advantages"],
+                                   loss_mask=data["mask"], turn_ids=data["turns"], config=config)
+        assert bias.requires_grad == clipped == bool(metrics["clip_frac"] > 0)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_clip_bias_correction_scales_by_the_bias_norm(seed):
     data = random_batch(seed, torch.float64, spread=1.5)  # plenty clipped

@@ -3,6 +3,9 @@
 Shapes: every per-token tensor is (B, T); ``loss_mask`` is bool; ``turn_ids`` is long (-1 off the mask).
 Policy losses return ``(loss, bias_surrogate, metrics)``: ``bias_surrogate = agg(c_t * rho_t * A_t)`` with
 c_t and A_t constant, whose gradient is the clipping bias C of ALGORITHMS.md; metrics are detached tensors.
+A loss returns a ``bias_surrogate`` that does not require grad when nothing in the micro-batch is clipped: C's
+share is then exactly zero, and the corrector skips its extra backward (every on-policy step: the first
+mini-batch of each iteration, or all of them when one mini-batch is the whole batch).
 
 ``global_num_tokens`` / ``global_num_seqs`` let a trainer normalise a micro-batch by the size of the whole
 optimizer batch, so that summing micro-batch gradients gives exactly the full-batch gradient.
@@ -156,6 +159,8 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
                            | ((advantages < 0) & (ratio < 1 - config.clip_low)))
     pg_loss = aggregate(surrogate, loss_mask, **agg_kwargs)
     bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
+    if not bool(clipped.any()):  # C's share is exactly 0: spare the corrector a whole backward pass
+        bias_surrogate = bias_surrogate.detach()
     loss = pg_loss
 
     metrics = {"pg_loss": pg_loss.detach()}
