@@ -20,8 +20,9 @@ from .tiny_models import tiny_llama, word_tokenizer
 
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
+    """``strategy``: ddp, fsdp2, or fsdp2+checkpointing (activation checkpointing recomputes inside both backwards)."""
     return TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
-                       strategy=strategy,
+                       strategy=strategy.split("+")[0], gradient_checkpointing=strategy.endswith("+checkpointing"),
                        prompts_per_iteration=8, samples_per_prompt=1, mini_batch_size=8, micro_batch_size=2,
                        max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32,
                        progress=False, tensorboard=False, algorithm={"kl_in_reward": 0.0, "clip_bias_kappa": 0.01})
@@ -42,8 +43,8 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
 
         whitened = distributed_whiten(local.values, local.loss_mask)
         sharded = [isinstance(p, DTensor) for p in trainer.actor.parameters()]
-        assert all(sharded) if strategy == "fsdp2" else not any(sharded)
-        if strategy == "fsdp2":  # each rank holds about half of every parameter and gradient (dim-0 shards)
+        assert all(sharded) if strategy.startswith("fsdp2") else not any(sharded)
+        if strategy.startswith("fsdp2"):  # each rank holds about half of every parameter and gradient (dim-0 shards)
             params = list(trainer.actor.parameters())
             held = sum(p.to_local().numel() + p.grad.to_local().numel() for p in params)
             whole = sum(2 * p.numel() for p in params)
@@ -65,7 +66,7 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
 
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2+checkpointing"])
 @pytest.mark.parametrize("algo", ["st_ppo", "s_ppo"])
 def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy):
     model = tiny_llama(tmp_path / "model", word_tokenizer())
