@@ -10,6 +10,8 @@ Scripted baselines sanity-check environments and retrieval:
   "unknown", the obvious choice, is a gold answer in NQ-open).
 - ``search-copy`` searches the question once, then answers with the title of the top passage (QA) or the
   option whose words overlap the passages most (MCQ): a retrieval-only baseline.
+- ``gold-search`` searches the question once, then answers with a golden answer: Search-R1-format
+  demonstrations for a supervised warm start (``stppo sft``).
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ class OracleAgent:
     name = "oracle"
 
     def __init__(self, examples: Sequence[Example]):
-        self._gold = {e.id: (e.answer_letter if e.is_multiple_choice else e.golden_answers[0]) for e in examples}
+        self._gold = gold_answers(examples)
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
         return [f"<think>I know this.</think>\n<answer> {self._gold[ep.example_id]} </answer>" for ep in episodes]
+
+
+def gold_answers(examples: Sequence[Example]) -> dict[str, str]:
+    """Example id -> the first golden answer (the option letter for multiple choice)."""
+    return {e.id: (e.answer_letter if e.is_multiple_choice else e.golden_answers[0]) for e in examples}
 
 
 class NoSearchAgent:
@@ -64,6 +71,20 @@ class NoSearchAgent:
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
         return ["<think>I will not search.</think>\n<answer> ∅ </answer>" for _ in episodes]
+
+
+class GoldSearchAgent:
+    """Searches the question, then gives the golden answer: well-formed two-turn Search-R1 episodes."""
+
+    name = "gold-search"
+
+    def __init__(self, examples: Sequence[Example]):
+        self._gold = gold_answers(examples)
+
+    def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
+        return [f"<think>I need to look this up.</think>\n<search> {episode.question} </search>" if episode.turn == 0
+                else f"<think>The documents answer it.</think>\n<answer> {self._gold[episode.example_id]} </answer>"
+                for episode in episodes]
 
 
 _TITLE = re.compile(r'Doc 1\(Title: "(.*?)"\)')
@@ -103,4 +124,5 @@ SCRIPTED_AGENTS: dict[str, Callable[[Sequence[Example]], Agent]] = {
     "oracle": OracleAgent,
     "no-search": lambda examples: NoSearchAgent(),
     "search-copy": lambda examples: SearchCopyAgent(),
+    "gold-search": GoldSearchAgent,
 }

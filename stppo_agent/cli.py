@@ -39,12 +39,34 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stppo", description=__doc__)
     commands = parser.add_subparsers(dest="command")
 
-    demo = commands.add_parser("demo", help="the embedded default: ST-PPO on SmolLM2-135M, demo data, CPU")
+    demo = commands.add_parser("demo", help="the embedded default: SFT warm start + ST-PPO on SmolLM2-135M, "
+                                             "demo data, CPU")
     demo.add_argument("--iterations", type=int, default=3, help="training iterations (default 3)")
+    demo.add_argument("--sft-steps", type=int, default=20, help="warm-start steps before RL; 0 skips it (default 20)")
     demo.add_argument("--limit", type=int, default=16, help="evaluation examples per benchmark (default 16)")
     demo.add_argument("--model", default="smollm2", help="model to train (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--output-dir", default="runs/demo", help="run folder (default runs/demo)")
     demo.set_defaults(handler=_run_demo)
+
+    sft = commands.add_parser("sft", help="supervised warm start on a teacher agent's rewarded episodes")
+    sft.add_argument("--model", required=True, help="Hugging Face folder or hub name; 'smollm2' for the default")
+    sft.add_argument("--output-dir", required=True, help="where the fine-tuned Hugging Face folder goes")
+    sft.add_argument("--teacher", default="gold-search",
+                     help="agent spec whose rewarded episodes are the data (default gold-search: search the "
+                          "question, answer the golden answer); hf:PATH or openai:URL#MODEL for rejection sampling")
+    sft.add_argument("--benchmarks", default="nq,hotpotqa", help="comma-separated benchmark names")
+    sft.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
+                     help="a FlashRAG-style dataset for a benchmark (default: the bundled demo set)")
+    sft.add_argument("--split", default="train")
+    sft.add_argument("--limit", type=int, default=None, help="examples per benchmark")
+    sft.add_argument("--retriever", default="demo", help="retriever spec (demo, bm25:DIR, dense:DIR, http://...)")
+    sft.add_argument("--max-turns", type=int, default=2)
+    sft.add_argument("--steps", type=int, default=60)
+    sft.add_argument("--batch-size", type=int, default=4)
+    sft.add_argument("--lr", type=float, default=2e-5)
+    sft.add_argument("--dtype", default="float32")
+    sft.add_argument("--seed", type=int, default=0)
+    sft.set_defaults(handler=_run_sft)
 
     train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
     train.add_argument("--algo", default=None, help="ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, ...")
@@ -132,7 +154,18 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     out = Path(args.output_dir)
     model = resolve_model(args.model)
-    print(f"stppo demo: ST-PPO on {args.model} with the bundled demo set (BM25, CPU), {args.iterations} iterations")
+    print(f"stppo demo: {args.sft_steps} warm-start steps, then {args.iterations} iterations of ST-PPO on "
+          f"{args.model} with the bundled demo set (BM25, CPU)")
+    if args.sft_steps > 0:
+        # A 135M model never writes Search-R1's tags on its own, so RL would see no reward at all: a short
+        # supervised warm start on scripted search-then-answer episodes of the *train* split teaches the format.
+        from .sft import SFTConfig, train_sft
+
+        summary = train_sft(SFTConfig(model=model, output_dir=str(out / "sft"), benchmarks=DEMO_BENCHMARKS,
+                                      steps=args.sft_steps, lr=5e-5), report=lambda _: None)
+        print(f"warm start: {summary['demonstrations']} demonstrations, loss {summary['first_loss']:.2f} -> "
+              f"{summary['last_loss']:.2f} in {args.sft_steps} steps")
+        model = str(out / "sft")
     config = TrainConfig(
         algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model=model, output_dir=str(out / "train"),
         # Search-R1's format reward gives an untuned 135M model some signal: a well-formed answer earns 0.2.
@@ -148,6 +181,20 @@ def _run_demo(args: argparse.Namespace) -> int:
     _write_results(results, out / "eval")
     print(format_table(results))
     print(f"run folder: {out / 'train'}; evaluation: {out / 'eval'}")
+    return 0
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from .assets import resolve_model
+    from .sft import SFTConfig, train_sft
+
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    datasets = dict(_key_value(item) for item in args.dataset)
+    summary = train_sft(SFTConfig(model=resolve_model(args.model), output_dir=args.output_dir, benchmarks=benchmarks,
+                                  datasets=datasets, split=args.split, limit=args.limit, teacher=args.teacher,
+                                  retriever=args.retriever, max_turns=args.max_turns, steps=args.steps,
+                                  batch_size=args.batch_size, lr=args.lr, dtype=args.dtype, seed=args.seed))
+    print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; saved {args.output_dir}")
     return 0
 
 

@@ -81,6 +81,8 @@ def _episode_record(env: SearchQAEnv, reward: float, terminated: bool, truncated
         "prediction": info["prediction"], "turns": info["turn"], "search_calls": info["search_calls"],
         "invalid_actions": info["invalid_actions"], "search_errors": info["search_errors"],
         "response_chars": sum(len(s.text) for s in env.transcript if s.role == "assistant"),
+        # the whole episode, so it can be read back (and used as a demonstration by `stppo sft`)
+        "transcript": [{"role": s.role, "text": s.text, "turn": s.turn} for s in env.transcript],
     }
     for key in ("em", "f1", "correct"):
         if key in info:

@@ -26,6 +26,15 @@ class PolicyModels:
     reference: torch.nn.Module | None
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` and plain ``cuda`` mean this process's GPU (torchrun's LOCAL_RANK), not always GPU 0."""
+    if name == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if name in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
 def _dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")

@@ -39,7 +39,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .forward import batched_no_grad, critic_values, token_logprobs
 from .logging_utils import MetricsLogger
-from .models import DTYPES, load_policy_models
+from .models import DTYPES, load_policy_models, resolve_device
 from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
 from .shared_retrieval import shared_retriever_spec
 
@@ -76,15 +76,6 @@ class PromptSampler:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
-def _device(name: str) -> torch.device:
-    """``auto`` and plain ``cuda`` mean this process's GPU (torchrun's LOCAL_RANK), not always GPU 0."""
-    if name == "auto" and not torch.cuda.is_available():
-        return torch.device("cpu")
-    if name in ("auto", "cuda"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(name)
-
-
 def _disable_dropout(model: torch.nn.Module) -> None:
     """RL needs ratio == 1 on-policy: dropout would make the same tokens score differently on each pass."""
     for module in model.modules():
@@ -108,7 +99,7 @@ class Trainer:
         self.config, self.report, self.batch_hook = config, report, batch_hook
         self.algo = config.algorithm_config()
         self.run_dir = Path(config.output_dir)
-        self.device = _device(config.device)
+        self.device = resolve_device(config.device)
         self.sharded = config.strategy == "fsdp2"
         if self.sharded:
             distributed.ensure_process_group()

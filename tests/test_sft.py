@@ -1,0 +1,82 @@
+"""Supervised warm start: demonstrations from a teacher agent, tokenised exactly as rollouts are, and a loss on
+the teacher's action tokens only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stppo_agent.cli import _evaluate_all, main
+from stppo_agent.rollout import encode_observation, encode_prompt
+from stppo_agent.sft import SFTConfig, demonstrations, train_sft, trajectory_from_transcript
+
+from .tiny_models import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    return load_tokenizer(str(smollm2_path()))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm2_tokenizer):
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", smollm2_tokenizer, hidden=32, layers=2, seed=1)
+
+
+def test_gold_search_searches_once_then_answers_correctly():
+    for result in _evaluate_all("gold-search", ["nq", "hotpotqa", "medqa"], {}, None, 6, "demo", 3, 2, 6, 0):
+        metrics = result["metrics"]
+        assert metrics.get("em", metrics.get("acc")) == 1.0, result["benchmark"]
+        assert metrics["mean_search_calls"] == 1.0 and metrics["invalid_action_rate"] == 0.0
+
+
+def test_demonstrations_are_tokenised_like_rollouts(smollm2_tokenizer):
+    tokenizer = smollm2_tokenizer
+    transcript = demonstrations(SFTConfig(model="unused", output_dir="unused", benchmarks=("nq",), limit=2))[0]
+    trajectory = trajectory_from_transcript(tokenizer, transcript, max_observation_tokens=32)
+    assert trajectory.prompt_ids == encode_prompt(tokenizer, transcript[0]["text"])
+    ids, mask = trajectory.response_ids, trajectory.policy_mask
+    # runs of policy / non-policy tokens, in order, are the assistant texts and the (cut) observations
+    runs, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            runs.append((mask[start], ids[start:end]))
+            start = end
+    expected = [(True, tokenizer(s["text"], add_special_tokens=False)["input_ids"]) if s["role"] == "assistant"
+                else (False, encode_observation(tokenizer, s["text"], 32)) for s in transcript[1:] if s["text"]]
+    assert runs == expected
+    assert all(t == -1 for t, m in zip(trajectory.turn_ids, mask) if not m)
+    assert sorted({t for t, m in zip(trajectory.turn_ids, mask) if m}) == [0, 1]
+
+
+def test_sft_lowers_the_loss_and_saves_a_loadable_model(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    summary = train_sft(SFTConfig(model=str(tiny_model), output_dir=str(out), benchmarks=("nq", "medqa"), limit=8,
+                                  steps=60, batch_size=4, lr=5e-3), report=lambda _: None)
+    assert summary["demonstrations"] == 16
+    assert summary["last_loss"] < 0.5 * summary["first_loss"]
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters()))
+    assert json.loads((out / "sft.json").read_text())["config"]["teacher"] == "gold-search"
+
+
+def test_a_teacher_that_never_earns_reward_is_refused(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="earned no reward"):
+        train_sft(SFTConfig(model=str(tiny_model), output_dir=str(tmp_path), benchmarks=("nq",), limit=4,
+                            teacher="no-search", steps=1))
+
+
+def test_sft_command(tiny_model, tmp_path, capsys):
+    assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "out"), "--benchmarks", "nq",
+                 "--limit", "4", "--steps", "2", "--batch-size", "2"]) == 0
+    assert "loss" in capsys.readouterr().out and (tmp_path / "out" / "config.json").exists()
+    assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "x"), "--benchmarks", "nq",
+                 "--limit", "4", "--teacher", "no-search", "--steps", "1"]) == 1
