@@ -80,3 +80,17 @@ def test_sft_command(tiny_model, tmp_path, capsys):
     assert "loss" in capsys.readouterr().out and (tmp_path / "out" / "config.json").exists()
     assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "x"), "--benchmarks", "nq",
                  "--limit", "4", "--teacher", "no-search", "--steps", "1"]) == 1
+
+
+def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_path, capsys):
+    """`stppo demo` on a tiny model: warm start, ST-PPO, evaluation of the trained checkpoint."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", str(tiny_model), "--output-dir", str(out), "--sft-steps", "2",
+                 "--iterations", "1", "--limit", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "warm start:" in printed and "QA avg (EM)" in printed
+    config = (out / "train" / "config.yaml").read_text()
+    assert f"model: {out / 'sft'}" in config  # RL started from the warm-started weights
+    results = json.loads((out / "eval" / "results.json").read_text())
+    assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
+    assert results[0]["provenance"]["agent"] == f"hf:{out / 'train' / 'checkpoints' / 'step-1' / 'actor'}"
