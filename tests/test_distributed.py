@@ -66,10 +66,12 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
 
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2+checkpointing"])
+@pytest.mark.parametrize("strategy, tied", [("ddp", False), ("fsdp2", False), ("fsdp2+checkpointing", False),
+                                            ("fsdp2", True)])
 @pytest.mark.parametrize("algo", ["st_ppo", "s_ppo"])
-def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy, tied):
+    """``tied``: embeddings shared with the LM head (SmolLM2, Qwen2.5 small models), one root-group parameter."""
+    model = tiny_llama(tmp_path / "model", word_tokenizer(), tied=tied)
     single = Trainer(config(model, tmp_path / "single", algo), report=lambda _: None)
     batch = single.rollout()
     single.score(batch)

@@ -19,8 +19,9 @@ def word_tokenizer(words=TOY_WORDS):
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_llama(path: Path, tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
-    """Save a random tiny Llama + ``tokenizer`` as a Hugging Face folder at ``path``."""
+def tiny_llama(path: Path, tokenizer, hidden: int = 32, layers: int = 2, seed: int = 0, tied: bool = False) -> Path:
+    """Save a random tiny Llama + ``tokenizer`` as a Hugging Face folder at ``path`` (``tied``: the LM head shares
+    the embedding matrix, as in SmolLM2)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -28,7 +29,7 @@ def tiny_llama(path: Path, tokenizer, hidden: int = 32, layers: int = 2, seed: i
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
