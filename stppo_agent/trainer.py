@@ -360,13 +360,7 @@ class Trainer:
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
             finite = finite * torch.isfinite(loss)
             if corrector is not None:
-                if self.sharded:  # the backward is a collective: all ranks take it, or none does
-                    clipped_anywhere = distributed.all_reduce_sum(
-                        torch.tensor(float(bias.requires_grad), device=self.device)) > 0
-                    if clipped_anywhere:
-                        corrector.accumulate(bias if bias.requires_grad else logprobs.sum() * 0.0)
-                else:
-                    corrector.accumulate(bias)
+                corrector.accumulate(bias, anchor=logprobs)
             loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
             weight = micro.loss_mask.sum() / (global_tokens * self.world)
             for key, value in metrics.items():

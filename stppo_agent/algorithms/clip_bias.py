@@ -41,12 +41,19 @@ class ClipBiasCorrector:
         self.through_grad = through_grad
         self._bias: list[torch.Tensor] | None = None
 
-    def accumulate(self, bias_surrogate: torch.Tensor) -> None:
+    def accumulate(self, bias_surrogate: torch.Tensor, anchor: torch.Tensor | None = None) -> None:
         """Add grad(bias_surrogate) to C; ``.grad`` is left as it was (the loss backward comes after).
 
-        With ``through_grad`` every rank must call this for every micro-batch (the backward is a collective)."""
+        With ``through_grad`` every rank calls this for every micro-batch: a backward through sharded parameters
+        is a collective, so all ranks take it or none does. A rank with nothing clipped (surrogate without grad)
+        then back-propagates zero through ``anchor``, any tensor of this micro-batch's graph (its log-probs)."""
         if self.through_grad:
-            self._accumulate_through_grad(bias_surrogate)
+            if _on_any_rank(bias_surrogate.requires_grad, bias_surrogate.device):
+                if not bias_surrogate.requires_grad:
+                    if anchor is None:
+                        raise ValueError("through_grad needs an anchor tensor for ranks with nothing clipped")
+                    bias_surrogate = anchor.sum() * 0.0
+                self._accumulate_through_grad(bias_surrogate)
             return
         if not bias_surrogate.requires_grad:  # nothing in this micro-batch depends on the policy
             return
@@ -98,3 +105,11 @@ class ClipBiasCorrector:
             local_tensor(grad).div_(scale.to(grad.dtype))
         self._bias = None
         return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm, "clip_bias_scale": scale}
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value > 0)
