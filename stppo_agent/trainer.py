@@ -266,11 +266,16 @@ class Trainer:
     def score(self, batch: RolloutBatch) -> None:
         """Behaviour (pre-update) and reference log-probs, values, then advantages and returns."""
         micro = self.config.micro_batch_size
-        batch.old_logprobs = batched_no_grad(token_logprobs, self.actor, batch, micro)
+        # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
+        # micro-batch), and one model at a time, so at most one full copy of weights is held.
+        with distributed.gathered(self.actor):
+            batch.old_logprobs = batched_no_grad(token_logprobs, self.actor, batch, micro)
         if self.reference is not None:
-            batch.ref_logprobs = batched_no_grad(token_logprobs, self.reference, batch, micro)
+            with distributed.gathered(self.reference):
+                batch.ref_logprobs = batched_no_grad(token_logprobs, self.reference, batch, micro)
         if self.critic is not None:
-            batch.values = batched_no_grad(critic_values, self.critic, batch, micro)
+            with distributed.gathered(self.critic):
+                batch.values = batched_no_grad(critic_values, self.critic, batch, micro)
         kl_penalty = None
         if self.algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
             kl_penalty = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, self.algo)

@@ -259,3 +259,31 @@ def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
     initial = AutoModelForCausalLM.from_pretrained(model)
     changed = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert any(changed)
+
+
+def _scoring_main(rank: int, port: int, model: str, out: str, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from stppo_agent.forward import token_logprobs
+
+    trainer = Trainer(config(Path(model), Path(out), "st_ppo", "fsdp2"), report=lambda _: None)
+    batch = trainer.rollout()
+    trainer.score(batch)  # gathered forwards
+    with torch.no_grad():
+        sharded, _ = token_logprobs(trainer.actor, batch)  # one sharded forward (collective)
+    same = torch.equal(torch.where(batch.loss_mask, batch.old_logprobs, 0.0),
+                       torch.where(batch.loss_mask, sharded, 0.0))
+    torch.save({"same": same, "tokens": int(batch.loss_mask.sum())}, f"{result_path}.{rank}")
+    dist.barrier()
+    os._exit(0)
+
+
+def test_fsdp2_scoring_on_gathered_weights_matches_the_sharded_forward(tmp_path):
+    """Old log-probs come from gathered weights (one all-gather per model); they must be exactly what the
+    sharded training forward computes, or the first update would not be on-policy."""
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    mp.start_processes(_scoring_main, args=(free_port(), str(model), str(tmp_path / "run"), str(tmp_path / "r")),
+                       nprocs=2, start_method="spawn")
+    for rank in range(2):
+        result = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=False)
+        assert result["tokens"] > 0 and result["same"]
