@@ -125,18 +125,23 @@ def general_questions(world: dict, rng: random.Random) -> list[dict]:
 
 
 def multihop_questions(world: dict, rng: random.Random) -> list[dict]:
+    """Two-hop bridge questions; ``supporting_titles`` names the passages of both hops, in order (as HotpotQA's
+    supporting facts do), so a teacher can demonstrate the second search."""
     qs = []
     for p in world["people"]:
-        qs.append((f"On which river lies the hometown of {p['name']}?", [p["town"]["river"]], "bridge"))
-        qs.append((f"In what year was the hometown of {p['name']} founded?", [str(p["town"]["founded"])], "bridge"))
+        hops = [p["name"], p["town"]["name"]]
+        qs.append((f"On which river lies the hometown of {p['name']}?", [p["town"]["river"]], "bridge", hops))
+        qs.append((f"In what year was the hometown of {p['name']} founded?", [str(p["town"]["founded"])], "bridge",
+                   hops))
     for inst in world["institutions"]:
+        hops = [inst["name"], inst["founder"]["name"]]
         qs.append((f"In which town was the founder of the {inst['name']} born?", [inst["founder"]["town"]["name"]],
-                   "bridge"))
+                   "bridge", hops))
         qs.append((f"What was the profession of the person who founded the {inst['name']}?",
-                   [inst["founder"]["profession"]], "bridge"))
+                   [inst["founder"]["profession"]], "bridge", hops))
     rng.shuffle(qs)
-    return [{"id": f"demo-multihop-{i}", "question": q, "golden_answers": a, "type": kind}
-            for i, (q, a, kind) in enumerate(qs)]
+    return [{"id": f"demo-multihop-{i}", "question": q, "golden_answers": a, "type": kind, "supporting_titles": hops}
+            for i, (q, a, kind, hops) in enumerate(qs)]
 
 
 def medical_questions(world: dict, rng: random.Random) -> list[dict]:

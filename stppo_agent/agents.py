@@ -10,8 +10,8 @@ Scripted baselines sanity-check environments and retrieval:
   "unknown", the obvious choice, is a gold answer in NQ-open).
 - ``search-copy`` searches the question once, then answers with the title of the top passage (QA) or the
   option whose words overlap the passages most (MCQ): a retrieval-only baseline.
-- ``gold-search`` searches the question once, then answers with a golden answer: Search-R1-format
-  demonstrations for a supervised warm start (``stppo sft``).
+- ``gold-search`` searches the question, then each supporting passage it has not seen yet (multi-hop), then
+  answers with a golden answer: Search-R1-format demonstrations for a supervised warm start (``stppo sft``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class EpisodeView:
     choices: Mapping[str, str] | None
     transcript: tuple[Segment, ...]
     turn: int
+    max_turns: int | None = None  # the env's turn limit, where known
 
     @property
     def last_observation(self) -> str:
@@ -74,17 +75,28 @@ class NoSearchAgent:
 
 
 class GoldSearchAgent:
-    """Searches the question, then gives the golden answer: well-formed two-turn Search-R1 episodes."""
+    """Searches the question, then the title of each supporting passage not retrieved yet (the second hop of a
+    multi-hop question, from the dataset's supporting facts), then gives the golden answer -- on the last turn
+    at the latest. Well-formed Search-R1 episodes to imitate."""
 
     name = "gold-search"
 
     def __init__(self, examples: Sequence[Example]):
         self._gold = gold_answers(examples)
+        self._hops = {e.id: [str(t) for t in e.metadata.get("supporting_titles", ())] for e in examples}
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
-        return [f"<think>I need to look this up.</think>\n<search> {episode.question} </search>" if episode.turn == 0
-                else f"<think>The documents answer it.</think>\n<answer> {self._gold[episode.example_id]} </answer>"
-                for episode in episodes]
+        return [self._act_one(episode) for episode in episodes]
+
+    def _act_one(self, episode: EpisodeView) -> str:
+        last_turn = episode.max_turns is not None and episode.turn >= episode.max_turns - 1
+        if episode.turn == 0 and not last_turn:
+            return f"<think>I need to look this up.</think>\n<search> {episode.question} </search>"
+        seen = "".join(segment.text for segment in episode.transcript if segment.role == "environment")
+        missing = [title for title in self._hops[episode.example_id] if f'(Title: "{title}")' not in seen]
+        if missing and not last_turn:
+            return f"<think>I still need to know about {missing[0]}.</think>\n<search> {missing[0]} </search>"
+        return f"<think>The documents answer it.</think>\n<answer> {self._gold[episode.example_id]} </answer>"
 
 
 _TITLE = re.compile(r'Doc 1\(Title: "(.*?)"\)')

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--split", default="train")
     sft.add_argument("--limit", type=int, default=None, help="examples per benchmark")
     sft.add_argument("--retriever", default="demo", help="retriever spec (demo, bm25:DIR, dense:DIR, http://...)")
-    sft.add_argument("--max-turns", type=int, default=2)
+    sft.add_argument("--max-turns", type=int, default=3, help="turns per demonstration (default 3: two searches)")
     sft.add_argument("--steps", type=int, default=60)
     sft.add_argument("--batch-size", type=int, default=4)
     sft.add_argument("--lr", type=float, default=2e-5)
@@ -170,14 +170,14 @@ def _run_demo(args: argparse.Namespace) -> int:
         algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model=model, output_dir=str(out / "train"),
         # Search-R1's format reward gives an untuned 135M model some signal: a well-formed answer earns 0.2.
         env_kwargs={"split": "train", "format_reward": 0.2}, iterations=args.iterations, prompts_per_iteration=2,
-        samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, actor_lr=1e-6, critic_lr=1e-5, max_turns=2,
+        samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, actor_lr=1e-6, critic_lr=1e-5, max_turns=3,
         max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400, max_total_tokens=768,
         save_every=args.iterations, keep_checkpoints=1, device="auto")
     metrics = Trainer(config).train()
     print(f"trained: reward {metrics['reward']:.3f}, clip_frac {metrics['clip_frac']:.3f}, "
           f"turn_clip_frac {metrics['turn_clip_frac']:.3f}, clip_bias_scale {metrics.get('clip_bias_scale', 1):.3f}")
     checkpoint = out / "train" / "checkpoints" / f"step-{args.iterations}" / "actor"
-    results = _evaluate_all(f"hf:{checkpoint}", DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 2, 16, 0, 48)
+    results = _evaluate_all(f"hf:{checkpoint}", DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 3, 16, 0, 48)
     _write_results(results, out / "eval")
     print(format_table(results))
     print(f"run folder: {out / 'train'}; evaluation: {out / 'eval'}")

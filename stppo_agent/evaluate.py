@@ -72,7 +72,8 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
 
 def _view(env: SearchQAEnv) -> EpisodeView:
     example = env.example
-    return EpisodeView(example.id, example.question, example.choices, tuple(env.transcript), env.turn)
+    return EpisodeView(example.id, example.question, example.choices, tuple(env.transcript), env.turn,
+                       env.max_turns)
 
 
 def _episode_record(env: SearchQAEnv, reward: float, terminated: bool, truncated: bool, info: dict) -> dict:

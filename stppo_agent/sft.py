@@ -38,7 +38,7 @@ class SFTConfig:
     teacher: str = "gold-search"
     retriever: str = "demo"
     topk: int = 3
-    max_turns: int = 2
+    max_turns: int = 3  # two searches (both hops of a multi-hop question) and the answer
     max_observation_tokens: int = 160
     max_total_tokens: int = 1024
     steps: int = 60

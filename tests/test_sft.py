@@ -28,11 +28,26 @@ def tiny_model(tmp_path_factory, smollm2_tokenizer):
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", smollm2_tokenizer, hidden=32, layers=2, seed=1)
 
 
-def test_gold_search_searches_once_then_answers_correctly():
-    for result in _evaluate_all("gold-search", ["nq", "hotpotqa", "medqa"], {}, None, 6, "demo", 3, 2, 6, 0):
+@pytest.mark.parametrize("max_turns", [2, 3])
+def test_gold_search_searches_each_hop_then_answers_correctly(max_turns):
+    """One search for single-hop questions; both hops of multi-hop ones when there are turns for it; the answer
+    on the last turn at the latest."""
+    for result in _evaluate_all("gold-search", ["nq", "hotpotqa", "medqa"], {}, None, 6, "demo", 3, max_turns, 6, 0):
         metrics = result["metrics"]
         assert metrics.get("em", metrics.get("acc")) == 1.0, result["benchmark"]
-        assert metrics["mean_search_calls"] == 1.0 and metrics["invalid_action_rate"] == 0.0
+        assert metrics["answer_rate"] == 1.0 and metrics["invalid_action_rate"] == 0.0
+        hops = 2 if result["benchmark"] == "hotpotqa" and max_turns == 3 else 1
+        assert metrics["mean_search_calls"] == hops, result["benchmark"]
+
+
+def test_gold_search_follows_real_hotpotqa_supporting_facts(shared_data):
+    """With HotpotQA's supporting facts, the second query is a supporting title the first search did not bring
+    back (the demo corpus here has none of them, so it is the first one)."""
+    dataset = str(shared_data / "qa/hotpotqa_distractor_100.json")
+    results = _evaluate_all("gold-search", ["hotpotqa"], {"hotpotqa": dataset}, None, 4, "demo", 3, 3, 4, 0)
+    first = results[0]["episodes"][0]
+    actions = [s["text"] for s in first["transcript"] if s["role"] == "assistant"]
+    assert "<search> Alû </search>" in actions[1] and first["em"] == 1.0  # supporting facts: Alû, Lilu (mythology)
 
 
 def test_demonstrations_are_tokenised_like_rollouts(smollm2_tokenizer):

@@ -44,7 +44,42 @@ def _record_id(record: Record, fallback: str) -> str:
 
 
 def _metadata(record: Record) -> dict[str, Any]:
-    return {name: record[name] for name in _METADATA_FIELDS if record.get(name) is not None}
+    metadata = {name: record[name] for name in _METADATA_FIELDS if record.get(name) is not None}
+    titles = supporting_titles(record)
+    if titles:
+        metadata["supporting_titles"] = titles
+    return metadata
+
+
+def supporting_titles(record: Record) -> list[str]:
+    """Titles of the passages a multi-hop answer rests on, hop by hop where the format says the order.
+
+    >>> supporting_titles({"supporting_facts": [["Alu", 3], ["Lilu", 0], ["Alu", 1]]})  # HotpotQA
+    ['Alu', 'Lilu']
+    >>> supporting_titles({"metadata": {"supporting_facts": {"title": ["A", "B"], "sent_id": [0, 2]}}})  # FlashRAG
+    ['A', 'B']
+    >>> supporting_titles({"paragraphs": [{"idx": 0, "title": "X"}, {"idx": 1, "title": "Y", "is_supporting": True}],
+    ...                    "question_decomposition": [{"paragraph_support_idx": 1}]})  # MuSiQue
+    ['Y']
+    """
+    if record.get("supporting_titles"):
+        return [str(t) for t in record["supporting_titles"]]
+    facts = record.get("supporting_facts")
+    if facts is None and isinstance(record.get("metadata"), Mapping):
+        facts = record["metadata"].get("supporting_facts")
+    if isinstance(facts, Mapping):
+        facts = [[title] for title in facts.get("title", [])]
+    if facts:
+        return list(dict.fromkeys(str(fact[0]) for fact in facts if fact))
+    paragraphs = record.get("paragraphs")
+    if isinstance(paragraphs, list):
+        by_index = {p.get("idx", i): p for i, p in enumerate(paragraphs) if isinstance(p, Mapping)}
+        steps = [step.get("paragraph_support_idx") for step in record.get("question_decomposition") or []
+                 if isinstance(step, Mapping)]
+        ordered = [by_index[i] for i in steps if i in by_index] or \
+            [p for p in by_index.values() if p.get("is_supporting")]
+        return list(dict.fromkeys(str(p["title"]) for p in ordered if p.get("title")))
+    return []
 
 
 def _as_answer_list(value: Any) -> list[str]:
