@@ -36,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .agent_specs import SPEC_HELP
+
     parser = argparse.ArgumentParser(prog="stppo", description=__doc__)
     commands = parser.add_subparsers(dest="command")
 
@@ -53,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--output-dir", required=True, help="where the fine-tuned Hugging Face folder goes")
     sft.add_argument("--teacher", default="gold-search",
                      help="agent spec whose rewarded episodes are the data (default gold-search: search the "
-                          "question, answer the golden answer); hf:PATH or openai:URL#MODEL for rejection sampling")
+                          "question, then any supporting passage not yet seen, then give the golden answer); "
+                          "hf:PATH or openai:URL#MODEL for rejection sampling")
     sft.add_argument("--benchmarks", default="nq,hotpotqa", help="comma-separated benchmark names")
     sft.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
                      help="a FlashRAG-style dataset for a benchmark (default: the bundled demo set)")
@@ -81,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_run_train)
 
     ev = commands.add_parser("eval", help="evaluate an agent per benchmark")
-    ev.add_argument("--agent", required=True, help="oracle, no-search, search-copy")
+    ev.add_argument("--agent", required=True, help=SPEC_HELP)
     ev.add_argument("--benchmarks", required=True, help="comma-separated, e.g. nq,hotpotqa,medqa")
     ev.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
                     help="data source per benchmark (file, folder or hub name); default: the demo set")

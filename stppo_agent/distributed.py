@@ -23,11 +23,16 @@ def init_from_env() -> bool:
     """Join the process group torchrun describes (WORLD_SIZE > 1); returns whether training is distributed."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return dist.is_initialized()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=_backend())
     return True
+
+
+def _backend() -> str:
+    """NCCL on GPUs (after binding this process to its GPU), gloo on CPU."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return "nccl"
 
 
 STRATEGIES = ("ddp", "fsdp2")
@@ -48,10 +53,7 @@ def ensure_process_group() -> None:
 
 
 def _init_single(init_method: str) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, init_method=init_method, rank=0, world_size=1)
+    dist.init_process_group(backend=_backend(), init_method=init_method, rank=0, world_size=1)
 
 
 def rank() -> int:
@@ -108,12 +110,6 @@ def shard_fsdp2(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
         fully_shard(block, reshard_after_forward=True, mp_policy=policy)
     fully_shard(model, reshard_after_forward=False, mp_policy=policy)
     return model
-
-
-def is_sharded(model: torch.nn.Module | None) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 @contextlib.contextmanager

@@ -124,7 +124,7 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
     tokenizer.save_pretrained(out)
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "demonstrations": len(kept),
                "seconds": time.perf_counter() - started,
-               "config": {k: v for k, v in dataclasses.asdict(config).items()}}
+               "config": dataclasses.asdict(config)}
     (out / "sft.json").write_text(json.dumps(summary, indent=1, default=list))
     (out / "sft_losses.json").write_text(json.dumps(losses))
     return summary

@@ -446,7 +446,7 @@ class Trainer:
                       "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
                       "algo": self.config.algo, "model": self.config.model}
         path = self.run_dir / "checkpoints" / f"step-{self.iteration}"
-        if distributed.is_main():  # optimizer state is identical on every rank under DDP: one copy suffices
+        if distributed.is_main():  # the full state dicts above live on rank 0 only (cpu_offload)
             path = save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
                                    critic=self.critic, tensor_state=tensor_state, json_state=json_state,
                                    keep=self.config.keep_checkpoints, actor_state=actor_state,

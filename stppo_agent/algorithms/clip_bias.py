@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..distributed import global_norm, local_tensor
+from ..distributed import all_reduce_sum, global_norm, local_tensor
 
 
 class ClipBiasCorrector:
@@ -48,7 +48,9 @@ class ClipBiasCorrector:
         is a collective, so all ranks take it or none does. A rank with nothing clipped (surrogate without grad)
         then back-propagates zero through ``anchor``, any tensor of this micro-batch's graph (its log-probs)."""
         if self.through_grad:
-            if _on_any_rank(bias_surrogate.requires_grad, bias_surrogate.device):
+            clipped_ranks = all_reduce_sum(torch.tensor(float(bias_surrogate.requires_grad),
+                                                        device=bias_surrogate.device))
+            if clipped_ranks > 0:
                 if not bias_surrogate.requires_grad:
                     if anchor is None:
                         raise ValueError("through_grad needs an anchor tensor for ranks with nothing clipped")
@@ -105,11 +107,3 @@ class ClipBiasCorrector:
             local_tensor(grad).div_(scale.to(grad.dtype))
         self._bias = None
         return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm, "clip_bias_scale": scale}
-
-
-def _on_any_rank(flag: bool, device: torch.device) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    value = torch.tensor(float(flag), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value > 0)
