@@ -287,3 +287,27 @@ def test_fsdp2_scoring_on_gathered_weights_matches_the_sharded_forward(tmp_path)
     for rank in range(2):
         result = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=False)
         assert result["tokens"] > 0 and result["same"]
+
+
+def _mixed_precision_main(rank: int, port: int, model_path: str, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.distributed import shard_fsdp2
+
+    model = shard_fsdp2(AutoModelForCausalLM.from_pretrained(model_path), torch.bfloat16)
+    logits = model(input_ids=torch.tensor([[3, 4, 5]])).logits
+    logits.float().sum().backward()
+    torch.save({"compute": logits.dtype, "master": {p.dtype for p in model.parameters()},
+                "grads": {p.grad.dtype for p in model.parameters()}}, result_path)
+    os._exit(0)
+
+
+def test_fsdp2_compute_dtype_computes_in_bf16_and_keeps_float32_master_weights(tmp_path):
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    mp.start_processes(_mixed_precision_main, args=(free_port(), str(model), str(tmp_path / "r.pt")), nprocs=1,
+                       start_method="spawn")
+    got = torch.load(tmp_path / "r.pt", weights_only=False)
+    assert got["compute"] == torch.bfloat16
+    assert got["master"] == {torch.float32} and got["grads"] == {torch.float32}
