@@ -86,7 +86,7 @@ def main() -> None:
     generated = int(batch.loss_mask.sum())
     per_trajectory = max(1, generated // batch.batch_size)
     prompts = [encode_prompt(trainer.tokenizer, env.transcript[0].text)
-               for env in list(trainer._env_pool.values())[: batch.batch_size]]
+               for env in list(trainer.source.env_pool.values())[: batch.batch_size]]
     from stppo_agent.rollout import left_pad
 
     input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)

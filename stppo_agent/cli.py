@@ -83,6 +83,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the run folder's last valid checkpoint")
     train.set_defaults(handler=_run_train)
 
+    rep = commands.add_parser("replay", help="apply an algorithm's updates to a run's recorded rollouts "
+                                              "(train it with --set save_rollouts=true)")
+    rep.add_argument("run", help="run folder with rollouts/ (recorded with --set save_rollouts=true)")
+    rep.add_argument("--algo", default=None, help="algorithm to replay with (default: the recorded run's own)")
+    rep.add_argument("--output-dir", required=True, help="the replay's run folder")
+    rep.add_argument("--iterations", type=int, default=None, help="replay the first N recorded iterations")
+    rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field of the recorded config, e.g. algorithm.clip_high=0.28")
+    rep.set_defaults(handler=_run_replay)
+
     ev = commands.add_parser("eval", help="evaluate an agent per benchmark")
     ev.add_argument("--agent", required=True, help=SPEC_HELP)
     ev.add_argument("--benchmarks", required=True, help="comma-separated, e.g. nq,hotpotqa,medqa")
@@ -214,6 +224,18 @@ def _run_train(args: argparse.Namespace) -> int:
     metrics = Trainer(config, resume=args.resume).train()
     if distributed.is_main():
         print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+    return 0
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from . import distributed
+    from .replay import replay
+
+    distributed.init_from_env()
+    metrics = replay(args.run, args.algo, args.output_dir, args.overrides, args.iterations)
+    if distributed.is_main():
+        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+        print(f"replay written to {args.output_dir} (metrics.jsonl, steps.jsonl)")
     return 0
 
 

@@ -95,6 +95,13 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     max_nan_skips: int = 3
     """Consecutive skipped updates (NaN/inf loss or gradient) before the run stops."""
+    save_rollouts: bool = False
+    """Record every iteration's batch and the initial weights under rollouts/ for `stppo replay`
+    (safetensors + JSON lines; see stppo_agent/recording.py for the format)."""
+    step_diagnostics: bool = False
+    """Write steps.jsonl: per optimizer step, the gradient's cosine to the iteration's first (on-policy) one,
+    token/turn ratio tails, clip shares, ||C|| (measured for every algorithm: one extra backward on off-policy
+    steps) and norms. On by default in `stppo replay`."""
     tensorboard: bool = True
     wandb_project: str | None = None
     """Log to Weights & Biases too when set (needs `pip install wandb`)."""

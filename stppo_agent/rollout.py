@@ -20,6 +20,7 @@ from stppo_envs import step_envs
 from .episode_stats import episode_rates
 
 STOP_STRINGS = ("</search>", "</answer>")
+EPISODE_INFO_KEYS = ("example_id", "benchmark", "question")  # what a batch keeps of each env's reset info
 
 
 class RolloutLimitError(ValueError):
@@ -209,6 +210,7 @@ class Trajectory:
     invalid_actions: int = 0
     search_errors: int = 0
     answered: bool = False
+    info: dict = dataclasses.field(default_factory=dict)  # what reset said of the episode (example_id, ...)
 
     def counters(self) -> dict[str, int]:
         """The per-episode counters :func:`episode_rates` reads."""
@@ -244,6 +246,7 @@ class RolloutBatch:
     values: torch.Tensor | None = None  # (B, T) critic values before the update
     advantages: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T)
+    episode_info: list[dict] | None = None  # per trajectory: example_id, benchmark, question, finish_reason
 
     @property
     def batch_size(self) -> int:
@@ -255,7 +258,11 @@ class RolloutBatch:
         fields = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            fields[field.name] = value[index.to(value.device)] if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                value = value[index.to(value.device)]
+            elif isinstance(value, list):
+                value = [value[i] for i in index.tolist()]
+            fields[field.name] = value
         return RolloutBatch(**fields)
 
     def to(self, device) -> "RolloutBatch":
@@ -285,12 +292,13 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, envs: Sequence[gym.E
     limits.validate()
     trajectories = []
     for i, env in enumerate(envs):
-        prompt, _ = env.reset(seed=seeds[i] if seeds else None, options=reset_options[i])
+        prompt, info = env.reset(seed=seeds[i] if seeds else None, options=reset_options[i])
         prompt_ids = encode_prompt(tokenizer, prompt)
         if len(prompt_ids) > limits.max_prompt_tokens:
             raise RolloutLimitError(f"a prompt has {len(prompt_ids)} tokens, over max_prompt_tokens="
                                     f"{limits.max_prompt_tokens} (raise it or shorten the template)")
-        trajectories.append(Trajectory(env, int(group_ids[i]), prompt_ids))
+        episode = {key: info[key] for key in EPISODE_INFO_KEYS if key in info}
+        trajectories.append(Trajectory(env, int(group_ids[i]), prompt_ids, info=episode))
     for turn in range(limits.max_turns):
         active = [t for t in trajectories if not t.done]
         if not active:
@@ -368,4 +376,5 @@ def to_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
         terminated=torch.tensor([t.terminated for t in trajectories]),
         truncated=torch.tensor([t.truncated for t in trajectories]), stats=stats,
+        episode_info=[{**t.info, "finish_reason": t.finish_reason} for t in trajectories],
     )

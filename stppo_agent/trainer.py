@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +19,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-import gymnasium as gym
 import numpy as np
 import torch
 
@@ -37,43 +35,17 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
+from .diagnostics import StepDiagnostics, StepMeans
 from .forward import batched_no_grad, critic_values, token_logprobs
+from .live_rollouts import LiveRollouts, PromptSampler  # noqa: F401  (PromptSampler: kept importable from here)
 from .logging_utils import MetricsLogger
 from .models import DTYPES, load_policy_models, resolve_device
-from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
-from .shared_retrieval import shared_retriever_spec
+from .recording import RolloutRecorder
+from .rollout import HFGenerationBackend, RolloutBatch
 
 
 class TrainingDivergedError(RuntimeError):
     """Too many consecutive updates had NaN/inf losses or gradients."""
-
-
-class PromptSampler:
-    """Walks a seeded permutation of (env, example) pairs per epoch; its position is part of the checkpoint."""
-
-    def __init__(self, sizes: list[int], seed: int):
-        self.pairs = [(env, example) for env, size in enumerate(sizes) for example in range(size)]
-        self.seed, self.epoch, self.cursor = seed, 0, 0
-
-    def _order(self) -> np.ndarray:
-        return np.random.default_rng(self.seed + self.epoch).permutation(len(self.pairs))
-
-    def take(self, n: int) -> list[tuple[int, int]]:
-        out = []
-        while len(out) < n:
-            order = self._order()
-            while self.cursor < len(order) and len(out) < n:
-                out.append(self.pairs[order[self.cursor]])
-                self.cursor += 1
-            if self.cursor == len(order):
-                self.epoch, self.cursor = self.epoch + 1, 0
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load(self, state: dict[str, int]) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
@@ -94,7 +66,10 @@ class Trainer:
     """Trains ``config.model`` on ``config.env`` with ``config.algo``; ``resume=True`` continues a run."""
 
     def __init__(self, config: TrainConfig, resume: bool = False, report: Callable[[str], None] = print,
-                 batch_hook: Callable[[RolloutBatch], None] | None = None):
+                 batch_hook: Callable[[RolloutBatch], None] | None = None,
+                 rollout_source: Callable[["Trainer"], Any] | None = None):
+        """``rollout_source(trainer)`` builds where batches come from (default :class:`LiveRollouts`: play the
+        envs now; ``stppo_agent.replay`` passes recorded batches)."""
         config.validate()
         self.config, self.report, self.batch_hook = config, report, batch_hook
         self.algo = config.algorithm_config()
@@ -113,7 +88,7 @@ class Trainer:
         if resume and checkpoint is None:
             report(f"--resume: no valid checkpoint in {self.run_dir}/checkpoints; starting from scratch")
         self._build_models(checkpoint)
-        self._build_envs()
+        self.source = (rollout_source or LiveRollouts)(self)
         if checkpoint is not None:
             self._restore(checkpoint)
         self.logger = None
@@ -122,6 +97,16 @@ class Trainer:
                                         wandb_project=config.wandb_project, config=dataclasses.asdict(config))
             self.logger.truncate_after(self.iteration)
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
+        self.recorder = RolloutRecorder(self.run_dir, self.tokenizer, self.rank, self.world) \
+            if config.save_rollouts else None
+        if self.recorder is not None and self.iteration == 0:
+            # A critic built from the actor (a new zero value head) is rebuilt the same way on replay: saving and
+            # reloading it gives the same values but not bit-identical updates (the head's memory differs).
+            actor_state, critic_state = self._full_states()
+            own_critic = self.critic if config.critic_model else None
+            self.recorder.save_initial(self.actor, own_critic, actor_state, critic_state if own_critic else None)
+        self.diagnostics = StepDiagnostics(self.run_dir / "steps.jsonl", self.sharded, self.iteration) \
+            if config.step_diagnostics else None
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:
@@ -178,34 +163,6 @@ class Trainer:
         return HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
                                    batch_size=self.config.generation_batch_size)
 
-    def _build_envs(self) -> None:
-        self.env_ids = [e.strip() for e in self.config.env.split(",") if e.strip()]
-        if not self.env_ids:
-            raise ValueError("env is empty; pass one or more env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
-        base_kwargs = dict(self.config.env_kwargs)
-        if self.config.share_retriever and any(self._is_search_env(e) for e in self.env_ids):
-            base_kwargs["retriever"] = shared_retriever_spec(base_kwargs.get("retriever", "demo"), self.run_dir)
-        probes = [gym.make(env_id, disable_env_checker=True, **base_kwargs).unwrapped for env_id in self.env_ids]
-        # Copies of a search env share its probe's retriever (one index in memory) and the trainer's max_turns.
-        self.env_kwargs = [dict(base_kwargs, retriever=env.retriever, max_turns=self.config.max_turns)
-                           if isinstance(env, stppo_envs.SearchQAEnv) else dict(base_kwargs)
-                           for env in probes]
-        sizes = [len(getattr(env, "examples", ())) or 1 for env in probes]
-        self.sampler = PromptSampler(sizes, self.config.seed)
-        self._env_pool: dict[tuple[int, int], gym.Env] = {}
-
-    @staticmethod
-    def _is_search_env(env_id: str) -> bool:
-        entry_point = gym.spec(env_id).entry_point
-        return isinstance(entry_point, str) and entry_point.endswith(":SearchQAEnv")
-
-    def _env(self, slot: int, env_index: int) -> gym.Env:
-        key = (slot, env_index)
-        if key not in self._env_pool:
-            self._env_pool[key] = gym.make(self.env_ids[env_index], disable_env_checker=True,
-                                           **self.env_kwargs[env_index]).unwrapped
-        return self._env_pool[key]
-
     # -- one iteration -----------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
@@ -243,21 +200,9 @@ class Trainer:
         return metrics
 
     def rollout(self) -> RolloutBatch:
-        config = self.config
-        prompts = list(enumerate(self.sampler.take(config.prompts_per_iteration)))  # the same on every rank
-        envs, options, groups, seeds = [], [], [], []
-        for prompt_number, (env_index, example) in prompts[self.rank::self.world]:  # this rank's share
-            for sample in range(config.samples_per_prompt):
-                slot = prompt_number * config.samples_per_prompt + sample
-                envs.append(self._env(slot, env_index))
-                options.append({"index": example})
-                groups.append(self.iteration * config.prompts_per_iteration + prompt_number)
-                seeds.append(config.seed + 1_000_003 * self.iteration + slot)
-        gathered = distributed.gathered(self.actor) if isinstance(self.backend, HFGenerationBackend) \
-            else contextlib.nullcontext()
-        with gathered:
-            batch = collect_rollouts(self.backend, self.tokenizer, envs, options, groups, config.rollout_limits(),
-                                     seeds)
+        batch = self.source.next_batch(self.iteration)
+        if self.recorder is not None:  # as sampled: before any test hook or scoring touches it
+            self.recorder.record(self.iteration + 1, batch)
         if self.batch_hook is not None:
             self.batch_hook(batch)
         return batch.to(self.device)
@@ -298,21 +243,20 @@ class Trainer:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         config = self.config
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        means = StepMeans()
         tokens, started = 0, time.perf_counter()
         generator = torch.Generator().manual_seed(config.seed + self.iteration)
-        for _ in range(config.ppo_epochs):
+        if self.diagnostics is not None:
+            self.diagnostics.begin_iteration(self.iteration + 1)
+        for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
             local_mini = config.mini_batch_size // self.world
             for start in range(0, batch.batch_size, local_mini):
                 mini = batch.select(order[start:start + local_mini])
                 step_metrics = self._optimizer_step(mini)
                 tokens += int(mini.loss_mask.sum())
-                for key, value in step_metrics.items():
-                    sums[key] += value
-                    counts[key] += 1
-        metrics = {key: sums[key] / counts[key] for key in sums}
+                means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet
+        metrics = means.means()
         metrics["update_tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
         metrics["nan_skips_total"] = self.nan_skips_total
         metrics["actor_lr"] = self.actor_scheduler.get_last_lr()[0]
@@ -349,8 +293,10 @@ class Trainer:
         clipping included) and return the step's metrics; ``grad_norm`` is NaN when the step must be skipped."""
         algo, loss_fn = self.algo, get_policy_loss(self.algo.policy_loss)
         params = [p for p in self.actor.parameters() if p.requires_grad]
-        corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=self.sharded) \
-            if algo.clip_bias_correction else None
+        # With step diagnostics, ||C|| is measured for every algorithm (only S-PPO / ST-PPO rescale by it).
+        corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=self.sharded,
+                                      rescale=algo.clip_bias_correction) \
+            if algo.clip_bias_correction or self.diagnostics is not None else None
         global_tokens, global_seqs = self._global_counts(mini)
         self.actor_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
@@ -364,6 +310,8 @@ class Trainer:
                 ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy,
                 global_num_tokens=global_tokens, global_num_seqs=global_seqs)
             finite = finite * torch.isfinite(loss)
+            if self.diagnostics is not None:
+                self.diagnostics.observe_micro(micro, logprobs)
             if corrector is not None:
                 corrector.accumulate(bias, anchor=logprobs)
             loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
@@ -383,6 +331,9 @@ class Trainer:
         out = self.actor_gradients(mini)
         if not math.isfinite(out["grad_norm"]):
             return self._skip_step(out, "actor")
+        if self.diagnostics is not None:  # the gradient the optimizer is about to apply
+            params = [p for p in self.actor.parameters() if p.requires_grad]
+            out.update(self.diagnostics.finish_step(params, out, self.optimizer_steps))
         self.nan_skips_in_a_row = 0
         self.actor_optimizer.step()
         self.actor_scheduler.step()
@@ -437,12 +388,11 @@ class Trainer:
         if self.critic_optimizer is not None:
             tensor_state["critic_optimizer"] = full_optimizer_state(self.critic, self.critic_optimizer)
             tensor_state["critic_scheduler"] = self.critic_scheduler.state_dict()
-        actor_state = full_model_state(self.actor) if self.sharded else None
-        critic_state = full_model_state(self.critic) if self.sharded and self.critic is not None else None
+        actor_state, critic_state = self._full_states()
         if torch.cuda.is_available():
             tensor_state["cuda_rng"] = torch.cuda.get_rng_state_all()
         json_state = {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
-                      "nan_skips_total": self.nan_skips_total, "sampler": self.sampler.state(),
+                      "nan_skips_total": self.nan_skips_total, "sampler": self.source.state(),
                       "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
                       "algo": self.config.algo, "model": self.config.model}
         path = self.run_dir / "checkpoints" / f"step-{self.iteration}"
@@ -453,6 +403,12 @@ class Trainer:
                                    critic_state=critic_state)
         distributed.barrier()
         return path
+
+    def _full_states(self) -> tuple[dict | None, dict | None]:
+        """Full actor and critic state dicts gathered from FSDP2 shards (a collective); None, None unsharded."""
+        if not self.sharded:
+            return None, None
+        return full_model_state(self.actor), full_model_state(self.critic) if self.critic is not None else None
 
     def _restore(self, checkpoint: Path) -> None:
         tensors, state = load_trainer_state(checkpoint)
@@ -466,7 +422,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(tensors["cuda_rng"])
         self.iteration, self.optimizer_steps = int(state["iteration"]), int(state["optimizer_steps"])
         self.nan_skips_total = int(state["nan_skips_total"])
-        self.sampler.load(state["sampler"])
+        self.source.load(state["sampler"])
         random.setstate(_python_rng(state["python_rng"]))
         np.random.set_state(_numpy_rng(state["numpy_rng"]))
         self.report(f"resumed from {checkpoint} (iteration {self.iteration}, {self.optimizer_steps} optimizer steps)")

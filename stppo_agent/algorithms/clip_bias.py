@@ -33,12 +33,14 @@ from ..distributed import all_reduce_sum, global_norm, local_tensor
 class ClipBiasCorrector:
     """Accumulates C over micro-batches and rescales the actor's gradient by max(1, ||C|| / kappa)."""
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], kappa: float = 1.0, through_grad: bool = False):
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], kappa: float = 1.0, through_grad: bool = False,
+                 rescale: bool = True):
         self.parameters = [p for p in parameters if p.requires_grad]
         if kappa <= 0:
             raise ValueError(f"kappa must be > 0, got {kappa}")
         self.kappa = kappa
         self.through_grad = through_grad
+        self.rescale = rescale  # False: only measure ||C|| (diagnostics of algorithms without the correction)
         self._bias: list[torch.Tensor] | None = None
 
     def accumulate(self, bias_surrogate: torch.Tensor, anchor: torch.Tensor | None = None) -> None:
@@ -97,13 +99,16 @@ class ClipBiasCorrector:
             offset += total.numel()
 
     def apply(self) -> dict[str, torch.Tensor]:
-        """Scale the actor's gradients; return ``clip_bias_norm``, ``pg_grad_norm``, ``clip_bias_scale``; reset C."""
+        """Scale the actor's gradients; return ``clip_bias_norm``, ``pg_grad_norm``, ``clip_bias_scale``; reset C.
+        With ``rescale=False`` the gradients are left alone and ``clip_bias_scale`` is not reported."""
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
         bias_norm = global_norm(self._bias or [], device)
         grads = [p.grad for p in self.parameters if p.grad is not None]
         grad_norm = global_norm(grads, device)
+        self._bias = None
+        if not self.rescale:
+            return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm}
         scale = torch.clamp(bias_norm / self.kappa, min=1.0)
         for grad in grads:
             local_tensor(grad).div_(scale.to(grad.dtype))
-        self._bias = None
         return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm, "clip_bias_scale": scale}

@@ -1,0 +1,156 @@
+"""Per-optimizer-step diagnostics of a PPO-family update, and the iteration means the trainer logs.
+
+Within one iteration the first mini-batch of the first epoch is *on-policy*: the actor has not moved since the
+old log-probs were taken, so every ratio is exactly 1 and nothing is clipped. Every later step is *off-policy*.
+That is where token- and turn-level clipping differ and where the clip-bias correction acts, so the iteration
+means are also given over the off-policy steps alone (``offpolicy/...``): averaged with the on-policy step they
+are diluted, and with one mini-batch per iteration they do not exist.
+
+:class:`StepDiagnostics` (``step_diagnostics=true``; on by default in ``stppo replay``) writes one record per
+optimizer step to ``steps.jsonl``:
+
+    iteration, step (optimizer steps so far), minibatch (0-based within the iteration), on_policy,
+    grad_cos_to_first   cosine between this step's actor gradient and the iteration's first (on-policy) one
+    ratio_max/p99/min   token ratios exp(logp - old_logp) over policy tokens
+    turn_ratio_max/p99/min  turn ratios: exp of the mean token log-ratio of each (trajectory, turn)
+    clip_frac, turn_clip_frac, clip_bias_norm (||C||, measured for every algorithm), clip_bias_scale
+    (ST-PPO / S-PPO only), grad_norm, pg_grad_norm
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import distributed
+from .algorithms.segments import segment_counts, segment_ids, segment_sum
+
+OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "clip_bias_scale", "clip_bias_norm", "grad_cos_to_first",
+                   "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99")
+
+
+class StepMeans:
+    """Means over an iteration's optimizer steps of every metric, plus ``offpolicy/K`` for the keys that tell
+    whether clipping and the correction acted (means over the off-policy steps; absent when there were none)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, float], on_policy: bool) -> None:
+        for key, value in metrics.items():
+            self._add(key, value)
+            if not on_policy and key in OFF_POLICY_KEYS:
+                self._add(f"offpolicy/{key}", value)
+        if not on_policy:
+            self._add("offpolicy/steps", 1.0)
+
+    def _add(self, key: str, value: float) -> None:
+        self.sums[key] += value
+        self.counts[key] += 1
+
+    def means(self) -> dict[str, float]:
+        out = {key: self.sums[key] / self.counts[key] for key in self.sums}
+        if "offpolicy/steps" in self.sums:
+            out["offpolicy/steps"] = self.sums["offpolicy/steps"]  # a count, not a mean
+        return out
+
+
+def _quantile(values: torch.Tensor, q: float) -> float:
+    # torch.quantile refuses inputs over 16M elements; subsample evenly beyond that (tails of the sorted values)
+    if values.numel() > 1 << 24:
+        values = values.sort().values[torch.linspace(0, values.numel() - 1, 1 << 24).long()]
+    return float(torch.quantile(values.double(), q))
+
+
+class StepDiagnostics:
+    """Collects what one optimizer step saw (``observe_micro`` for each micro-batch) and, before the optimizer
+    moves the weights, measures the gradient (``finish_step``). The tails are exact over the mini-batch (the
+    loss's ``ratio/max`` is a token-weighted mean of micro-batch maxima); under data parallelism they are this
+    rank's share of the mini-batch."""
+
+    def __init__(self, path: Path | None, sharded: bool = False, start_iteration: int = 0):
+        self.path, self.sharded = path, sharded
+        self.iteration, self.minibatch, self.reference = 0, 0, None
+        self.token_log_ratios: list[torch.Tensor] = []
+        self.turn_log_ratios: list[torch.Tensor] = []
+        if path is not None and path.exists():  # on resume: drop the steps of iterations that will be redone
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and _iteration_of(line) <= start_iteration]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration, self.minibatch, self.reference = iteration, 0, None
+
+    @torch.no_grad()
+    def observe_micro(self, micro, logprobs: torch.Tensor) -> None:
+        mask = micro.loss_mask
+        log_ratio = torch.where(mask, logprobs.detach().float() - micro.old_logprobs.float(),
+                                torch.zeros((), device=logprobs.device))
+        self.token_log_ratios.append(log_ratio[mask].cpu())
+        ids, segments = segment_ids(micro.turn_ids, mask, "turn")
+        counts = segment_counts(ids, segments, mask, log_ratio.dtype)
+        sums = segment_sum(log_ratio, ids, segments)
+        present = counts > 0
+        self.turn_log_ratios.append((sums[present] / counts[present]).cpu())
+
+    @torch.no_grad()
+    def finish_step(self, parameters: list[torch.nn.Parameter], metrics: dict[str, float],
+                    optimizer_steps: int) -> dict[str, float]:
+        """Record this step; returns the diagnostics that also go into the iteration means."""
+        flat = torch.cat([distributed.local_tensor(p.grad).reshape(-1).float() if p.grad is not None
+                          else torch.zeros(distributed.local_tensor(p).numel(), device=p.device)
+                          for p in parameters])
+        if self.reference is None:
+            self.reference = flat.clone()
+        cosine = self._cosine(flat, self.reference)
+        tails = self._tails()
+        out = {"grad_cos_to_first": cosine, **{f"tail/{key}": value for key, value in tails.items()}}
+        record = {"iteration": self.iteration, "step": optimizer_steps + 1, "minibatch": self.minibatch,
+                  "on_policy": self.minibatch == 0, "grad_cos_to_first": cosine, **tails}
+        for key in ("clip_frac", "turn_clip_frac", "clip_bias_norm", "clip_bias_scale", "grad_norm",
+                    "pg_grad_norm"):
+            if key in metrics:
+                record[key] = metrics[key]
+        if self.path is not None and distributed.is_main():
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        self.minibatch += 1
+        self.token_log_ratios, self.turn_log_ratios = [], []
+        return out
+
+    def _cosine(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        sums = torch.stack([(a.double() * b.double()).sum(), (a.double() ** 2).sum(), (b.double() ** 2).sum()])
+        if self.sharded:  # each rank holds a disjoint shard of every gradient
+            sums = distributed.all_reduce_sum(sums)
+        dot, aa, bb = sums.tolist()
+        return dot / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
+
+    def _tails(self) -> dict[str, float]:
+        out = {}
+        for name, parts in (("ratio", self.token_log_ratios), ("turn_ratio", self.turn_log_ratios)):
+            values = torch.cat(parts) if parts else torch.zeros(0)
+            if values.numel():
+                out[f"{name}_max"] = math.exp(float(values.max()))
+                out[f"{name}_p99"] = math.exp(_quantile(values, 0.99))
+                out[f"{name}_min"] = math.exp(float(values.min()))
+        return out
+
+
+def _iteration_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("iteration", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 1 << 62  # a torn line: dropped
+
+
+def _plain(value: Any) -> Any:
+    value = float(value) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

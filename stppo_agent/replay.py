@@ -1,0 +1,113 @@
+"""``stppo replay``: apply an algorithm's updates to the batches a run recorded (``save_rollouts=true``).
+
+The replay starts from the recorded run's initial weights (``rollouts/initial/``) and, iteration by iteration,
+scores and updates on the recorded batch instead of generating one: the same data under a different update
+rule, a comparison no live run can give (a live run's data depends on its own earlier updates). It logs the
+same ``metrics.jsonl`` as training and, by default, per-step diagnostics in ``steps.jsonl``
+(:mod:`stppo_agent.diagnostics`). Replaying with the recorded run's own algorithm and config reproduces its
+logged update metrics exactly.
+
+Replaying iteration k through algorithm B means: the batch that A's policy sampled at iteration k, scored and
+updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
+recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
+(old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import distributed
+from .config import TrainConfig, load_config
+from .recording import load_batch, read_format, recorded_iterations, tokenizer_fingerprint
+from .rollout import RolloutBatch
+
+# Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
+_REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retriever": False}
+
+
+class RecordedRollouts:
+    """A rollout source that serves a run's recorded batches, iteration by iteration."""
+
+    def __init__(self, trainer, run_dir: Path):
+        self.folder = Path(run_dir) / "rollouts"
+        meta = read_format(self.folder)
+        if meta["world_size"] != trainer.world:
+            raise ValueError(f"{run_dir} was recorded by {meta['world_size']} processes; replay it with as many "
+                             f"(torchrun --nproc_per_node {meta['world_size']}), not {trainer.world}")
+        mine = tokenizer_fingerprint(trainer.tokenizer)
+        if mine != meta["tokenizer"]:
+            differing = sorted(k for k in mine if mine[k] != meta["tokenizer"].get(k))
+            raise ValueError(f"tokenizer mismatch: the model's tokenizer differs from the one that recorded {run_dir} "
+                             f"({', '.join(differing)}); recorded token ids would mean other text")
+        self.rank = trainer.rank
+        self.iterations = recorded_iterations(self.folder, trainer.rank)
+
+    def next_batch(self, iteration: int) -> RolloutBatch:
+        return load_batch(self.folder, iteration + 1, self.rank)
+
+    def state(self) -> dict:
+        return {}
+
+    def load(self, state: dict) -> None:
+        pass
+
+
+def recorded_config(run_dir: str | Path) -> TrainConfig:
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run folder ({path} is missing)")
+    return load_config(path)
+
+
+def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
+                  iterations: int | None = None) -> TrainConfig:
+    """The recorded run's config with ``algo``, the replay's own folder, the initial weights and ``overrides``.
+
+    Algorithm overrides recorded for the original algorithm are kept only when replaying that same algorithm.
+    """
+    run_dir = Path(run_dir)
+    original = recorded_config(run_dir)
+    folder = run_dir / "rollouts"
+    meta = read_format(folder)  # a clear error for a run without recordings, before anything is loaded
+    available = recorded_iterations(folder, 0)
+    if not available:
+        raise FileNotFoundError(f"{folder} holds no recorded iteration")
+    if available != list(range(1, len(available) + 1)):
+        raise ValueError(f"{folder}: recorded iterations are not 1..N ({available[:5]}...); was the run resumed "
+                         "from a checkpoint after deleting recordings?")
+    values = dataclasses.asdict(original)
+    same_algo = algo is None or algo == original.algo
+    values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,
+                  algorithm=values["algorithm"] if same_algo else {}, iterations=len(available),
+                  step_diagnostics=True, model=str(folder / "initial" / "actor"), progress=original.progress)
+    initial_critic = folder / "initial" / "critic"
+    values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
+    config = load_config(None, list(overrides), **{k: v for k, v in values.items()})
+    if iterations is not None:
+        if iterations > len(available):
+            raise ValueError(f"--iterations {iterations}: {run_dir} recorded only {len(available)}")
+        config.iterations = iterations
+    if config.iterations > len(available):
+        raise ValueError(f"iterations={config.iterations}: {run_dir} recorded only {len(available)}")
+    del meta
+    return config
+
+
+def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
+           iterations: int | None = None, report: Callable[[str], None] = print) -> dict:
+    """Replay ``run_dir``'s recorded batches through ``algo``; returns the last iteration's metrics."""
+    from .trainer import Trainer
+
+    config = replay_config(run_dir, algo, output_dir, overrides, iterations)
+    if Path(output_dir).resolve() == Path(run_dir).resolve():
+        raise ValueError("the replay's --output-dir must differ from the recorded run's folder")
+    trainer = Trainer(config, report=report, rollout_source=lambda t: RecordedRollouts(t, Path(run_dir)))
+    if distributed.is_main():
+        (Path(output_dir) / "replay.json").write_text(json.dumps(
+            {"replay_of": str(Path(run_dir).resolve()), "recorded_algo": recorded_config(run_dir).algo,
+             "algo": config.algo, "iterations": config.iterations}, indent=1) + "\n")
+    return trainer.train()

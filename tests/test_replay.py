@@ -1,0 +1,160 @@
+"""Recorded rollouts, replay, per-step diagnostics and the off-policy metrics (issue 17)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from stppo_agent.cli import main
+from stppo_agent.recording import load_batch, recorded_iterations
+from stppo_agent.replay import replay
+from stppo_agent.trainer import Trainer, read_metrics
+
+from .test_trainer import toy_config
+from .tiny_models import tiny_llama, word_tokenizer
+
+# Timing and throughput differ between any two runs; everything else an update logs must replay exactly.
+TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
+
+def off_policy_config(model: Path, out: Path, algo: str, **overrides):
+    """4 mini-batches x 2 epochs per iteration at a high learning rate: 7 of the 8 steps are off-policy."""
+    values = dict(iterations=3, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=4,
+                  micro_batch_size=2, ppo_epochs=2, actor_lr=2e-2, save_rollouts=True)
+    values.update(overrides)
+    return toy_config(model, out, algo, **values)
+
+
+@pytest.fixture(scope="module")
+def recorded_ppo(tiny_model, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("recorded") / "ppo"
+    Trainer(off_policy_config(tiny_model, run, "ppo")).train()
+    return run
+
+
+def test_recording_holds_every_iteration_the_initial_weights_and_transcripts(recorded_ppo, tiny_model):
+    folder = recorded_ppo / "rollouts"
+    assert recorded_iterations(folder, 0) == [1, 2, 3]
+    fmt = json.loads((folder / "format.json").read_text())
+    assert fmt["format"] == "stppo-rollouts" and fmt["world_size"] == 1
+    # the initial actor is the model the run started from, bit for bit
+    from safetensors.torch import load_file
+
+    start, saved = load_file(str(tiny_model / "model.safetensors")), load_file(
+        str(folder / "initial" / "actor" / "model.safetensors"))
+    assert start.keys() == saved.keys() and all(torch.equal(start[k], saved[k]) for k in start)
+    assert not (folder / "initial" / "critic").exists()  # rebuilt from the actor on replay, as the run built it
+    batch = load_batch(folder, 2, 0)
+    assert batch.batch_size == 16 and batch.loss_mask.dtype == torch.bool
+    assert bool((batch.turn_ids[~batch.loss_mask] == -1).all())
+    # behaviour log-probs are those of the sampled tokens: negative on policy tokens, zero elsewhere
+    assert bool((batch.sample_logprobs[batch.loss_mask] < 0).all())
+    assert bool((batch.sample_logprobs[~batch.loss_mask] == 0).all())
+    lines = [json.loads(x) for x in (folder / "iter-000002.rank-0.jsonl").read_text().splitlines()]
+    assert len(lines) == 16 and [x["row"] for x in lines] == list(range(16))
+    assert [x["reward"] for x in lines] == batch.rewards.tolist()
+    assert [x["group_id"] for x in lines] == batch.group_ids.tolist()
+    first = lines[0]
+    assert first["example_id"].startswith("toy-") and first["transcript"][0][0] == "prompt"
+    roles = [segment[0] for segment in first["transcript"][1:]]
+    assert roles[0] == "policy" and set(roles) <= {"policy", "observation"}
+    assert read_metrics(recorded_ppo)[1]["reward"] == pytest.approx(float(batch.rewards.mean()))
+
+
+def test_the_recorded_run_puts_ppo_off_policy(recorded_ppo):
+    records = read_metrics(recorded_ppo)
+    assert all(r["offpolicy/steps"] == 7 for r in records)
+    assert max(r["offpolicy/clip_frac"] for r in records) > 0  # clipping happens, and only off-policy
+    assert max(r["offpolicy/clip_frac"] for r in records) > max(r["clip_frac"] for r in records) - 1e-12
+
+
+def test_replay_with_the_same_algorithm_reproduces_the_logged_update_metrics(recorded_ppo, tmp_path):
+    replay(recorded_ppo, None, str(tmp_path / "again"), report=lambda _: None)
+    original, again = read_metrics(recorded_ppo), read_metrics(tmp_path / "again")
+    assert len(original) == len(again) == 3
+    for a, b in zip(original, again):
+        keys = set(a) - TIMING
+        assert keys <= set(b)
+        for key in sorted(keys):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    steps = [json.loads(x) for x in (tmp_path / "again" / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 3 * 8 and [s["minibatch"] for s in steps[:8]] == list(range(8))
+    # PPO's replay measures ||C|| too, without rescaling: the diagnostics compare across rules
+    assert max(s["clip_bias_norm"] for s in steps) > 0 and "clip_bias_scale" not in steps[-1]
+    assert again[-1]["offpolicy/clip_bias_norm"] > 0 and "clip_bias_scale" not in again[-1]
+
+
+def test_replay_through_st_ppo_diagnoses_every_step(recorded_ppo, tmp_path):
+    out = tmp_path / "st"
+    assert main(["replay", str(recorded_ppo), "--algo", "st_ppo", "--output-dir", str(out),
+                 "--set", "algorithm.clip_bias_kappa=0.01"]) == 0
+    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 24
+    for step in steps:
+        if step["on_policy"]:  # nothing has moved: ratios 1 (up to float noise of another batch shape), C = 0
+            assert step["grad_cos_to_first"] == pytest.approx(1.0)
+            for key in ("ratio_max", "ratio_min", "turn_ratio_p99", "turn_ratio_max"):
+                assert step[key] == pytest.approx(1.0, abs=1e-5)
+            assert step["clip_frac"] == 0 and step["clip_bias_norm"] == 0 and step["clip_bias_scale"] == 1
+        else:
+            assert -1 <= step["grad_cos_to_first"] < 1
+            assert step["ratio_min"] <= step["ratio_p99"] <= step["ratio_max"]
+            assert step["turn_ratio_min"] <= step["turn_ratio_p99"] <= step["turn_ratio_max"]
+    clipped = [s for s in steps if s["clip_frac"] > 0]
+    assert clipped, "the replayed batches must clip"
+    # kappa 0.01: wherever C is non-zero the correction divides the gradient by ||C|| / kappa
+    for step in clipped:
+        if step["clip_bias_norm"] > 0.01:
+            assert step["clip_bias_scale"] == pytest.approx(step["clip_bias_norm"] / 0.01, rel=1e-5)
+    last = read_metrics(out)[-1]
+    assert last["offpolicy/clip_bias_scale"] > 1
+    assert json.loads((out / "replay.json").read_text())["recorded_algo"] == "ppo"
+
+
+def test_replay_differs_from_the_recording_under_another_rule(recorded_ppo, tmp_path):
+    replay(recorded_ppo, "grpo", str(tmp_path / "grpo"), report=lambda _: None)
+    original, grpo = read_metrics(recorded_ppo), read_metrics(tmp_path / "grpo")
+    assert [r["reward"] for r in original] == [r["reward"] for r in grpo]  # the same recorded data
+    assert original[0]["pg_loss"] != grpo[0]["pg_loss"]  # a different update rule
+    assert "value_loss" in original[0] and "value_loss" not in grpo[0]
+
+
+def test_replay_errors_are_clear(recorded_ppo, tiny_model, tmp_path):
+    plain = tmp_path / "plain"
+    Trainer(toy_config(tiny_model, plain, "ppo", iterations=1)).train()
+    with pytest.raises(FileNotFoundError, match="save_rollouts=true"):
+        replay(plain, None, str(tmp_path / "x"))
+    with pytest.raises(KeyError, match="unknown algorithm"):
+        replay(recorded_ppo, "no_such_algo", str(tmp_path / "y"))
+    with pytest.raises(ValueError, match="recorded only 3"):
+        replay(recorded_ppo, None, str(tmp_path / "z"), iterations=5)
+    other = tiny_llama(tmp_path / "other", word_tokenizer(["say", "ok", "red", "green", "blue", "gold", "extra"]))
+    with pytest.raises(ValueError, match="tokenizer mismatch"):
+        replay(recorded_ppo, None, str(tmp_path / "w"), [f"model={other}"])
+    assert main(["replay", str(plain), "--output-dir", str(tmp_path / "v")]) == 1
+
+
+def test_step_means_separate_off_policy_steps():
+    from stppo_agent.diagnostics import StepMeans
+
+    means = StepMeans()
+    means.add({"clip_frac": 0.0, "pg_loss": 1.0}, on_policy=True)
+    means.add({"clip_frac": 0.3, "pg_loss": 2.0}, on_policy=False)
+    means.add({"clip_frac": 0.1, "pg_loss": 3.0}, on_policy=False)
+    out = means.means()
+    assert out["clip_frac"] == pytest.approx(0.4 / 3) and out["pg_loss"] == 2.0
+    assert out["offpolicy/clip_frac"] == pytest.approx(0.2) and out["offpolicy/steps"] == 2
+    assert "offpolicy/pg_loss" not in out
+    single = StepMeans()
+    single.add({"clip_frac": 0.0}, on_policy=True)
+    assert "offpolicy/clip_frac" not in single.means()
+    assert not math.isnan(single.means()["clip_frac"])
