@@ -1,10 +1,16 @@
 """Forward+backward time of each preset's policy loss, as a ratio to token-level PPO in the same run.
 
-    python benchmarks/losses.py [--batch 64] [--length 4096] [--repeats 20]
+    python benchmarks/losses.py [--batch 64] [--length 4096] [--repeats 20] [--turn-drift 0.2] [--token-noise 0.3]
 
 Targets (issue 4): turn-level <= 1.3x token-level; the clip-bias correction's extra cost is reported as a
 ratio (it is one extra backward of the loss graph; with a real model it is one extra backward of the model
 on the micro-batch, which the trainer benchmark measures).
+
+The batch is off-policy the way a later mini-batch is: each turn's log-probs moved by a shared drift
+(N(0, turn_drift) per turn) plus per-token noise (N(0, token_noise)), so that turn-level ratios leave the clip
+range too (per-token noise alone averages out over a turn's hundreds of tokens and a turn-level loss then clips
+nothing, which would time a skipped no-op). The share of clipped tokens and of clipped turns is printed for every
+preset; a correction is timed only where something is clipped.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_advantage_estimator, get_policy_loss
 
 
-def make_batch(batch: int, length: int, seed: int = 0):
+def make_batch(batch: int, length: int, seed: int = 0, turn_drift: float = 0.2, token_noise: float = 0.3):
     """A Search-R1-like layout: 2-5 turns of 50-400 policy tokens with 100-600-token observations between."""
     rng = random.Random(seed)
     mask = torch.zeros(batch, length, dtype=torch.bool)
@@ -36,7 +42,9 @@ def make_batch(batch: int, length: int, seed: int = 0):
                 break
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, length, generator=gen) * 3
-    logprobs = old + 0.3 * torch.randn(batch, length, generator=gen)
+    drift = turn_drift * torch.randn(batch, int(turns.max()) + 2, generator=gen)
+    per_token_drift = torch.where(mask, drift.gather(1, turns.clamp(min=0)), torch.zeros(()))
+    logprobs = old + per_token_drift + token_noise * torch.randn(batch, length, generator=gen)
     values = torch.randn(batch, length, generator=gen)
     rewards = torch.randint(0, 2, (batch,), generator=gen).float()
     groups = torch.arange(batch) // 8
@@ -49,6 +57,14 @@ def prepare(name: str, data):
     advantages, _ = get_advantage_estimator(preset.advantage)(
         rewards=rewards, values=values, loss_mask=mask, group_ids=groups, config=preset)
     return preset, advantages
+
+
+def clipped_shares(preset, advantages, data) -> tuple[float, float]:
+    """(share of policy tokens in the clipped branch at the preset's ratio level, share of turns clipped)."""
+    mask, turns, logprobs, old, *_ = data
+    _, _, metrics = get_policy_loss(preset.policy_loss)(
+        logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask, turn_ids=turns, config=preset)
+    return float(metrics["clip_frac"]), float(metrics["turn_clip_frac"])
 
 
 def time_once(preset, advantages, data) -> tuple[float, float]:
@@ -75,9 +91,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--turn-drift", type=float, default=0.2, help="std of each turn's shared log-prob shift")
+    parser.add_argument("--token-noise", type=float, default=0.3, help="std of per-token log-prob noise")
     args = parser.parse_args()
     torch.manual_seed(0)
-    data = make_batch(args.batch, args.length)
+    data = make_batch(args.batch, args.length, turn_drift=args.turn_drift, token_noise=args.token_noise)
     print(f"B={args.batch} T={args.length} policy tokens={int(data[0].sum())} threads={torch.get_num_threads()}")
     prepared = {name: prepare(name, data) for name in ALGORITHMS}
     samples = {name: [] for name in prepared}
@@ -86,12 +104,14 @@ def main() -> None:
             if repeat >= 3:  # the first rounds are warm-up
                 samples[name].append(time_once(preset, advantages, data))
     baseline = statistics.median(step for step, _ in samples["ppo"])
-    print(f"{'preset':10s} {'ms':>8s} {'vs ppo':>8s} {'correction ms':>14s} {'correction / step':>18s}")
-    for name, (preset, _) in prepared.items():
+    print(f"{'preset':10s} {'ms':>8s} {'vs ppo':>8s} {'clipped tok':>12s} {'clipped turns':>14s} "
+          f"{'correction ms':>14s} {'correction / step':>18s}")
+    for name, (preset, advantages) in prepared.items():
         step = statistics.median(s for s, _ in samples[name])
         correction = statistics.median(c for _, c in samples[name])
+        tokens, turns = clipped_shares(preset, advantages, data)
         extra = f"{correction * 1e3:14.1f} {correction / step:18.2f}" if preset.clip_bias_correction else ""
-        print(f"{name:10s} {step * 1e3:8.1f} {step / baseline:8.2f} {extra}")
+        print(f"{name:10s} {step * 1e3:8.1f} {step / baseline:8.2f} {tokens:12.3f} {turns:14.3f} {extra}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def main() -> None:
     torch.manual_seed(0)
     model_path = make_model(args.hidden, args.layers, args.tokenizer)
     common = dict(env=args.env, model=str(model_path), output_dir=tempfile.mkdtemp(), iterations=1,
-                  prompts_per_iteration=args.trajectories, samples_per_prompt=1, mini_batch_size=args.trajectories,
+                  prompts_per_iteration=args.trajectories // 2, samples_per_prompt=2, mini_batch_size=args.trajectories,
                   micro_batch_size=4, max_turns=3, max_new_tokens_per_turn=48, max_observation_tokens=256,
                   max_prompt_tokens=512, max_total_tokens=1024, progress=False, tensorboard=False)
     trainer = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, **common), report=lambda _: None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 
 from .algorithms import ALGORITHMS, AlgorithmConfig
+from .algorithms.advantages import GROUP_ESTIMATORS
 from .distributed import STRATEGIES
 from .rollout import RolloutLimits, SamplingSettings
 
@@ -113,7 +115,9 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown algorithm fields {sorted(unknown)}; known: "
                              f"{', '.join(f.name for f in dataclasses.fields(AlgorithmConfig))}")
-        return dataclasses.replace(preset, **self.algorithm)
+        hints = typing.get_type_hints(AlgorithmConfig)
+        values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in self.algorithm.items()}
+        return dataclasses.replace(preset, **values)
 
     def rollout_limits(self) -> RolloutLimits:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
@@ -140,7 +144,11 @@ class TrainConfig:
                 raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {self.fsdp_compute_dtype!r}")
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
-        self.algorithm_config()
+        algo = self.algorithm_config()
+        if algo.advantage in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+            raise ValueError(f"algorithm {self.algo} uses group-relative advantages ({algo.advantage}): a group of one "
+                             f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
+                             f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
 
     def to_yaml(self) -> str:
@@ -151,7 +159,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     """Defaults <- YAML file <- explicit flags (those not None) <- ``--set key=value`` overrides."""
     values: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            loaded = yaml.load(Path(path).read_text(), Loader=NumberLoader) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must hold a mapping of field: value")
         values.update(loaded)
@@ -160,7 +171,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         key, sep, raw = item.partition("=")
         if not sep:
             raise ValueError(f"--set expects key=value, got {item!r}")
-        value = yaml.safe_load(raw)
+        try:
+            value = yaml.load(raw, Loader=NumberLoader)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--set {item}: the value is not valid YAML: {exc}") from exc
         if key.startswith(("algorithm.", "env_kwargs.")):
             section, _, field = key.partition(".")
             values.setdefault(section, {})
@@ -168,6 +182,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         else:
             values[key] = value
     return from_dict(values)
+
+
+class NumberLoader(yaml.SafeLoader):
+    """YAML 1.1 (PyYAML) reads ``1e-6`` as a string (its floats need a dot); this loader reads every common
+    spelling of a number as one: 1e-6, 1E+3, .5, 5., -2.5e-3, as YAML 1.2 and JSON do."""
+
+
+NumberLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
 
 
 def from_dict(values: dict[str, Any]) -> TrainConfig:

@@ -20,6 +20,11 @@ AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
+GROUP_ESTIMATORS = {"grpo", "rloo"}
+"""Estimators that compare a trajectory with the others of its group: a group of one has advantage 0 and teaches
+nothing, so they need samples_per_prompt >= 2 (add a user estimator's name here when it is group-based too)."""
+
+
 def register_advantage_estimator(name: str, fn: AdvantageEstimator | None = None):
     """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises."""
     if fn is None:
