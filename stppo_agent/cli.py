@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 DEMO_BENCHMARKS = ("nq", "hotpotqa", "medqa")
+DEMO_LR = 1e-5
 QA_FAMILY_ORDER = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
 
 
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--limit", type=int, default=16, help="evaluation examples per benchmark (default 16)")
     demo.add_argument("--model", default="smollm2", help="model to train (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--output-dir", default="runs/demo", help="run folder (default runs/demo)")
+    demo.add_argument("--lr", type=float, default=DEMO_LR, help=f"ST-PPO actor learning rate (default {DEMO_LR})")
     demo.set_defaults(handler=_run_demo)
 
     sft = commands.add_parser("sft", help="supervised warm start on a teacher agent's rewarded episodes")
@@ -183,18 +185,41 @@ def _run_demo(args: argparse.Namespace) -> int:
         algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model=model, output_dir=str(out / "train"),
         # Search-R1's format reward gives an untuned 135M model some signal: a well-formed answer earns 0.2.
         env_kwargs={"split": "train", "format_reward": 0.2}, iterations=args.iterations, prompts_per_iteration=2,
-        samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, actor_lr=1e-6, critic_lr=1e-5, max_turns=3,
+        # Two mini-batches per iteration: the second step is off-policy, where ST-PPO's turn-level ratios and
+        # clip-bias correction act (with one mini-batch every step is on-policy and nothing is ever clipped).
+        samples_per_prompt=2, mini_batch_size=2, micro_batch_size=2, actor_lr=args.lr, critic_lr=1e-5, max_turns=3,
         max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400, max_total_tokens=768,
-        save_every=args.iterations, keep_checkpoints=1, device="auto")
+        save_every=args.iterations, keep_checkpoints=1, device="auto", step_diagnostics=True)
     metrics = Trainer(config).train()
-    print(f"trained: reward {metrics['reward']:.3f}, clip_frac {metrics['clip_frac']:.3f}, "
-          f"turn_clip_frac {metrics['turn_clip_frac']:.3f}, clip_bias_scale {metrics.get('clip_bias_scale', 1):.3f}")
+    print(off_policy_summary(out / "train", metrics["reward"]))
     checkpoint = out / "train" / "checkpoints" / f"step-{args.iterations}" / "actor"
     results = _evaluate_all(f"hf:{checkpoint}", DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 3, 16, 0, 48)
     _write_results(results, out / "eval")
     print(format_table(results))
     print(f"run folder: {out / 'train'}; evaluation: {out / 'eval'}")
     return 0
+
+
+def off_policy_summary(run_dir: Path, reward: float) -> str:
+    """What ST-PPO's mechanisms did on the off-policy steps of a run (its metrics.jsonl, step diagnostics on)."""
+    from .trainer import read_metrics
+
+    records = [r for r in read_metrics(run_dir) if r.get("offpolicy/steps")]
+    if not records:
+        return f"trained: reward {reward:.3f}; no off-policy step (one mini-batch per iteration)"
+    steps = sum(r["offpolicy/steps"] for r in records)
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        return sum(values) / len(values) if values else float("nan")
+
+    return (f"trained: reward {reward:.3f}; on {steps:.0f} off-policy steps: clip_frac "
+            f"{mean('offpolicy/clip_frac'):.3f} (turn-level), turn_clip_frac "
+            f"{mean('offpolicy/turn_clip_frac'):.3f}, clip_bias_scale "
+            f"{mean('offpolicy/clip_bias_scale'):.3f} (||C|| {mean('offpolicy/clip_bias_norm'):.3f}); token ratios "
+            f"outside the clip range {mean('offpolicy/tail/token_outside_frac'):.3f} (what token-level PPO would "
+            f"clip), max {mean('offpolicy/tail/ratio_max'):.2f} vs turn ratios max "
+            f"{mean('offpolicy/tail/turn_ratio_max'):.2f}")
 
 
 def _run_sft(args: argparse.Namespace) -> int:

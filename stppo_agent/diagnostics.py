@@ -13,6 +13,9 @@ optimizer step to ``steps.jsonl``:
     grad_cos_to_first   cosine between this step's actor gradient and the iteration's first (on-policy) one
     ratio_max/p99/min   token ratios exp(logp - old_logp) over policy tokens
     turn_ratio_max/p99/min  turn ratios: exp of the mean token log-ratio of each (trajectory, turn)
+    token_outside_frac, turn_outside_frac   share of policy tokens / of turns whose token / turn ratio left
+                        [1 - clip_low, 1 + clip_high], whatever the algorithm's ratio level: what token-level
+                        and turn-level PPO would clip here, up to the sign of the advantage
     clip_frac, turn_clip_frac, clip_bias_norm (||C||, measured for every algorithm), clip_bias_scale
     (ST-PPO / S-PPO only), grad_norm, pg_grad_norm
 """
@@ -31,7 +34,8 @@ from . import distributed
 from .algorithms.segments import segment_counts, segment_ids, segment_sum
 
 OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "clip_bias_scale", "clip_bias_norm", "grad_cos_to_first",
-                   "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99")
+                   "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99",
+                   "tail/token_outside_frac", "tail/turn_outside_frac")
 
 
 class StepMeans:
@@ -74,8 +78,10 @@ class StepDiagnostics:
     loss's ``ratio/max`` is a token-weighted mean of micro-batch maxima); under data parallelism they are this
     rank's share of the mini-batch."""
 
-    def __init__(self, path: Path | None, sharded: bool = False, start_iteration: int = 0):
+    def __init__(self, path: Path | None, sharded: bool = False, start_iteration: int = 0,
+                 clip_low: float = 0.2, clip_high: float = 0.2):
         self.path, self.sharded = path, sharded
+        self.log_low, self.log_high = math.log(1 - clip_low), math.log1p(clip_high)
         self.iteration, self.minibatch, self.reference = 0, 0, None
         self.token_log_ratios: list[torch.Tensor] = []
         self.turn_log_ratios: list[torch.Tensor] = []
@@ -139,6 +145,8 @@ class StepDiagnostics:
                 out[f"{name}_max"] = math.exp(float(values.max()))
                 out[f"{name}_p99"] = math.exp(_quantile(values, 0.99))
                 out[f"{name}_min"] = math.exp(float(values.min()))
+                outside = (values > self.log_high) | (values < self.log_low)
+                out[f"{'token' if name == 'ratio' else 'turn'}_outside_frac"] = float(outside.double().mean())
         return out
 
 

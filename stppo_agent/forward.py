@@ -63,14 +63,28 @@ def critic_values(critic, batch: RolloutBatch) -> torch.Tensor:
     return output.logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width, 0].float()
 
 
+def length_sorted_micro_batches(batch: RolloutBatch, micro_batch_size: int):
+    """(rows, trimmed micro-batch) pairs covering ``batch``, rows grouped by length so that each micro-batch
+    pads to its own longest trajectory rather than the batch's (the sum of micro-batch gradients, and every
+    per-row result, does not depend on the grouping)."""
+    order = torch.argsort(batch.lengths().cpu(), stable=True)
+    for start in range(0, batch.batch_size, micro_batch_size):
+        rows = order[start:start + micro_batch_size]
+        yield rows, batch.select(rows).trimmed()
+
+
 @torch.no_grad()
 def batched_no_grad(fn, model, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor:
-    """Apply ``fn(model, micro_batch)`` over micro-batches without gradients and concatenate (B, T)."""
+    """Apply ``fn(model, micro_batch)`` over length-grouped, trimmed micro-batches without gradients; the
+    (B, T) result is in ``batch``'s row order and width (0 where a row was trimmed)."""
     was_training = model.training
     model.eval()
-    parts = []
-    for start in range(0, batch.batch_size, micro_batch_size):
-        part = fn(model, batch.select(range(start, min(start + micro_batch_size, batch.batch_size))))
-        parts.append(part[0] if isinstance(part, tuple) else part)
+    out = None
+    for rows, micro in length_sorted_micro_batches(batch, micro_batch_size):
+        part = fn(model, micro)
+        part = part[0] if isinstance(part, tuple) else part
+        if out is None:
+            out = torch.zeros(batch.batch_size, batch.response_ids.shape[1], dtype=part.dtype, device=part.device)
+        out[rows.to(part.device), :part.shape[1]] = part
     model.train(was_training)
-    return torch.cat(parts)
+    return out

@@ -265,6 +265,31 @@ class RolloutBatch:
             fields[field.name] = value
         return RolloutBatch(**fields)
 
+    def trimmed(self) -> "RolloutBatch":
+        """The same trajectories without the padding columns none of them uses: prompt columns left of the
+        longest prompt and response columns right of the longest response. A micro-batch of short trajectories
+        then does not pay for the longest one of the whole batch. Per-token tensors are cut to the new width."""
+        width = self.response_ids.shape[1]
+        used = self.attention_mask[:, :self.prompt_width].bool().any(0)
+        left = int(used.long().argmax()) if bool(used.any()) else self.prompt_width - 1
+        left = min(left, self.prompt_width - 1)  # keep the column that predicts the first response token
+        right = max(1, int(self.attention_mask[:, self.prompt_width:].sum(1).max()))
+        if left == 0 and right == width:
+            return self
+        fields = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                value = value[:, left:self.prompt_width + right] if field.name in ("input_ids", "attention_mask") \
+                    else value[:, :right]
+            fields[field.name] = value
+        fields["prompt_width"] = self.prompt_width - left
+        return RolloutBatch(**fields)
+
+    def lengths(self) -> torch.Tensor:
+        """Tokens of each trajectory, prompt and response (B,)."""
+        return self.attention_mask.sum(1)
+
     def to(self, device) -> "RolloutBatch":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})

@@ -36,7 +36,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .diagnostics import StepDiagnostics, StepMeans
-from .forward import batched_no_grad, critic_values, token_logprobs
+from .forward import batched_no_grad, critic_values, length_sorted_micro_batches, token_logprobs
 from .live_rollouts import LiveRollouts, PromptSampler  # noqa: F401  (PromptSampler: kept importable from here)
 from .logging_utils import MetricsLogger
 from .models import DTYPES, load_policy_models, resolve_device
@@ -105,7 +105,8 @@ class Trainer:
             actor_state, critic_state = self._full_states()
             own_critic = self.critic if config.critic_model else None
             self.recorder.save_initial(self.actor, own_critic, actor_state, critic_state if own_critic else None)
-        self.diagnostics = StepDiagnostics(self.run_dir / "steps.jsonl", self.sharded, self.iteration) \
+        self.diagnostics = StepDiagnostics(self.run_dir / "steps.jsonl", self.sharded, self.iteration,
+                                           self.algo.clip_low, self.algo.clip_high) \
             if config.step_diagnostics else None
 
     # -- setup ---------------------------------------------------------------------------------------------
@@ -270,11 +271,11 @@ class Trainer:
         return metrics
 
     def _micro_batches(self, mini: RolloutBatch, ddp_module: torch.nn.Module | None = None):
-        """Micro-batches of ``mini``; under DDP, gradients are all-reduced only after the last one."""
-        starts = list(range(0, mini.batch_size, self.config.micro_batch_size))
-        for number, start in enumerate(starts):
-            micro = mini.select(range(start, min(start + self.config.micro_batch_size, mini.batch_size)))
-            last = number == len(starts) - 1
+        """Length-grouped, trimmed micro-batches of ``mini``; under DDP, gradients are all-reduced only after
+        the last one."""
+        micros = [micro for _, micro in length_sorted_micro_batches(mini, self.config.micro_batch_size)]
+        for number, micro in enumerate(micros):
+            last = number == len(micros) - 1
             if ddp_module is not None and hasattr(ddp_module, "no_sync") and not last:
                 with ddp_module.no_sync():
                     yield micro

@@ -31,7 +31,16 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_match(prediction: str | None, golden_answers: Sequence[str]) -> float:
+def golden_list(golden_answers: str | Sequence[str]) -> list[str]:
+    """A bare string is one answer (as in Search-R1's ``em_check``), not a sequence of one-letter answers.
+
+    >>> golden_list("Paris"), golden_list(["Paris", "City of Light"])
+    (['Paris'], ['Paris', 'City of Light'])
+    """
+    return [golden_answers] if isinstance(golden_answers, str) else list(golden_answers)
+
+
+def exact_match(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
     """1.0 when the normalised prediction equals any normalised golden answer.
 
     >>> exact_match("the Beatles", ["Beatles", "The Fab Four"])
@@ -40,11 +49,13 @@ def exact_match(prediction: str | None, golden_answers: Sequence[str]) -> float:
     0.0
     >>> exact_match(None, ["Beatles"])
     0.0
+    >>> exact_match("P", "Paris"), exact_match("paris", "Paris")
+    (0.0, 1.0)
     """
     if prediction is None:
         return 0.0
     normalized = normalize_answer(prediction)
-    return float(any(normalized == normalize_answer(gold) for gold in golden_answers))
+    return float(any(normalized == normalize_answer(gold) for gold in golden_list(golden_answers)))
 
 
 def _token_f1(prediction: str, gold: str) -> float:
@@ -59,17 +70,20 @@ def _token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def f1_score(prediction: str | None, golden_answers: Sequence[str]) -> float:
-    """Token-level F1 (SQuAD), maximised over the golden answers.
+def f1_score(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
+    """Token-level F1 (SQuAD), maximised over the golden answers (a bare string is one answer).
 
     >>> f1_score("Eiffel Tower in Paris", ["the Eiffel Tower"])
     0.6666666666666666
     >>> f1_score("", ["x"])
     0.0
+    >>> f1_score("a", "abc")
+    0.0
     """
-    if prediction is None or not golden_answers:
+    golden = golden_list(golden_answers)
+    if prediction is None or not golden:
         return 0.0
-    return max(_token_f1(prediction, gold) for gold in golden_answers)
+    return max(_token_f1(prediction, gold) for gold in golden)
 
 
 _LETTER_PATTERNS = (

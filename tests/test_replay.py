@@ -88,6 +88,11 @@ def test_replay_with_the_same_algorithm_reproduces_the_logged_update_metrics(rec
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     steps = [json.loads(x) for x in (tmp_path / "again" / "steps.jsonl").read_text().splitlines()]
     assert len(steps) == 3 * 8 and [s["minibatch"] for s in steps[:8]] == list(range(8))
+    for step in steps:  # PPO clips a token only where its ratio left the range (and the advantage agrees)
+        assert step["clip_frac"] <= step["token_outside_frac"] + 1e-9
+        if step["on_policy"]:
+            assert step["token_outside_frac"] == step["turn_outside_frac"] == 0
+    assert max(s["token_outside_frac"] for s in steps) > 0
     # PPO's replay measures ||C|| too, without rescaling: the diagnostics compare across rules
     assert max(s["clip_bias_norm"] for s in steps) > 0 and "clip_bias_scale" not in steps[-1]
     assert again[-1]["offpolicy/clip_bias_norm"] > 0 and "clip_bias_scale" not in again[-1]

@@ -1,0 +1,316 @@
+"""The off-policy stability study of ST-PPO's two mechanisms (turn-level ratios, clip-bias correction).
+
+    python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 6] [--seeds 0,1]
+                                   [--live ppo,turn_ppo,s_ppo,st_ppo,grpo,so_grpo] [--lr 1e-5] [--eval-limit 16]
+                                   [--device cpu|cuda] [--quick]
+
+Parts, each written to OUT/report.md (tables) and OUT/summary.json, figures under OUT/figures/:
+
+1. Warm start: SmolLM2-135M-Instruct after `stppo sft` on the bundled demo set (20 steps, the demo's), unless
+   --model names a checkpoint. Evaluated on held-out demo questions per family (general nq, multi-hop hotpotqa,
+   medical medqa): the "before" column.
+2. Replays: one token-level PPO run is recorded (save_rollouts=true) and its batches are replayed through ppo,
+   turn_ppo, s_ppo and st_ppo (`stppo replay`): same data, four update rules, per-step diagnostics.
+3. Live runs: each algorithm of --live for each seed, from the same warm start, then evaluated ("after").
+
+The regime is off-policy on purpose: per iteration 8 prompts x 4 samples = 32 trajectories of up to 3 turns,
+mini-batches of 8 (4 optimizer steps per epoch), 2 PPO epochs: 7 of every 8 optimizer steps are off-policy.
+GRPO / SO-GRPO use the 4 samples of a prompt as the group. Everything else is the demo's (format reward 0.2,
+48 new tokens per turn, BM25 over the demo corpus). The collapse criterion is stated in the report.
+
+--quick swaps in a tiny random model (SmolLM2's tokenizer), 1 iteration, 2 evaluation examples: plumbing only,
+under 2 minutes. Run the full study alone on the machine: it is CPU-bound and timings scale with load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repository on sys.path)
+
+BENCHMARKS = {"general": "nq", "multi-hop": "hotpotqa", "medical": "medqa"}
+PPO_FAMILY = ("ppo", "turn_ppo", "s_ppo", "st_ppo")
+COLLAPSE = ("a run collapsed if, after its first iteration, its reward fell below half of its running best "
+            "(a best of at least 0.1), or its invalid-action rate exceeded 0.5, or an update was skipped for "
+            "NaN/inf")
+
+
+@dataclasses.dataclass
+class Settings:
+    out: Path
+    model: str | None
+    iterations: int
+    seeds: list[int]
+    live: list[str]
+    lr: float
+    eval_limit: int
+    device: str
+    quick: bool
+
+
+def train_overrides(settings: Settings, seed: int) -> list[str]:
+    quick = settings.quick
+    return [
+        "env_kwargs.split=train", "env_kwargs.format_reward=0.2",
+        f"prompts_per_iteration={2 if quick else 8}", "samples_per_prompt=4", f"mini_batch_size={2 if quick else 8}",
+        f"micro_batch_size={2 if quick else 4}", "ppo_epochs=2", f"actor_lr={settings.lr}", "critic_lr=1e-5",
+        "max_turns=3", f"max_new_tokens_per_turn={8 if quick else 48}", "max_observation_tokens=160",
+        "max_prompt_tokens=400", "max_total_tokens=768", f"seed={seed}", f"device={settings.device}",
+        "save_every=1000", "keep_checkpoints=1", "progress=false", "tensorboard=false", "step_diagnostics=true",
+    ]
+
+
+def stppo(*args: str) -> None:
+    """One `stppo` command in its own process (as a user runs it); its output goes to the log beside it."""
+    command = [sys.executable, "-m", "stppo_agent.cli", *args]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+
+
+def warm_start(settings: Settings) -> str:
+    if settings.model:
+        return settings.model
+    target = settings.out / "sft"
+    if (target / "sft.json").exists():  # reuse an earlier run's warm start
+        return str(target)
+    if settings.quick:
+        from stppo_agent.assets import smollm2_path
+        from stppo_agent.models import load_tokenizer
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.tiny_models import tiny_llama
+
+        base = tiny_llama(settings.out / "tiny", load_tokenizer(str(smollm2_path())), hidden=32, layers=2)
+        stppo("sft", "--model", str(base), "--output-dir", str(target), "--benchmarks", "nq,hotpotqa,medqa",
+              "--steps", "2", "--limit", "4")
+    else:
+        stppo("sft", "--model", "smollm2", "--output-dir", str(target), "--benchmarks", "nq,hotpotqa,medqa",
+              "--steps", "20", "--lr", "5e-5")
+    return str(target)
+
+
+def evaluate(settings: Settings, model: str, out: Path) -> dict[str, float]:
+    """EM (general, multi-hop) or accuracy (medical) on held-out demo questions, greedy, 3 turns."""
+    if not (out / "results.json").exists():
+        stppo("eval", "--agent", f"hf:{model}", "--benchmarks", ",".join(BENCHMARKS.values()), "--retriever", "demo",
+              "--limit", str(settings.eval_limit), "--max-turns", "3", "--max-new-tokens",
+              "8" if settings.quick else "48", "--output-dir", str(out))
+    results = json.loads((out / "results.json").read_text())
+    scores = {r["benchmark"]: r["metrics"].get("em", r["metrics"].get("acc", 0.0)) for r in results}
+    return {family: scores[name] for family, name in BENCHMARKS.items()}
+
+
+def train(settings: Settings, model: str, algo: str, seed: int, out: Path, record: bool = False) -> None:
+    if (out / "done").exists():
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    sets = train_overrides(settings, seed) + (["save_rollouts=true"] if record else [])
+    stppo("train", "--algo", algo, "--env", "stppo/NQ-v0,stppo/HotpotQA-v0,stppo/MedQA-v0", "--model", model,
+          "--output-dir", str(out), "--iterations", str(settings.iterations),
+          *[arg for item in sets for arg in ("--set", item)])
+    (out / "done").write_text("")
+
+
+def replay(recorded: Path, algo: str, out: Path) -> None:
+    if (out / "done").exists():
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false")
+    (out / "done").write_text("")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def number(record: dict, key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def summarize(run: Path) -> dict:
+    """The per-run figures of the tables: curves from metrics.jsonl, tails from steps.jsonl."""
+    records, steps = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "steps.jsonl")
+    rewards = [r["reward"] for r in records]
+    best, drawdown, collapsed_at = -math.inf, 0.0, None
+    for i, (reward, record) in enumerate(zip(rewards, records)):
+        best = max(best, reward)
+        drawdown = max(drawdown, best - reward)
+        if collapsed_at is None and i > 0 and ((best >= 0.1 and reward < best / 2)
+                                               or record.get("invalid_action_rate", 0) > 0.5
+                                               or record.get("skipped", 0) > 0):
+            collapsed_at = record["step"]
+
+    def series(key: str) -> list[float]:
+        return [v for r in records if (v := number(r, key)) is not None]
+
+    def mean(values):
+        return statistics.fmean(values) if values else None
+
+    grad_norms = sorted(s["grad_norm"] for s in steps if isinstance(s.get("grad_norm"), (int, float)))
+    off = [s for s in steps if not s.get("on_policy")]
+    return {
+        "iterations": len(records), "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None, "reward_curve": rewards, "worst_drawdown": drawdown,
+        "clip_frac_mean": mean(series("clip_frac")), "clip_frac_max": max(series("clip_frac"), default=None),
+        "offpolicy_clip_frac_mean": mean(series("offpolicy/clip_frac")),
+        "turn_clip_frac_mean": mean(series("turn_clip_frac")),
+        "turn_clip_frac_max": max(series("turn_clip_frac"), default=None),
+        "offpolicy_turn_clip_frac_mean": mean(series("offpolicy/turn_clip_frac")),
+        "grad_norm_p99": grad_norms[min(len(grad_norms) - 1, int(0.99 * len(grad_norms)))] if grad_norms else None,
+        "clip_bias_scale_mean": mean(series("clip_bias_scale")),
+        "clip_bias_norm_offpolicy_mean": mean([s["clip_bias_norm"] for s in off if "clip_bias_norm" in s]),
+        "ratio_max": max((s["ratio_max"] for s in steps if "ratio_max" in s), default=None),
+        "turn_ratio_max": max((s["turn_ratio_max"] for s in steps if "turn_ratio_max" in s), default=None),
+        "ratio_p99_offpolicy_mean": mean([s["ratio_p99"] for s in off if "ratio_p99" in s]),
+        "grad_cos_offpolicy_mean": mean([s["grad_cos_to_first"] for s in off]),
+        "kl_to_reference_last": series("kl_to_reference")[-1] if series("kl_to_reference") else None,
+        "invalid_action_rate_mean": mean(series("invalid_action_rate")),
+        "collapsed_at": collapsed_at,
+    }
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(runs: list[Path], out: Path) -> list[str]:
+    from stppo_agent.reports import plot_runs
+
+    return [str(p) for p in plot_runs([str(r) for r in runs], out)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/stability")
+    parser.add_argument("--model", default=None, help="a warm-started checkpoint (default: stppo sft on smollm2)")
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--live", default="ppo,turn_ppo,s_ppo,st_ppo,grpo,so_grpo",
+                        help="algorithms trained live for every seed ('' for replays only)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="actor learning rate of every run")
+    parser.add_argument("--eval-limit", type=int, default=16, help="held-out questions per benchmark")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 iteration: checks plumbing only")
+    args = parser.parse_args()
+    settings = Settings(Path(args.out), args.model, 1 if args.quick else args.iterations,
+                        [int(s) for s in args.seeds.split(",") if s.strip()][: 1 if args.quick else None],
+                        [a.strip() for a in args.live.split(",") if a.strip()], args.lr,
+                        2 if args.quick else args.eval_limit, args.device, args.quick)
+    if args.quick:
+        settings.live = [a for a in settings.live if a in ("ppo", "st_ppo")]
+    settings.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn, *a):
+        t0 = time.perf_counter()
+        value = fn(*a)
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        print(f"[{time.perf_counter() - started:7.0f}s] {name}", flush=True)
+        return value
+
+    model = timed("warm start", warm_start, settings)
+    before = timed("evaluate warm start", evaluate, settings, model, settings.out / "eval" / "warm-start")
+
+    recorded = settings.out / "live" / f"ppo-s{settings.seeds[0]}"
+    timed("record ppo", train, settings, model, "ppo", settings.seeds[0], recorded, True)
+    replays = {}
+    for algo in PPO_FAMILY:
+        target = settings.out / "replay" / algo
+        timed(f"replay {algo}", replay, recorded, algo, target)
+        replays[algo] = summarize(target)
+    original = read_jsonl(recorded / "metrics.jsonl")
+    again = read_jsonl(settings.out / "replay" / "ppo" / "metrics.jsonl")
+    timing_keys = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
+    exact = len(original) == len(again) and all(
+        all(a[k] == b.get(k) for k in a if k not in timing_keys) for a, b in zip(original, again))
+
+    live: dict[str, dict[int, dict]] = {}
+    for algo in settings.live:
+        for seed in settings.seeds:
+            run = settings.out / "live" / f"{algo}-s{seed}"
+            timed(f"train {algo} seed {seed}", train, settings, model, algo, seed, run, False)
+            summary = summarize(run)
+            summary["after"] = timed(f"evaluate {algo} seed {seed}", evaluate, settings,
+                                     str(run / "checkpoints" / f"step-{settings.iterations}" / "actor"),
+                                     settings.out / "eval" / f"{algo}-s{seed}")
+            live.setdefault(algo, {})[seed] = summary
+
+    figures = {"replay": timed("plot replays", plot, [settings.out / "replay" / a for a in PPO_FAMILY],
+                               settings.out / "figures" / "replay")}
+    if live:
+        figures["live"] = timed("plot live runs", plot, [settings.out / "live" / f"{a}-s{s}" for a in live
+                                                         for s in live[a]], settings.out / "figures" / "live")
+    total = time.perf_counter() - started
+    summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()},
+               "train_overrides": train_overrides(settings, 0), "before": before, "replays": replays,
+               "replay_reproduces_recording": exact, "live": live, "figures": figures, "timings_s": timings,
+               "total_s": total, "collapse_criterion": COLLAPSE}
+    (settings.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    report = render(summary)
+    (settings.out / "report.md").write_text(report)
+    print(report)
+    print(f"total {total / 60:.1f} min; report {settings.out / 'report.md'}")
+
+
+def render(summary: dict) -> str:
+    out = ["## Warm start (before RL)", "",
+           table(list(BENCHMARKS), [[summary["before"][f] for f in BENCHMARKS]]), "",
+           "## Replays of one recorded token-level PPO run through the PPO family", "",
+           f"Replaying with ppo reproduces the recorded run's update metrics exactly: "
+           f"**{'yes' if summary['replay_reproduces_recording'] else 'NO'}**.", ""]
+    header = ["rule", "clip_frac mean/max", "off-policy clip_frac", "turn_clip_frac mean/max",
+              "off-policy turn_clip_frac", "token ratio max", "turn ratio max", "off-policy ratio p99",
+              "off-policy ||C|| mean", "clip_bias_scale mean", "grad cos to 1st (off-policy)", "grad norm p99",
+              "KL to ref (last)"]
+    rows = []
+    for algo, s in summary["replays"].items():
+        rows.append([algo, f"{fmt(s['clip_frac_mean'])}/{fmt(s['clip_frac_max'])}", s["offpolicy_clip_frac_mean"],
+                     f"{fmt(s['turn_clip_frac_mean'])}/{fmt(s['turn_clip_frac_max'])}",
+                     s["offpolicy_turn_clip_frac_mean"], s["ratio_max"], s["turn_ratio_max"],
+                     s["ratio_p99_offpolicy_mean"], s["clip_bias_norm_offpolicy_mean"], s["clip_bias_scale_mean"],
+                     s["grad_cos_offpolicy_mean"], s["grad_norm_p99"], s["kl_to_reference_last"]])
+    out += [table(header, rows), ""]
+    if summary["live"]:
+        out += ["## Live runs", "", f"Collapse criterion: {summary['collapse_criterion']}.", ""]
+        header = ["algo", "seed", "reward first -> last", "worst drawdown", "clip_frac mean/max",
+                  "turn_clip_frac mean/max", "off-policy clip_frac", "grad norm p99", "clip_bias_scale mean",
+                  "KL to ref (last)", "invalid rate", "collapsed at", *[f"{f} before -> after" for f in BENCHMARKS]]
+        rows = []
+        for algo, seeds in summary["live"].items():
+            for seed, s in seeds.items():
+                rows.append([algo, seed, f"{fmt(s['reward_first'])} -> {fmt(s['reward_last'])}", s["worst_drawdown"],
+                             f"{fmt(s['clip_frac_mean'])}/{fmt(s['clip_frac_max'])}",
+                             f"{fmt(s['turn_clip_frac_mean'])}/{fmt(s['turn_clip_frac_max'])}",
+                             s["offpolicy_clip_frac_mean"], s["grad_norm_p99"], s["clip_bias_scale_mean"],
+                             s["kl_to_reference_last"], s["invalid_action_rate_mean"], s["collapsed_at"] or "no",
+                             *[f"{fmt(summary['before'][f])} -> {fmt(s['after'][f])}" for f in BENCHMARKS]])
+        out += [table(header, rows), ""]
+    timings = ", ".join(f"{k} {v / 60:.1f} min" for k, v in summary["timings_s"].items())
+    out += [f"Total {summary['total_s'] / 60:.1f} min ({timings}).", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
