@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -357,3 +358,51 @@ def test_entropy_and_kl_terms_enter_the_loss():
     expected = base + 0.5 * metrics["kl_loss"] - 0.1 * metrics["entropy"]
     torch.testing.assert_close(with_terms, expected)
     assert metrics["entropy"].item() > 0 and metrics["kl_loss"].item() > 0
+
+
+# --- issue 11: GSPO aggregation, KL numerics ------------------------------------------------------------------
+
+
+def test_gspo_averages_per_sequence_against_a_hand_computed_value():
+    from stppo_agent.algorithms import ALGORITHMS, get_policy_loss
+
+    gspo = ALGORITHMS["gspo"]
+    assert gspo.loss_agg == "seq-mean-token-mean"
+    # two trajectories of 1 and 3 policy tokens; sequence ratios s_i = exp(mean_i(logp - old))
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    turns = torch.tensor([[0, -1, -1], [0, 0, 1]])
+    old = torch.tensor([[-1.0, 0.0, 0.0], [-1.0, -2.0, -0.5]], dtype=torch.float64)
+    delta = torch.tensor([[2e-4, 0.0, 0.0], [1e-4, -3e-4, 5e-4]], dtype=torch.float64)
+    logp = (old + delta).requires_grad_()
+    adv = torch.tensor([[1.0, 0.0, 0.0], [-0.5, -0.5, -0.5]], dtype=torch.float64)
+    loss, _, _ = get_policy_loss(gspo.policy_loss)(logprobs=logp, old_logprobs=old, advantages=adv, loss_mask=mask,
+                                                   turn_ids=turns, config=gspo)
+    s1, s2 = math.exp(2e-4), math.exp((1e-4 - 3e-4 + 5e-4) / 3)
+    l1 = -min(s1 * 1.0, min(max(s1, 1 - 3e-4), 1 + 4e-4) * 1.0)
+    l2 = -min(s2 * -0.5, min(max(s2, 1 - 3e-4), 1 + 4e-4) * -0.5)
+    assert loss.item() == pytest.approx((l1 + l2) / 2, rel=1e-12)  # token-mean would give (l1 + 3 l2) / 4
+    loss.backward()
+    # the unclipped sequence's gradient is A * s / |y| on each of its tokens, halved by the mean over 2 sequences
+    expected = -(-0.5) * s2 / 3 / 2
+    torch.testing.assert_close(logp.grad[1], torch.full((3,), expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("estimator", ["k3", "low_var_kl"])
+def test_kl_loss_gradient_has_no_nan_with_extreme_log_ratios_in_float32(estimator):
+    from stppo_agent.algorithms import AlgorithmConfig, get_policy_loss
+
+    config = AlgorithmConfig(kl_loss_coef=0.1, kl_estimator=estimator)
+    mask = torch.tensor([[True, True, False, False]])
+    turns = torch.tensor([[0, 0, -1, -1]])
+    old = torch.tensor([[-1.0, -2.0, 0.0, 0.0]])
+    # masked positions: log-probs far below the reference (l = -150 and -95), as observation/padding positions get
+    ref = torch.tensor([[-1.5, -90.0, 50.0, 5.0]])
+    logp = torch.tensor([[-1.2, -1.0, -100.0, -90.0]], requires_grad=True)
+    loss, _, metrics = get_policy_loss("ppo_clip")(logprobs=logp, old_logprobs=old, advantages=torch.ones(1, 4),
+                                                   loss_mask=mask, turn_ids=turns, config=config, ref_logprobs=ref)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), logp.grad
+    assert logp.grad[0, 2:].eq(0).all()  # masked positions get no gradient
+    assert torch.isfinite(metrics["kl_loss"])
+    # an unmasked extreme (l = 89 at position 1) is clamped to 20, not infinite
+    assert kl_estimate(torch.tensor([-1.0]), torch.tensor([-90.0]), estimator).isfinite().all()

@@ -93,8 +93,10 @@ for _preset in (
     dataclasses.replace(_PPO, name="s_ppo", clip_bias_correction=True),
     dataclasses.replace(_PPO, name="st_ppo", ratio_level="turn", clip_bias_correction=True),
     _GRPO,
+    # GSPO (paper and verl) averages per sequence: with token-mean, long sequences would weigh more and the
+    # gradient would lose the 1/|y| factor of its sequence-level ratio.
     dataclasses.replace(_GRPO, name="gspo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
-                        kl_loss_coef=0.0),
+                        kl_loss_coef=0.0, loss_agg="seq-mean-token-mean"),
     dataclasses.replace(_GRPO, name="so_grpo", ratio_level="turn", clip_bias_correction=True),
 ):
     register_algorithm(_preset)

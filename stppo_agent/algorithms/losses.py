@@ -27,6 +27,7 @@ from .segments import (
     segment_sum,
 )
 
+KL_LOG_RATIO_CLAMP = 20.0  # verl's bound on l before exp(-l) in k3 / low_var_kl
 PolicyLoss = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
@@ -99,12 +100,16 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from l = logprobs - ref_logprobs (Schulman's k1/k2/k3).
 
     k1 = l;  k2 = l^2 / 2;  k3 = exp(-l) - 1 + l;  low_var_kl = clamp(k3, -10, 10) (verl).
+    k3 and low_var_kl clamp l to [-20, 20] before the exponential, as verl does: otherwise one position with
+    l < -88 (float32), even a masked observation or padding position, makes exp overflow and its zero
+    upstream gradient times inf puts NaN into the log-prob gradient of the whole row.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
+    log_ratio = log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
     k3 = torch.exp(-log_ratio) - 1 + log_ratio
     if estimator == "k3":
         return k3
