@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from stppo_envs.retrieval.server import ServerLimits
+
     from .agent_specs import SPEC_HELP
 
     parser = argparse.ArgumentParser(prog="stppo", description=__doc__)
@@ -132,8 +134,15 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--retriever", required=True, help="demo, bm25:DIR, dense:DIR")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default: no authentication)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-topk", type=int, default=100)
-    srv.add_argument("--max-queries", type=int, default=1024, help="queries per request")
+    srv.add_argument("--max-topk", type=int, default=ServerLimits.max_topk,
+                     help=f"largest topk a request may ask for (default {ServerLimits.max_topk})")
+    srv.add_argument("--max-queries", type=int, default=ServerLimits.max_queries,
+                     help=f"queries per request (default {ServerLimits.max_queries}; Search-R1's GRPO recipe "
+                          "sends 2,560)")
+    srv.add_argument("--max-query-chars", type=int, default=ServerLimits.max_query_chars,
+                     help=f"characters per query (default {ServerLimits.max_query_chars})")
+    srv.add_argument("--max-body-mb", type=int, default=ServerLimits.max_body_bytes // 2**20,
+                     help=f"request body size in MiB (default {ServerLimits.max_body_bytes // 2**20})")
     srv.set_defaults(handler=_run_serve)
     cmp = commands.add_parser("compare", help="compare evaluation results; refuses mismatched provenance")
     cmp.add_argument("results", nargs="+", help="results.json files or evaluation folders")
@@ -297,7 +306,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     retriever = make_retriever(args.retriever)
     retriever.search("warm up", 1)  # load the index (and start the JVM) before accepting requests
-    serve(retriever, args.host, args.port, ServerLimits(max_topk=args.max_topk, max_queries=args.max_queries))
+    serve(retriever, args.host, args.port, ServerLimits(max_topk=args.max_topk, max_queries=args.max_queries,
+                                                        max_query_chars=args.max_query_chars,
+                                                        max_body_bytes=args.max_body_mb * 2**20))
     return 0
 
 

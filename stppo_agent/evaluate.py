@@ -149,7 +149,7 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "retriever_id": getattr(env.retriever, "index_id", repr(env.retriever)),
         "topk": settings.topk,
         "max_turns": settings.max_turns,
-        "prompt_template": template_hash(env.template, env.mcq_template),
+        "prompt_template": template_hash(env.template, env.mcq_template, "question_mark" * env.question_mark),
         "seed": settings.seed,
         "max_new_tokens": settings.max_new_tokens,
         "stppo_version": stppo_envs.__version__,

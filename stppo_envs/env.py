@@ -21,7 +21,13 @@ from . import scoring
 from .actions import INVALID_ACTION_MESSAGE, ActionType, ParsedAction, parse_action
 from .data.loading import benchmark_info, load_examples
 from .data.schema import Example
-from .prompts import SEARCH_R1_MCQ_TEMPLATE, SEARCH_R1_TEMPLATE, format_information, render_prompt
+from .prompts import (
+    SEARCH_R1_MCQ_TEMPLATE,
+    SEARCH_R1_TEMPLATE,
+    format_information,
+    render_prompt,
+    search_r1_question,
+)
 from .retrieval.base import Hit, RetrievalError, Retriever
 from .retrieval.factory import make_retriever
 from .spaces import UnicodeText
@@ -53,6 +59,8 @@ class SearchQAEnv(gym.Env[str, str]):
         format_reward: lambda of Search-R1's format-aware reward, ``score * (1 - lambda) + lambda * format_ok``,
             where ``format_ok`` means the episode ended in an answer with no invalid turn. 0 disables it.
         template / mcq_template: prompt templates with ``{question}`` (and ``{options}``).
+        question_mark: end open-domain questions with ``?`` in the prompt, as Search-R1's data scripts do (NQ-open
+            questions have none; Search-R1 models were trained and evaluated with it). False keeps them as given.
         limit, shuffle_seed, family: passed to the loader.
     """
 
@@ -62,7 +70,7 @@ class SearchQAEnv(gym.Env[str, str]):
                  retriever: str | Retriever = "demo", topk: int = 3, max_turns: int = 4, reward: str = "auto",
                  format_reward: float = 0.0, template: str | None = None, mcq_template: str | None = None,
                  limit: int | None = None, shuffle_seed: int | None = None, family: str | None = None,
-                 render_mode: str | None = None):
+                 render_mode: str | None = None, question_mark: bool = True):
         if topk < 1 or max_turns < 1:
             raise ValueError(f"topk and max_turns must be >= 1, got topk={topk}, max_turns={max_turns}")
         if reward not in ("auto", "em", "f1", "acc"):
@@ -80,6 +88,7 @@ class SearchQAEnv(gym.Env[str, str]):
         self.topk, self.max_turns, self.reward_name, self.format_reward = topk, max_turns, reward, format_reward
         self.template = template or SEARCH_R1_TEMPLATE
         self.mcq_template = mcq_template or SEARCH_R1_MCQ_TEMPLATE
+        self.question_mark = bool(question_mark)
         self.render_mode = render_mode
         self.observation_space = UnicodeText(MAX_OBSERVATION_CHARS)
         self.action_space = UnicodeText(MAX_ACTION_CHARS)
@@ -180,7 +189,8 @@ class SearchQAEnv(gym.Env[str, str]):
     def prompt_for(self, example: Example) -> str:
         if example.is_multiple_choice:
             return render_prompt(self.mcq_template, example.question, example.choices)
-        return render_prompt(self.template, example.question)
+        question = search_r1_question(example.question) if self.question_mark else example.question
+        return render_prompt(self.template, question)
 
     def _final_reward(self, prediction: str | None, info: dict[str, Any]) -> float:
         example = self.example

@@ -40,6 +40,16 @@ def format_options(choices: Mapping[str, str]) -> str:
     return "\n".join(f"{letter}. {text}" for letter, text in choices.items())
 
 
+def search_r1_question(question: str) -> str:
+    """The question as Search-R1's data scripts put it into the prompt: stripped, ending in ``?``.
+
+    >>> search_r1_question(" who wrote the iliad "), search_r1_question("Is it?"), search_r1_question("")
+    ('who wrote the iliad?', 'Is it?', '')
+    """
+    question = question.strip()
+    return question if not question or question.endswith("?") else question + "?"
+
+
 def render_prompt(template: str, question: str, choices: Mapping[str, str] | None = None) -> str:
     """Fill a template with a question (and the options for MCQ)."""
     options = format_options(choices) if choices else ""
@@ -52,7 +62,7 @@ def format_information(hits: Sequence[Hit]) -> str:
     >>> format_information([Hit("7", 1.5, "Paris", "Paris is the capital of France.")])
     '\\n\\n<information>Doc 1(Title: "Paris") Paris is the capital of France.</information>\\n\\n'
     """
-    lines = "\n".join(f'Doc {i}(Title: "{hit.title}") {hit.text}' for i, hit in enumerate(hits, start=1))
+    lines = "\n".join(f"Doc {i}(Title: {hit.display_title}) {hit.text}" for i, hit in enumerate(hits, start=1))
     return f"\n\n<information>{lines.strip()}</information>\n\n"
 
 

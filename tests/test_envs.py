@@ -176,3 +176,20 @@ def test_bad_constructor_arguments_have_clear_errors():
         gym.make("stppo/NQ-v0", retriever="nonsense")
     with pytest.raises(FileNotFoundError, match="stppo index bm25"):
         gym.make("stppo/NQ-v0", retriever="bm25:/does/not/exist")
+
+
+def test_prompt_questions_end_with_a_question_mark_as_in_search_r1(tmp_path, keyword_retriever):
+    """Search-R1's data scripts strip the question and append '?' when it has none (NQ-open questions do not)."""
+    from stppo_envs import SearchQAEnv
+
+    data = tmp_path / "nq.jsonl"
+    data.write_text('{"id": "1", "question": " who wrote the iliad ", "golden_answers": ["Homer"]}\n'
+                    '{"id": "2", "question": "Is Paris in France?", "golden_answers": ["yes"]}\n')
+    env = SearchQAEnv("nq", dataset=str(data), retriever=keyword_retriever)
+    prompts = [env.reset(options={"index": i})[0] for i in range(2)]
+    assert "Question: who wrote the iliad?\n" in prompts[0]
+    assert "Question: Is Paris in France?\n" in prompts[1] and "??" not in prompts[1]
+    plain = SearchQAEnv("nq", dataset=str(data), retriever=keyword_retriever, question_mark=False)
+    assert "Question: who wrote the iliad\n" in plain.reset(options={"index": 0})[0]
+    _, info = env.reset(options={"index": 0})
+    assert info["question"] == "who wrote the iliad"  # the dataset's question is kept as given in info

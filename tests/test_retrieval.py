@@ -70,7 +70,7 @@ def test_bm25_equals_plain_pyserini(shared_data, wiki_bm25, tmp_path):
     assert sum(len(h) for h in got) > 2000
     first = got[0][0]
     raw = json.loads(reference.doc(first.docid).raw())
-    assert f'"{first.title}"\n{first.text}' == raw["contents"]
+    assert first.contents == raw["contents"]
 
 
 def test_bm25_single_and_batched_search_agree(wiki_bm25):
@@ -319,3 +319,53 @@ def test_index_commands(shared_data, tmp_path, capsys):
         assert make_retriever(spec).search("lobbyist for Genentech", 1)[0].docid == "0", spec
     assert main(["index", "bm25", "--corpus", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 1
     assert "corpus file not found" in capsys.readouterr().err
+
+
+# --- titles as stored (issue 11) -----------------------------------------------------------------------------
+
+def _stored_contents(shared_data) -> dict[str, str]:
+    with open(shared_data / "corpus/wiki_dpr_sample_1000.jsonl", encoding="utf-8") as handle:
+        return {(r := json.loads(line))["id"]: r["contents"] for line in handle}
+
+
+def test_observations_and_server_keep_titles_as_the_corpus_stores_them(shared_data, wiki_bm25, dense_setup,
+                                                                       threaded_server):
+    """wiki-18 leaves some titles unquoted; Search-R1 prints the first line of contents as it is."""
+    from stppo_envs.prompts import format_information
+
+    stored = _stored_contents(shared_data)
+    unquoted = {docid: c for docid, c in stored.items() if not c.startswith('"')}
+    assert len(unquoted) > 100  # 121 of the 1000 passages
+    docid, contents = next(iter(unquoted.items()))
+    title_line, text = contents.split("\n", 1)
+    bm25 = make_retriever(f"bm25:{wiki_bm25}", cache_size=0)
+    url, _ = threaded_server(bm25)
+    remote = make_retriever(url, cache_size=0)
+    _, dense_index = dense_setup
+    dense = make_retriever(f"dense:{dense_index}", cache_size=0)
+    for retriever in (bm25, remote):
+        hits = retriever.search(contents[:300], 10)
+        hit = next(h for h in hits if h.docid == docid)
+        assert hit.contents == contents  # byte for byte
+        assert f"Doc 1(Title: {title_line}) {text}" in format_information([hit])
+        assert f'Title: "{title_line}"' not in format_information([hit])
+        for other in hits:
+            assert other.contents == stored[other.docid]
+    response = requests.post(f"{url}/retrieve", json={"queries": [contents[:300]], "topk": 10}, timeout=30).json()
+    served = {d["id"]: d["contents"] for d in response["result"][0]}  # bare documents without return_scores
+    assert served[docid] == contents and all(served[i] == stored[i] for i in served)
+    # the dense index holds the first 300 passages: every hit's contents are the stored ones
+    dense_hits = dense.search("Arkansas state history", 20)
+    assert dense_hits and all(h.contents == stored[h.docid] for h in dense_hits)
+    quoted = next(h for h in dense_hits if stored[h.docid].startswith('"'))
+    assert f'Title: "{quoted.title}")' in format_information([quoted])
+
+
+def test_server_defaults_accept_search_r1_recipe_batches(threaded_server):
+    """Search-R1's GRPO recipe sends 512 prompts x 5 samples = 2,560 queries in one request."""
+    url, _ = threaded_server(KeywordRetriever([("Paris", "Paris is the capital of France.")]))
+    queries = [f"question number {i} about a long topic " * 20 for i in range(2560)]
+    response = requests.post(f"{url}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True},
+                             timeout=120)
+    assert response.status_code == 200, response.text[:300]
+    assert len(response.json()["result"]) == 2560

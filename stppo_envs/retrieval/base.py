@@ -22,11 +22,36 @@ class Hit:
     score: float
     title: str
     text: str
+    title_line: str | None = dataclasses.field(default=None, compare=False)
+    """The first line of the stored ``contents`` exactly as the corpus holds it (wiki-18 leaves many titles
+    unquoted: ``Arkansas``); None when the source kept title and text apart (then the quoted form is used)."""
+
+    @property
+    def display_title(self) -> str:
+        """What Search-R1 prints after ``Title:``: the stored first line as it is.
+
+        >>> Hit("1", 0.0, "Arkansas", "A state.", title_line="Arkansas").display_title
+        'Arkansas'
+        >>> Hit("2", 0.0, "Paris", "A city.").display_title
+        '"Paris"'
+        """
+        return self.title_line if self.title_line is not None else f'"{self.title}"'
 
     @property
     def contents(self) -> str:
-        """The pyserini/FlashRAG ``contents`` field: ``"Title"`` on the first line, then the text."""
-        return to_contents(self.title, self.text)
+        """The pyserini/FlashRAG ``contents`` field as stored: the title line, then the text."""
+        return f"{self.title_line}\n{self.text}" if self.title_line is not None else to_contents(self.title, self.text)
+
+
+def hit_from_contents(docid: str, score: float, contents: str) -> Hit:
+    """A hit from a stored ``contents`` string, keeping its first line as the corpus has it.
+
+    >>> hit_from_contents("7", 1.0, "Arkansas\\nA state.").contents
+    'Arkansas\\nA state.'
+    """
+    title, text = parse_contents(contents)
+    first, sep, _ = contents.partition("\n")
+    return Hit(docid, score, title, text, title_line=first if sep else None)
 
 
 def to_contents(title: str, text: str) -> str:

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Sequence
 
 from ._pyserini import ensure_pyserini
-from .base import BatchSearchMixin, Hit, IndexNotFoundError, ReopensAfterPickling, RetrievalError, parse_contents
+from .base import (
+    BatchSearchMixin,
+    Hit,
+    IndexNotFoundError,
+    ReopensAfterPickling,
+    RetrievalError,
+    hit_from_contents,
+)
 
 BUILD_HINT = "build one with: stppo index bm25 --corpus CORPUS.jsonl --out {path}"
 
@@ -77,8 +84,7 @@ class BM25Retriever(ReopensAfterPickling, BatchSearchMixin):
         if raw is None:
             raise RetrievalError(f"index stores no raw text for {result.docid}: rebuild it with --storeRaw")
         fields = json.loads(raw)
-        title, text = parse_contents(fields.get("contents", ""))
-        return Hit(docid=str(result.docid), score=float(result.score), title=title, text=text)
+        return hit_from_contents(str(result.docid), float(result.score), fields.get("contents", ""))
 
     def __repr__(self) -> str:
         return f"BM25Retriever({self.index!r})"

@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import BatchSearchMixin, Hit, IndexNotFoundError, ReopensAfterPickling, RetrievalError
+from .base import BatchSearchMixin, Hit, IndexNotFoundError, ReopensAfterPickling, RetrievalError, hit_from_contents
 from .encoder import EncoderSettings, TextEncoder, passage_text
-from .indexing import iter_corpus
+from .indexing import iter_contents, iter_corpus
 
 BUILD_HINT = "build one with: stppo index dense --corpus CORPUS.jsonl --encoder MODEL --out {path}"
 INDEX_TYPES = ("flat", "hnsw", "ivf")
@@ -77,8 +77,8 @@ class DenseRetriever(ReopensAfterPickling, BatchSearchMixin):
             raise RetrievalError(f"dense search failed on {self.index_dir}: {exc}") from exc
         wanted = sorted({int(i) for row in ids for i in row if i >= 0})
         rows = dict(zip(wanted, docs.select(wanted))) if wanted else {}
-        return [[Hit(rows[int(i)]["id"], float(s), rows[int(i)]["title"], rows[int(i)]["text"])
-                 for s, i in zip(score_row, id_row) if i >= 0] for score_row, id_row in zip(scores, ids)]
+        return [[_hit(rows[int(i)], float(s)) for s, i in zip(score_row, id_row) if i >= 0]
+                for score_row, id_row in zip(scores, ids)]
 
     def __repr__(self) -> str:
         return f"DenseRetriever({str(self.index_dir)!r})"
@@ -107,6 +107,12 @@ def make_faiss_index(kind: str, dim: int, vectors: np.ndarray, *, hnsw_m: int = 
         raise ValueError(f"unknown faiss index type {kind!r}; known: {', '.join(INDEX_TYPES)}")
     index.add(vectors)
     return index
+
+
+def _hit(row: dict, score: float) -> Hit:
+    if row.get("contents") is not None:  # indexes built before contents were kept have title and text only
+        return hit_from_contents(row["id"], score, row["contents"])
+    return Hit(row["id"], score, row["title"], row["text"])
 
 
 def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder: str, *, index_type: str = "flat",
@@ -147,8 +153,10 @@ def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder
 
     vectors = np.concatenate([np.load(shards_dir / f"{s:06d}.npy") for s in range(shard_count)])
     faiss.write_index(make_faiss_index(index_type, vectors.shape[1], vectors), str(out / "index.faiss"))
+    # The stored contents (first line as the corpus has it) are kept for observations and `stppo serve`.
     docs = datasets.Dataset.from_dict({"id": [p[0] for p in passages], "title": [p[1] for p in passages],
-                                       "text": [p[2] for p in passages]})
+                                       "text": [p[2] for p in passages],
+                                       "contents": [contents for _, contents in iter_contents(corpus)]})
     if (out / "docs").exists():
         shutil.rmtree(out / "docs")
     docs.save_to_disk(str(out / "docs"))

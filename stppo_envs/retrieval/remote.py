@@ -13,7 +13,14 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from .base import BatchSearchMixin, Hit, ReopensAfterPickling, RetrievalError, RetrieverUnavailableError, parse_contents
+from .base import (
+    BatchSearchMixin,
+    Hit,
+    ReopensAfterPickling,
+    RetrievalError,
+    RetrieverUnavailableError,
+    hit_from_contents,
+)
 
 
 class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
@@ -78,8 +85,7 @@ class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
 def _hit(item: dict) -> Hit:
     """One Search-R1 result (``{"document": {...}, "score": s}``, or a bare document without scores)."""
     document = item.get("document", item)
+    docid, score = str(document.get("id", document.get("docid", ""))), float(item.get("score", 0.0))
     if "contents" in document:
-        title, text = parse_contents(document["contents"])
-    else:
-        title, text = document.get("title", ""), document.get("text", "")
-    return Hit(str(document.get("id", document.get("docid", ""))), float(item.get("score", 0.0)), title, text)
+        return hit_from_contents(docid, score, document["contents"])
+    return Hit(docid, score, document.get("title", ""), document.get("text", ""))

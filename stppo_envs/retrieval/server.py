@@ -30,12 +30,14 @@ class RetrieveRequest(BaseModel):
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for."""
+    """What one request may ask for. The defaults accept what Search-R1's recipes send in one request (its GRPO
+    recipe: 512 prompts x 5 samples = 2,560 queries; 8,192 for 1,024 x 8) with room to spare: its client
+    crashes on an error answer, so a limit that bites must be raised on the command line, not discovered."""
 
-    max_queries: int = 1024
+    max_queries: int = 16384
     max_topk: int = 100
-    max_query_chars: int = 4096
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_query_chars: int = 16384
+    max_body_bytes: int = 64 * 1024 * 1024
     default_topk: int = 3
     batch_window_s: float = 0.002
     max_batch_queries: int = 4096
