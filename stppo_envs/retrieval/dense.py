@@ -20,7 +20,16 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import BatchSearchMixin, Hit, IndexNotFoundError, ReopensAfterPickling, RetrievalError, hit_from_contents
+from .base import (
+    BatchSearchMixin,
+    Hit,
+    IndexNotFoundError,
+    ReopensAfterPickling,
+    RetrievalError,
+    hit_from_contents,
+    passages_sha256,
+    portable_name,
+)
 from .encoder import EncoderSettings, TextEncoder, passage_text
 from .indexing import iter_contents, iter_corpus
 
@@ -51,7 +60,10 @@ class DenseRetriever(ReopensAfterPickling, BatchSearchMixin):
 
     @property
     def index_id(self) -> str:
-        return f"dense:{self.index_dir.name}:{self.meta['encoder']['model']}:{self.meta['index_type']}"
+        """Corpus content hash (recorded at build time), faiss index type and encoder; never a local path."""
+        corpus = self.meta.get("corpus_sha256")
+        corpus = f"corpus-sha256:{corpus[:16]}" if corpus else f"{self.meta['count']}-passages"
+        return f"dense:{self.meta['index_type']}:{corpus}:encoder:{portable_name(self.settings.model)}"
 
     def _load(self):
         if self._loaded is None:
@@ -161,7 +173,7 @@ def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder
         shutil.rmtree(out / "docs")
     docs.save_to_disk(str(out / "docs"))
     meta = {"encoder": {**settings.__dict__}, "index_type": index_type, "dim": int(vectors.shape[1]),
-            "count": len(passages), "corpus": str(corpus)}
+            "count": len(passages), "corpus": str(corpus), "corpus_sha256": passages_sha256(iter_contents(corpus))}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(shards_dir)
     return out

@@ -26,7 +26,7 @@ from .base import (
 class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
     """Search through a retrieval server at ``url`` (``http://host:port``; ``/retrieve`` is appended)."""
 
-    _transient = ("_session",)
+    _transient = ("_session", "_index_id")
 
     def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2, backoff: float = 0.2,
                  max_batch: int = 512):
@@ -38,7 +38,15 @@ class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
 
     @property
     def index_id(self) -> str:
-        return f"remote:{self.url}"
+        """The served index's own id (a `stppo serve` says it in /health); a server that does not say (Search-R1's)
+        is known by its URL only."""
+        if getattr(self, "_index_id", None) is None:
+            try:
+                health = self.session.get(self.url.rsplit("/retrieve", 1)[0] + "/health", timeout=self.timeout).json()
+                self._index_id = f"remote:{health['index_id']}" if health.get("index_id") else f"remote:{self.url}"
+            except (requests.RequestException, ValueError, KeyError, TypeError, AttributeError):
+                self._index_id = f"remote:{self.url}"
+        return self._index_id
 
     @property
     def session(self) -> requests.Session:

@@ -112,8 +112,8 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "retriever": repr(retriever), "queries_served": batcher.queries_served,
-                "batches_served": batcher.batches_served}
+        return {"status": "ok", "retriever": repr(retriever), "index_id": getattr(retriever, "index_id", None),
+                "queries_served": batcher.queries_served, "batches_served": batcher.batches_served}
 
     @app.post("/retrieve")
     async def retrieve(request: RetrieveRequest) -> dict[str, Any]:
