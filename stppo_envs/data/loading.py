@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -144,7 +145,7 @@ def _load_source(info: BenchmarkInfo, source: str, split: str, family: str) -> d
     else:
         raise FileNotFoundError(
             f"dataset {source!r} is neither a local file/folder nor a hub name (org/name[:config]); "
-            "see data_scripts/download_datasets.py to fetch the benchmark files"
+            "`python data_scripts/prepare.py datasets` fetches the benchmark files on a connected machine"
         )
     try:
         return datasets.load_dataset(hub_path, config, split=split)
@@ -152,10 +153,28 @@ def _load_source(info: BenchmarkInfo, source: str, split: str, family: str) -> d
         raise DatasetFormatError(f"could not load {hub_path}:{config} split {split!r} from the hub: {exc}") from exc
 
 
+SPLIT_NAMES = ("train", "dev", "validation", "valid", "val", "test")
+
+
+def _split_of(path: Path) -> set[str]:
+    return set(re.split(r"[_\-.\s]+", path.stem.lower())) & set(SPLIT_NAMES)
+
+
 def _files_in(folder: Path, split: str) -> list[Path]:
+    """The folder's files of ``split`` (by name: ``*_test.csv``, ``nq_open_dev.jsonl``); all of them only when no
+    file names a split. A folder whose files name other splits but not this one is an error, never a silent
+    evaluation on training data."""
     files = sorted(p for p in folder.iterdir() if p.suffix in _FILE_BUILDERS and p.is_file())
-    matching = [p for p in files if split in p.stem]
-    return matching or files
+    matching = [p for p in files if split.lower() in _split_of(p)]
+    if matching:
+        return matching
+    named = {p.name: sorted(_split_of(p)) for p in files if _split_of(p)}
+    if named:
+        splits = sorted({name for names in named.values() for name in names})
+        raise DatasetFormatError(
+            f"{folder} has no file of split {split!r} (its files name splits {splits}: {', '.join(sorted(named))}); "
+            "pass --split with one of those, or the file itself as the dataset")
+    return files
 
 
 def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
