@@ -23,8 +23,24 @@ INVALID_ACTION_MESSAGE = (
 )
 """Search-R1's observation for an invalid action, verbatim, so trained policies see what they were trained on."""
 
-_FIRST_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+MAX_ACTION_CHARS = 65536
+"""Longer turns are invalid actions: a runaway generation, not an action (and parsing stays cheap)."""
+
+_OPEN_TAG = re.compile(r"<(search|answer)>")
 _ANY_TAG = re.compile(r"</?(?:search|answer)>")
+
+
+def _first_complete_block(text: str) -> tuple[str, str] | None:
+    """(kind, content) of the leftmost ``<k>`` that has a ``</k>`` after it, with the first such ``</k>`` -- what
+    ``re.search(r"<(search|answer)>(.*?)</\\1>", text, re.DOTALL)`` returns -- in linear time (that regex
+    rescans the rest of the text from every unclosed opening tag: quadratic on repeated tags)."""
+    last_close = {kind: text.rfind(f"</{kind}>") for kind in ("search", "answer")}
+    for match in _OPEN_TAG.finditer(text):
+        kind = match.group(1)
+        if last_close[kind] >= match.end():
+            close = text.find(f"</{kind}>", match.end())
+            return kind, text[match.end():close]
+    return None
 
 
 class ActionType(str, enum.Enum):
@@ -56,10 +72,12 @@ def parse_action(text: str) -> ParsedAction:
     """
     if not isinstance(text, str):
         return ParsedAction(ActionType.INVALID, reason=f"action must be str, got {type(text).__name__}")
-    match = _FIRST_ACTION.search(text)
-    if match is None:
+    if len(text) > MAX_ACTION_CHARS:
+        return ParsedAction(ActionType.INVALID, reason=f"action longer than {MAX_ACTION_CHARS} characters")
+    block = _first_complete_block(text)
+    if block is None:
         return ParsedAction(ActionType.INVALID, reason="no complete <search>...</search> or <answer>...</answer> block")
-    kind, content = match.group(1), match.group(2)
+    kind, content = block
     if _ANY_TAG.search(content):
         return ParsedAction(ActionType.INVALID, reason="nested action tags")
     content = content.strip()

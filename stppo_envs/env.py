@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import gymnasium as gym
 
 from . import scoring
-from .actions import INVALID_ACTION_MESSAGE, ActionType, ParsedAction, parse_action
+from .actions import INVALID_ACTION_MESSAGE, MAX_ACTION_CHARS, ActionType, ParsedAction, parse_action
 from .data.loading import benchmark_info, load_examples
 from .data.schema import Example
 from .prompts import (
@@ -33,7 +33,6 @@ from .retrieval.factory import make_retriever
 from .spaces import UnicodeText
 
 MAX_OBSERVATION_CHARS = 65536
-MAX_ACTION_CHARS = 65536
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 

@@ -67,3 +67,32 @@ def test_fuzzed_actions_never_raise(actions, index):
 
 
 FUZZ_ENV = gym.make("stppo/NQ-v0", retriever=KeywordRetriever(), max_turns=4).unwrapped
+
+
+def test_parsing_matches_search_r1s_regex_on_tricky_inputs():
+    import re
+
+    reference = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+    cases = ["<search>a<answer>b</answer>", "<answer>x</search><search>y</search>", "<search><search>q</search>",
+             "<answer>1</answer><answer>2</answer>", "</search><search>z</search>", "<search>a</answer></search>",
+             "x" * 10 + "<answer>\nmulti\nline\n</answer>", "<search>never closed", "<search>a</search" * 3]
+    from stppo_envs.actions import _first_complete_block
+
+    for text in cases:
+        match = reference.search(text)
+        assert _first_complete_block(text) == (None if match is None else (match.group(1), match.group(2))), text
+
+
+def test_long_and_adversarial_actions_parse_in_linear_time():
+    import time
+
+    from stppo_envs.actions import MAX_ACTION_CHARS
+
+    hostile = "<search>" * (MAX_ACTION_CHARS // 8)  # 64 KB of unclosed tags: seconds with the regex
+    started = time.perf_counter()
+    assert parse_action(hostile).type is ActionType.INVALID
+    assert parse_action(hostile[:-32] + "<answer>x</answer>").content == "x"
+    assert time.perf_counter() - started < 1.0  # a regex backtracking over every tag takes seconds
+    too_long = "<answer>x</answer>" + " " * MAX_ACTION_CHARS
+    parsed = parse_action(too_long)
+    assert parsed.type is ActionType.INVALID and "longer than" in parsed.reason
