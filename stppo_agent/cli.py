@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--max-new-tokens", type=int, default=256, help="per turn, for LLM agents")
+    ev.add_argument("--max-search-error-rate", type=float, default=0.01,
+                    help="exit non-zero (results still written, flagged) when more than this share of searches "
+                         "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
     ev.add_argument("--output-dir", required=True)
     ev.set_defaults(handler=_run_eval)
 
@@ -295,7 +298,20 @@ def _run_eval(args: argparse.Namespace) -> int:
                             args.max_turns, args.batch_size, args.seed, args.max_new_tokens)
     _write_results(results, Path(args.output_dir))
     print(format_table(results))
-    return 0
+    return _search_error_verdict(results, args.max_search_error_rate)
+
+
+def _search_error_verdict(results: Sequence[dict[str, Any]], limit: float) -> int:
+    """1 (and a message naming the benchmarks) when a benchmark's searches failed more often than ``limit``."""
+    failing = {r["benchmark"]: r["metrics"].get("search_error_rate", 0.0) for r in results
+               if r["metrics"].get("search_error_rate", 0.0) > limit}
+    if not failing:
+        return 0
+    detail = ", ".join(f"{name} {rate:.1%}" for name, rate in failing.items())
+    print(f"stppo eval: error: searches failed ({detail}; limit {limit:.1%}): these scores measure a failing "
+          "retriever, not the agent. Check the retriever (a server that is down?) and rerun; "
+          "--max-search-error-rate raises the limit.", file=sys.stderr)
+    return 1
 
 
 def _run_index_bm25(args: argparse.Namespace) -> int:
@@ -350,14 +366,17 @@ def _key_value(item: str) -> tuple[str, str]:
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table, one row per benchmark, plus the QA-family average as in Search-R1's tables."""
     with_tokens = any("mean_response_tokens" in r["metrics"] for r in results)  # LLM agents only
-    header = ["benchmark", "n", "EM/acc", "F1", "answer", "invalid", "turns", "searches"] + ["tokens"] * with_tokens
+    with_errors = any(r["metrics"].get("search_error_rate", 0.0) > 0 for r in results)
+    header = ["benchmark", "n", "EM/acc", "F1", "answer", "invalid", "turns", "searches"] + ["tokens"] * with_tokens \
+        + ["search errors"] * with_errors
     rows = []
     for result in results:
         m = result["metrics"]
         rows.append([result["benchmark"], str(m["n"]), f"{m.get('em', m.get('acc', 0.0)):.3f}",
                      f"{m['f1']:.3f}" if "f1" in m else "-", f"{m['answer_rate']:.3f}",
                      f"{m['invalid_action_rate']:.3f}", f"{m['mean_turns']:.2f}", f"{m['mean_search_calls']:.2f}"]
-                    + [f"{m.get('mean_response_tokens', 0.0):.1f}"] * with_tokens)
+                    + [f"{m.get('mean_response_tokens', 0.0):.1f}"] * with_tokens
+                    + [f"{m.get('search_error_rate', 0.0):.3f}"] * with_errors)
     qa = [r["metrics"]["em"] for r in results if "em" in r["metrics"]]
     if len(qa) > 1:
         rows.append(["QA avg (EM)", "", f"{sum(qa) / len(qa):.3f}"] + [""] * (len(header) - 3))

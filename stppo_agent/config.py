@@ -97,6 +97,9 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     max_nan_skips: int = 3
     """Consecutive skipped updates (NaN/inf loss or gradient) before the run stops."""
+    max_search_error_rate: float = 0.05
+    """Stop when more than this share of an iteration's searches failed (a retriever that is down would otherwise
+    train the policy on error observations)."""
     save_rollouts: bool = False
     """Record every iteration's batch and the initial weights under rollouts/ for `stppo replay`
     (safetensors + JSON lines; see stppo_agent/recording.py for the format)."""

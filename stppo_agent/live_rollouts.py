@@ -15,6 +15,7 @@ import gymnasium as gym
 import numpy as np
 
 import stppo_envs
+from stppo_envs.retrieval import RetrievalError
 
 from . import distributed
 from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
@@ -100,8 +101,15 @@ class LiveRollouts:
         gathered = distributed.gathered(trainer.actor) if isinstance(trainer.backend, HFGenerationBackend) \
             else contextlib.nullcontext()
         with gathered:
-            return collect_rollouts(trainer.backend, trainer.tokenizer, envs, options, groups,
-                                    config.rollout_limits(), seeds)
+            batch = collect_rollouts(trainer.backend, trainer.tokenizer, envs, options, groups,
+                                     config.rollout_limits(), seeds)
+        rate = batch.stats.get("search_error_rate", 0.0)
+        if rate > config.max_search_error_rate:
+            raise RetrievalError(
+                f"iteration {iteration + 1}: {rate:.0%} of the searches failed (max_search_error_rate="
+                f"{config.max_search_error_rate}); the policy would learn from error messages. Check the retriever "
+                f"({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
+        return batch
 
     def state(self) -> dict[str, int]:
         return self.sampler.state()

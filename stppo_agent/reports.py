@@ -36,6 +36,16 @@ def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[
     return differences
 
 
+SEARCH_ERROR_TOLERANCE = 0.005
+"""Search-error rates further apart than this make results incomparable: the scores then differ by retriever
+failures, not by agents."""
+
+
+def search_error_differences(records: Sequence[dict[str, Any]]) -> list[float] | None:
+    rates = [float(r["metrics"].get("search_error_rate", 0.0)) for r in records]
+    return rates if rates and max(rates) - min(rates) > SEARCH_ERROR_TOLERANCE else None
+
+
 def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[str], force: bool = False) -> str:
     """A table of the primary metric per benchmark and result set; mismatched provenance raises unless ``force``."""
     benchmarks = sorted({r["benchmark"] for results in result_sets for r in results})
@@ -46,6 +56,9 @@ def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[st
         records = [next((r for r in results if r["benchmark"] == benchmark), None) for results in result_sets]
         present = [r for r in records if r is not None]
         differences = provenance_differences(present)
+        error_rates = search_error_differences(present)
+        if error_rates:
+            differences["search_error_rate"] = [round(rate, 4) for rate in error_rates]
         if differences:
             detail = "; ".join(f"{k}: {v}" for k, v in differences.items())
             if not force:

@@ -215,3 +215,30 @@ def test_evaluation_never_silently_changes_the_data(tmp_path, capsys):
     # real data without a retriever would search the fictional demo corpus: an error naming the fix
     assert main(base + ["--benchmarks", "nq", "--dataset", f"nq={folder}", "--split", "dev"]) == 1
     assert "--retriever" in capsys.readouterr().err
+
+
+def test_a_dead_retriever_fails_the_evaluation_loudly(tmp_path, capsys):
+    from stppo_agent.shared_retrieval import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code = main(["eval", "--agent", "search-copy", "--benchmarks", "nq", "--limit", "3", "--retriever", dead,
+                 "--output-dir", str(tmp_path / "dead")])
+    out, err = capsys.readouterr()
+    assert code == 1 and "searches failed (nq 100.0%" in err
+    assert "search errors" in out  # the table shows the rate
+    results = load_results(tmp_path / "dead")  # still written, for inspection
+    assert results[0]["metrics"]["search_error_rate"] == 1.0
+    ok = main(["eval", "--agent", "search-copy", "--benchmarks", "nq", "--limit", "3", "--output-dir",
+               str(tmp_path / "ok")])
+    assert ok == 0 and "search errors" not in capsys.readouterr().out
+
+
+def test_compare_refuses_materially_different_search_error_rates(tmp_path):
+    def result(rate):
+        return [{"benchmark": "nq", "metrics": {"em": 0.5, "search_error_rate": rate},
+                 "provenance": {"agent": "a", "topk": 3}}]
+
+    compare([result(0.01), result(0.012)], ["a", "b"])  # within tolerance
+    with pytest.raises(ProvenanceMismatchError, match="search_error_rate"):
+        compare([result(0.05), result(0.01)], ["a", "b"])
+    assert "NOT COMPARABLE" in compare([result(0.05), result(0.01)], ["a", "b"], force=True)

@@ -246,3 +246,20 @@ def test_entropy_bonus_changes_the_gradient(tiny_model, tmp_path):
         grads.append(torch.cat([p.grad.flatten() for p in trainer.actor.parameters()]))
         assert metrics["entropy"] > 0
     assert not torch.allclose(grads[0], grads[1])
+
+
+def test_training_stops_when_searches_fail(tiny_model, tmp_path, monkeypatch):
+    from stppo_agent import live_rollouts
+    from stppo_envs.retrieval import RetrievalError
+
+    real = live_rollouts.collect_rollouts
+
+    def failing_searches(*args, **kwargs):  # what a dead retrieval server does to every search of a batch
+        batch = real(*args, **kwargs)
+        batch.stats["search_error_rate"] = 0.5
+        return batch
+
+    monkeypatch.setattr(live_rollouts, "collect_rollouts", failing_searches)
+    with pytest.raises(RetrievalError, match="50% of the searches failed"):
+        Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=2)).train()
+    assert not read_metrics(tmp_path)  # nothing was trained on the broken batch
