@@ -52,8 +52,15 @@ def verify_checkpoint(folder: Path) -> None:
         raise CorruptCheckpointError(f"{folder} has no manifest.json (an interrupted or foreign write)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(f"{folder}/manifest.json is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v)
+                                                 for v in manifest.values()):
+        raise CorruptCheckpointError(f"{folder}/manifest.json is not a mapping of file -> {{sha256, bytes}}")
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
+    unlisted = sorted(present - set(manifest))
+    if unlisted or not manifest:  # a manifest must vouch for every file, or truncated weights would load
+        raise CorruptCheckpointError(f"{folder}/manifest.json does not list {', '.join(unlisted) or 'any file'}")
     for name, expected in manifest.items():
         path = folder / name
         if not path.exists():

@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's last valid checkpoint")
+    train.add_argument("--overwrite", action="store_true", help="replace the run the output folder holds")
     train.set_defaults(handler=_run_train)
 
     rep = commands.add_parser("replay", help="apply an algorithm's updates to a run's recorded rollouts "
@@ -260,7 +261,7 @@ def _run_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, algo=args.algo, env=args.env, model=args.model,
                          output_dir=args.output_dir, iterations=args.iterations)
     config.model = resolve_model(config.model) if config.model else config.model
-    metrics = Trainer(config, resume=args.resume).train()
+    metrics = Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
     if distributed.is_main():
         print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
     return 0

@@ -31,12 +31,23 @@ class MetricsLogger:
                 raise ValueError("wandb_project is set but wandb is not installed: pip install wandb") from exc
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow")
 
-    def truncate_after(self, step: int) -> None:
-        """On resume: drop records of iterations after the checkpoint (they will be redone)."""
+    def truncate_after(self, step: int, report=print) -> None:
+        """On resume: drop records of iterations after the checkpoint (they will be redone). A torn last line
+        (what kill -9 during a write leaves) is dropped with a note; a corrupt line before it is an error."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+                 if line.strip()]
+        records = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                records.append((line, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                if number < len(lines):
+                    raise ValueError(f"{self.path}, line {number} is not JSON ({exc}); fix or remove that line, "
+                                     "then --resume") from exc
+                report(f"{self.path}: dropped a torn last record (line {number}, an interrupted write)")
+        kept = [line for line, record in records if record.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts, token-in / token-out, into one :class:`RolloutBatch` of ALGORITHMS.md tensors.
+"""Multi-turn rollouts, token-in / token-out, into one :class:`RolloutBatch` of docs/algorithms.md tensors.
 
 Per turn: the policy generates from each active trajectory's exact token sequence until ``</search>``,
 ``</answer>``, EOS or the per-turn budget; the generated ids are kept as sampled (never decoded and
@@ -226,7 +226,7 @@ class Trajectory:
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """Tensors of ALGORITHMS.md for B trajectories. ``input_ids`` = left-padded prompt (width P) followed by the
+    """Tensors of docs/algorithms.md for B trajectories. ``input_ids`` = left-padded prompt (width P) followed by the
     right-padded response (width T); per-token tensors cover the response positions."""
 
     input_ids: torch.Tensor  # (B, P + T) long

@@ -24,12 +24,12 @@ import torch
 
 import stppo_envs  # noqa: F401  (registers the env ids)
 
-from . import distributed
+from . import distributed, run_folder
 from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
 from .checkpoint import (
+    CorruptCheckpointError,
     full_model_state,
     full_optimizer_state,
-    latest_valid_checkpoint,
     load_full_optimizer_state,
     load_trainer_state,
     save_checkpoint,
@@ -67,9 +67,10 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, resume: bool = False, report: Callable[[str], None] = print,
                  batch_hook: Callable[[RolloutBatch], None] | None = None,
-                 rollout_source: Callable[["Trainer"], Any] | None = None):
+                 rollout_source: Callable[["Trainer"], Any] | None = None, overwrite: bool = False):
         """``rollout_source(trainer)`` builds where batches come from (default :class:`LiveRollouts`: play the
-        envs now; ``stppo_agent.replay`` passes recorded batches)."""
+        envs now; ``stppo_agent.replay`` passes recorded batches). A folder that holds a run needs ``resume``
+        or ``overwrite`` (:mod:`stppo_agent.run_folder`)."""
         config.validate()
         self.config, self.report, self.batch_hook = config, report, batch_hook
         self.algo = config.algorithm_config()
@@ -84,9 +85,7 @@ class Trainer:
                              f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
         self._seed_everything(config.seed)
-        checkpoint = latest_valid_checkpoint(self.run_dir, report) if resume else None
-        if resume and checkpoint is None:
-            report(f"--resume: no valid checkpoint in {self.run_dir}/checkpoints; starting from scratch")
+        checkpoint = self._prepare_run_folder(resume, overwrite)
         self._build_models(checkpoint)
         self.source = (rollout_source or LiveRollouts)(self)
         if checkpoint is not None:
@@ -95,7 +94,7 @@ class Trainer:
         if distributed.is_main():  # one process writes the run folder
             self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
                                         wandb_project=config.wandb_project, config=dataclasses.asdict(config))
-            self.logger.truncate_after(self.iteration)
+            self.logger.truncate_after(self.iteration, report)
             (self.run_dir / "config.yaml").write_text(config.to_yaml())
         self.recorder = RolloutRecorder(self.run_dir, self.tokenizer, self.rank, self.world) \
             if config.save_rollouts else None
@@ -110,6 +109,18 @@ class Trainer:
             if config.step_diagnostics else None
 
     # -- setup ---------------------------------------------------------------------------------------------
+    def _prepare_run_folder(self, resume: bool, overwrite: bool) -> Path | None:
+        """Rank 0 checks (and on --overwrite clears) the folder; every rank gets its verdict."""
+        outcome: Any = None
+        if distributed.is_main():
+            try:
+                outcome = run_folder.prepare(self.run_dir, resume=resume, overwrite=overwrite, report=self.report)
+            except (FileExistsError, ValueError, CorruptCheckpointError) as exc:
+                outcome = exc
+        outcome = distributed.all_gather_objects(outcome)[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
     def _seed_everything(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed)

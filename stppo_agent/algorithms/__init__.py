@@ -1,4 +1,4 @@
-"""Pure tensor math of the PPO family (ALGORITHMS.md): advantage estimators, policy/critic losses, presets.
+"""Pure tensor math of the PPO family (docs/algorithms.md): advantage estimators, policy/critic losses, presets.
 
     from stppo_agent.algorithms import ALGORITHMS, get_advantage_estimator, get_policy_loss
 

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md, "Advantage estimators"), registered by name.
+"""Advantage estimators (docs/algorithms.md, "Advantage estimators"), registered by name.
 
 Every estimator has the signature
 ``fn(*, rewards, values, loss_mask, group_ids, config, kl_penalty=None) -> (advantages, returns)`` with

@@ -1,4 +1,4 @@
-"""Clipping-bias correction of S-PPO / ST-PPO (ALGORITHMS.md, "Clipping-bias correction").
+"""Clipping-bias correction of S-PPO / ST-PPO (docs/algorithms.md, "Clipping-bias correction").
 
 C(theta) = grad agg(c_t * rho_t * A_t) is the part of the importance-weighted gradient that clipping removed.
 The corrected policy gradient is  g = grad L_clip / max(1, ||C||_2 / kappa).

@@ -1,4 +1,4 @@
-"""Algorithm settings and the named presets of ALGORITHMS.md.
+"""Algorithm settings and the named presets of docs/algorithms.md.
 
 A preset is a frozen :class:`AlgorithmConfig`; every field can be overridden with ``dataclasses.replace``
 (or ``--set`` on the command line). Registered presets live in :data:`ALGORITHMS`.

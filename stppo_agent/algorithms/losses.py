@@ -2,7 +2,7 @@
 
 Shapes: every per-token tensor is (B, T); ``loss_mask`` is bool; ``turn_ids`` is long (-1 off the mask).
 Policy losses return ``(loss, bias_surrogate, metrics)``: ``bias_surrogate = agg(c_t * rho_t * A_t)`` with
-c_t and A_t constant, whose gradient is the clipping bias C of ALGORITHMS.md; metrics are detached tensors.
+c_t and A_t constant, whose gradient is the clipping bias C of docs/algorithms.md; metrics are detached tensors.
 A loss returns a ``bias_surrogate`` that does not require grad when nothing in the micro-batch is clipped: C's
 share is then exactly zero, and the corrector skips its extra backward (every on-policy step: the first
 mini-batch of each iteration, or all of them when one mini-batch is the whole batch).
