@@ -25,7 +25,14 @@ MODEL_ALIASES = {"smollm2": SMOLLM2_NAME}
 
 
 def resolve_model(name: str) -> str:
-    """``smollm2`` -> the cached converted folder (built on first use); anything else is returned unchanged."""
+    """One model-spec grammar for every command: ``smollm2`` (or ``hf:smollm2``) -> the cached converted folder
+    (built on first use); ``hf:PATH_OR_NAME`` -> ``PATH_OR_NAME`` (the agent spec of ``stppo eval``); anything
+    else is a local folder or hub name, returned unchanged.
+
+    >>> resolve_model("hf:/models/ckpt"), resolve_model("org/name")
+    ('/models/ckpt', 'org/name')
+    """
+    name = name.removeprefix("hf:")
     if name.lower() in MODEL_ALIASES:
         return str(smollm2_path())
     return name

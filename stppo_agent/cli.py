@@ -36,12 +36,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Shows each option's default unless its help already says it (or there is none to show)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)  # sub-commands get it too (they are built by this class)
+        super().__init__(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     from stppo_envs.retrieval.server import ServerLimits
 
     from .agent_specs import SPEC_HELP
 
-    parser = argparse.ArgumentParser(prog="stppo", description=__doc__)
+    parser = _Parser(prog="stppo", description=__doc__)
     commands = parser.add_subparsers(dest="command")
 
     demo = commands.add_parser("demo", help="the embedded default: SFT warm start + ST-PPO on SmolLM2-135M, "
@@ -64,15 +80,15 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--benchmarks", default="nq,hotpotqa", help="comma-separated benchmark names")
     sft.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
                      help="a FlashRAG-style dataset for a benchmark (default: the bundled demo set)")
-    sft.add_argument("--split", default="train")
+    sft.add_argument("--split", default="train", help="dataset split the teacher plays")
     sft.add_argument("--limit", type=int, default=None, help="examples per benchmark")
     sft.add_argument("--retriever", default="demo", help="retriever spec (demo, bm25:DIR, dense:DIR, http://...)")
     sft.add_argument("--max-turns", type=int, default=3, help="turns per demonstration (default 3: two searches)")
-    sft.add_argument("--steps", type=int, default=60)
-    sft.add_argument("--batch-size", type=int, default=4)
-    sft.add_argument("--lr", type=float, default=2e-5)
-    sft.add_argument("--dtype", default="float32")
-    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    sft.add_argument("--batch-size", type=int, default=4, help="demonstrations per step")
+    sft.add_argument("--lr", type=float, default=2e-5, help="learning rate")
+    sft.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    sft.add_argument("--seed", type=int, default=0, help="seed")
     sft.set_defaults(handler=_run_sft)
 
     train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
@@ -80,10 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--env", default=None, help="comma-separated env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
     train.add_argument("--model", default=None, help="Hugging Face folder or hub name; 'smollm2' for the default")
     train.add_argument("--output-dir", default=None, help="run folder")
-    train.add_argument("--iterations", type=int, default=None)
+    train.add_argument("--iterations", type=int, default=None, help="iterations (default: the config's, else 100)")
     train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field: lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
+                       help="override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
     train.add_argument("--resume", action="store_true", help="continue from the run folder's last valid checkpoint")
     train.add_argument("--overwrite", action="store_true", help="replace the run the output folder holds")
     train.set_defaults(handler=_run_train)
@@ -108,38 +124,40 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--retriever", default=None,
                     help="demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only the demo set may "
                          "use implicitly: real data needs its own index or an explicit --retriever demo)")
-    ev.add_argument("--topk", type=int, default=3)
-    ev.add_argument("--max-turns", type=int, default=4)
-    ev.add_argument("--batch-size", type=int, default=32)
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--topk", type=int, default=3, help="passages per search")
+    ev.add_argument("--max-turns", type=int, default=4, help="env steps per episode (Search-R1's max_turns + 1)")
+    ev.add_argument("--batch-size", type=int, default=32, help="episodes in flight")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed")
     ev.add_argument("--max-new-tokens", type=int, default=256, help="per turn, for LLM agents")
     ev.add_argument("--max-search-error-rate", type=float, default=0.01,
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
-    ev.add_argument("--output-dir", required=True)
+    ev.add_argument("--output-dir", required=True, help="results.json, results.csv, episodes.jsonl")
     ev.set_defaults(handler=_run_eval)
 
     index = commands.add_parser("index", help="build a search index from a pyserini/FlashRAG corpus")
     index_kinds = index.add_subparsers(dest="kind", required=True)
     bm25 = index_kinds.add_parser("bm25", help="Lucene BM25 index with pyserini")
-    bm25.add_argument("--corpus", required=True, help='JSONL with {"id", "contents"} (or a folder of them)')
-    bm25.add_argument("--out", required=True)
-    bm25.add_argument("--threads", type=int, default=1)
+    bm25.add_argument("--corpus", required=True,
+                      help='a corpus file: JSON lines with {"id", "contents"} or {"title", "text"}, or HotpotQA\'s '
+                           'title -> sentences JSON')
+    bm25.add_argument("--out", required=True, help="index folder to create")
+    bm25.add_argument("--threads", type=int, default=1, help="indexing threads")
     bm25.set_defaults(handler=_run_index_bm25)
     dense = index_kinds.add_parser("dense", help="faiss index of passages embedded by a Hugging Face encoder")
     dense.add_argument("--corpus", required=True, help='JSONL with {"id", "contents"}, or title/text records')
     dense.add_argument("--encoder", required=True, help="local folder or hub name of the encoder")
-    dense.add_argument("--out", required=True)
-    dense.add_argument("--index-type", default="flat", choices=["flat", "hnsw", "ivf"])
-    dense.add_argument("--batch-size", type=int, default=64)
+    dense.add_argument("--out", required=True, help="index folder to create")
+    dense.add_argument("--index-type", default="flat", choices=["flat", "hnsw", "ivf"], help="faiss index type")
+    dense.add_argument("--batch-size", type=int, default=64, help="passages per encoder batch")
     dense.add_argument("--shard-size", type=int, default=4096, help="passages per resumable shard")
-    dense.add_argument("--device", default=None)
+    dense.add_argument("--device", default=None, help="encoder device (default: cuda when available)")
     dense.set_defaults(handler=_run_index_dense)
 
     srv = commands.add_parser("serve", help="serve a retriever over HTTP with Search-R1's /retrieve API")
     srv.add_argument("--retriever", required=True, help="demo, bm25:DIR, dense:DIR")
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default: no authentication)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="port")
     srv.add_argument("--max-topk", type=int, default=ServerLimits.max_topk,
                      help=f"largest topk a request may ask for (default {ServerLimits.max_topk})")
     srv.add_argument("--max-queries", type=int, default=ServerLimits.max_queries,
@@ -157,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plot = commands.add_parser("plot", help="training curves of one or more runs as PNG files")
     plot.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
-    plot.add_argument("--out", required=True)
+    plot.add_argument("--out", required=True, help="folder for the PNG files")
     plot.set_defaults(handler=_run_plot)
     return parser
 

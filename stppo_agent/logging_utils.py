@@ -22,7 +22,9 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
+            except ImportError:  # said once, at the start, rather than found missing at the end of a run
+                print("stppo: tensorboard is not installed, so no TensorBoard logs are written (metrics.jsonl has "
+                      "every metric); `pip install tensorboard` adds them, --set tensorboard=false silences this")
                 self._tb = None
         if wandb_project:
             try:

@@ -96,10 +96,14 @@ class SearchQAEnv(gym.Env[str, str]):
         self._turn = 0
         self._done = True
         self._counts = {"search_calls": 0, "invalid_actions": 0, "search_errors": 0}
+        self._order: list[int] = []  # the rest of the current shuffled pass (resets without an index)
 
     # -- Gymnasium API -------------------------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
-        """Start an episode on ``options["index"]`` or, without it, on an example drawn with ``self.np_random``."""
+        """Start an episode on example ``options["index"]`` (sequential access: ``options={"index": i}``) or,
+        without it, on the next example of a shuffled pass over the dataset: no example repeats until every
+        one has been seen. ``seed`` reseeds the shuffle (Gymnasium's convention), so ``reset(seed=s)`` then
+        plain ``reset()`` calls give the same sequence for the same ``s``."""
         super().reset(seed=seed)
         options = options or {}
         if "index" in options:
@@ -107,7 +111,9 @@ class SearchQAEnv(gym.Env[str, str]):
             if not 0 <= index < len(self.examples):
                 raise IndexError(f"options['index']={index} outside 0..{len(self.examples) - 1}")
         else:
-            index = int(self.np_random.integers(len(self.examples)))
+            if seed is not None or not self._order:
+                self._order = [int(i) for i in self.np_random.permutation(len(self.examples))]
+            index = self._order.pop()
         self.example = self.examples[index]
         self._turn, self._done = 0, False
         self._counts = dict.fromkeys(self._counts, 0)
@@ -150,7 +156,8 @@ class SearchQAEnv(gym.Env[str, str]):
                     error: BaseException | None) -> tuple[str, float, bool, bool, dict]:
         turn = self._turn
         self._turn += 1
-        info: dict[str, Any] = {"turn": self._turn, "action_type": parsed.type.value}
+        info: dict[str, Any] = {"turn": self._turn, "action_type": parsed.type.value,
+                                "example_id": self.example.id, "question": self.example.question}
         observation = ""
         if parsed.type is ActionType.INVALID:
             self._counts["invalid_actions"] += 1

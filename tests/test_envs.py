@@ -193,3 +193,27 @@ def test_prompt_questions_end_with_a_question_mark_as_in_search_r1(tmp_path, key
     assert "Question: who wrote the iliad\n" in plain.reset(options={"index": 0})[0]
     _, info = env.reset(options={"index": 0})
     assert info["question"] == "who wrote the iliad"  # the dataset's question is kept as given in info
+
+
+def test_resets_without_an_index_walk_the_dataset_without_repeats(keyword_retriever):
+    from stppo_envs import SearchQAEnv
+
+    env = SearchQAEnv("nq", retriever=keyword_retriever)
+    n = len(env.examples)
+    seen = [env.reset(seed=7)[1]["example_id"]] + [env.reset()[1]["example_id"] for _ in range(n - 1)]
+    assert len(set(seen)) == n  # one pass visits every example once
+    again = [env.reset(seed=7)[1]["example_id"]] + [env.reset()[1]["example_id"] for _ in range(n - 1)]
+    assert again == seen  # the same seed, the same sequence
+    other = [env.reset(seed=8)[1]["example_id"]] + [env.reset()[1]["example_id"] for _ in range(n - 1)]
+    assert other != seen and sorted(other) == sorted(seen)
+    _, info = env.reset(options={"index": 3})
+    assert info["example_id"] == env.examples[3].id and info["index"] == 3
+
+
+def test_step_info_names_the_episode(keyword_retriever):
+    from stppo_envs import SearchQAEnv
+
+    env = SearchQAEnv("nq", retriever=keyword_retriever)
+    _, reset_info = env.reset(options={"index": 0})
+    _, _, _, _, info = env.step("<search> paris </search>")
+    assert info["example_id"] == reset_info["example_id"] and info["question"] == reset_info["question"]
