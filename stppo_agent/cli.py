@@ -100,7 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
-    train.add_argument("--resume", action="store_true", help="continue from the run folder's last valid checkpoint")
+    train.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                       help="import MODULE first: it registers algorithms, losses or estimators of your own "
+                            "(recorded in the run's config for --resume and replay)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the run folder's last valid checkpoint, with the run's own config.yaml "
+                            "unless --config is given")
     train.add_argument("--overwrite", action="store_true", help="replace the run the output folder holds")
     train.set_defaults(handler=_run_train)
 
@@ -276,8 +281,12 @@ def _run_train(args: argparse.Namespace) -> int:
     from .trainer import Trainer
 
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, NCCL on GPUs)
-    config = load_config(args.config, args.overrides, algo=args.algo, env=args.env, model=args.model,
+    config_file = args.config
+    if args.resume and config_file is None and args.output_dir and (Path(args.output_dir) / "config.yaml").exists():
+        config_file = str(Path(args.output_dir) / "config.yaml")  # the run's own settings, resolved algorithm too
+    config = load_config(config_file, args.overrides, algo=args.algo, env=args.env, model=args.model,
                          output_dir=args.output_dir, iterations=args.iterations)
+    config.plugins = list(dict.fromkeys([*config.plugins, *args.imports]))
     config.model = resolve_model(config.model) if config.model else config.model
     metrics = Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
     if distributed.is_main():

@@ -18,6 +18,7 @@ import yaml
 from .algorithms import ALGORITHMS, AlgorithmConfig
 from .algorithms.advantages import GROUP_ESTIMATORS
 from .distributed import STRATEGIES
+from .plugins import load_plugins
 from .rollout import RolloutLimits, SamplingSettings
 
 
@@ -28,7 +29,12 @@ class TrainConfig:
     algo: str = "st_ppo"
     """Algorithm preset (ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, or one registered by the user)."""
     algorithm: dict = dataclasses.field(default_factory=dict)
-    """Overrides of the preset's fields, e.g. {clip_high: 0.28}."""
+    """Overrides of the preset's fields, e.g. {clip_high: 0.28}. A run's config.yaml holds every resolved field, so
+    the run is reproducible from its folder alone."""
+    plugins: list = dataclasses.field(default_factory=list)
+    """Python modules imported before the algorithm is resolved: they register algorithms, policy losses or
+    advantage estimators of your own (`--import MODULE`; installed `stppo.plugins` entry points load by
+    themselves)."""
     env: str = "stppo/NQ-v0"
     """Comma-separated env ids; prompts are drawn from their union (e.g. stppo/NQ-v0,stppo/HotpotQA-v0)."""
     env_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -113,6 +119,7 @@ class TrainConfig:
     progress: bool = True
 
     def algorithm_config(self) -> AlgorithmConfig:
+        load_plugins(self.plugins)
         preset = ALGORITHMS[self.algo]
         unknown = set(self.algorithm) - {f.name for f in dataclasses.fields(AlgorithmConfig)}
         if unknown:
@@ -154,13 +161,19 @@ class TrainConfig:
                              f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+    def to_yaml(self, resolved: AlgorithmConfig | None = None) -> str:
+        """The config as YAML; with ``resolved``, ``algorithm`` holds every field the run used (not only the
+        overrides), so the folder reproduces the run even if a preset's defaults change later."""
+        values = dataclasses.asdict(self)
+        if resolved is not None:
+            values["algorithm"] = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
+        return yaml.safe_dump(values, sort_keys=False)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, **flags: Any) -> TrainConfig:
     """Defaults <- YAML file <- explicit flags (those not None) <- ``--set key=value`` overrides."""
     values: dict[str, Any] = {}
+    file_algo = None
     if path is not None:
         try:
             loaded = yaml.load(Path(path).read_text(), Loader=NumberLoader) or {}
@@ -169,7 +182,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must hold a mapping of field: value")
         values.update(loaded)
+        file_algo = loaded.get("algo")
     values.update({k: v for k, v in flags.items() if v is not None})
+    resolved_fields = {f.name for f in dataclasses.fields(AlgorithmConfig)} - {"name"}
+    if file_algo is not None and values.get("algo") != file_algo \
+            and set(values.get("algorithm") or {}) >= resolved_fields:
+        # A run's config.yaml records every field of *its* algorithm; under another --algo those would silently
+        # turn the new preset back into the old one. Hand-written partial overrides are kept.
+        values["algorithm"] = {}
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -223,4 +243,6 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if target is bool and isinstance(value, bool) or target is int and isinstance(value, int) \
             and not isinstance(value, bool) or target is str and isinstance(value, str):
         return value
+    if target is list and isinstance(value, (list, str)):
+        return [value] if isinstance(value, str) else list(value)
     raise ValueError(f"config field {key} expects {getattr(target, '__name__', target)}, got {value!r}")

@@ -95,7 +95,7 @@ class Trainer:
             self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
                                         wandb_project=config.wandb_project, config=dataclasses.asdict(config))
             self.logger.truncate_after(self.iteration, report)
-            (self.run_dir / "config.yaml").write_text(config.to_yaml())
+            (self.run_dir / "config.yaml").write_text(config.to_yaml(resolved=self.algo))
         self.recorder = RolloutRecorder(self.run_dir, self.tokenizer, self.rank, self.world) \
             if config.save_rollouts else None
         if self.recorder is not None and self.iteration == 0:

@@ -55,3 +55,40 @@ def test_group_algorithms_refuse_groups_of_one(algo):
 def test_cli_reports_config_errors_without_a_traceback(capsys):
     assert main(["train", "--algo", "grpo", "--model", "m", "--output-dir", "/tmp/x"]) == 1
     assert "samples_per_prompt" in capsys.readouterr().err
+
+
+PLUGIN = '''
+import dataclasses
+from stppo_agent.algorithms import ALGORITHMS, register_algorithm
+register_algorithm(dataclasses.replace(ALGORITHMS["turn_ppo"], name="{name}", clip_high=0.31))
+'''
+
+
+def test_a_user_algorithm_is_chosen_from_the_cli_and_the_run_reproduces_from_its_folder(tmp_path, monkeypatch):
+    from stppo_agent.trainer import read_metrics
+
+    from .tiny_models import tiny_llama, word_tokenizer
+
+    (tmp_path / "my_algos.py").write_text(PLUGIN.format(name="my_algo"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    run = tmp_path / "run"
+    common = ["--set", "prompts_per_iteration=2", "--set", "mini_batch_size=2", "--set", "micro_batch_size=2",
+              "--set", "max_turns=2", "--set", "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8",
+              "--set", "max_total_tokens=32", "--set", "progress=false", "--set", "save_every=1"]
+    assert main(["train", "--algo", "my_algo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
+                 str(run), "--iterations", "1"] + common) == 1  # not imported: unknown
+    assert main(["train", "--import", "my_algos", "--algo", "my_algo", "--env", "stppo/Toy-v0", "--model",
+                 str(model), "--output-dir", str(run), "--iterations", "1"] + common) == 0
+    import yaml
+
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["plugins"] == ["my_algos"] and saved["algo"] == "my_algo"
+    assert saved["algorithm"]["clip_high"] == 0.31 and saved["algorithm"]["ratio_level"] == "turn"
+    assert len(saved["algorithm"]) >= 15  # every resolved field, not only overrides
+    # --resume reads the run's own config: no --algo, --model or --import needed
+    assert main(["train", "--output-dir", str(run), "--resume", "--iterations", "2"]) == 0
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    # the resolved fields of one algorithm never leak into another chosen with --algo
+    other = load_config(run / "config.yaml", [], algo="grpo", output_dir=str(tmp_path / "other"))
+    assert other.algorithm_config().advantage == "grpo" and other.algorithm_config().ratio_level == "token"
