@@ -16,9 +16,9 @@ QA_FAMILY_ORDER = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "b
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     parser = _parser()
     args = parser.parse_args(argv)
+    _set_verbosity(args.verbose)
     if not hasattr(args, "handler"):
         parser.print_help()
         return 2
@@ -34,6 +34,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"stppo {args.command}: error: {message}", file=sys.stderr)
         return 1
+
+
+def _set_verbosity(verbose: bool) -> None:
+    """Third-party chatter (datasets' and transformers' progress bars, "Loading weights", Lucene's INFO lines)
+    is hidden unless --verbose; warnings and errors always show."""
+    if verbose:
+        os.environ["STPPO_VERBOSE"] = "1"
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -58,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     from .agent_specs import SPEC_HELP
 
     parser = _Parser(prog="stppo", description=__doc__)
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show third-party logs and progress bars (Lucene, transformers, datasets)")
     commands = parser.add_subparsers(dest="command")
 
     demo = commands.add_parser("demo", help="the embedded default: SFT warm start + ST-PPO on SmolLM2-135M, "

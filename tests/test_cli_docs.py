@@ -69,3 +69,20 @@ def test_help_shows_defaults(command, shown, capsys):
     out = capsys.readouterr().out
     assert shown in out
     assert "lr=1e-6," not in out.replace("actor_lr=1e-6", "")
+
+
+def test_third_party_noise_is_hidden_unless_verbose(tmp_path):
+    import subprocess
+    import sys
+
+    def run(*extra):
+        command = [sys.executable, "-m", "stppo_agent.cli", *extra, "eval", "--agent", "search-copy", "--benchmarks",
+                   "nq", "--limit", "2", "--output-dir", str(tmp_path / "out")]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    quiet = run()
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "INFO" not in quiet.stderr and "MemorySegmentIndexInput" not in quiet.stderr, quiet.stderr[-2000:]
+    assert "EM/acc" in quiet.stdout
+    verbose = run("--verbose")
+    assert verbose.returncode == 0 and "MemorySegmentIndexInput" in verbose.stderr

@@ -82,3 +82,19 @@ def ensure_pyserini() -> None:
     finally:
         if placeholder_key:
             os.environ.pop("OPENAI_API_KEY", None)
+    if not os.environ.get("STPPO_VERBOSE"):
+        _quiet_lucene()
+
+
+def _quiet_lucene() -> None:
+    """Lucene logs INFO lines through java.util.logging when an index opens (which MMap provider it uses):
+    noise on every run. Warnings and errors still show; STPPO_VERBOSE=1 (``stppo --verbose``) keeps everything."""
+    from jnius import autoclass
+
+    level = autoclass("java.util.logging.Level").WARNING
+    logger = autoclass("java.util.logging.Logger").getLogger("org.apache.lucene")
+    logger.setLevel(level)
+    _QUIETED.append(logger)  # java.util.logging keeps loggers weakly: hold a reference or the level is lost
+
+
+_QUIETED: list = []
