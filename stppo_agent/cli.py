@@ -205,9 +205,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from .reports import compare, load_results
+    from .reports import compare, distinct_labels, load_results
 
-    print(compare([load_results(path) for path in args.results], [Path(p).name for p in args.results], args.force))
+    print(compare([load_results(path) for path in args.results], distinct_labels(args.results), args.force))
     return 0
 
 

@@ -46,11 +46,34 @@ def search_error_differences(records: Sequence[dict[str, Any]]) -> list[float] |
     return rates if rates and max(rates) - min(rates) > SEARCH_ERROR_TOLERANCE else None
 
 
+COMPARED_METRICS = (("em", "EM"), ("acc", "acc"), ("f1", "F1"), ("answer_rate", "answer rate"),
+                    ("invalid_action_rate", "invalid rate"), ("search_error_rate", "search errors"),
+                    ("mean_turns", "turns"), ("mean_search_calls", "searches"), ("n", "n"))
+
+
+def distinct_labels(paths: Sequence[str | Path]) -> list[str]:
+    """Short, distinct column labels for result paths: the folder's name (not ``results.json``), with as many
+    parent folders as it takes to tell them apart.
+
+    >>> distinct_labels(["runs/a/eval/results.json", "runs/b/eval/results.json", "x/c"])
+    ['a/eval', 'b/eval', 'c']
+    """
+    parts = [Path(p).parent.parts if Path(p).name == "results.json" else Path(p).parts for p in paths]
+
+    def label(own: tuple[str, ...]) -> str:
+        for depth in range(1, len(own) + 1):
+            if sum(other[-depth:] == own[-depth:] for other in parts) == 1:
+                return "/".join(own[-depth:])
+        return "/".join(own)
+
+    return [label(own) for own in parts]
+
+
 def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[str], force: bool = False) -> str:
-    """A table of the primary metric per benchmark and result set; mismatched provenance raises unless ``force``."""
+    """Every metric per benchmark, one column per result set; mismatched provenance raises unless ``force``."""
     benchmarks = sorted({r["benchmark"] for results in result_sets for r in results})
-    lines, warnings = [], []
-    header = ["benchmark", *labels]
+    warnings = []
+    header = ["benchmark", "metric", *labels]
     rows = []
     for benchmark in benchmarks:
         records = [next((r for r in results if r["benchmark"] == benchmark), None) for results in result_sets]
@@ -66,17 +89,17 @@ def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[st
                     f"{benchmark}: results are not comparable ({detail}); rerun under the same settings or pass "
                     "--force to print them flagged")
             warnings.append(f"!! {benchmark} NOT COMPARABLE: {detail}")
-        cells = []
-        for record in records:
-            if record is None:
-                cells.append("-")
-            else:
-                metrics = record["metrics"]
-                cells.append(f"{metrics.get('em', metrics.get('acc', 0.0)):.3f}")
-        rows.append([benchmark + (" (!)" if differences else ""), *cells])
+        name = benchmark + (" (!)" if differences else "")
+        for key, title in COMPARED_METRICS:
+            if not any(r is not None and key in r["metrics"] for r in records):
+                continue
+            cells = ["-" if r is None or key not in r["metrics"] else
+                     (str(r["metrics"][key]) if key == "n" else f"{r['metrics'][key]:.3f}") for r in records]
+            rows.append([name, title, *cells])
+            name = ""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    for row in [header, ["-" * w for w in widths], *rows]:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+             for row in [header, ["-" * w for w in widths], *rows]]
     return "\n".join(lines + warnings)
 
 
@@ -104,17 +127,28 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
     runs = {Path(d).name or str(d): read_metrics(d) for d in run_dirs}
     if not any(runs.values()):
         raise FileNotFoundError(f"no metrics.jsonl in {', '.join(map(str, run_dirs))}")
+    from matplotlib.ticker import MaxNLocator
+
+    # One style per run, the same in every panel; dashes and markers differ too, so identical curves stay visible.
+    colours = plt.get_cmap("tab10").colors
+    dashes = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "x"]
+    styles = {run: dict(color=colours[i % len(colours)], linestyle=dashes[i % len(dashes)],
+                        marker=markers[i % len(markers)], markersize=4, alpha=0.85) for i, run in enumerate(runs)}
     written = []
     for name, keys in PLOTS.items():
         figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
         for axis, key in zip(axes[0], keys):
+            drawn = False
             for run, records in runs.items():
                 points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
                 if points:
-                    axis.plot(*zip(*points), label=run)
+                    axis.plot(*zip(*points), label=run, **styles[run])
+                    drawn = True
             axis.set_title(key)
             axis.set_xlabel("iteration")
-            if len(runs) > 1:
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
+            if len(runs) > 1 and drawn:
                 axis.legend(fontsize="small")
         figure.tight_layout()
         path = out / f"{name}.png"

@@ -242,3 +242,50 @@ def test_compare_refuses_materially_different_search_error_rates(tmp_path):
     with pytest.raises(ProvenanceMismatchError, match="search_error_rate"):
         compare([result(0.05), result(0.01)], ["a", "b"])
     assert "NOT COMPARABLE" in compare([result(0.05), result(0.01)], ["a", "b"], force=True)
+
+
+def test_compare_shows_every_metric_under_distinct_labels(tmp_path, capsys):
+    for name in ("a", "b"):
+        assert main(["eval", "--agent", "oracle" if name == "a" else "search-copy", "--benchmarks", "nq,medqa",
+                     "--limit", "4", "--output-dir", str(tmp_path / name / "eval")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a" / "eval" / "results.json"), str(tmp_path / "b" / "eval")]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert header == ["benchmark", "metric", "a/eval", "b/eval"]
+    for title in ("EM", "F1", "acc", "answer rate", "invalid rate", "search errors", "turns", "searches"):
+        assert title in out, title
+    em = next(line for line in out.splitlines() if line.startswith("nq") and " EM " in f" {line} ")
+    assert em.split()[-2:] == ["1.000", "0.000"]
+
+
+def test_plot_keeps_each_runs_style_across_panels_and_integer_iterations(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stppo_agent.reports import plot_runs
+
+    records = [{"step": i, "reward": 0.5, "clip_frac": 0.1, "turn_clip_frac": 0.2, "entropy": 1.0}
+               for i in range(1, 4)]
+    for name in ("alpha", "beta"):  # identical curves: they must not hide each other
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plt.close("all")
+    monkeypatch.setattr(plt, "close", lambda *a, **k: None)  # keep the figures to inspect them
+    plot_runs([tmp_path / "alpha", tmp_path / "beta"], tmp_path / "plots")
+    styles: dict[str, set] = {}
+    for number in plt.get_fignums():
+        for axis in plt.figure(number).axes:
+            lines = axis.get_lines()
+            if not lines:
+                continue
+            for line in lines:
+                styles.setdefault(line.get_label(), set()).add((line.get_color(), line.get_linestyle()))
+            assert len({(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines}) == len(lines)
+            ticks = [t for t in axis.get_xticks() if 1 <= t <= 3]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert set(styles) == {"alpha", "beta"} and all(len(v) == 1 for v in styles.values()), styles
+    monkeypatch.undo()
+    plt.close("all")
