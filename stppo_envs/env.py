@@ -12,7 +12,6 @@ reports ``turn=k+1`` (turns completed). ``terminated`` means an answer was given
 
 from __future__ import annotations
 
-import re
 from typing import Any, NamedTuple
 
 import gymnasium as gym
@@ -28,12 +27,11 @@ from .prompts import (
     render_prompt,
     search_r1_question,
 )
-from .retrieval.base import Hit, RetrievalError, Retriever
+from .retrieval.base import Hit, RetrievalError, Retriever, sanitize_query  # noqa: F401 (re-exported)
 from .retrieval.factory import make_retriever
 from .spaces import UnicodeText
 
 MAX_OBSERVATION_CHARS = 65536
-_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 class Segment(NamedTuple):
@@ -217,6 +215,4 @@ class SearchQAEnv(gym.Env[str, str]):
         return score * (1.0 - self.format_reward) + self.format_reward * format_ok
 
 
-def sanitize_query(query: str) -> str:
-    """Control characters (NUL and friends) become spaces: Lucene and HTTP servers choke on them."""
-    return _CONTROL_CHARS.sub(" ", query).strip() or "?"
+

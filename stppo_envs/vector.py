@@ -16,7 +16,7 @@ from gymnasium.vector.utils import batch_space
 
 from .actions import ParsedAction
 from .env import SearchQAEnv, sanitize_query
-from .retrieval.base import Hit, RetrievalError
+from .retrieval.base import Hit, RetrievalError, RetrieverUnavailableError
 from .retrieval.factory import make_retriever
 
 
@@ -92,11 +92,22 @@ def serve_searches(retriever, topk: int, pending: dict[int, ParsedAction]
     if not pending:
         return {}, {}
     keys = list(pending)
+    queries = [sanitize_query(pending[i].content) for i in keys]
     try:
-        results = retriever.batch_search([sanitize_query(pending[i].content) for i in keys], topk)
-    except RetrievalError as exc:
+        return dict(zip(keys, retriever.batch_search(queries, topk))), {}
+    except RetrieverUnavailableError as exc:  # the backend is down: every search fails alike
         return {}, dict.fromkeys(keys, exc)
-    return dict(zip(keys, results)), {}
+    except RetrievalError as exc:
+        if len(keys) == 1:
+            return {}, {keys[0]: exc}
+    # One query the backend refuses must not fail its neighbours' searches: serve each alone.
+    hits, errors = {}, {}
+    for key, query in zip(keys, queries):
+        try:
+            hits[key] = retriever.batch_search([query], topk)[0]
+        except RetrievalError as exc:
+            errors[key] = exc
+    return hits, errors
 
 
 def step_envs(envs: Sequence[gym.Env], actions: Sequence[str]) -> list[tuple]:

@@ -370,3 +370,49 @@ def test_server_defaults_accept_search_r1_recipe_batches(threaded_server):
                              timeout=120)
     assert response.status_code == 200, response.text[:300]
     assert len(response.json()["result"]) == 2560
+
+
+class PickyRetriever(KeywordRetriever):
+    """Fails any batch holding a query with BAD in it, as a backend does on a query it cannot parse."""
+
+    def batch_search(self, queries, k=10):
+        time.sleep(0.02)  # let concurrent requests merge
+        if any("BAD" in q for q in queries):
+            raise RetrievalError("backend refused a query")
+        return super().batch_search(queries, k)
+
+
+def test_one_bad_query_fails_only_its_sender(threaded_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _ = threaded_server(PickyRetriever([("Paris", "Paris is the capital of France."),
+                                             ("Rome", "Rome is the capital of Italy.")]))
+
+    def ask(query):
+        response = requests.post(f"{url}/retrieve", json={"queries": [query, "capital"], "topk": 1}, timeout=30)
+        return query, response.status_code, response.json()
+
+    queries = ["BAD one", "rome italy", "\ud800 surrogate", "paris france", "BAD two", "rome"] * 4
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(ask, queries))
+    for query, status, body in answers:
+        if "BAD" in query:
+            assert status == 503, body
+        elif "\ud800" in query:
+            assert status == 422 and "not valid Unicode" in body["detail"]
+        else:  # every good client gets its own answers, mapped to its own queries
+            assert status == 200, body
+            expected = "Rome" if "rome" in query else "Paris"
+            assert body["result"][0][0]["contents"].startswith(f'"{expected}"'), (query, body)
+
+
+def test_a_vector_env_isolates_a_refused_query_from_its_neighbours():
+    from stppo_envs import make_vec
+
+    envs = make_vec("stppo/NQ-v0", 3, retriever=PickyRetriever([("Paris", "Paris is the capital of France.")]))
+    envs.reset(seed=0)
+    _, _, _, _, infos = envs.step(["<search> BAD query </search>", "<search> paris </search>",
+                                   "<search> capital \ud800 </search>"])
+    assert infos["_error"].tolist() == [True, False, False]  # the neighbours' searches went through
+    assert "refused" in infos["error"]["message"][0] and infos["search_errors"].tolist() == [1, 0, 0]
+    assert infos["search_calls"].tolist() == [0, 1, 1]  # the surrogate query was sanitised, then served

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
@@ -108,6 +109,29 @@ def portable_name(path_or_name: str) -> str:
     if path.is_absolute() or path.exists():
         return "/".join(path.parts[-2:]) if path.name in ("model", "index", "encoder") else path.name
     return path_or_name
+
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False for strings holding lone surrogates ("\\ud800"), which no UTF-8 consumer (Lucene, JSON) accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def sanitize_query(query: str) -> str:
+    """A query every backend accepts: lone surrogates become U+FFFD, control characters (NUL and friends) spaces.
+
+    >>> sanitize_query("caf\\ud800e\\x00 bar")
+    'caf\ufffde  bar'
+    """
+    if not is_valid_unicode(query):
+        query = query.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return _CONTROL_CHARS.sub(" ", query).strip() or "?"
 
 
 class RetrievalError(RuntimeError):

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .base import RetrievalError, Retriever
+from .base import RetrievalError, Retriever, is_valid_unicode
 
 
 class RetrieveRequest(BaseModel):
@@ -80,10 +80,13 @@ class _Batcher:
                 flat = [query for queries, _ in group for query in queries]
                 try:
                     results = await asyncio.to_thread(self.retriever.batch_search, flat, k)
-                except Exception as exc:  # reported to every waiting request, the server stays up
-                    for _, future in group:
-                        if not future.done():
-                            future.set_exception(exc)
+                except Exception as exc:
+                    if len(group) == 1:  # reported to the request, the server stays up
+                        group[0][1].done() or group[0][1].set_exception(exc)
+                        continue
+                    # One request's bad query must not fail the requests merged with it: serve each alone.
+                    for queries, future in group:
+                        await self._serve_alone(queries, k, future)
                     continue
                 self.queries_served += len(flat)
                 self.batches_served += 1
@@ -92,6 +95,16 @@ class _Batcher:
                     if not future.done():
                         future.set_result(results[offset:offset + len(queries)])
                     offset += len(queries)
+
+    async def _serve_alone(self, queries: list[str], k: int, future: asyncio.Future) -> None:
+        try:
+            results = await asyncio.to_thread(self.retriever.batch_search, queries, k)
+        except Exception as exc:
+            future.done() or future.set_exception(exc)
+            return
+        self.queries_served += len(queries)
+        self.batches_served += 1
+        future.done() or future.set_result(results)
 
 
 def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
@@ -125,6 +138,9 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
         too_long = [i for i, q in enumerate(request.queries) if len(q) > limits.max_query_chars]
         if too_long:
             raise HTTPException(422, f"queries {too_long[:5]} are longer than {limits.max_query_chars} characters")
+        invalid = [i for i, q in enumerate(request.queries) if not is_valid_unicode(q)]
+        if invalid:  # rejected here, alone, before it can be merged with other clients' queries
+            raise HTTPException(422, f"queries {invalid[:5]} are not valid Unicode (lone surrogate code points)")
         try:
             results = await batcher.search(request.queries, k)
         except RetrievalError as exc:
