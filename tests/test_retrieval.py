@@ -416,3 +416,54 @@ def test_a_vector_env_isolates_a_refused_query_from_its_neighbours():
     assert infos["_error"].tolist() == [True, False, False]  # the neighbours' searches went through
     assert "refused" in infos["error"]["message"][0] and infos["search_errors"].tolist() == [1, 0, 0]
     assert infos["search_calls"].tolist() == [0, 1, 1]  # the surrogate query was sanitised, then served
+
+
+def test_the_body_limit_holds_for_chunked_uploads(threaded_server):
+    from stppo_envs.retrieval.server import ServerLimits
+
+    url, _ = threaded_server(KeywordRetriever(), ServerLimits(max_body_bytes=64 * 1024))
+    sent = 0
+
+    def chunks():  # no Content-Length: a chunked upload of 8 MB that must be cut off near 64 KB
+        nonlocal sent
+        for _ in range(1024):
+            sent += 8192
+            yield b"x" * 8192
+
+    try:
+        response = requests.post(f"{url}/retrieve", data=chunks(), headers={"content-type": "application/json"},
+                                 timeout=30)
+        assert response.status_code == 413 and "request body over 65536 bytes" in response.text
+    except requests.ConnectionError:
+        pass  # the server may close the connection while the client is still sending: also a refusal
+    declared = requests.post(f"{url}/retrieve", data=b"x" * (65 * 1024), timeout=30)
+    assert declared.status_code == 413
+    ok = requests.post(f"{url}/retrieve", json={"queries": ["paris"], "topk": 1}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_the_body_limit_stops_reading_a_chunked_body_at_the_limit():
+    """At the ASGI level: how many chunks the server pulls from a client that would send 8 MB without a length."""
+    import asyncio
+
+    from stppo_envs.retrieval.server import ServerLimits, create_app
+
+    app = create_app(KeywordRetriever(), ServerLimits(max_body_bytes=64 * 1024))
+    pulled, sent = 0, []
+
+    async def receive():
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": b"x" * 8192, "more_body": pulled < 1024}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/retrieve", "raw_path": b"/retrieve", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1234)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 413
+    assert pulled <= 9  # 64 KB in 8 KB chunks, then it stopped reading (not 1024 chunks = 8 MB)
+    assert len([m for m in sent if m["type"] == "http.response.start"]) == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from typing import Any
 
 from pydantic import BaseModel
@@ -109,19 +110,12 @@ class _Batcher:
 
 def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
     """The FastAPI application serving ``retriever``."""
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.responses import JSONResponse
+    from fastapi import FastAPI, HTTPException
 
     app = FastAPI(title="stppo retrieval server", description="Search-R1-compatible /retrieve")
     batcher = _Batcher(retriever, limits)
     app.state.batcher = batcher
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > limits.max_body_bytes:
-            return JSONResponse({"detail": f"request body over {limits.max_body_bytes} bytes"}, status_code=413)
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -147,7 +141,54 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
             raise HTTPException(503, f"retrieval failed: {exc}") from exc
         return {"result": [[_result_item(hit, request.return_scores) for hit in hits] for hits in results]}
 
-    return app
+    return BodyLimit(app, limits.max_body_bytes)
+
+
+class BodyLimit:
+    """ASGI wrapper that enforces the request-body limit *while reading*: a declared Content-Length over the limit
+    is refused before any byte is read, and a chunked upload (no Content-Length) is cut off as soon as it passes
+    the limit, so memory stays bounded whatever a client sends. Outermost, so the 413 is its own answer."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+        self.state = app.state  # the FastAPI app's state (the batcher) stays reachable
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        received, refused = 0, False
+
+        async def limited_receive():
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:  # answer now; the app sees a client that went away
+                    refused = True
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            if not refused:  # after the 413, nothing else goes out
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps({"detail": f"request body over {self.limit} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _result_item(hit, with_score: bool) -> dict[str, Any]:
