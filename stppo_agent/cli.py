@@ -29,11 +29,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.handler(args) or 0
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, RetrievalError, CorruptCheckpointError,
-            TrainingDivergedError, ConnectionError) as exc:
+    except (OSError, ValueError, KeyError, RetrievalError, CorruptCheckpointError, TrainingDivergedError,
+            ConnectionError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"stppo {args.command}: error: {message}", file=sys.stderr)
         return 1
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _set_verbosity(verbose: bool) -> None:
@@ -81,9 +88,9 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="the embedded default: SFT warm start + ST-PPO on SmolLM2-135M, "
                                              "demo data, CPU")
-    demo.add_argument("--iterations", type=int, default=3, help="training iterations (default 3)")
+    demo.add_argument("--iterations", type=_positive_int, default=3, help="training iterations (default 3)")
     demo.add_argument("--sft-steps", type=int, default=20, help="warm-start steps before RL; 0 skips it (default 20)")
-    demo.add_argument("--limit", type=int, default=16, help="evaluation examples per benchmark (default 16)")
+    demo.add_argument("--limit", type=_positive_int, default=16, help="evaluation examples per benchmark (default 16)")
     demo.add_argument("--model", default="smollm2", help="model to train (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--output-dir", default="runs/demo", help="run folder (default runs/demo)")
     demo.add_argument("--lr", type=float, default=DEMO_LR, help=f"ST-PPO actor learning rate (default {DEMO_LR})")
@@ -100,11 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
                      help="a FlashRAG-style dataset for a benchmark (default: the bundled demo set)")
     sft.add_argument("--split", default="train", help="dataset split the teacher plays")
-    sft.add_argument("--limit", type=int, default=None, help="examples per benchmark")
+    sft.add_argument("--limit", type=_positive_int, default=None, help="examples per benchmark")
     sft.add_argument("--retriever", default="demo", help="retriever spec (demo, bm25:DIR, dense:DIR, http://...)")
-    sft.add_argument("--max-turns", type=int, default=3, help="turns per demonstration (default 3: two searches)")
-    sft.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    sft.add_argument("--batch-size", type=int, default=4, help="demonstrations per step")
+    sft.add_argument("--max-turns", type=_positive_int, default=3,
+                     help="turns per demonstration (default 3: two searches)")
+    sft.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps")
+    sft.add_argument("--batch-size", type=_positive_int, default=4, help="demonstrations per step")
     sft.add_argument("--lr", type=float, default=2e-5, help="learning rate")
     sft.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     sft.add_argument("--seed", type=int, default=0, help="seed")
@@ -115,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--env", default=None, help="comma-separated env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
     train.add_argument("--model", default=None, help="Hugging Face folder or hub name; 'smollm2' for the default")
     train.add_argument("--output-dir", default=None, help="run folder")
-    train.add_argument("--iterations", type=int, default=None, help="iterations (default: the config's, else 100)")
+    train.add_argument("--iterations", type=_positive_int, default=None,
+                       help="iterations (default: the config's, else 100)")
     train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
@@ -144,15 +153,16 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
                     help="data source per benchmark (file, folder or hub name); default: the demo set")
     ev.add_argument("--split", default=None, help="split (default: each benchmark's evaluation split)")
-    ev.add_argument("--limit", type=int, default=None, help="first N examples of each benchmark")
+    ev.add_argument("--limit", type=_positive_int, default=None, help="first N examples of each benchmark")
     ev.add_argument("--retriever", default=None,
                     help="demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only the demo set may "
                          "use implicitly: real data needs its own index or an explicit --retriever demo)")
-    ev.add_argument("--topk", type=int, default=3, help="passages per search")
-    ev.add_argument("--max-turns", type=int, default=4, help="env steps per episode (Search-R1's max_turns + 1)")
-    ev.add_argument("--batch-size", type=int, default=32, help="episodes in flight")
+    ev.add_argument("--topk", type=_positive_int, default=3, help="passages per search")
+    ev.add_argument("--max-turns", type=_positive_int, default=4,
+                    help="env steps per episode (Search-R1's max_turns + 1)")
+    ev.add_argument("--batch-size", type=_positive_int, default=32, help="episodes in flight")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ev.add_argument("--max-new-tokens", type=int, default=256, help="per turn, for LLM agents")
+    ev.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per turn, for LLM agents")
     ev.add_argument("--max-search-error-rate", type=float, default=0.01,
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
@@ -166,14 +176,14 @@ def _parser() -> argparse.ArgumentParser:
                       help='a corpus file: JSON lines with {"id", "contents"} or {"title", "text"}, or HotpotQA\'s '
                            'title -> sentences JSON')
     bm25.add_argument("--out", required=True, help="index folder to create")
-    bm25.add_argument("--threads", type=int, default=1, help="indexing threads")
+    bm25.add_argument("--threads", type=_positive_int, default=1, help="indexing threads")
     bm25.set_defaults(handler=_run_index_bm25)
     dense = index_kinds.add_parser("dense", help="faiss index of passages embedded by a Hugging Face encoder")
     dense.add_argument("--corpus", required=True, help='JSONL with {"id", "contents"}, or title/text records')
     dense.add_argument("--encoder", required=True, help="local folder or hub name of the encoder")
     dense.add_argument("--out", required=True, help="index folder to create")
     dense.add_argument("--index-type", default="flat", choices=["flat", "hnsw", "ivf"], help="faiss index type")
-    dense.add_argument("--batch-size", type=int, default=64, help="passages per encoder batch")
+    dense.add_argument("--batch-size", type=_positive_int, default=64, help="passages per encoder batch")
     dense.add_argument("--shard-size", type=int, default=4096, help="passages per resumable shard")
     dense.add_argument("--device", default=None, help="encoder device (default: cuda when available)")
     dense.set_defaults(handler=_run_index_dense)

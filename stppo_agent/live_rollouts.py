@@ -53,9 +53,28 @@ class PromptSampler:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
+def _unknown_env(env_id: str, exc: Exception) -> ValueError:
+    known = ", ".join(sorted(i for i in gym.registry if i.startswith("stppo/")))
+    return ValueError(f"env {env_id!r}: {exc} Registered stppo envs: {known}")
+
+
 def is_search_env(env_id: str) -> bool:
-    entry_point = gym.spec(env_id).entry_point
+    try:
+        entry_point = gym.spec(env_id).entry_point
+    except gym.error.Error as exc:
+        raise _unknown_env(env_id, exc) from exc
     return isinstance(entry_point, str) and entry_point.endswith(":SearchQAEnv")
+
+
+def make_env(env_id: str, kwargs: dict) -> gym.Env:
+    """``gym.make`` with errors that say what to fix (an unknown id, a wrong ``env_kwargs`` key or value)."""
+    try:
+        return gym.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    except gym.error.Error as exc:
+        raise _unknown_env(env_id, exc) from exc
+    except TypeError as exc:
+        raise ValueError(f"env {env_id!r} does not accept env_kwargs {kwargs}: {str(exc).split(' was raised')[0]}") \
+            from exc
 
 
 class LiveRollouts:
@@ -70,7 +89,7 @@ class LiveRollouts:
         base_kwargs = dict(config.env_kwargs)
         if config.share_retriever and any(is_search_env(e) for e in self.env_ids):
             base_kwargs["retriever"] = shared_retriever_spec(base_kwargs.get("retriever", "demo"), trainer.run_dir)
-        probes = [gym.make(env_id, disable_env_checker=True, **base_kwargs).unwrapped for env_id in self.env_ids]
+        probes = [make_env(env_id, base_kwargs) for env_id in self.env_ids]
         # Copies of a search env share its probe's retriever (one index in memory) and the trainer's max_turns.
         self.env_kwargs = [dict(base_kwargs, retriever=env.retriever, max_turns=config.max_turns)
                            if isinstance(env, stppo_envs.SearchQAEnv) else dict(base_kwargs)

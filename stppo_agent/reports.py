@@ -22,7 +22,14 @@ def load_results(path: str | Path) -> list[dict[str, Any]]:
         path = path / "results.json"
     if not path.exists():
         raise FileNotFoundError(f"no results.json at {path}; produce one with `stppo eval ... --output-dir DIR`")
-    return json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable results.json ({exc})") from exc
+    if not isinstance(results, list) or not all(isinstance(r, dict) and {"benchmark", "metrics"} <= set(r)
+                                                for r in results):
+        raise ValueError(f"{path} is not a results.json of `stppo eval` (a list of benchmark records)")
+    return results
 
 
 def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:

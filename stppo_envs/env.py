@@ -68,6 +68,8 @@ class SearchQAEnv(gym.Env[str, str]):
                  format_reward: float = 0.0, template: str | None = None, mcq_template: str | None = None,
                  limit: int | None = None, shuffle_seed: int | None = None, family: str | None = None,
                  render_mode: str | None = None, question_mark: bool = True):
+        if not isinstance(topk, int) or not isinstance(max_turns, int) or isinstance(topk, bool):
+            raise ValueError(f"topk and max_turns must be integers, got topk={topk!r}, max_turns={max_turns!r}")
         if topk < 1 or max_turns < 1:
             raise ValueError(f"topk and max_turns must be >= 1, got topk={topk}, max_turns={max_turns}")
         if reward not in ("auto", "em", "f1", "acc"):

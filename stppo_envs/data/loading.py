@@ -193,10 +193,31 @@ def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
 
 
 def _load_with_builder(builder: str, data_files: list[str], **kwargs) -> datasets.Dataset:
+    for path in map(Path, data_files):
+        if path.stat().st_size == 0 or not path.read_text(encoding="utf-8", errors="replace").strip():
+            raise DatasetFormatError(f"{path} is empty: no records to load")
     try:
         return datasets.load_dataset(builder, data_files=data_files, split="train", **kwargs)
     except Exception as exc:
-        raise DatasetFormatError(f"could not read {', '.join(data_files)}: {exc}") from exc
+        raise DatasetFormatError(f"could not read {', '.join(data_files)}: {_first_bad_line(data_files) or exc}") \
+            from exc
+
+
+def _first_bad_line(data_files: list[str]) -> str | None:
+    """For JSON lines files, the file and line that is not a JSON object (datasets' own error names neither)."""
+    for name in data_files:
+        if not name.endswith(".jsonl"):
+            continue
+        with open(name, encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    if not isinstance(json.loads(line), dict):
+                        return f"{name}, line {number}: not a JSON object"
+                except json.JSONDecodeError as exc:
+                    return f"{name}, line {number} is not valid JSON ({exc.msg}): {line.strip()[:80]!r}"
+    return None
 
 
 def _load_headerless_mcq_csv(path: Path) -> datasets.Dataset:
