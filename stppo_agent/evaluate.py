@@ -44,8 +44,12 @@ class EvalSettings:
 
 def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[int], seed: int = 0) -> list[dict]:
     """Run one episode per example index with ``len(envs)`` episodes in flight; return one record each."""
+    from tqdm.auto import tqdm
+
     records: list[dict] = []
     retriever, topk = envs[0].retriever, envs[0].topk
+    # episodes/s and ETA on a terminal (an LLM agent on a CPU takes minutes); silent in logs and CI
+    bar = tqdm(total=len(indices), desc=envs[0].benchmark, unit="episode", disable=None, leave=False)
     for start in range(0, len(indices), len(envs)):
         chunk = indices[start:start + len(envs)]
         active = {slot: envs[slot] for slot in range(len(chunk))}
@@ -67,7 +71,9 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
                     if hasattr(agent, "generated_tokens"):  # LLM agents count their tokens; scripted ones have none
                         chunk_records[slot]["response_tokens"] = agent.generated_tokens(env.example.id)
                     del active[slot]
+                    bar.update(1)
         records += [chunk_records[slot] for slot in range(len(chunk))]
+    bar.close()
     return records
 
 

@@ -121,7 +121,9 @@ class LiveRollouts:
             else contextlib.nullcontext()
         with gathered:
             batch = collect_rollouts(trainer.backend, trainer.tokenizer, envs, options, groups,
-                                     config.rollout_limits(), seeds)
+                                     config.rollout_limits(), seeds,
+                                     on_turn=lambda turn, active: trainer.phase(
+                                         f"rollout turn {turn + 1}/{config.max_turns} done ({active} active)"))
         rate = batch.stats.get("search_error_rate", 0.0)
         if rate > config.max_search_error_rate:
             raise RetrievalError(

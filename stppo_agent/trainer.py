@@ -181,6 +181,8 @@ class Trainer:
 
         bar = tqdm(total=self.config.iterations, initial=self.iteration, desc="training", unit="it",
                    disable=not (self.config.progress and distributed.is_main()))
+        # Within an iteration (minutes with a real model on a CPU) the bar says which phase runs.
+        self.phase = (lambda text: bar.set_postfix_str(text, refresh=True)) if not bar.disable else (lambda _: None)
         metrics: dict[str, Any] = {}
         try:
             while self.iteration < self.config.iterations:
@@ -189,6 +191,7 @@ class Trainer:
                     torch.cuda.reset_peak_memory_stats(self.device)
                 batch = self.rollout()
                 rollout_seconds = time.perf_counter() - started
+                self.phase("scoring")
                 self.score(batch)
                 metrics = self.update(batch)
                 if hasattr(self.backend, "sync_weights"):  # an engine with its own copy of the weights
@@ -207,11 +210,16 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
+            self.__dict__.pop("phase", None)  # back to the silent method
             if self.logger is not None:
                 self.logger.close()
         return metrics
 
+    def phase(self, text: str) -> None:
+        """Progress within an iteration (the training bar's postfix while train() runs)."""
+
     def rollout(self) -> RolloutBatch:
+        self.phase("rollout")
         batch = self.source.next_batch(self.iteration)
         if self.recorder is not None:  # as sampled: before any test hook or scoring touches it
             self.recorder.record(self.iteration + 1, batch)
@@ -260,11 +268,14 @@ class Trainer:
         generator = torch.Generator().manual_seed(config.seed + self.iteration)
         if self.diagnostics is not None:
             self.diagnostics.begin_iteration(self.iteration + 1)
+        local_mini = config.mini_batch_size // self.world
+        total_steps = config.ppo_epochs * math.ceil(batch.batch_size / local_mini)
         for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
-            local_mini = config.mini_batch_size // self.world
-            for start in range(0, batch.batch_size, local_mini):
+            for number, start in enumerate(range(0, batch.batch_size, local_mini)):
                 mini = batch.select(order[start:start + local_mini])
+                done = epoch * math.ceil(batch.batch_size / local_mini) + number
+                self.phase(f"update step {done + 1}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)
                 tokens += int(mini.loss_mask.sum())
                 means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet

@@ -169,3 +169,10 @@ def test_rates_are_per_turn_and_per_search_not_per_episode():
     assert rates["invalid_action_rate"] == pytest.approx(2 / 5)  # per turn (per episode would be 0.25)
     assert rates["search_error_rate"] == pytest.approx(1 / 2)  # per attempted search
     assert rates["answer_rate"] == pytest.approx(1 / 2)
+
+
+def test_training_shows_progress_within_iterations(tiny_model, tmp_path, capsys):
+    Trainer(small(tiny_model, tmp_path, progress=True)).train()
+    err = capsys.readouterr().err
+    for phase in ("rollout turn 1/2", "scoring", "update step 1/4", "update step 4/4"):
+        assert phase in err, phase
