@@ -58,6 +58,7 @@ class Settings:
     quick: bool
     replay_rules: list[str]
     check_exact: bool
+    replay_iterations: int | None = None
 
 
 def train_overrides(settings: Settings, seed: int) -> list[str]:
@@ -124,11 +125,12 @@ def train(settings: Settings, model: str, algo: str, seed: int, out: Path, recor
     (out / "done").write_text("")
 
 
-def replay(recorded: Path, algo: str, out: Path) -> None:
+def replay(recorded: Path, algo: str, out: Path, iterations: int | None = None) -> None:
     if (out / "done").exists():
         return
     shutil.rmtree(out, ignore_errors=True)
-    stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false")
+    stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false",
+          *(["--iterations", str(iterations)] if iterations else []))
     (out / "done").write_text("")
 
 
@@ -141,9 +143,13 @@ def number(record: dict, key: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def summarize(run: Path) -> dict:
-    """The per-run figures of the tables: curves from metrics.jsonl, tails from steps.jsonl."""
+def summarize(run: Path, iterations: int | None = None) -> dict:
+    """The per-run figures of the tables: curves from metrics.jsonl, tails from steps.jsonl (the first
+    ``iterations`` only, when given: a replay of fewer iterations is compared with the same span of the run)."""
     records, steps = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "steps.jsonl")
+    if iterations is not None:
+        records = [r for r in records if r["step"] <= iterations]
+        steps = [s for s in steps if s["iteration"] <= iterations]
     rewards = [r["reward"] for r in records]
     best, drawdown, collapsed_at = -math.inf, 0.0, None
     first_invalid = records[0].get("invalid_action_rate", 0.0) if records else 0.0
@@ -220,6 +226,8 @@ def main() -> None:
                         help="rules the recorded ppo run is replayed through")
     parser.add_argument("--check-exact", action="store_true",
                         help="also replay through ppo and report whether it reproduces the recording exactly")
+    parser.add_argument("--replay-iterations", type=int, default=None,
+                        help="replay only the first N recorded iterations (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 iteration: checks plumbing only")
     args = parser.parse_args()
     settings = Settings(Path(args.out), args.model, 1 if args.quick else args.iterations,
@@ -227,7 +235,7 @@ def main() -> None:
                         [a.strip() for a in args.live.split(",") if a.strip()], args.lr,
                         2 if args.quick else args.eval_limit, args.device, args.quick,
                         [a.strip() for a in args.replay_rules.split(",") if a.strip()],
-                        args.check_exact or args.quick)
+                        args.check_exact or args.quick, args.replay_iterations)
     if args.quick:
         settings.live = [a for a in settings.live if a in ("ppo", "st_ppo")]
     settings.out.mkdir(parents=True, exist_ok=True)
@@ -246,16 +254,17 @@ def main() -> None:
 
     recorded = settings.out / "live" / f"ppo-s{settings.seeds[0]}"
     timed("record ppo", train, settings, model, "ppo", settings.seeds[0], recorded, True)
-    replays = {"ppo": summarize(recorded)}  # the recorded run is the ppo rule on its own data
+    span = settings.replay_iterations
+    replays = {"ppo": summarize(recorded, span)}  # the recorded run is the ppo rule on its own data
     replay_dirs = {"ppo": recorded}
     for algo in settings.replay_rules + (["ppo"] if settings.check_exact else []):
         target = settings.out / "replay" / algo
-        timed(f"replay {algo}", replay, recorded, algo, target)
+        timed(f"replay {algo}", replay, recorded, algo, target, span)
         if algo != "ppo":
-            replays[algo], replay_dirs[algo] = summarize(target), target
+            replays[algo], replay_dirs[algo] = summarize(target, span), target
     exact = None
     if settings.check_exact:
-        original = read_jsonl(recorded / "metrics.jsonl")
+        original = read_jsonl(recorded / "metrics.jsonl")[:span]
         again = read_jsonl(settings.out / "replay" / "ppo" / "metrics.jsonl")
         timing_keys = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
         exact = len(original) == len(again) and all(
