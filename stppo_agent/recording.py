@@ -59,6 +59,19 @@ class RolloutRecorder:
                 {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": world,
                  "tokenizer": tokenizer_fingerprint(tokenizer)}, indent=1) + "\n")
 
+    @classmethod
+    def for_trainer(cls, trainer) -> "RolloutRecorder":
+        """A recorder for ``trainer``'s run; at iteration 0 it also saves the initial weights (a collective under
+        FSDP2: every rank calls this)."""
+        recorder = cls(trainer.run_dir, trainer.tokenizer, trainer.rank, trainer.world)
+        if trainer.iteration == 0:
+            # A critic built from the actor (a new zero value head) is rebuilt the same way on replay: saving and
+            # reloading it gives the same values but not bit-identical updates (the head's memory differs).
+            actor_state, critic_state = trainer.full_states()
+            own_critic = trainer.critic if trainer.config.critic_model else None
+            recorder.save_initial(trainer.actor, own_critic, actor_state, critic_state if own_critic else None)
+        return recorder
+
     def save_initial(self, actor, critic, actor_state: dict | None = None, critic_state: dict | None = None) -> None:
         """The weights every recorded batch's first update starts from (call before the first update; rank 0
         writes; ``*_state``: full state dicts gathered from FSDP2 shards)."""

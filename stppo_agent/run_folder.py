@@ -78,3 +78,20 @@ def _newest_valid(run_dir: Path, report: Callable[[str], None]) -> Path:
     raise CorruptCheckpointError(
         f"--resume: nothing in {run_dir} can be resumed: {found}. Starting over would mix two runs in one folder: "
         "pass --overwrite to start again there, or another --output-dir")
+
+
+def prepare_on_all_ranks(run_dir: Path, *, resume: bool, overwrite: bool,
+                         report: Callable[[str], None] = print) -> Path | None:
+    """:func:`prepare` on the first process only (it may move or remove files); every rank gets its verdict."""
+    from . import distributed
+
+    outcome: object = None
+    if distributed.is_main():
+        try:
+            outcome = prepare(run_dir, resume=resume, overwrite=overwrite, report=report)
+        except (FileExistsError, ValueError, CorruptCheckpointError) as exc:
+            outcome = exc
+    outcome = distributed.all_gather_objects(outcome)[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

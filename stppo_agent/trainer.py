@@ -27,7 +27,6 @@ import stppo_envs  # noqa: F401  (registers the env ids)
 from . import distributed, run_folder
 from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
 from .checkpoint import (
-    CorruptCheckpointError,
     full_model_state,
     full_optimizer_state,
     load_full_optimizer_state,
@@ -85,7 +84,7 @@ class Trainer:
                              f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
         self._seed_everything(config.seed)
-        checkpoint = self._prepare_run_folder(resume, overwrite)
+        checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
         self._build_models(checkpoint)
         self.source = (rollout_source or LiveRollouts)(self)
         if checkpoint is not None:
@@ -96,31 +95,12 @@ class Trainer:
                                         wandb_project=config.wandb_project, config=dataclasses.asdict(config))
             self.logger.truncate_after(self.iteration, report)
             (self.run_dir / "config.yaml").write_text(config.to_yaml(resolved=self.algo))
-        self.recorder = RolloutRecorder(self.run_dir, self.tokenizer, self.rank, self.world) \
-            if config.save_rollouts else None
-        if self.recorder is not None and self.iteration == 0:
-            # A critic built from the actor (a new zero value head) is rebuilt the same way on replay: saving and
-            # reloading it gives the same values but not bit-identical updates (the head's memory differs).
-            actor_state, critic_state = self._full_states()
-            own_critic = self.critic if config.critic_model else None
-            self.recorder.save_initial(self.actor, own_critic, actor_state, critic_state if own_critic else None)
+        self.recorder = RolloutRecorder.for_trainer(self) if config.save_rollouts else None
         self.diagnostics = StepDiagnostics(self.run_dir / "steps.jsonl", self.sharded, self.iteration,
                                            self.algo.clip_low, self.algo.clip_high) \
             if config.step_diagnostics else None
 
     # -- setup ---------------------------------------------------------------------------------------------
-    def _prepare_run_folder(self, resume: bool, overwrite: bool) -> Path | None:
-        """Rank 0 checks (and on --overwrite clears) the folder; every rank gets its verdict."""
-        outcome: Any = None
-        if distributed.is_main():
-            try:
-                outcome = run_folder.prepare(self.run_dir, resume=resume, overwrite=overwrite, report=self.report)
-            except (FileExistsError, ValueError, CorruptCheckpointError) as exc:
-                outcome = exc
-        outcome = distributed.all_gather_objects(outcome)[0]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
     def _seed_everything(self, seed: int) -> None:
         random.seed(seed)
         np.random.seed(seed)
@@ -411,7 +391,7 @@ class Trainer:
         if self.critic_optimizer is not None:
             tensor_state["critic_optimizer"] = full_optimizer_state(self.critic, self.critic_optimizer)
             tensor_state["critic_scheduler"] = self.critic_scheduler.state_dict()
-        actor_state, critic_state = self._full_states()
+        actor_state, critic_state = self.full_states()
         if torch.cuda.is_available():
             tensor_state["cuda_rng"] = torch.cuda.get_rng_state_all()
         json_state = {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
@@ -427,7 +407,7 @@ class Trainer:
         distributed.barrier()
         return path
 
-    def _full_states(self) -> tuple[dict | None, dict | None]:
+    def full_states(self) -> tuple[dict | None, dict | None]:
         """Full actor and critic state dicts gathered from FSDP2 shards (a collective); None, None unsharded."""
         if not self.sharded:
             return None, None
