@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 DEMO_BENCHMARKS = ("nq", "hotpotqa", "medqa")
-DEMO_LR = 1e-5
+DEMO_LR = 1e-6
 QA_FAMILY_ORDER = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
 
 
