@@ -112,6 +112,7 @@ def portable_name(path_or_name: str) -> str:
 
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def is_valid_unicode(text: str) -> bool:
@@ -130,7 +131,7 @@ def sanitize_query(query: str) -> str:
     'caf\ufffde  bar'
     """
     if not is_valid_unicode(query):
-        query = query.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        query = _SURROGATES.sub("\ufffd", query)
     return _CONTROL_CHARS.sub(" ", query).strip() or "?"
 
 
