@@ -305,7 +305,7 @@ def render(summary: dict) -> str:
            f"**{ {True: 'yes', False: 'NO', None: 'not checked'}[summary['replay_reproduces_recording']]}**.", ""]
     header = ["rule", "clip_frac mean/max", "off-policy clip_frac", "turn_clip_frac mean/max",
               "off-policy turn_clip_frac", "token ratio max", "turn ratio max", "off-policy ratio p99",
-              "off-policy ||C|| mean", "clip_bias_scale mean", "grad cos to 1st (off-policy)", "grad norm p99",
+              "off-policy ‖C‖ mean", "clip_bias_scale mean", "grad cos to 1st (off-policy)", "grad norm p99",
               "KL to ref (last)"]
     rows = []
     for algo, s in summary["replays"].items():
