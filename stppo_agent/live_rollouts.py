@@ -101,8 +101,7 @@ class LiveRollouts:
     def _env(self, slot: int, env_index: int) -> gym.Env:
         key = (slot, env_index)
         if key not in self.env_pool:
-            self.env_pool[key] = gym.make(self.env_ids[env_index], disable_env_checker=True,
-                                          **self.env_kwargs[env_index]).unwrapped
+            self.env_pool[key] = make_env(self.env_ids[env_index], self.env_kwargs[env_index])
         return self.env_pool[key]
 
     def next_batch(self, iteration: int) -> RolloutBatch:

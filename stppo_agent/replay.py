@@ -72,7 +72,7 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     run_dir = Path(run_dir)
     original = recorded_config(run_dir)
     folder = run_dir / "rollouts"
-    meta = read_format(folder)  # a clear error for a run without recordings, before anything is loaded
+    read_format(folder)  # a clear error for a run without recordings, before anything is loaded
     available = recorded_iterations(folder, 0)
     if not available:
         raise FileNotFoundError(f"{folder} holds no recorded iteration")
@@ -83,17 +83,14 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     same_algo = algo is None or algo == original.algo
     values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,
                   algorithm=values["algorithm"] if same_algo else {}, iterations=len(available),
-                  step_diagnostics=True, model=str(folder / "initial" / "actor"), progress=original.progress)
+                  step_diagnostics=True, model=str(folder / "initial" / "actor"))
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
-    config = load_config(None, list(overrides), **{k: v for k, v in values.items()})
+    config = load_config(None, list(overrides), **values)
     if iterations is not None:
-        if iterations > len(available):
-            raise ValueError(f"--iterations {iterations}: {run_dir} recorded only {len(available)}")
         config.iterations = iterations
     if config.iterations > len(available):
         raise ValueError(f"iterations={config.iterations}: {run_dir} recorded only {len(available)}")
-    del meta
     return config
 
 

@@ -83,6 +83,7 @@ class Trainer:
             raise ValueError(f"prompts_per_iteration ({config.prompts_per_iteration}) and mini_batch_size "
                              f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
+        self._bar = None  # the progress bar while train() runs
         self._seed_everything(config.seed)
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
         self._build_models(checkpoint)
@@ -161,8 +162,7 @@ class Trainer:
 
         bar = tqdm(total=self.config.iterations, initial=self.iteration, desc="training", unit="it",
                    disable=not (self.config.progress and distributed.is_main()))
-        # Within an iteration (minutes with a real model on a CPU) the bar says which phase runs.
-        self.phase = (lambda text: bar.set_postfix_str(text, refresh=True)) if not bar.disable else (lambda _: None)
+        self._bar = bar
         metrics: dict[str, Any] = {}
         try:
             while self.iteration < self.config.iterations:
@@ -190,13 +190,16 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
-            self.__dict__.pop("phase", None)  # back to the silent method
+            self._bar = None
             if self.logger is not None:
                 self.logger.close()
         return metrics
 
     def phase(self, text: str) -> None:
-        """Progress within an iteration (the training bar's postfix while train() runs)."""
+        """Progress within an iteration (minutes with a real model on a CPU): the training bar's postfix while
+        train() runs, nothing otherwise."""
+        if self._bar is not None and not self._bar.disable:
+            self._bar.set_postfix_str(text, refresh=True)
 
     def rollout(self) -> RolloutBatch:
         self.phase("rollout")
@@ -249,13 +252,13 @@ class Trainer:
         if self.diagnostics is not None:
             self.diagnostics.begin_iteration(self.iteration + 1)
         local_mini = config.mini_batch_size // self.world
-        total_steps = config.ppo_epochs * math.ceil(batch.batch_size / local_mini)
+        total_steps, step = config.ppo_epochs * math.ceil(batch.batch_size / local_mini), 0
         for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
-            for number, start in enumerate(range(0, batch.batch_size, local_mini)):
+            for start in range(0, batch.batch_size, local_mini):
                 mini = batch.select(order[start:start + local_mini])
-                done = epoch * math.ceil(batch.batch_size / local_mini) + number
-                self.phase(f"update step {done + 1}/{total_steps}")
+                step += 1
+                self.phase(f"update step {step}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)
                 tokens += int(mini.loss_mask.sum())
                 means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet

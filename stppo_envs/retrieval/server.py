@@ -151,7 +151,6 @@ class BodyLimit:
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
-        self.state = app.state  # the FastAPI app's state (the batcher) stays reachable
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
