@@ -9,8 +9,25 @@ from stppo_envs import Example
 
 from .agents import SCRIPTED_AGENTS, Agent
 
-SPEC_HELP = ("agent specs: hf:PATH (a checkpoint folder, or hf:smollm2), openai:http://HOST:PORT/v1#MODEL, "
-             + ", ".join(sorted(SCRIPTED_AGENTS)))
+SPEC_HELP = ("agent specs: hf:PATH (a checkpoint folder, or hf:smollm2), hf:RUN@best|@latest|@healthy|@STEP (a "
+             "checkpoint of a training run), openai:http://HOST:PORT/v1#MODEL, " + ", ".join(sorted(SCRIPTED_AGENTS)))
+
+
+def resolve_agent_spec(spec: str) -> tuple[str, str | None]:
+    """``hf:RUN@best`` (or a bare run folder: its latest) -> ``hf:RUN/checkpoints/step-N/actor``, so results name
+    the checkpoint they measured; other specs are returned unchanged. Also returns a line saying what was chosen."""
+    from pathlib import Path
+
+    from .run_folder import is_run_folder, pick_checkpoint
+
+    if not spec.startswith("hf:"):
+        return spec, None
+    base, sep, which = spec[3:].rpartition("@")
+    run, which = (Path(base), which) if sep and is_run_folder(Path(base)) else (Path(spec[3:]), "latest")
+    if not is_run_folder(run):
+        return spec, None
+    folder, why = pick_checkpoint(run, which)
+    return f"hf:{folder / 'actor'}", f"{spec} -> {why}"
 
 
 @functools.lru_cache(maxsize=2)

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -71,9 +71,10 @@ def verify_checkpoint(folder: Path) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tensor_state: dict[str, Any],
                     json_state: dict[str, Any], keep: int, actor_state: dict | None = None,
-                    critic_state: dict | None = None) -> Path:
-    """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest. ``actor_state`` /
-    ``critic_state``: full state dicts to write instead of the modules' own (gathered from FSDP2 shards)."""
+                    critic_state: dict | None = None, protect: Collection[int] = ()) -> Path:
+    """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest, except the steps in
+    ``protect`` (a known-healthy and a best checkpoint). ``actor_state`` / ``critic_state``: full state dicts to
+    write instead of the modules' own (gathered from FSDP2 shards)."""
     from .models import save_critic
 
     root = run_dir / "checkpoints"
@@ -95,6 +96,8 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     os.replace(scratch, final)
     _fsync_dir(root)
     for old in sorted(list_checkpoints(run_dir))[:-keep]:
+        if old in protect:
+            continue
         shutil.rmtree(root / f"step-{old}", ignore_errors=True)
     return final
 

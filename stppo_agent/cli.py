@@ -25,10 +25,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stppo_envs.retrieval import RetrievalError
 
     from .checkpoint import CorruptCheckpointError
+    from .collapse_guard import CollapseStopped
     from .trainer import TrainingDivergedError
 
     try:
         return args.handler(args) or 0
+    except CollapseStopped as exc:  # not a failure of the program: its own exit code, so scripts can tell
+        print(f"stppo {args.command}: stopped: {exc}", file=sys.stderr)
+        return 3
     except (OSError, ValueError, KeyError, RetrievalError, CorruptCheckpointError, TrainingDivergedError,
             ConnectionError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -94,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="smollm2", help="model to train (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--output-dir", default="runs/demo", help="run folder (default runs/demo)")
     demo.add_argument("--lr", type=float, default=DEMO_LR, help=f"ST-PPO actor learning rate (default {DEMO_LR})")
+    demo.add_argument("--on-collapse", choices=("none", "warn", "stop", "rollback"), default="warn",
+                      help="what a collapse alarm does (rollback checkpoints every iteration; default warn)")
     demo.set_defaults(handler=_run_demo)
 
     sft = commands.add_parser("sft", help="supervised warm start on a teacher agent's rewarded episodes")
@@ -258,11 +264,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         # clip-bias correction act (with one mini-batch every step is on-policy and nothing is ever clipped).
         samples_per_prompt=2, mini_batch_size=2, micro_batch_size=2, actor_lr=args.lr, critic_lr=1e-5, max_turns=3,
         max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400, max_total_tokens=768,
-        save_every=args.iterations, keep_checkpoints=1, device="auto", step_diagnostics=True)
+        # A rollback needs a recent healthy checkpoint to return to: then one is written every iteration.
+        save_every=1 if args.on_collapse == "rollback" else args.iterations, keep_checkpoints=1, device="auto",
+        step_diagnostics=True, on_collapse=args.on_collapse)
     metrics = Trainer(config).train()
     print(off_policy_summary(out / "train", metrics["reward"]))
-    checkpoint = out / "train" / "checkpoints" / f"step-{args.iterations}" / "actor"
-    results = _evaluate_all(f"hf:{checkpoint}", DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 3, 16, 0, 48)
+    results = _evaluate_all(f"hf:{out / 'train'}@latest", DEMO_BENCHMARKS, {}, None, args.limit, "demo", 3, 3, 16,
+                            0, 48)
     _write_results(results, out / "eval")
     print(format_table(results))
     print(f"run folder: {out / 'train'}; evaluation: {out / 'eval'}")
@@ -406,9 +414,13 @@ def _evaluate_all(agent: str, benchmarks: Sequence[str], datasets: dict[str, str
                   topk, max_turns, batch_size, seed, max_new_tokens: int = 256) -> list[dict[str, Any]]:
     from stppo_envs import benchmark_info
 
+    from .agent_specs import resolve_agent_spec
     from .evaluate import EvalSettings, evaluate_benchmark
 
     names = [benchmark_info(b).name for b in benchmarks]  # fail fast on unknown names, before any work
+    agent, chosen = resolve_agent_spec(agent)
+    if chosen:
+        print(f"agent {chosen}")
     return [evaluate_benchmark(agent, EvalSettings(name, datasets.get(name), split, limit, retriever, topk,
                                                    max_turns, batch_size, seed, max_new_tokens)) for name in names]
 

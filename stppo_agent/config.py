@@ -113,6 +113,26 @@ class TrainConfig:
     """Write steps.jsonl: per optimizer step, the gradient's cosine to the iteration's first (on-policy) one,
     token/turn ratio tails, clip shares, ||C|| (measured for every algorithm: one extra backward on off-policy
     steps) and norms. On by default in `stppo replay`."""
+    on_collapse: str = "warn"
+    """What a collapse alarm does: none (no monitoring), warn (a line and a metrics.jsonl event), stop (checkpoint and
+    stop with advice) or rollback (restore the newest healthy checkpoint, scale actor_lr by rollback_lr_factor and go
+    on). Signals and rules: stppo_agent/collapse.py; README "Collapse early warning"."""
+    collapse_window: int = 20
+    """Iterations of history each signal is compared with (median and MAD)."""
+    collapse_warmup: int = 5
+    """Iterations of history a signal needs before it can trip."""
+    collapse_z: float = 6.0
+    """Robust z-score beyond which a signal trips."""
+    collapse_patience: int = 2
+    """Consecutive iterations one family of signals must trip to raise an alarm on its own."""
+    collapse_min_families: int = 2
+    """Families of signals tripping in the same iteration that raise an alarm at once."""
+    collapse_drawdown: float = 0.5
+    """Share of its running best that the reward's moving average must lose to trip."""
+    rollback_lr_factor: float = 0.5
+    """on_collapse=rollback: the actor learning rate is multiplied by this at each rollback."""
+    max_rollbacks: int = 2
+    """on_collapse=rollback: rollbacks before an alarm stops the run instead."""
     tensorboard: bool = True
     wandb_project: str | None = None
     """Log to Weights & Biases too when set (needs `pip install wandb`)."""
@@ -154,12 +174,24 @@ class TrainConfig:
                 raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {self.fsdp_compute_dtype!r}")
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
+        self.validate_collapse_settings()
         algo = self.algorithm_config()
         if algo.advantage in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algo} uses group-relative advantages ({algo.advantage}): a group of one "
                              f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
                              f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
+
+    def validate_collapse_settings(self) -> None:
+        from .collapse import ACTIONS, MonitorSettings
+
+        if self.on_collapse not in ACTIONS:
+            raise ValueError(f"on_collapse must be one of {', '.join(ACTIONS)}, got {self.on_collapse!r}")
+        MonitorSettings.from_config(self).validate()
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ValueError(f"rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+        if self.max_rollbacks < 0:
+            raise ValueError(f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
 
     def to_yaml(self, resolved: AlgorithmConfig | None = None) -> str:
         """The config as YAML; with ``resolved``, ``algorithm`` holds every field the run used (not only the

@@ -79,8 +79,10 @@ class StepDiagnostics:
     rank's share of the mini-batch."""
 
     def __init__(self, path: Path | None, sharded: bool = False, start_iteration: int = 0,
-                 clip_low: float = 0.2, clip_high: float = 0.2):
-        self.path, self.sharded = path, sharded
+                 clip_low: float = 0.2, clip_high: float = 0.2, gradients: bool = True):
+        """``path`` None: nothing is written (the tails still go into the iteration means, for the collapse
+        monitor); ``gradients`` False: no gradient cosine (it copies every gradient once per step)."""
+        self.path, self.sharded, self.gradients = path, sharded, gradients
         self.log_low, self.log_high = math.log(1 - clip_low), math.log1p(clip_high)
         self.iteration, self.minibatch, self.reference = 0, 0, None
         self.token_log_ratios: list[torch.Tensor] = []
@@ -89,6 +91,17 @@ class StepDiagnostics:
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and _iteration_of(line) <= start_iteration]
             path.write_text("".join(line + "\n" for line in kept))
+
+    @classmethod
+    def for_trainer(cls, trainer) -> "StepDiagnostics | None":
+        """Full diagnostics with ``step_diagnostics``; the ratio tails alone when only the collapse monitor needs
+        them; None when neither is on."""
+        config = trainer.config
+        if not config.step_diagnostics and config.on_collapse == "none":
+            return None
+        return cls(trainer.run_dir / "steps.jsonl" if config.step_diagnostics else None, trainer.sharded,
+                   trainer.iteration, trainer.algo.clip_low, trainer.algo.clip_high,
+                   gradients=config.step_diagnostics)
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration, self.minibatch, self.reference = iteration, 0, None
@@ -109,16 +122,17 @@ class StepDiagnostics:
     def finish_step(self, parameters: list[torch.nn.Parameter], metrics: dict[str, float],
                     optimizer_steps: int) -> dict[str, float]:
         """Record this step; returns the diagnostics that also go into the iteration means."""
-        flat = torch.cat([distributed.local_tensor(p.grad).reshape(-1).float() if p.grad is not None
-                          else torch.zeros(distributed.local_tensor(p).numel(), device=p.device)
-                          for p in parameters])
-        if self.reference is None:
-            self.reference = flat.clone()
-        cosine = self._cosine(flat, self.reference)
         tails = self._tails()
-        out = {"grad_cos_to_first": cosine, **{f"tail/{key}": value for key, value in tails.items()}}
+        out: dict[str, float] = {f"tail/{key}": value for key, value in tails.items()}
         record = {"iteration": self.iteration, "step": optimizer_steps + 1, "minibatch": self.minibatch,
-                  "on_policy": self.minibatch == 0, "grad_cos_to_first": cosine, **tails}
+                  "on_policy": self.minibatch == 0, **tails}
+        if self.gradients:
+            flat = torch.cat([distributed.local_tensor(p.grad).reshape(-1).float() if p.grad is not None
+                              else torch.zeros(distributed.local_tensor(p).numel(), device=p.device)
+                              for p in parameters])
+            if self.reference is None:
+                self.reference = flat.clone()
+            out["grad_cos_to_first"] = record["grad_cos_to_first"] = self._cosine(flat, self.reference)
         for key in ("clip_frac", "turn_clip_frac", "clip_bias_norm", "clip_bias_scale", "grad_norm",
                     "pg_grad_norm"):
             if key in metrics:

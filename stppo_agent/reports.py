@@ -120,6 +120,30 @@ PLOTS = {
 }
 
 
+def collapse_events(records: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The collapse monitor's events in a run's records: (iteration, "alarm" | "rollback")."""
+    events = []
+    for record in records:
+        if "collapse/rollback_to" in record:
+            events.append((int(record["step"]), "rollback"))
+        elif record.get("collapse/alarm"):
+            events.append((int(record["step"]), "alarm"))
+    return events
+
+
+EVENT_STYLES = {"alarm": dict(color="tab:red", linestyle=":", linewidth=1.2),
+                "rollback": dict(color="tab:purple", linestyle="--", linewidth=1.5)}
+
+
+def _mark_events(axis, runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Vertical lines where a collapse alarm was raised or a rollback happened (labelled once per panel)."""
+    labelled = set()
+    for records in runs.values():
+        for step, kind in collapse_events(records):
+            axis.axvline(step, label=None if kind in labelled else f"collapse {kind}", **EVENT_STYLES[kind])
+            labelled.add(kind)
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
     """One PNG per metric group, every run a line; returns the files written."""
     import matplotlib
@@ -152,10 +176,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
                 if points:
                     axis.plot(*zip(*points), label=run, **styles[run])
                     drawn = True
+            _mark_events(axis, runs)
             axis.set_title(key)
             axis.set_xlabel("iteration")
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
-            if len(runs) > 1 and drawn:
+            if drawn and (len(runs) > 1 or any(collapse_events(r) for r in runs.values())):
                 axis.legend(fontsize="small")
         figure.tight_layout()
         path = out / f"{name}.png"

@@ -95,3 +95,47 @@ def prepare_on_all_ranks(run_dir: Path, *, resume: bool, overwrite: bool,
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
+
+
+CHECKPOINT_CHOICES = ("latest", "best", "healthy")
+
+
+def is_run_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "checkpoints").is_dir() and not (path / "config.json").exists()
+
+
+def pick_checkpoint(run_dir: Path, which: str = "latest") -> tuple[Path, str]:
+    """A checkpoint of a run, by name: ``latest`` (newest that verifies), ``healthy`` (newest known-healthy),
+    ``best`` (the healthy one whose weights sampled the highest training reward; see stppo_agent/collapse.py),
+    or a step number. Returns the checkpoint folder and a line saying why it was chosen."""
+    from .collapse import best_step, checkpoint_reward, healthy_steps
+    from .trainer import read_metrics
+
+    steps = []
+    for step in list_checkpoints(run_dir):
+        try:
+            verify_checkpoint(run_dir / "checkpoints" / f"step-{step}")
+            steps.append(step)
+        except CorruptCheckpointError:
+            continue
+    if not steps:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint that verifies")
+    records = read_metrics(run_dir)
+    if which == "latest":
+        chosen, why = steps[-1], "the newest checkpoint"
+    elif which in ("best", "healthy"):
+        healthy = healthy_steps(records, steps)
+        chosen = best_step(records, steps) if which == "best" else (healthy[-1] if healthy else None)
+        if chosen is None:
+            raise FileNotFoundError(f"{run_dir}: no checkpoint is known healthy (kept: steps "
+                                    f"{', '.join(map(str, steps))}); a healthy one needs its iteration and the next "
+                                    "logged without a collapse signal. Use @latest or @STEP")
+        reward = checkpoint_reward(records, chosen)
+        why = (f"the healthy checkpoint with the highest training reward ({reward:.3f})" if which == "best"
+               else "the newest healthy checkpoint")
+    elif which.isdigit() and int(which) in steps:
+        chosen, why = int(which), "as asked"
+    else:
+        raise ValueError(f"{run_dir}@{which}: choose @latest, @best, @healthy or one of the steps "
+                         f"{', '.join(map(str, steps))}")
+    return run_dir / "checkpoints" / f"step-{chosen}", f"step-{chosen}: {why}"

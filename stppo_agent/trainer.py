@@ -33,6 +33,7 @@ from .checkpoint import (
     load_trainer_state,
     save_checkpoint,
 )
+from .collapse_guard import CollapseGuard, CollapseStopped, stop_advice
 from .config import TrainConfig
 from .diagnostics import StepDiagnostics, StepMeans
 from .forward import batched_no_grad, critic_values, length_sorted_micro_batches, token_logprobs
@@ -97,9 +98,8 @@ class Trainer:
             self.logger.truncate_after(self.iteration, report)
             (self.run_dir / "config.yaml").write_text(config.to_yaml(resolved=self.algo))
         self.recorder = RolloutRecorder.for_trainer(self) if config.save_rollouts else None
-        self.diagnostics = StepDiagnostics(self.run_dir / "steps.jsonl", self.sharded, self.iteration,
-                                           self.algo.clip_low, self.algo.clip_high) \
-            if config.step_diagnostics else None
+        self.diagnostics = StepDiagnostics.for_trainer(self)
+        self.guard = CollapseGuard(self) if config.on_collapse != "none" else None
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:
@@ -182,12 +182,16 @@ class Trainer:
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
                 if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
                     metrics["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                decision = self.guard.check(self.iteration, metrics) if self.guard is not None else None
                 if self.logger is not None:
                     self.logger.log(self.iteration, metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['update_tokens_per_s']:.0f}")
-                if self.iteration % self.config.save_every == 0 or self.iteration == self.config.iterations:
-                    self.save()
+                if decision is not None or self.iteration % self.config.save_every == 0 \
+                        or self.iteration == self.config.iterations:
+                    path = self.save()  # a collapse's decision is saved at once: the alarm state, or the rollback
+                    if decision is not None and decision.stops:
+                        raise CollapseStopped(stop_advice(decision, path))
         finally:
             bar.close()
             self._bar = None
@@ -302,7 +306,7 @@ class Trainer:
         # With step diagnostics, ||C|| is measured for every algorithm (only S-PPO / ST-PPO rescale by it).
         corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=self.sharded,
                                       rescale=algo.clip_bias_correction) \
-            if algo.clip_bias_correction or self.diagnostics is not None else None
+            if algo.clip_bias_correction or self.config.step_diagnostics else None
         global_tokens, global_seqs = self._global_counts(mini)
         self.actor_optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
@@ -406,7 +410,8 @@ class Trainer:
             path = save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
                                    critic=self.critic, tensor_state=tensor_state, json_state=json_state,
                                    keep=self.config.keep_checkpoints, actor_state=actor_state,
-                                   critic_state=critic_state)
+                                   critic_state=critic_state,
+                                   protect=self.guard.protected_steps() if self.guard is not None else ())
         distributed.barrier()
         return path
 

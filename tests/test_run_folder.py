@@ -22,8 +22,11 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def config(model, out, iterations):
+    # on_collapse=none: pruning then keeps exactly the newest keep_checkpoints (the collapse monitor also keeps a
+    # healthy and a best checkpoint; tests/test_collapse.py covers that)
     return toy_config(model, out, "ppo", iterations=iterations, save_every=1, keep_checkpoints=2,
-                      prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2)
+                      prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2,
+                      on_collapse="none")
 
 
 def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tiny_model, tmp_path):

@@ -1,0 +1,153 @@
+"""What the trainer does when :mod:`stppo_agent.collapse` raises an alarm (``on_collapse``):
+
+- ``warn``: a clear line (which signals, their values, their recent range) and the event in ``metrics.jsonl``;
+- ``stop``: also checkpoints and stops (:class:`CollapseStopped`) with advice;
+- ``rollback``: restores the newest *healthy* checkpoint taken before the collapse began, scales the actor's
+  learning rate by ``rollback_lr_factor`` and continues, at most ``max_rollbacks`` times (then it stops).
+  Iterations keep counting (they are rollouts spent); the checkpoints written during the collapse are moved
+  aside to ``checkpoints/.collapsed-step-N`` (kept for inspection, never resumed from), and the restored state
+  is saved at once as the current iteration's checkpoint, so ``--resume`` continues the rolled-back run.
+
+A checkpoint is *healthy* when the iteration that made it and the next one (whose rollouts its weights sampled)
+tripped no signal (:func:`stppo_agent.collapse.healthy_steps`). Pruning keeps the newest healthy checkpoint and
+the best one (by :func:`stppo_agent.collapse.checkpoint_reward`) besides the ``keep_checkpoints`` newest.
+
+The first process decides (it holds the run's metrics); every process carries out the decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from . import distributed
+from .checkpoint import CorruptCheckpointError, list_checkpoints, verify_checkpoint
+from .collapse import CollapseMonitor, MonitorSettings, Verdict, best_step, healthy_steps
+
+
+class CollapseStopped(RuntimeError):
+    """The collapse monitor stopped the run (``on_collapse=stop``, or rollbacks exhausted)."""
+
+
+@dataclasses.dataclass
+class Decision:
+    action: str
+    """warn, stop or rollback."""
+    message: str
+    rollback_to: int | None = None
+
+    @property
+    def stops(self) -> bool:
+        return self.action == "stop"
+
+
+_KEPT_KEYS = ("step", "reward", "collapse/tripped", "collapse/alarm")
+
+
+class CollapseGuard:
+    def __init__(self, trainer):
+        self.trainer, self.config = trainer, trainer.config
+        self.monitor = CollapseMonitor(MonitorSettings.from_config(self.config))
+        self.records: list[dict[str, Any]] = []  # what checkpoint health needs, per logged iteration
+        self.rollbacks = 0
+        if distributed.is_main():
+            from .trainer import read_metrics
+
+            past = read_metrics(trainer.run_dir)  # already cut back to the resumed checkpoint
+            self.monitor.replay(past)
+            self.records = [_kept(r) for r in past]
+            self.rollbacks = sum("collapse/rollback_to" in r for r in past)
+
+    # -- every iteration -----------------------------------------------------------------------------------
+    def check(self, iteration: int, metrics: dict[str, Any]) -> Decision | None:
+        """Score the iteration; adds ``collapse/...`` keys to ``metrics``; carries out a rollback at once."""
+        decision = None
+        if distributed.is_main():
+            verdict = self.monitor.observe(iteration, metrics)
+            metrics.update(verdict.metrics())
+            self.records.append(_kept({**metrics, "step": iteration}))
+            if verdict.alarm:
+                decision = self._decide(verdict)
+        if distributed.world_size() > 1:
+            decision = distributed.all_gather_objects(decision)[0]
+        if decision is None:
+            return None
+        self.trainer.report(decision.message)
+        metrics["collapse/action"] = decision.action
+        if decision.action == "rollback":
+            lr_scale = self._roll_back(decision.rollback_to)
+            metrics.update({"collapse/rollback_to": decision.rollback_to, "collapse/lr_scale": lr_scale})
+        return decision
+
+    def _decide(self, verdict: Verdict) -> Decision:
+        config = self.config
+        head = f"collapse alarm at iteration {verdict.iteration} (signals since iteration {verdict.onset}): " \
+               f"{verdict.describe()}"
+        healthy = healthy_steps(self.records, self._valid_steps())
+        known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
+        if config.on_collapse == "warn":
+            return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
+                                    f"falls, lower actor_lr or use --set on_collapse=rollback.")
+        if config.on_collapse == "rollback":
+            if self.rollbacks >= config.max_rollbacks:
+                return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (max_rollbacks="
+                                        f"{config.max_rollbacks}): stopping; {known}. The collapse is not only "
+                                        "the learning rate: check the rewards and the data, or lower actor_lr "
+                                        "and clip_high further.")
+            if not healthy:
+                return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every save_every="
+                                        f"{config.save_every} iterations; a healthy one needs two quiet "
+                                        "iterations). Stopping; lower actor_lr, or save more often.")
+            factor = config.rollback_lr_factor
+            return Decision("rollback", f"{head}. Rolling back to step-{healthy[-1]} with the actor learning "
+                                        f"rate x{factor} (rollback {self.rollbacks + 1} of at most "
+                                        f"{config.max_rollbacks}).", rollback_to=healthy[-1])
+        return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
+                                f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
+
+    # -- rollback ----------------------------------------------------------------------------------------
+    def _roll_back(self, step: int) -> float:
+        from .rollback import restore_training_state
+
+        run_dir = self.trainer.run_dir
+        folder = run_dir / "checkpoints" / f"step-{step}"
+        lr_scale = restore_training_state(self.trainer, folder, self.config.rollback_lr_factor)
+        if distributed.is_main():
+            for later in (s for s in list_checkpoints(run_dir) if s > step):
+                source = run_dir / "checkpoints" / f"step-{later}"
+                aside = source.with_name(f".collapsed-step-{later}")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(source, aside)
+            self.monitor.forget_after(step)
+        distributed.barrier()
+        self.rollbacks += 1
+        return lr_scale
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def _valid_steps(self) -> list[int]:
+        valid = []
+        for step in list_checkpoints(self.trainer.run_dir):
+            try:
+                verify_checkpoint(self.trainer.run_dir / "checkpoints" / f"step-{step}")
+                valid.append(step)
+            except CorruptCheckpointError:
+                continue
+        return valid
+
+    def protected_steps(self) -> set[int]:
+        """Checkpoints pruning must keep: the newest healthy one and the best one."""
+        steps = list_checkpoints(self.trainer.run_dir)
+        healthy = healthy_steps(self.records, steps)
+        best = best_step(self.records, steps)
+        return {s for s in (healthy[-1] if healthy else None, best) if s is not None}
+
+
+def stop_advice(decision: Decision, checkpoint: Path) -> str:
+    return f"{decision.message} The state at the alarm is saved in {checkpoint}."
+
+
+def _kept(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: record[key] for key in _KEPT_KEYS if key in record}

@@ -1,0 +1,212 @@
+"""Collapse early warning: the monitor's rules on synthetic series, and warn / stop / rollback end to end on the
+toy env with a reward that turns adversarial mid-run (``reward_flip_episodes``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from stppo_agent.cli import main
+from stppo_agent.collapse import CollapseMonitor, MonitorSettings, best_step, checkpoint_reward, healthy_steps
+from stppo_agent.collapse_guard import CollapseStopped
+from stppo_agent.reports import collapse_events, plot_runs
+from stppo_agent.run_folder import pick_checkpoint
+from stppo_agent.trainer import Trainer, read_metrics
+
+from .test_trainer import tiny_model, toy_config  # noqa: F401  (the fixture)
+
+FLIP = [9, 12]  # iterations 10, 11 and 12 pay for *not* saying the target
+
+
+def healthy_metrics(rng: random.Random) -> dict[str, float]:
+    return {"tail/ratio_max": 1.05 + 0.02 * rng.random(), "clip_frac": 0.05 + 0.01 * rng.random(),
+            "entropy": 0.8 + 0.05 * rng.random(), "grad_norm": 0.5 + 0.1 * rng.random(),
+            "reward": 0.6 + 0.05 * rng.random(), "response_tokens": 40 + 4 * rng.random()}
+
+
+def feed(monitor: CollapseMonitor, series: list[dict[str, float]], start: int = 1):
+    return [monitor.observe(start + i, metrics) for i, metrics in enumerate(series)]
+
+
+def test_two_families_at_once_alarm_immediately_one_family_needs_patience():
+    rng = random.Random(0)
+    monitor = CollapseMonitor(MonitorSettings(warmup=5, z=6, patience=2, min_families=2))
+    quiet = feed(monitor, [healthy_metrics(rng) for _ in range(10)])
+    assert not any(v.trips or v.alarm for v in quiet)
+
+    one = healthy_metrics(rng) | {"grad_norm": 9.0}  # a gradient spike alone: tripped, not yet an alarm
+    verdict = monitor.observe(11, one)
+    assert [t.key for t in verdict.trips] == ["grad_norm"] and not verdict.alarm
+    verdict = monitor.observe(12, healthy_metrics(rng) | {"grad_norm": 9.5})  # the same family again: alarm
+    assert verdict.alarm and verdict.onset == 11
+    assert "grad_norm 9.5 (recent" in verdict.describe()
+
+    monitor = CollapseMonitor(MonitorSettings(warmup=5))
+    feed(monitor, [healthy_metrics(rng) for _ in range(10)])
+    both = healthy_metrics(rng) | {"tail/ratio_max": 4.0, "entropy": 3.0}
+    verdict = monitor.observe(11, both)
+    assert verdict.alarm and {t.family for t in verdict.trips} == {"off-policy", "entropy"}
+    assert verdict.metrics()["collapse/alarm"] == 1 and verdict.metrics()["collapse/tripped"] == 2
+
+
+def test_floors_warmup_and_direction():
+    monitor = CollapseMonitor(MonitorSettings(warmup=5))
+    flat = [{"clip_frac": 0.0, "entropy": 1.0, "grad_norm": 0.001} for _ in range(8)]
+    feed(monitor, flat)
+    # MAD is 0, but a first clipped token or a converged policy's gradient coming back is not a collapse
+    assert not monitor.observe(9, {"clip_frac": 0.02, "entropy": 1.0, "grad_norm": 0.5}).trips
+    assert monitor.observe(10, {"clip_frac": 0.5}).trips  # a jump far beyond the floor
+    down = CollapseMonitor(MonitorSettings(warmup=5))
+    feed(down, [{"tail/ratio_max": 1.5} for _ in range(8)])
+    assert not down.observe(9, {"tail/ratio_max": 1.0}).trips  # ratio tails are bad only upwards
+    early = CollapseMonitor(MonitorSettings(warmup=5))
+    feed(early, [{"grad_norm": 0.5} for _ in range(4)])
+    assert not early.observe(5, {"grad_norm": 50.0}).trips  # 4 iterations of history: still warming up
+
+
+def test_reward_drawdown_beyond_its_noise():
+    rng = random.Random(1)
+    monitor = CollapseMonitor(MonitorSettings(warmup=5, drawdown=0.5))
+    feed(monitor, [{"reward": 0.9 + 0.02 * rng.random()} for _ in range(8)])
+    assert [t.key for t in monitor.observe(9, {"reward": 0.05}).trips] == ["reward_drawdown"]
+
+    noisy = CollapseMonitor(MonitorSettings(warmup=5, drawdown=0.5))  # tiny batches: 0 and 0.5 by chance
+    rewards = [0.5, 0.0, 0.4, 0.1, 0.5, 0.0, 0.45, 0.05]
+    feed(noisy, [{"reward": r} for r in rewards])
+    assert not noisy.observe(9, {"reward": 0.0}).trips
+
+
+def test_replay_of_records_rebuilds_the_monitor_and_forgets_rolled_back_iterations():
+    rng = random.Random(2)
+    series = [healthy_metrics(rng) for _ in range(12)]
+    live = CollapseMonitor()
+    records = []
+    for i, metrics in enumerate(series, start=1):
+        records.append({"step": i, **metrics, **live.observe(i, metrics).metrics()})
+        if i == 10:  # iteration 10 rolled back to step 6, as the guard does
+            live.forget_after(6)
+            records[-1]["collapse/rollback_to"] = 6
+    rebuilt = CollapseMonitor()
+    rebuilt.replay(records)
+    probe = healthy_metrics(rng) | {"grad_norm": 3.0}
+    assert rebuilt.history == live.history
+    assert [t.z for t in rebuilt.observe(13, probe).trips] == [t.z for t in live.observe(13, probe).trips]
+    assert all(i <= 6 or i > 10 for i, _ in rebuilt.history["grad_norm"])
+
+
+def test_checkpoint_health_and_best_from_records():
+    records = [{"step": i, "reward": r, "collapse/tripped": t}
+               for i, (r, t) in enumerate([(0.1, 0), (0.5, 0), (0.9, 0), (0.8, 0), (0.2, 1), (0.1, 1), (0.3, 0)],
+                                          start=1)]
+    assert healthy_steps(records, [1, 2, 3, 4, 5, 6, 7]) == [1, 2, 3]  # 4: iteration 5 (its rollouts) tripped
+    assert checkpoint_reward(records, 2) == 0.9  # iteration 3 sampled with step 2's weights
+    assert checkpoint_reward(records, 7) == 0.3  # the last one: its own iteration
+    assert best_step(records, [1, 2, 3, 4, 5]) == 2
+    assert best_step(records, [5, 6]) is None
+
+
+def flip_config(model: Path, out: Path, action: str, **overrides):
+    values = dict(iterations=16, save_every=1, keep_checkpoints=1, on_collapse=action,
+                  env_kwargs={"fixed_target": None, "reward_flip_episodes": FLIP})
+    values.update(overrides)
+    return toy_config(model, out, "ppo", **values)
+
+
+def test_warn_raises_the_alarm_within_two_iterations_of_the_onset(tiny_model, tmp_path):
+    messages = []
+    Trainer(flip_config(tiny_model, tmp_path, "warn", iterations=12), report=messages.append).train()
+    records = read_metrics(tmp_path)
+    alarms = [r["step"] for r in records if r.get("collapse/alarm")]
+    assert alarms and FLIP[0] + 1 <= alarms[0] <= FLIP[0] + 2, alarms  # the onset is iteration 10
+    assert not any(r.get("collapse/alarm") for r in records if r["step"] <= FLIP[0])  # no alarm while healthy
+    assert records[alarms[0] - 1]["collapse/action"] == "warn"
+    warning = next(m for m in messages if m.startswith("collapse alarm"))
+    assert f"at iteration {alarms[0]}" in warning and "reward" in warning and "below its best" in warning
+    assert all("collapse/rollback_to" not in r for r in records)
+    assert collapse_events(records)[0] == (alarms[0], "alarm")
+    # pruning to 1 kept the newest healthy checkpoint (taken before the corruption) and the best one
+    assert 8 in {int(p.name.split("-")[1]) for p in (tmp_path / "checkpoints").glob("step-*")}
+
+
+def test_rollback_restores_a_healthy_checkpoint_and_recovers(tiny_model, tmp_path):
+    messages = []
+    Trainer(flip_config(tiny_model, tmp_path, "rollback"), report=messages.append).train()
+    records = read_metrics(tmp_path)
+    rollbacks = [r for r in records if "collapse/rollback_to" in r]
+    assert len(rollbacks) == 1, [r.get("collapse/signals") for r in records]
+    event = rollbacks[0]
+    assert event["step"] <= FLIP[0] + 2 and event["collapse/rollback_to"] <= FLIP[0] - 1
+    assert event["collapse/lr_scale"] == pytest.approx(0.5)
+    after = [r for r in records if r["step"] > event["step"]]
+    assert all(r["actor_lr"] == pytest.approx(1.5e-3) for r in after)  # the scaled rate stays
+    assert sum(r["reward"] for r in records[-3:]) / 3 > 0.85, [r["reward"] for r in records]
+    # the collapsed checkpoints are set aside, never resumed from; the rolled-back state was saved at once
+    aside = sorted(p.name for p in (tmp_path / "checkpoints").glob(".collapsed-step-*"))
+    assert aside and all(int(name.rsplit("-", 1)[1]) > event["collapse/rollback_to"] for name in aside)
+    assert any(m.startswith("collapse alarm") and "Rolling back to step-" in m for m in messages)
+    # the restored weights are the checkpoint's: a fresh trainer resuming there scores the same log-probs
+    folder, why = pick_checkpoint(tmp_path, "best")
+    assert "healthy" in why and int(folder.name.split("-")[1]) not in {int(n.rsplit("-", 1)[1]) for n in aside}
+    from stppo_agent.agent_specs import resolve_agent_spec
+
+    spec, note = resolve_agent_spec(f"hf:{tmp_path}@best")
+    assert spec == f"hf:{folder / 'actor'}" and note.startswith(f"hf:{tmp_path}@best -> step-")
+    assert resolve_agent_spec(f"hf:{tmp_path}")[0].endswith("step-16/actor")  # a run folder alone: its latest
+    with pytest.raises(ValueError, match="choose @latest, @best, @healthy"):
+        resolve_agent_spec(f"hf:{tmp_path}@bestest")
+    written = plot_runs([tmp_path], tmp_path / "plots")
+    assert written and all(p.stat().st_size > 0 for p in written)
+
+
+def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.rollback import restore_training_state
+
+    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}))
+    trainer.train()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2" / "actor")
+    with torch.no_grad():
+        for p in trainer.actor.parameters():
+            p.add_(1.0)  # what a collapse does to weights, roughly
+    base_lr = trainer.actor_scheduler.base_lrs[0]
+    scale = restore_training_state(trainer, tmp_path / "checkpoints" / "step-2", 0.25)
+    for (name, mine), theirs in zip(trainer.actor.state_dict().items(), saved.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    assert scale == pytest.approx(0.25) and trainer.actor_scheduler.base_lrs[0] == pytest.approx(base_lr * 0.25)
+    assert trainer.actor_optimizer.param_groups[0]["lr"] == pytest.approx(base_lr * 0.25)
+
+
+def test_stop_from_the_cli_checkpoints_and_exits_3(tiny_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
+                 str(out), "--iterations", "16", "--set", "on_collapse=stop", "--set", "save_every=5",
+                 "--set", "prompts_per_iteration=8", "--set", "samples_per_prompt=8", "--set", "mini_batch_size=32",
+                 "--set", "micro_batch_size=16", "--set", "ppo_epochs=2", "--set", "actor_lr=3e-3",
+                 "--set", "critic_lr=3e-3", "--set", "max_turns=2", "--set", "max_new_tokens_per_turn=1",
+                 "--set", "max_prompt_tokens=8", "--set", "max_total_tokens=32", "--set", "progress=false",
+                 "--set", "tensorboard=false", "--set", "algorithm.kl_in_reward=0", "--set",
+                 "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=null",
+                 "--set", f"env_kwargs.reward_flip_episodes={json.dumps(FLIP)}"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "stopped: collapse alarm at iteration" in err and "on_collapse=stop" in err and "--resume" in err
+    records = read_metrics(out)
+    last = records[-1]
+    assert last["collapse/alarm"] == 1 and last["collapse/action"] == "stop" and last["step"] <= FLIP[0] + 2
+    assert (out / "checkpoints" / f"step-{last['step']}" / "manifest.json").exists()  # saved at the alarm
+    assert f"step-{last['step']}" in err
+
+
+def test_config_rejects_bad_collapse_settings():
+    from stppo_agent.config import TrainConfig
+
+    for field, value, message in (("on_collapse", "panic", "on_collapse must be one of"),
+                                  ("rollback_lr_factor", 1.5, "rollback_lr_factor"),
+                                  ("collapse_warmup", 50, "collapse_warmup")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(model="m", **{field: value}).validate()
