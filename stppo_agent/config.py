@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .algorithms import ALGORITHMS, AlgorithmConfig
+from .algorithms import ALGORITHMS, AlgorithmConfig, resolve_rollout_correction
 from .algorithms.advantages import GROUP_ESTIMATORS
 from .distributed import STRATEGIES
 from .plugins import load_plugins
@@ -147,7 +147,7 @@ class TrainConfig:
                              f"{', '.join(f.name for f in dataclasses.fields(AlgorithmConfig))}")
         hints = typing.get_type_hints(AlgorithmConfig)
         values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in self.algorithm.items()}
-        return dataclasses.replace(preset, **values)
+        return resolve_rollout_correction(dataclasses.replace(preset, **values), self.generation_backend)
 
     def rollout_limits(self) -> RolloutLimits:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})

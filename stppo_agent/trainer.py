@@ -25,7 +25,14 @@ import torch
 import stppo_envs  # noqa: F401  (registers the env ids)
 
 from . import distributed, run_folder
-from .algorithms import ClipBiasCorrector, get_advantage_estimator, get_policy_loss, kl_reward_penalty, value_loss
+from .algorithms import (
+    ClipBiasCorrector,
+    get_advantage_estimator,
+    get_policy_loss,
+    kl_reward_penalty,
+    rollout_correction_weights,
+    value_loss,
+)
 from .checkpoint import (
     full_model_state,
     full_optimizer_state,
@@ -243,6 +250,11 @@ class Trainer:
         mask = batch.loss_mask
         batch.stats["advantage/mean"] = float(batch.advantages[mask].mean()) if mask.any() else 0.0
         batch.stats["advantage/std"] = float(batch.advantages[mask].std()) if mask.sum() > 1 else 0.0
+        weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.sample_logprobs, mask,
+                                                       batch.turn_ids, self.algo)
+        batch.stats.update(mismatch)
+        if weights is not None:  # w' >= 0 times the advantage = w' times each token's clipped surrogate
+            batch.advantages = batch.advantages * weights
         batch.stats["rollout_logprob_diff"] = float((batch.old_logprobs - batch.sample_logprobs)[mask].abs().mean()) \
             if mask.any() else 0.0
         if batch.ref_logprobs is not None and mask.any():

@@ -11,12 +11,18 @@ import pytest
 
 from stppo_agent.cli import main
 from stppo_agent.collapse import CollapseMonitor, MonitorSettings, best_step, checkpoint_reward, healthy_steps
-from stppo_agent.collapse_guard import CollapseStopped
 from stppo_agent.reports import collapse_events, plot_runs
 from stppo_agent.run_folder import pick_checkpoint
 from stppo_agent.trainer import Trainer, read_metrics
 
-from .test_trainer import tiny_model, toy_config  # noqa: F401  (the fixture)
+from .test_trainer import toy_config
+from .tiny_models import tiny_llama, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
 
 FLIP = [9, 12]  # iterations 10, 11 and 12 pay for *not* saying the target
 

@@ -30,10 +30,12 @@ from .losses import (
     value_loss,
 )
 from .registry import Registry
+from .rollout_correction import resolve_rollout_correction, rollout_correction_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "POLICY_LOSSES", "Registry",
     "aggregate", "compact_policy_positions", "explained_variance", "get_advantage_estimator", "get_policy_loss",
     "kl_estimate", "kl_reward_penalty", "log_ratio_at_level", "register_advantage_estimator",
-    "register_algorithm", "register_policy_loss", "value_loss",
+    "register_algorithm", "register_policy_loss", "resolve_rollout_correction", "rollout_correction_weights",
+    "value_loss",
 ]

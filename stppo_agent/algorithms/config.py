@@ -57,11 +57,22 @@ class AlgorithmConfig:
     """k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10])."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    rollout_correction: str = "auto"
+    """Rollout-training mismatch correction: none, tis (truncate the weight pi_old / pi_sample at the cap) or mis
+    (drop tokens whose weight exceeds it); auto: tis with the vLLM backend, none with transformers generate."""
+    rollout_correction_level: str = "auto"
+    """token, turn (geometric mean over the turn) or sequence; auto: turn for turn-level algorithms, else token."""
+    rollout_correction_cap: float = 2.0
+    """The cap of tis / mis (verl's default)."""
 
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVEL_NAMES)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGG_NAMES)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATOR_NAMES)
+        _check_choice("rollout_correction", self.rollout_correction, ("auto", "none", "tis", "mis"))
+        _check_choice("rollout_correction_level", self.rollout_correction_level, ("auto", *RATIO_LEVEL_NAMES))
+        if self.rollout_correction_cap < 1:
+            raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.clip_bias_kappa <= 0:

@@ -1,0 +1,80 @@
+"""Rollout-training mismatch correction (docs/algorithms.md, "Rollout correction").
+
+The policy that sampled a batch (vLLM, or transformers generate in another dtype or batch shape) is not exactly
+the policy that scores it for training. With pi_old the trainer's pre-update log-probs and pi_s the sampler's
+(``sample_logprobs``, kept at sampling time), the per-token log-weight is
+
+    l_t = log pi_old(y_t) - log pi_s(y_t)
+
+taken at ``rollout_correction_level``: per token, or its mean over the token's turn (a geometric mean of the
+token weights, like ST-PPO's turn ratio) or over the whole trajectory. With w = exp(l):
+
+    tis (truncated importance sampling):  w' = min(w, cap)
+    mis (masked importance sampling):     w' = w if w <= cap else 0
+
+w' is a constant (no gradient) multiplying each token's policy loss. Because w' >= 0, multiplying the
+advantage by w' is the same thing for the clipped surrogate -- -min(rho w'A, clip(rho) w'A) = w' * -min(rho A,
+clip(rho) A) -- and it composes with every policy loss, registered ones included, and with the clip-bias
+correction (whose clipped-token terms carry w' too). The KL and entropy terms are not weighted (as in verl).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .losses import KL_LOG_RATIO_CLAMP, log_ratio_at_level
+from .segments import masked_mean
+
+CORRECTION_NAMES = ("none", "tis", "mis")
+CORRECTION_LEVELS = ("token", "turn", "sequence")
+VERL_DEFAULT_CAP = 2.0  # verl's rollout_is_threshold
+
+
+def resolve_rollout_correction(algo, generation_backend: str):
+    """``auto`` settings for a backend: on with vLLM (TIS at the cap of 2, at turn level for turn-level
+    algorithms, else per token), off with transformers generate (the mismatch is only numerical there)."""
+    correction, level = algo.rollout_correction, algo.rollout_correction_level
+    if correction == "auto":
+        correction = "tis" if generation_backend == "vllm" else "none"
+    if level == "auto":
+        level = "turn" if algo.ratio_level == "turn" else "token"
+    return dataclasses.replace(algo, rollout_correction=correction, rollout_correction_level=level)
+
+
+@torch.no_grad()
+def rollout_correction_weights(old_logprobs: torch.Tensor, sample_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                               turn_ids: torch.Tensor, config) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """(weights w' (B, T), 0 off the mask; None when the correction is off) and the mismatch metrics, which are
+    measured whether or not the correction is on: ``rollout_correction/kl`` (k3 estimate of KL(pi_s || pi_old)
+    per policy token), ``weight_mean``/``weight_max``/``weight_p99`` of w before the cap, and with a correction
+    ``truncated_frac`` (tis) or ``masked_frac`` (mis): the share of policy tokens whose w exceeded the cap."""
+    if config.rollout_correction == "auto" or config.rollout_correction_level == "auto":
+        raise ValueError("rollout_correction is 'auto': resolve it for the generation backend first "
+                         "(resolve_rollout_correction)")
+    if not bool(loss_mask.any()):
+        return None, {}
+    old, sample = old_logprobs.float(), sample_logprobs.float()
+    zero = torch.zeros((), device=old.device)
+    token_log_w = torch.where(loss_mask, old - sample, zero).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    level = config.rollout_correction_level
+    log_w = log_ratio_at_level(old, sample, loss_mask, turn_ids, level) if level != "token" else token_log_w
+    weight = torch.exp(log_w.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP))
+    values = weight[loss_mask]
+    metrics = {
+        "rollout_correction/kl": float(masked_mean(torch.expm1(token_log_w) - token_log_w, loss_mask)),
+        "rollout_correction/weight_mean": float(values.mean()),
+        "rollout_correction/weight_max": float(values.max()),
+        "rollout_correction/weight_p99": float(torch.quantile(values.double()[: 1 << 24], 0.99)),
+    }
+    if config.rollout_correction == "none":
+        return None, metrics
+    above = weight > config.rollout_correction_cap
+    if config.rollout_correction == "tis":
+        weight = weight.clamp(max=config.rollout_correction_cap)
+        metrics["rollout_correction/truncated_frac"] = float(masked_mean(above.float(), loss_mask))
+    else:
+        weight = torch.where(above, zero, weight)
+        metrics["rollout_correction/masked_frac"] = float(masked_mean(above.float(), loss_mask))
+    return torch.where(loss_mask, weight, zero), metrics
