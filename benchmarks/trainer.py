@@ -9,7 +9,10 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
   forward + log-softmax + masked mean loss + backward + AdamW step over the same micro-batches. Target >= 0.8.
   ST-PPO's figure (critic + clip-bias correction: about twice the work) is printed for reference.
 - rollout: generated tokens/s of the multi-turn rollout (generation, env steps, observation tokenisation)
-  against one plain ``model.generate`` call producing the same number of tokens per trajectory.
+  against one plain ``model.generate`` call producing the same number of tokens per trajectory, with the KV
+  cache reused across turns (the default) and without (every turn re-encodes the transcript). Target >= 0.95.
+- mismatch: mean |old - sample| log-prob per policy token between the trainer's scoring forward and the
+  sampler (transformers generate), in float32 and bfloat16, and the k3 KL estimate of rollout_correction.
 """
 
 from __future__ import annotations
@@ -80,9 +83,14 @@ def main() -> None:
                   max_prompt_tokens=512, max_total_tokens=1024, progress=False, tensorboard=False)
     trainer = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, **common), report=lambda _: None)
 
-    started = time.perf_counter()
-    batch = trainer.rollout()
-    rollout_seconds = time.perf_counter() - started
+    rollout_rates = {True: [], False: []}
+    for _ in range(args.repeats):  # alternate, so machine noise hits both alike
+        for reuse in (True, False):
+            trainer.backend.reuse_cache = reuse
+            started = time.perf_counter()
+            batch = trainer.rollout()
+            rollout_rates[reuse].append(float(batch.loss_mask.sum()) / (time.perf_counter() - started))
+    trainer.backend.reuse_cache = True
     generated = int(batch.loss_mask.sum())
     per_trajectory = max(1, generated // batch.batch_size)
     prompts = [encode_prompt(trainer.tokenizer, env.transcript[0].text)
@@ -121,9 +129,19 @@ def main() -> None:
     print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
     print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   "
           f"ratio {st_tps / raw_tps:.2f}")
-    rollout_tps, plain_tps = generated / rollout_seconds, plain_tokens / plain_seconds
-    print(f"rollout        {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
-          f"ratio {rollout_tps / plain_tps:.2f}")
+    plain_tps = plain_tokens / plain_seconds
+    for reuse, label in ((True, "KV cache reused"), (False, "re-encoded    ")):
+        rollout_tps = statistics.median(rollout_rates[reuse])
+        print(f"rollout {label} {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
+              f"ratio {rollout_tps / plain_tps:.2f}")
+    print(f"mismatch float32  mean |old - sample| {batch.stats['rollout_logprob_diff']:.2e}   "
+          f"KL {batch.stats['rollout_correction/kl']:.2e}")
+    bf16 = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, dtype="bfloat16",
+                               **dict(common, output_dir=tempfile.mkdtemp())), report=lambda _: None)
+    bf16_batch = bf16.rollout()
+    bf16.score(bf16_batch)
+    print(f"mismatch bfloat16 mean |old - sample| {bf16_batch.stats['rollout_logprob_diff']:.2e}   "
+          f"KL {bf16_batch.stats['rollout_correction/kl']:.2e}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ when the iteration's reward falls more than ``collapse_drawdown`` of the way bel
 average, and further than its noise explains (3 robust standard deviations of the iteration-to-iteration
 changes): small batches of a hard task have rewards that jump between 0 and 0.5 by chance.
 
+A signal may also have an absolute **limit** (``collapse_thresholds``, default ``kl_to_reference: 1.0`` nat per
+token, far above what a KL-regularised run reaches): above it, it trips from the first iteration, warm-up or not.
+
 Correlated signals are grouped in families (the ratio tails and clip fractions are one family, "off-policy"). An
 **alarm** is raised when at least ``collapse_min_families`` families trip in one iteration, or one family trips
 in ``collapse_patience`` consecutive iterations. Nothing trips during the first ``collapse_warmup`` iterations.
@@ -75,12 +78,15 @@ class MonitorSettings:
     drawdown: float = 0.5
     reward_smoothing: float = 0.5
     """Weight of the newest reward in its moving average (1: no smoothing)."""
+    thresholds: tuple[tuple[str, float], ...] = ()
+    """(metric key, absolute limit) pairs: above its limit a signal trips, history or not."""
 
     @classmethod
     def from_config(cls, config) -> "MonitorSettings":
         return cls(window=config.collapse_window, warmup=config.collapse_warmup, z=config.collapse_z,
                    patience=config.collapse_patience, min_families=config.collapse_min_families,
-                   drawdown=config.collapse_drawdown)
+                   drawdown=config.collapse_drawdown,
+                   thresholds=tuple(sorted((k, float(v)) for k, v in (config.collapse_thresholds or {}).items())))
 
     def validate(self) -> None:
         if self.window < 2 or self.warmup < 2 or self.warmup > self.window:
@@ -89,6 +95,11 @@ class MonitorSettings:
             raise ValueError("collapse_z must be > 0, collapse_patience and collapse_min_families >= 1")
         if not 0 < self.drawdown <= 1:
             raise ValueError(f"collapse_drawdown must be in (0, 1], got {self.drawdown}")
+        known = {signal.key for signal in SIGNALS}
+        for key, _ in self.thresholds:
+            if key not in known:
+                raise ValueError(f"collapse_thresholds: {key!r} is not a monitored signal; known: "
+                                 f"{', '.join(sorted(known))}")
 
 
 @dataclasses.dataclass
@@ -102,8 +113,12 @@ class Trip:
     low: float
     high: float
     """The recent range (min, max of the history window) it left."""
+    limit: float | None = None
+    """Set when it tripped by passing its absolute limit."""
 
     def describe(self) -> str:
+        if self.limit is not None:
+            return f"{self.key} {self.value:.4g} (above its limit {self.limit:.4g})"
         if self.key == "reward_drawdown":
             return f"reward {self.value:.3g} is {self.z:.0%} below its best moving average {self.high:.3g}"
         return f"{self.key} {self.value:.4g} (recent {self.low:.4g}..{self.high:.4g}, z={self.z:+.1f})"
@@ -118,6 +133,8 @@ class Verdict:
     alarm: bool
     onset: int | None = None
     """With an alarm: the first iteration of the streak of tripped iterations that raised it."""
+    warming_up: bool = False
+    """Too little history to judge this iteration by its z-scores (absolute limits still apply)."""
 
     def describe(self) -> str:
         return "; ".join(trip.describe() for trip in self.trips) or "no signal"
@@ -125,6 +142,8 @@ class Verdict:
     def metrics(self) -> dict[str, Any]:
         """What goes into the iteration's record of ``metrics.jsonl``."""
         out: dict[str, Any] = {"collapse/tripped": len(self.trips)}
+        if self.warming_up:
+            out["collapse/warmup"] = 1
         if self.trips:
             out["collapse/signals"] = ",".join(trip.key for trip in self.trips)
         for trip in self.trips:
@@ -152,6 +171,7 @@ class CollapseMonitor:
     # -- reading one iteration -------------------------------------------------------------------------------
     def observe(self, iteration: int, metrics: Mapping[str, Any], learn: bool = True) -> Verdict:
         """Score ``metrics`` against the history, then (``learn``) add them to it."""
+        warming_up = self.seen < self.settings.warmup
         trips = [trip for signal in self.signals if (trip := self._score(signal, metrics)) is not None]
         drawdown = self._drawdown(iteration, metrics.get(REWARD_KEY), learn)
         if drawdown is not None:
@@ -170,10 +190,13 @@ class CollapseMonitor:
                 if value is not None:
                     self.history[signal.key].append((iteration, _transform(signal, value)))
             self.seen += 1
-        return Verdict(iteration, trips, alarm, self.streak_start if alarm else None)
+        return Verdict(iteration, trips, alarm, self.streak_start if alarm else None, warming_up)
 
     def _score(self, signal: Signal, metrics: Mapping[str, Any]) -> Trip | None:
         value = _number(metrics.get(signal.key))
+        limit = dict(self.settings.thresholds).get(signal.key)
+        if value is not None and limit is not None and value > limit:
+            return Trip(signal.key, signal.family, value, math.inf, limit, limit, limit=limit)
         past = [v for _, v in self.history[signal.key]]
         if value is None or len(past) < self.settings.warmup:
             return None
@@ -228,7 +251,7 @@ class CollapseMonitor:
         for record in records:
             step = int(record.get("step", 0))
             rolled_back_to = record.get("collapse/rollback_to")
-            self.observe(step, record, learn=rolled_back_to is None)
+            self.observe(step, record)  # as the guard did: observe, then forget what a rollback undid
             if rolled_back_to is not None:
                 self.forget_after(int(rolled_back_to))
 
@@ -240,8 +263,9 @@ def tripped_iterations(records: Iterable[Mapping[str, Any]]) -> set[int]:
 
 def healthy_steps(records: Sequence[Mapping[str, Any]], steps: Iterable[int]) -> list[int]:
     """Checkpoint steps known to be healthy: iteration S (whose update made the weights) and iteration S + 1
-    (whose rollouts those weights sampled) were both logged and neither tripped a signal."""
-    logged = {int(r["step"]) for r in records if "step" in r}
+    (whose rollouts those weights sampled) were both logged, past the monitor's warm-up, and neither tripped a
+    signal."""
+    logged = {int(r["step"]) for r in records if "step" in r and not r.get("collapse/warmup")}
     tripped = tripped_iterations(records)
     return sorted(s for s in steps if {s, s + 1} <= logged and not {s, s + 1} & tripped)
 

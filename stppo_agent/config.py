@@ -87,6 +87,9 @@ class TrainConfig:
     """strategy=fsdp2 only: bfloat16 or float16 to gather weights and compute forward/backward in that dtype while
     the sharded master weights and AdamW state stay in `dtype` (float32) and gradients are reduced in float32
     (FSDP2's MixedPrecisionPolicy). None: compute in `dtype`."""
+    reuse_kv_cache: bool = True
+    """HF backend: continue each trajectory's key/value cache from its previous turn instead of re-encoding the
+    transcript every turn (same tokens; stppo_agent/turn_cache.py)."""
     generation_backend: str = "hf"
     """hf (transformers generate) or vllm (colocated vLLM engine, weights synced after every update; GPU only)."""
     vllm_gpu_memory_utilization: float = 0.35
@@ -129,6 +132,8 @@ class TrainConfig:
     """Families of signals tripping in the same iteration that raise an alarm at once."""
     collapse_drawdown: float = 0.5
     """Share of its running best that the reward's moving average must lose to trip."""
+    collapse_thresholds: dict = dataclasses.field(default_factory=lambda: {"kl_to_reference": 1.0})
+    """Absolute limits of signals, active from the first iteration (--set collapse_thresholds.KEY=LIMIT)."""
     rollback_lr_factor: float = 0.5
     """on_collapse=rollback: the actor learning rate is multiplied by this at each rollback."""
     max_rollbacks: int = 2
@@ -230,9 +235,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             value = yaml.load(raw, Loader=NumberLoader)
         except yaml.YAMLError as exc:
             raise ValueError(f"--set {item}: the value is not valid YAML: {exc}") from exc
-        if key.startswith(("algorithm.", "env_kwargs.")):
+        if key.startswith(("algorithm.", "env_kwargs.", "collapse_thresholds.")):
             section, _, field = key.partition(".")
-            values.setdefault(section, {})
+            values.setdefault(section, dict(_default(section)))  # one key set: the others keep their defaults
             values[section] = {**values[section], field: value}
         else:
             values[key] = value
@@ -252,6 +257,11 @@ NumberLoader.add_implicit_resolver(
                    |[-+]?\.(?:inf|Inf|INF)
                    |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."))
+
+
+def _default(field: str) -> Any:
+    spec = TrainConfig.__dataclass_fields__[field]
+    return spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
 
 
 def from_dict(values: dict[str, Any]) -> TrainConfig:

@@ -9,15 +9,22 @@ re-encoded); the action text goes to the env; the env's observation text is toke
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, Sequence
+import inspect
+from typing import Callable, Hashable, Protocol, Sequence
 
 import gymnasium as gym
 import torch
+import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stppo_envs import step_envs
 
 from .episode_stats import episode_rates
+from .turn_cache import TurnCaches, after_generate, extend_inputs
+
+# transformers 5 renamed generate's past_key_values argument (and output field) to cache
+CACHE_ARGUMENT = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+CACHE_OUTPUT = CACHE_ARGUMENT
 
 STOP_STRINGS = ("</search>", "</answer>")
 EPISODE_INFO_KEYS = ("example_id", "benchmark", "question")  # what a batch keeps of each env's reset info
@@ -64,7 +71,8 @@ class Generation:
 class GenerationBackend(Protocol):
     """Generates one turn for a batch of token sequences (HF here; vLLM in the scale issue)."""
 
-    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]: ...
+    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int,
+                 keys: Sequence[Hashable] | None = None) -> list[Generation]: ...
 
 
 @dataclasses.dataclass
@@ -75,31 +83,64 @@ class SamplingSettings:
 
 
 class HFGenerationBackend:
-    """``model.generate`` with stop strings; behaviour log-probs from the processed scores at sampling time."""
+    """``model.generate`` with stop strings; behaviour log-probs from the processed scores at sampling time.
+
+    Given ``keys`` (one per trajectory, stable over a rollout's turns), trajectories are generated in fixed chunks of
+    ``batch_size`` and, with ``reuse_cache``, each chunk continues from the key/value cache of its previous turn
+    instead of re-encoding the transcript (:mod:`stppo_agent.turn_cache`); :meth:`end_rollout` frees the caches.
+    """
 
     def __init__(self, model, tokenizer, sampling: SamplingSettings = SamplingSettings(),
-                 stop_strings: Sequence[str] = STOP_STRINGS, batch_size: int = 64):
+                 stop_strings: Sequence[str] = STOP_STRINGS, batch_size: int = 64, reuse_cache: bool = True):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        self.stop_strings, self.batch_size = tuple(stop_strings), batch_size
+        self.stop_strings, self.batch_size, self.reuse_cache = tuple(stop_strings), batch_size, reuse_cache
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.turns = TurnCaches(batch_size)
 
     @torch.no_grad()
-    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
-        out: list[Generation] = []
-        for start in range(0, len(contexts), self.batch_size):
-            out += self._generate_batch(contexts[start:start + self.batch_size], max_new_tokens)
-        return out
+    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int,
+                 keys: Sequence[Hashable] | None = None) -> list[Generation]:
+        if keys is None:  # no trajectory identity: independent chunks, nothing kept
+            out: list[Generation] = []
+            for start in range(0, len(contexts), self.batch_size):
+                part = contexts[start:start + self.batch_size]
+                out += self._generate(list(range(len(part))), part, max_new_tokens, None)[0]
+            return out
+        results: list[Generation | None] = [None] * len(contexts)
+        for chunk, positions in self.turns.groups(keys):
+            chunk_keys, chunk_contexts = [keys[p] for p in positions], [contexts[p] for p in positions]
+            state = self.turns.states.pop(chunk, None) if self.reuse_cache else None
+            generations, state = self._generate(chunk_keys, chunk_contexts, max_new_tokens, state)
+            if self.reuse_cache:
+                self.turns.states[chunk] = state
+            for position, generation in zip(positions, generations):
+                results[position] = generation
+        return results
 
-    def _generate_batch(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
+    def end_rollout(self) -> None:
+        self.turns.clear()
+
+    def _generate(self, keys, contexts, max_new_tokens: int, state):
+        """Generate one chunk, continuing ``state``'s cache when the contexts extend it; returns the generations
+        and the chunk's new state."""
         device = next(self.model.parameters()).device
-        input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id, device)
+        new = state.continuation(keys, contexts) if state is not None else None
+        cache = None
+        if new is not None:
+            state.select(keys)
+            input_ids, attention_mask = extend_inputs(state, new, self.tokenizer.pad_token_id)
+            cache = state.cache
+        else:
+            input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id, device)
         was_training = self.model.training
         self.model.eval()
         kwargs = dict(do_sample=not self.sampling.greedy, max_new_tokens=max_new_tokens,
                       pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
-                      output_scores=True, return_dict_in_generate=True,
+                      output_scores=True, return_dict_in_generate=True, use_cache=True,
                       # ranks generate independently (an FSDP2 actor is gathered first): never lock-step
                       synced_gpus=False)
+        if cache is not None:
+            kwargs[CACHE_ARGUMENT] = cache
         if not self.sampling.greedy:
             kwargs.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0)
         if self.stop_strings:
@@ -110,12 +151,17 @@ class HFGenerationBackend:
         generated = output.sequences[:, input_ids.shape[1]:]
         scores = torch.stack(output.scores, dim=1).float()  # (B, steps, V), after temperature / top-p
         chosen = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
-        results = []
+        results, lengths = [], []
         for row in range(generated.shape[0]):
             ids = generated[row].tolist()
             length = generated_length(ids, self.tokenizer, self.stop_strings, self.eos_ids)
+            lengths.append(length)
             results.append(Generation(ids[:length], chosen[row, :length].tolist()))
-        return results
+        next_state = None
+        if self.reuse_cache and output.get(CACHE_OUTPUT) is not None:
+            next_state = after_generate(keys, contexts, input_ids, attention_mask, output.sequences, lengths,
+                                        output.get(CACHE_OUTPUT))
+        return results, next_state
 
 
 class StopOnStrings(StoppingCriteria):
@@ -324,13 +370,17 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, envs: Sequence[gym.E
                                     f"{limits.max_prompt_tokens} (raise it or shorten the template)")
         episode = {key: info[key] for key in EPISODE_INFO_KEYS if key in info}
         trajectories.append(Trajectory(env, int(group_ids[i]), prompt_ids, info=episode))
-    for turn in range(limits.max_turns):
-        active = [t for t in trajectories if not t.done]
-        if not active:
-            break
-        _run_turn(backend, tokenizer, active, turn, limits)
-        if on_turn is not None:
-            on_turn(turn, len(active))
+    try:
+        for turn in range(limits.max_turns):
+            active = [t for t in trajectories if not t.done]
+            if not active:
+                break
+            _run_turn(backend, tokenizer, active, turn, limits)
+            if on_turn is not None:
+                on_turn(turn, len(active))
+    finally:
+        if hasattr(backend, "end_rollout"):  # per-rollout state (KV caches) is freed
+            backend.end_rollout()
     for trajectory in trajectories:
         if not trajectory.done:  # the env allows more turns than the trainer's max_turns
             trajectory.done, trajectory.truncated, trajectory.finish_reason = True, True, "max_turns"
@@ -340,7 +390,13 @@ def collect_rollouts(backend: GenerationBackend, tokenizer, envs: Sequence[gym.E
 def _run_turn(backend, tokenizer, active: list[Trajectory], turn: int, limits: RolloutLimits) -> None:
     budgets = [min(limits.max_new_tokens_per_turn,
                    limits.max_total_tokens - len(t.prompt_ids) - len(t.response_ids)) for t in active]
-    generations = backend.generate([t.prompt_ids + t.response_ids for t in active], max(budgets))
+    contexts = [t.prompt_ids + t.response_ids for t in active]
+    # trajectory identities let a backend keep per-trajectory state over turns (KV caches); older backends with
+    # generate(contexts, max_new_tokens) still work
+    if "keys" in inspect.signature(backend.generate).parameters:
+        generations = backend.generate(contexts, max(budgets), keys=[id(t) for t in active])
+    else:
+        generations = backend.generate(contexts, max(budgets))
     actions = []
     for trajectory, generation, budget in zip(active, generations, budgets):
         ids, logprobs = generation.token_ids[:budget], generation.logprobs[:budget]

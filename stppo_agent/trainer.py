@@ -161,7 +161,8 @@ class Trainer:
             return VLLMGenerationBackend(path, self.config.sampling(), dtype=dtype, seed=self.config.seed + self.rank,
                                          gpu_memory_utilization=self.config.vllm_gpu_memory_utilization)
         return HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
-                                   batch_size=self.config.generation_batch_size)
+                                   batch_size=self.config.generation_batch_size,
+                                   reuse_cache=self.config.reuse_kv_cache)
 
     # -- one iteration -----------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

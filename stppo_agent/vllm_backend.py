@@ -101,7 +101,8 @@ class VLLMGenerationBackend:
                             **engine_defaults(vllm), **llm_kwargs)
         self._calls = 0
 
-    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
+    def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int, keys=None) -> list[Generation]:
+        """``keys`` (trajectory identities) are not needed: vLLM's prefix caching reuses earlier turns by itself."""
         params = self._vllm.SamplingParams(**sampling_kwargs(self.sampling, max_new_tokens, self.stop_strings,
                                                              self.seed + self._calls))
         self._calls += 1

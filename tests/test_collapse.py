@@ -73,6 +73,19 @@ def test_floors_warmup_and_direction():
     assert not early.observe(5, {"grad_norm": 50.0}).trips  # 4 iterations of history: still warming up
 
 
+def test_absolute_limits_trip_from_the_first_iteration_and_warm_up_is_not_known_healthy():
+    monitor = CollapseMonitor(MonitorSettings(warmup=5, thresholds=(("kl_to_reference", 1.0),)))
+    first = monitor.observe(1, {"kl_to_reference": 1.7, "reward": 0.5})
+    assert first.warming_up and first.metrics()["collapse/warmup"] == 1
+    assert [t.describe() for t in first.trips] == ["kl_to_reference 1.7 (above its limit 1)"]
+    records = [{"step": i, "reward": 0.5, **monitor.observe(i, {"kl_to_reference": 0.1, "reward": 0.5}).metrics()}
+               for i in range(2, 9)]
+    assert [r["step"] for r in records if r.get("collapse/warmup")] == [2, 3, 4, 5]
+    assert healthy_steps(records, range(1, 9)) == [6, 7]  # 5 and earlier were judged by limits alone
+    with pytest.raises(ValueError, match="not a monitored signal"):
+        MonitorSettings(thresholds=(("kl", 1.0),)).validate()
+
+
 def test_reward_drawdown_beyond_its_noise():
     rng = random.Random(1)
     monitor = CollapseMonitor(MonitorSettings(warmup=5, drawdown=0.5))
@@ -216,3 +229,10 @@ def test_config_rejects_bad_collapse_settings():
                                   ("collapse_warmup", 50, "collapse_warmup")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(model="m", **{field: value}).validate()
+    from stppo_agent.config import load_config
+
+    config = load_config(None, ["collapse_thresholds.tail/ratio_max=50", "on_collapse=rollback"], model="m")
+    assert config.collapse_thresholds == {"kl_to_reference": 1.0, "tail/ratio_max": 50}
+    config.validate()
+    with pytest.raises(ValueError, match="not a monitored signal"):
+        load_config(None, ["collapse_thresholds.ratio=5"], model="m").validate()

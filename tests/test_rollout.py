@@ -42,7 +42,7 @@ class ScriptedBackend:
     def __init__(self, turns: list[list[int]]):
         self.turns, self.calls = turns, []
 
-    def generate(self, contexts, max_new_tokens):
+    def generate(self, contexts, max_new_tokens, keys=None):
         ids = self.turns[len(self.calls)]
         self.calls.append([list(c) for c in contexts])
         return [Generation(ids[:max_new_tokens], [-0.5] * min(len(ids), max_new_tokens)) for _ in contexts]

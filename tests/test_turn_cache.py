@@ -1,0 +1,88 @@
+"""KV-cache reuse across turns gives the tokens and log-probs of re-encoding every transcript, with less work."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import pytest
+import torch
+
+import stppo_envs  # noqa: F401
+from stppo_agent.models import load_actor
+from stppo_agent.rollout import HFGenerationBackend, RolloutLimits, SamplingSettings, collect_rollouts
+from stppo_agent.turn_cache import ChunkCache
+
+from .conftest import KeywordRetriever
+from .test_rollout import PASSAGES
+from .tiny_models import tiny_llama, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from stppo_agent.assets import smollm2_path
+    from stppo_agent.models import load_tokenizer
+
+    return load_tokenizer(str(smollm2_path()))
+
+
+def count_forward_tokens(model) -> list[int]:
+    """Record how many input positions each forward call processes (a hook: replacing ``forward`` would hide its
+    signature from ``generate``, which then stops passing position ids)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]
+        seen.append(int(ids.numel()))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def rollout(model, tokenizer, envs, reuse: bool, greedy: bool, chunk: int, seed: int = 0):
+    backend = HFGenerationBackend(model, tokenizer, SamplingSettings(greedy=greedy), batch_size=chunk,
+                                  reuse_cache=reuse)
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=10, max_observation_tokens=24, max_prompt_tokens=400,
+                           max_total_tokens=600)
+    torch.manual_seed(seed)
+    batch = collect_rollouts(backend, tokenizer, envs, [{"index": i % 2} for i in range(len(envs))],
+                             list(range(len(envs))), limits, seeds=list(range(len(envs))))
+    assert not backend.turns.states  # the caches are freed at the end of the rollout
+    return batch
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("env_id,vocabulary", [("stppo/NQ-v0", "smollm2"), ("stppo/NQ-v0", "words"),
+                                               ("stppo/Toy-v0", "words")])
+def test_reuse_gives_the_same_tokens_and_log_probs(smollm2_tokenizer, tmp_path, greedy, env_id, vocabulary):
+    # SmolLM2's byte-level vocabulary; or 9 words, where EOS is drawn often: rows then stop at different steps of a
+    # turn, leaving holes in the cache and a cached copy of their last token to hide
+    tok = smollm2_tokenizer if vocabulary == "smollm2" else word_tokenizer()
+    model = load_actor(tiny_llama(tmp_path / "tiny", tok, hidden=32, layers=2, seed=5))
+    kwargs = dict(retriever=KeywordRetriever(PASSAGES), max_turns=3) if env_id == "stppo/NQ-v0" else \
+        dict(turns=3, fixed_target=None)
+
+    def envs():
+        return [gym.make(env_id, **kwargs).unwrapped for _ in range(7)]
+
+    processed = count_forward_tokens(model)
+    fresh = rollout(model, tok, envs(), reuse=False, greedy=greedy, chunk=3)
+    fresh_tokens, processed[:] = sum(processed), []
+    reused = rollout(model, tok, envs(), reuse=True, greedy=greedy, chunk=3)
+    reused_tokens = sum(processed)
+    assert int(fresh.loss_mask.sum()) > 7 * 3  # several turns of several tokens: the comparison means something
+    assert torch.equal(fresh.response_ids, reused.response_ids)
+    assert torch.equal(fresh.loss_mask, reused.loss_mask) and torch.equal(fresh.turn_ids, reused.turn_ids)
+    torch.testing.assert_close(fresh.sample_logprobs, reused.sample_logprobs, rtol=0, atol=1e-5)
+    assert reused_tokens < 0.8 * fresh_tokens, (reused_tokens, fresh_tokens)
+    if vocabulary == "words" and not greedy:  # the early-stop path was exercised
+        lengths = [int(((fresh.turn_ids[row] == turn) & fresh.loss_mask[row]).sum())
+                   for row in range(7) for turn in range(int(fresh.turn_ids[row].max()))]  # turns before the last
+        assert any(0 < n < 10 for n in lengths), lengths
+
+
+def test_a_context_that_does_not_extend_the_cache_is_re_encoded():
+    state = ChunkCache(keys=["a", "b"], ids=torch.zeros(2, 3, dtype=torch.long), mask=torch.ones(2, 3),
+                       cache=None, pending=[[7], [8]], covered=[[1, 2, 7], [3, 4, 8]])
+    assert state.continuation(["a", "b"], [[1, 2, 7, 9, 9], [3, 4, 8, 5]]) == [[7, 9, 9], [8, 5]]
+    assert state.continuation(["a"], [[1, 2, 7]]) == [[7]]  # no observation: the last token is fed again
+    assert state.continuation(["a", "b"], [[1, 2, 6, 9], [3, 4, 8]]) is None  # a generation cut short
+    assert state.continuation(["a", "c"], [[1, 2, 7], [3]]) is None  # a trajectory the chunk never saw
