@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stppo-installed
 
-.PHONY: demo test install
+.PHONY: demo test install mutants
 
 install: $(STAMP)
 
@@ -25,3 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(PY) -m pytest -q
+
+# Mutation testing (not in CI: about an hour on 2 cores). Settings in pyproject.toml [tool.mutmut]; results in
+# mutants/ (`.venv/bin/mutmut browse` to read the survivors; `.venv/bin/mutmut results`).
+mutants: $(STAMP)
+	$(PY) -m pip install -q -e ".[mutation]"
+	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results > mutants/summary.txt || true
+	$(PY) -c "import re,collections;t=open('mutants/summary.txt').read();print(collections.Counter(re.findall(r': (\w+)$$',t,re.M)))"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 
 import pytest
 import torch
 
 from stppo_agent.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     ALGORITHMS,
+    POLICY_LOSSES,
     AlgorithmConfig,
     ClipBiasCorrector,
     get_advantage_estimator,
@@ -25,7 +28,9 @@ from stppo_agent.algorithms.segments import discounted_reverse_cumsum
 
 from . import algorithm_reference as ref
 
-SEEDS = range(12)
+# Under mutation testing (`make mutants` sets MUTANT_UNDER_TEST) 3 random layouts per case instead of 12: each
+# mutant reruns these tests (a speed trade-off: CI runs all 12).
+SEEDS = range(3) if os.environ.get("MUTANT_UNDER_TEST") else range(12)
 DTYPES = (torch.float32, torch.float64)
 LEVELS = ("token", "turn", "sequence")
 
@@ -317,6 +322,8 @@ def test_user_registered_loss_and_estimator_are_selectable_by_name():
         calls.append(kwargs["config"].policy_loss)
         return get_policy_loss("ppo_clip")(**kwargs)
 
+    for registry, name in ((POLICY_LOSSES, "test_user_loss"), (ADVANTAGE_ESTIMATORS, "test_user_adv")):
+        registry._items.pop(name, None)  # a test run twice in one process (mutmut does) registers again
     register_policy_loss("test_user_loss", my_loss)
     register_advantage_estimator("test_user_adv")(lambda **kw: get_advantage_estimator("rloo")(**kw))
     config = dataclasses.replace(ALGORITHMS["grpo"], policy_loss="test_user_loss", advantage="test_user_adv")
