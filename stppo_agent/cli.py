@@ -36,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, RetrievalError, CorruptCheckpointError, TrainingDivergedError,
             ConnectionError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"stppo {args.command}: error: {message}", file=sys.stderr)
+        # one line, however many a library put in its message (transformers' hub errors span several)
+        print(f"stppo {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
         return 1
 
 

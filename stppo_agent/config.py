@@ -180,6 +180,10 @@ class TrainConfig:
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()
+        from .live_rollouts import is_search_env
+
+        for env_id in (e.strip() for e in self.env.split(",") if e.strip()):
+            is_search_env(env_id)  # an unknown id fails here, before minutes of model loading
         algo = self.algorithm_config()
         if algo.advantage in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algo} uses group-relative advantages ({algo.advantage}): a group of one "
