@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_full_optimizer_state, load_trainer_state
+from .checkpoint import load_trainer_state
 from .models import load_actor, load_critic
+from .trainer_state import restore_optimizers
 
 
 def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -36,12 +37,9 @@ def restore_training_state(trainer, folder: Path, lr_factor: float) -> float:
     tensors, _ = load_trainer_state(folder)  # verifies the checkpoint first
     config = trainer.config
     load_full_model_state(trainer.actor, load_actor(folder / "actor", config.dtype).state_dict())
-    load_full_optimizer_state(trainer.actor, trainer.actor_optimizer, tensors["actor_optimizer"])
-    trainer.actor_scheduler.load_state_dict(tensors["actor_scheduler"])
     if trainer.critic is not None:
         load_full_model_state(trainer.critic, load_critic(folder / "critic", config.dtype).state_dict())
-        load_full_optimizer_state(trainer.critic, trainer.critic_optimizer, tensors["critic_optimizer"])
-        trainer.critic_scheduler.load_state_dict(tensors["critic_scheduler"])
+    restore_optimizers(trainer, tensors)
     scale_learning_rate(trainer.actor_optimizer, trainer.actor_scheduler, lr_factor)
     if hasattr(trainer.backend, "sync_weights"):  # an engine with its own copy of the weights (vLLM)
         trainer.backend.sync_weights(trainer.actor)

@@ -24,7 +24,7 @@ import torch
 
 import stppo_envs  # noqa: F401  (registers the env ids)
 
-from . import distributed, run_folder
+from . import distributed, run_folder, trainer_state
 from .algorithms import (
     ClipBiasCorrector,
     get_advantage_estimator,
@@ -33,13 +33,7 @@ from .algorithms import (
     rollout_correction_weights,
     value_loss,
 )
-from .checkpoint import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_optimizer_state,
-    load_trainer_state,
-    save_checkpoint,
-)
+from .checkpoint import full_model_state, save_checkpoint
 from .collapse_guard import CollapseGuard, CollapseStopped, stop_advice
 from .config import TrainConfig
 from .diagnostics import StepDiagnostics, StepMeans
@@ -92,12 +86,14 @@ class Trainer:
                              f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
         self._bar = None  # the progress bar while train() runs
-        self._seed_everything(config.seed)
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        torch.manual_seed(config.seed)
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
         self._build_models(checkpoint)
         self.source = (rollout_source or LiveRollouts)(self)
         if checkpoint is not None:
-            self._restore(checkpoint)
+            trainer_state.resume(self, checkpoint)
         self.logger = None
         if distributed.is_main():  # one process writes the run folder
             self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
@@ -109,11 +105,6 @@ class Trainer:
         self.guard = CollapseGuard(self) if config.on_collapse != "none" else None
 
     # -- setup ---------------------------------------------------------------------------------------------
-    def _seed_everything(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-
     def _build_models(self, checkpoint: Path | None) -> None:
         config, algo = self.config, self.algo
         need_reference = algo.kl_in_reward > 0 or algo.kl_loss_coef > 0
@@ -404,20 +395,9 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """Rank 0 writes one checkpoint of full tensors (gathered from FSDP2 shards); optimizer state is keyed by
-        parameter name, so a run resumes under either strategy and any number of processes."""
-        tensor_state = {"actor_optimizer": full_optimizer_state(self.actor, self.actor_optimizer),
-                        "actor_scheduler": self.actor_scheduler.state_dict(), "torch_rng": torch.get_rng_state()}
-        if self.critic_optimizer is not None:
-            tensor_state["critic_optimizer"] = full_optimizer_state(self.critic, self.critic_optimizer)
-            tensor_state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        """Rank 0 writes one checkpoint of full tensors (gathered from FSDP2 shards)."""
+        tensor_state, json_state = trainer_state.checkpoint_states(self)
         actor_state, critic_state = self.full_states()
-        if torch.cuda.is_available():
-            tensor_state["cuda_rng"] = torch.cuda.get_rng_state_all()
-        json_state = {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
-                      "nan_skips_total": self.nan_skips_total, "sampler": self.source.state(),
-                      "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
-                      "algo": self.config.algo, "model": self.config.model}
         path = self.run_dir / "checkpoints" / f"step-{self.iteration}"
         if distributed.is_main():  # the full state dicts above live on rank 0 only (cpu_offload)
             path = save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
@@ -434,23 +414,6 @@ class Trainer:
             return None, None
         return full_model_state(self.actor), full_model_state(self.critic) if self.critic is not None else None
 
-    def _restore(self, checkpoint: Path) -> None:
-        tensors, state = load_trainer_state(checkpoint)
-        load_full_optimizer_state(self.actor, self.actor_optimizer, tensors["actor_optimizer"])
-        self.actor_scheduler.load_state_dict(tensors["actor_scheduler"])
-        if self.critic_optimizer is not None:
-            load_full_optimizer_state(self.critic, self.critic_optimizer, tensors["critic_optimizer"])
-            self.critic_scheduler.load_state_dict(tensors["critic_scheduler"])
-        torch.set_rng_state(tensors["torch_rng"])
-        if "cuda_rng" in tensors and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(tensors["cuda_rng"])
-        self.iteration, self.optimizer_steps = int(state["iteration"]), int(state["optimizer_steps"])
-        self.nan_skips_total = int(state["nan_skips_total"])
-        self.source.load(state["sampler"])
-        random.setstate(_python_rng(state["python_rng"]))
-        np.random.set_state(_numpy_rng(state["numpy_rng"]))
-        self.report(f"resumed from {checkpoint} (iteration {self.iteration}, {self.optimizer_steps} optimizer steps)")
-
 
 def _reduce_metrics(totals: dict[str, torch.Tensor]) -> dict[str, float]:
     """Token-weighted partial means from every rank summed into global means (one all-reduce)."""
@@ -459,23 +422,6 @@ def _reduce_metrics(totals: dict[str, torch.Tensor]) -> dict[str, float]:
     keys = sorted(totals)
     summed = distributed.all_reduce_sum(torch.stack([totals[k].float() for k in keys]))
     return {key: float(value) for key, value in zip(keys, summed)}
-
-
-def _jsonable(value):
-    if isinstance(value, np.ndarray):
-        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _python_rng(state):
-    return (state[0], tuple(state[1]), state[2])
-
-
-def _numpy_rng(state):
-    array = state[1]
-    return (state[0], np.array(array["ndarray"], dtype=array["dtype"]), *state[2:])
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
