@@ -182,6 +182,7 @@ class TrainConfig:
         self.validate_collapse_settings()
         from .live_rollouts import is_search_env
 
+        load_plugins(self.plugins)  # a plugin may register envs as well as algorithms
         for env_id in (e.strip() for e in self.env.split(",") if e.strip()):
             is_search_env(env_id)  # an unknown id fails here, before minutes of model loading
         algo = self.algorithm_config()
