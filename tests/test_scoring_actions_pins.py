@@ -58,3 +58,32 @@ def test_the_query_length_limit_is_inclusive():
     assert parse_action(f"<search>{'q' * MAX_QUERY_CHARS}</search>").type is ActionType.SEARCH
     too_long = parse_action(f"<search>{'q' * (MAX_QUERY_CHARS + 1)}</search>")
     assert too_long.type is ActionType.INVALID and f"query longer than {MAX_QUERY_CHARS}" in too_long.reason
+
+
+def test_batch_scores_refuse_misaligned_lists():
+    with pytest.raises(ValueError, match="batch lengths differ: 2 predictions vs 1 references"):
+        exact_match_batch(["a", "b"], [["a"]])
+
+
+def test_losses_and_estimators_register_as_decorators_too():
+    from stppo_agent.algorithms import (
+        ADVANTAGE_ESTIMATORS,
+        POLICY_LOSSES,
+        get_advantage_estimator,
+        get_policy_loss,
+        register_advantage_estimator,
+        register_policy_loss,
+    )
+
+    for registry, name in ((POLICY_LOSSES, "test_pin_loss"), (ADVANTAGE_ESTIMATORS, "test_pin_adv")):
+        registry._items.pop(name, None)
+
+    @register_policy_loss("test_pin_loss")
+    def loss(**kwargs):
+        return kwargs
+
+    def estimator(**kwargs):
+        return kwargs
+
+    assert register_advantage_estimator("test_pin_adv", estimator) is estimator
+    assert get_policy_loss("test_pin_loss") is loss and get_advantage_estimator("test_pin_adv") is estimator
