@@ -200,17 +200,21 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
     assert trainer.actor_optimizer.param_groups[0]["lr"] == pytest.approx(base_lr * 0.25)
 
 
+def cli_train(model: Path, out: Path, action: str, iterations: int = 16) -> list[str]:
+    return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
+            "--iterations", str(iterations), "--set", f"on_collapse={action}", "--set", "save_every=1",
+            "--set", "keep_checkpoints=1", "--set", "prompts_per_iteration=8", "--set", "samples_per_prompt=8",
+            "--set", "mini_batch_size=32", "--set", "micro_batch_size=16", "--set", "ppo_epochs=2",
+            "--set", "actor_lr=3e-3", "--set", "critic_lr=3e-3", "--set", "max_turns=2",
+            "--set", "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8", "--set", "max_total_tokens=32",
+            "--set", "progress=false", "--set", "tensorboard=false", "--set", "algorithm.kl_in_reward=0",
+            "--set", "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=null",
+            "--set", f"env_kwargs.reward_flip_episodes={json.dumps(FLIP)}"]
+
+
 def test_stop_from_the_cli_checkpoints_and_exits_3(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
-                 str(out), "--iterations", "16", "--set", "on_collapse=stop", "--set", "save_every=5",
-                 "--set", "prompts_per_iteration=8", "--set", "samples_per_prompt=8", "--set", "mini_batch_size=32",
-                 "--set", "micro_batch_size=16", "--set", "ppo_epochs=2", "--set", "actor_lr=3e-3",
-                 "--set", "critic_lr=3e-3", "--set", "max_turns=2", "--set", "max_new_tokens_per_turn=1",
-                 "--set", "max_prompt_tokens=8", "--set", "max_total_tokens=32", "--set", "progress=false",
-                 "--set", "tensorboard=false", "--set", "algorithm.kl_in_reward=0", "--set",
-                 "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=null",
-                 "--set", f"env_kwargs.reward_flip_episodes={json.dumps(FLIP)}"])
+    code = main(cli_train(tiny_model, out, "stop"))
     err = capsys.readouterr().err
     assert code == 3, err
     assert "stopped: collapse alarm at iteration" in err and "on_collapse=stop" in err and "--resume" in err
@@ -219,6 +223,21 @@ def test_stop_from_the_cli_checkpoints_and_exits_3(tiny_model, tmp_path, capsys)
     assert last["collapse/alarm"] == 1 and last["collapse/action"] == "stop" and last["step"] <= FLIP[0] + 2
     assert (out / "checkpoints" / f"step-{last['step']}" / "manifest.json").exists()  # saved at the alarm
     assert f"step-{last['step']}" in err
+
+
+@pytest.mark.parametrize("action", ["warn", "rollback"])
+def test_warn_and_rollback_from_the_cli_then_plot_and_evaluate_the_best_checkpoint(tiny_model, tmp_path, capsys,
+                                                                                   action):
+    out = tmp_path / "run"
+    assert main(cli_train(tiny_model, out, action, iterations=14)) == 0
+    captured = capsys.readouterr()
+    assert "collapse alarm at iteration" in captured.out + captured.err
+    events = collapse_events(read_metrics(out))
+    assert events and events[0][1] == ("alarm" if action == "warn" else "rollback")
+    assert main(["plot", str(out), "--out", str(tmp_path / "plots")]) == 0
+    assert main(["eval", "--agent", f"hf:{out}@best", "--benchmarks", "nq", "--limit", "1", "--max-turns", "1",
+                 "--max-new-tokens", "2", "--output-dir", str(tmp_path / "eval")]) == 0
+    assert "@best -> step-" in capsys.readouterr().out
 
 
 def test_config_rejects_bad_collapse_settings():
