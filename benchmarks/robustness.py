@@ -1,6 +1,6 @@
 """Attack the project as a hostile user would, at scale, and print what held.
 
-    python benchmarks/robustness.py [--actions 100000] [--clients 6] [--requests 200] [--corruptions 20]
+    python benchmarks/robustness.py [--actions 100000] [--clients 6] [--requests 200] [--corruptions 20] [--kills 5]
     python benchmarks/robustness.py --quick   # the same attacks, smaller (tests/test_robustness_quick.py)
 
 1. Fuzzed actions: random, malformed and oversized actions (unclosed and nested tags, lone surrogates, control
@@ -14,9 +14,10 @@
 3. Corrupted checkpoints: random byte flips, truncations and emptied manifests in a trained run's checkpoints; a
    resume must never load a corrupted file (it moves the checkpoint aside, or stops and says why).
 4. Bad command lines: each must exit non-zero with one line of error and no traceback.
+5. kill -9: a training run is killed at random moments and resumed each time; the final weights, optimizer
+   state and metrics must equal those of an uninterrupted run (nothing lost, nothing repeated).
 
-Exit status 1 when any attack found a failure. kill -9 during training is attacked by the test suite
-(tests/test_trainer.py resumes bit-identically).
+Exit status 1 when any attack found a failure.
 """
 
 from __future__ import annotations
@@ -308,21 +309,86 @@ def attack_cli() -> tuple[bool, list[str]]:
                                         f"non-zero exit {clean}", *failures]
 
 
+# -- 5. kill -9 -----------------------------------------------------------------------------------------------------
+def _train_command(model: Path, out: Path, iterations: int, resume: bool) -> list[str]:
+    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
+               "--model", str(model), "--output-dir", str(out), "--iterations", str(iterations)]
+    for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
+                 "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
+                 "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
+                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0"):
+        command += ["--set", item]
+    return command + (["--resume"] if resume else [])
+
+
+def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
+    import json
+    import signal
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    from stppo_agent.checkpoint import load_trainer_state
+    from tests.tiny_models import tiny_llama, word_tokenizer
+
+    scratch = Path(tempfile.mkdtemp())
+    model = tiny_llama(scratch / "model", word_tokenizer())
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    interrupted, reference = scratch / "interrupted", scratch / "reference"
+    rng, done_kills, runs = random.Random(0), 0, 0
+    while True:
+        runs += 1
+        process = subprocess.Popen(_train_command(model, interrupted, iterations, resume=runs > 1), env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if done_kills < kills:
+            # after the first checkpoint: before it, --resume rightly refuses a folder it cannot resume
+            while process.poll() is None and not (interrupted / "checkpoints" / "step-1").exists():
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 3.0))
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+                done_kills += 1
+        if process.wait(timeout=900) == 0 or runs > kills + 3:
+            break
+    subprocess.run(_train_command(model, reference, iterations, resume=False), env=env, check=True,
+                   capture_output=True)
+    final = f"checkpoints/step-{iterations}"
+    steps = [json.loads(line)["step"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    mine, theirs = load_file(interrupted / final / "actor" / "model.safetensors"), \
+        load_file(reference / final / "actor" / "model.safetensors")
+    same_weights = all(torch.equal(mine[name], theirs[name]) for name in theirs)
+    (tensors, _), (reference_tensors, _) = load_trainer_state(interrupted / final), \
+        load_trainer_state(reference / final)
+    state, reference_state = tensors["actor_optimizer"]["state"], reference_tensors["actor_optimizer"]["state"]
+    same_optimizer = all(torch.equal(state[n][k], reference_state[n][k]) for n in reference_state
+                         for k in ("step", "exp_avg", "exp_avg_sq"))
+    metrics_intact = steps == list(range(1, iterations + 1))
+    shutil.rmtree(scratch)
+    lines = [f"kill -9          {done_kills} kills at random moments over {runs} runs of {iterations} iterations: "
+             f"final weights equal to an uninterrupted run {'yes' if same_weights else 'NO'}, optimizer state "
+             f"{'yes' if same_optimizer else 'NO'}, metrics records 1..{iterations} once each "
+             f"{'yes' if metrics_intact else 'NO: ' + str(steps)}"]
+    return same_weights and same_optimizer and metrics_intact, lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--actions", type=int, default=100_000)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--corruptions", type=int, default=20)
+    parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small sizes, about a minute")
     args = parser.parse_args(argv)
     if args.quick:
-        args.actions, args.requests, args.corruptions = 2000, 20, 6
+        args.actions, args.requests, args.corruptions, args.kills = 2000, 20, 6, 1
     held = True
     for name, attack in (("actions", lambda: attack_actions(args.actions)),
                          ("server", lambda: attack_server(args.clients, args.requests)),
                          ("checkpoints", lambda: attack_checkpoints(args.corruptions)),
-                         ("cli", attack_cli)):
+                         ("cli", attack_cli),
+                         ("kill -9", lambda: attack_kill9(args.kills))):
         ok, lines = attack()
         held &= ok
         print("\n".join(lines) + ("" if ok else f"   <-- {name} FAILED"), flush=True)
