@@ -44,7 +44,7 @@ class Decision:
         return self.action == "stop"
 
 
-_KEPT_KEYS = ("step", "reward", "collapse/tripped", "collapse/alarm")
+_KEPT_KEYS = ("step", "reward", "collapse/tripped", "collapse/alarm", "collapse/warmup")
 
 
 class CollapseGuard:

@@ -11,6 +11,7 @@ import pytest
 
 from stppo_agent.cli import main
 from stppo_agent.collapse import CollapseMonitor, MonitorSettings, best_step, checkpoint_reward, healthy_steps
+from stppo_agent.collapse_guard import CollapseStopped
 from stppo_agent.reports import collapse_events, plot_runs
 from stppo_agent.run_folder import pick_checkpoint
 from stppo_agent.trainer import Trainer, read_metrics
@@ -178,6 +179,22 @@ def test_rollback_restores_a_healthy_checkpoint_and_recovers(tiny_model, tmp_pat
         resolve_agent_spec(f"hf:{tmp_path}@bestest")
     written = plot_runs([tmp_path], tmp_path / "plots")
     assert written and all(p.stat().st_size > 0 for p in written)
+
+
+def test_an_alarm_during_the_warm_up_cannot_roll_back_and_stops(tiny_model, tmp_path):
+    # the KL to the reference grows as the policy learns and passes a low absolute limit after a few clean
+    # iterations, all inside a long warm-up: their checkpoints are not known healthy (the demo at lr 1e-4 collapsed
+    # inside the warm-up, and was first rolled back to a checkpoint that had collapsed already)
+    config = flip_config(tiny_model, tmp_path, "rollback", iterations=10, env_kwargs={}, collapse_warmup=12,
+                         collapse_thresholds={"kl_to_reference": 0.3},
+                         algorithm={"kl_in_reward": 0.001, "kl_loss_coef": 0.0})
+    with pytest.raises(CollapseStopped, match="Cannot roll back: no checkpoint is known healthy"):
+        Trainer(config, report=lambda _: None).train()
+    records = read_metrics(tmp_path)
+    clean = [r["step"] for r in records if not r["collapse/tripped"]]
+    assert len(clean) >= 2 and clean == list(range(1, len(clean) + 1))  # healthy-looking iterations came first
+    assert records[-1]["collapse/action"] == "stop" and all(r.get("collapse/warmup") for r in records)
+    assert all("collapse/rollback_to" not in r for r in records)
 
 
 def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
