@@ -342,10 +342,12 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
         process = subprocess.Popen(_train_command(model, interrupted, iterations, resume=runs > 1), env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if done_kills < kills:
-            # after the first checkpoint: before it, --resume rightly refuses a folder it cannot resume
-            while process.poll() is None and not (interrupted / "checkpoints" / "step-1").exists():
-                time.sleep(0.01)
-            time.sleep(rng.uniform(0.0, 3.0))
+            # once a random checkpoint exists (before the first one, --resume rightly refuses the folder), at a
+            # random moment of the next iteration
+            target = interrupted / "checkpoints" / f"step-{rng.randrange(1, iterations - 1)}"
+            while process.poll() is None and not target.exists():
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.3))
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
                 done_kills += 1

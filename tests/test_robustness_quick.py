@@ -20,5 +20,6 @@ def test_every_attack_holds_at_small_scale():
     assert "good answered with their own results 100.0%, bad refused with a 4xx 100.0%" in out
     assert "loaded silently 0," in out
     assert re.search(r"command lines\s+(\d+) bad invocations: a clear error and a non-zero exit \1$", out, re.M)
+    assert re.search(r"kill -9\s+1 kills at random moments over [2-5] runs", out)
     assert "final weights equal to an uninterrupted run yes, optimizer state yes, metrics records 1..10 once each yes" \
         in out
