@@ -310,17 +310,6 @@ def attack_cli() -> tuple[bool, list[str]]:
 
 
 # -- 5. kill -9 -----------------------------------------------------------------------------------------------------
-def _train_command(model: Path, out: Path, iterations: int, resume: bool) -> list[str]:
-    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
-               "--model", str(model), "--output-dir", str(out), "--iterations", str(iterations)]
-    for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
-                 "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
-                 "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
-                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0"):
-        command += ["--set", item]
-    return command + (["--resume"] if resume else [])
-
-
 def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
     import json
     import signal
@@ -330,7 +319,7 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
     from safetensors.torch import load_file
 
     from stppo_agent.checkpoint import load_trainer_state
-    from tests.tiny_models import tiny_llama, word_tokenizer
+    from tests.tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
     scratch = Path(tempfile.mkdtemp())
     model = tiny_llama(scratch / "model", word_tokenizer())
@@ -339,7 +328,7 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
     rng, done_kills, runs = random.Random(0), 0, 0
     while True:
         runs += 1
-        process = subprocess.Popen(_train_command(model, interrupted, iterations, resume=runs > 1), env=env,
+        process = subprocess.Popen(toy_train_command(model, interrupted, iterations, resume=runs > 1), env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if done_kills < kills:
             # once a random checkpoint exists (before the first one, --resume rightly refuses the folder), at a
@@ -353,7 +342,7 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
                 done_kills += 1
         if process.wait(timeout=900) == 0 or runs > kills + 3:
             break
-    subprocess.run(_train_command(model, reference, iterations, resume=False), env=env, check=True,
+    subprocess.run(toy_train_command(model, reference, iterations, resume=False), env=env, check=True,
                    capture_output=True)
     final = f"checkpoints/step-{iterations}"
     steps = [json.loads(line)["step"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]

@@ -144,6 +144,27 @@ def list_checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
 
 
+def valid_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints that verify, oldest first (corrupt ones are left out silently)."""
+    valid = []
+    for step in list_checkpoints(run_dir):
+        try:
+            verify_checkpoint(run_dir / "checkpoints" / f"step-{step}")
+            valid.append(step)
+        except CorruptCheckpointError:
+            continue
+    return valid
+
+
+def set_aside(folder: Path, prefix: str) -> Path:
+    """Rename ``checkpoints/step-N`` to ``checkpoints/.{prefix}-step-N`` (replacing an older one): kept for
+    inspection, invisible to resume and pruning."""
+    aside = folder.with_name(f".{prefix}-{folder.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    return aside
+
+
 def latest_valid_checkpoint(run_dir: Path, report=print) -> Path | None:
     """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
     for step in reversed(list_checkpoints(run_dir)):

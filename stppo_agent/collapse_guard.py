@@ -18,13 +18,11 @@ The first process decides (it holds the run's metrics); every process carries ou
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from . import distributed
-from .checkpoint import CorruptCheckpointError, list_checkpoints, verify_checkpoint
+from .checkpoint import list_checkpoints, set_aside, valid_checkpoints
 from .collapse import CollapseMonitor, MonitorSettings, Verdict, best_step, healthy_steps
 
 
@@ -86,7 +84,7 @@ class CollapseGuard:
         config = self.config
         head = f"collapse alarm at iteration {verdict.iteration} (signals since iteration {verdict.onset}): " \
                f"{verdict.describe()}"
-        healthy = healthy_steps(self.records, self._valid_steps())
+        healthy = healthy_steps(self.records, valid_checkpoints(self.trainer.run_dir))
         known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
         if config.on_collapse == "warn":
             return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
@@ -117,26 +115,13 @@ class CollapseGuard:
         lr_scale = restore_training_state(self.trainer, folder, self.config.rollback_lr_factor)
         if distributed.is_main():
             for later in (s for s in list_checkpoints(run_dir) if s > step):
-                source = run_dir / "checkpoints" / f"step-{later}"
-                aside = source.with_name(f".collapsed-step-{later}")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(source, aside)
+                set_aside(run_dir / "checkpoints" / f"step-{later}", "collapsed")
             self.monitor.forget_after(step)
         distributed.barrier()
         self.rollbacks += 1
         return lr_scale
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def _valid_steps(self) -> list[int]:
-        valid = []
-        for step in list_checkpoints(self.trainer.run_dir):
-            try:
-                verify_checkpoint(self.trainer.run_dir / "checkpoints" / f"step-{step}")
-                valid.append(step)
-            except CorruptCheckpointError:
-                continue
-        return valid
-
     def protected_steps(self) -> set[int]:
         """Checkpoints pruning must keep: the newest healthy one and the best one."""
         steps = list_checkpoints(self.trainer.run_dir)

@@ -12,12 +12,11 @@ A folder *holds a run* when it has metrics or checkpoints. Then:
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
-from .checkpoint import CorruptCheckpointError, list_checkpoints, verify_checkpoint
+from .checkpoint import CorruptCheckpointError, list_checkpoints, set_aside, valid_checkpoints, verify_checkpoint
 
 RUN_FILES = ("metrics.jsonl", "steps.jsonl", "checkpoints", "rollouts", "tensorboard", "config.yaml", "replay.json")
 
@@ -68,9 +67,7 @@ def _newest_valid(run_dir: Path, report: Callable[[str], None]) -> Path:
             verify_checkpoint(folder)
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
-            aside = folder.with_name(f".corrupt-step-{step}")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(folder, aside)
+            aside = set_aside(folder, "corrupt")
             report(f"skipping corrupt checkpoint (moved to {aside.name}): {exc}")
             continue
         return folder
@@ -111,13 +108,7 @@ def pick_checkpoint(run_dir: Path, which: str = "latest") -> tuple[Path, str]:
     from .collapse import best_step, checkpoint_reward, healthy_steps
     from .trainer import read_metrics
 
-    steps = []
-    for step in list_checkpoints(run_dir):
-        try:
-            verify_checkpoint(run_dir / "checkpoints" / f"step-{step}")
-            steps.append(step)
-        except CorruptCheckpointError:
-            continue
+    steps = valid_checkpoints(run_dir)
     if not steps:
         raise FileNotFoundError(f"{run_dir} has no checkpoint that verifies")
     records = read_metrics(run_dir)

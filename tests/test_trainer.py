@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from stppo_agent.checkpoint import CorruptCheckpointError, latest_valid_checkpoi
 from stppo_agent.config import TrainConfig, load_config
 from stppo_agent.trainer import Trainer, TrainingDivergedError, read_metrics
 
-from .tiny_models import tiny_llama, word_tokenizer
+from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,22 +118,11 @@ def test_checkpoint_is_a_plain_hf_folder_and_corruption_is_reported(tiny_model, 
     assert "skipping corrupt checkpoint" in reports[0]
 
 
-def _train_command(model: Path, out: Path, iterations: int, resume: bool = False) -> list[str]:
-    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
-               "--model", str(model), "--output-dir", str(out), "--iterations", str(iterations)]
-    for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
-                 "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
-                 "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
-                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0"):
-        command += ["--set", item]
-    return command + (["--resume"] if resume else [])
-
-
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     iterations = 12
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(_train_command(tiny_model, interrupted, iterations), env=env, cwd=REPO,
+    process = subprocess.Popen(toy_train_command(tiny_model, interrupted, iterations), env=env, cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while not (interrupted / "checkpoints" / "step-3").exists():
@@ -146,9 +134,9 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     killed_at = max(int(p.name.split("-")[1]) for p in (interrupted / "checkpoints").glob("step-*"))
     assert killed_at < iterations, "the run finished before it could be killed; the test needs a longer run"
 
-    subprocess.run(_train_command(tiny_model, interrupted, iterations, resume=True), env=env, cwd=REPO,
+    subprocess.run(toy_train_command(tiny_model, interrupted, iterations, resume=True), env=env, cwd=REPO,
                    check=True, capture_output=True)
-    subprocess.run(_train_command(tiny_model, reference, iterations), env=env, cwd=REPO, check=True,
+    subprocess.run(toy_train_command(tiny_model, reference, iterations), env=env, cwd=REPO, check=True,
                    capture_output=True)
 
     steps = [record["step"] for record in read_metrics(interrupted)]
