@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from statistics import median
 from typing import Any, Iterable, Mapping, Sequence
 
 ACTIONS = ("none", "warn", "stop", "rollback")
@@ -201,8 +202,8 @@ class CollapseMonitor:
         if value is None or len(past) < self.settings.warmup:
             return None
         x = _transform(signal, value)
-        centre = _median(past)
-        spread = 1.4826 * _median([abs(v - centre) for v in past])
+        centre = median(past)
+        spread = 1.4826 * median([abs(v - centre) for v in past])
         z = (x - centre) / max(spread, signal.floor)
         bad = z > self.settings.z if signal.direction == "up" else \
             z < -self.settings.z if signal.direction == "down" else abs(z) > self.settings.z
@@ -227,7 +228,7 @@ class CollapseMonitor:
             # The reward's noise from consecutive differences (a learning curve's trend does not inflate it):
             # sd = 1.4826 * MAD(diffs) / sqrt(2).
             diffs = [b - a for a, b in zip(recent, recent[1:])]
-            noise = 1.4826 * _median([abs(d - _median(diffs)) for d in diffs]) / math.sqrt(2)
+            noise = 1.4826 * median([abs(d - median(diffs)) for d in diffs]) / math.sqrt(2)
             fall = previous[2] - reward
             if fall > self.settings.drawdown * previous[2] and fall > 3 * noise:
                 trip = Trip("reward_drawdown", "reward", reward, fall / previous[2], reward, previous[2])
@@ -296,9 +297,3 @@ def _number(value: Any) -> float | None:
 
 def _transform(signal: Signal, value: float) -> float:
     return math.log(max(value, 1e-12)) if signal.log else value
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

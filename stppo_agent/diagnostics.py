@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from . import distributed
-from .algorithms.segments import segment_counts, segment_ids, segment_sum
+from .algorithms.segments import quantile, segment_counts, segment_ids, segment_sum
 
 OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "clip_bias_scale", "clip_bias_norm", "grad_cos_to_first",
                    "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99",
@@ -63,13 +63,6 @@ class StepMeans:
         if "offpolicy/steps" in self.sums:
             out["offpolicy/steps"] = self.sums["offpolicy/steps"]  # a count, not a mean
         return out
-
-
-def _quantile(values: torch.Tensor, q: float) -> float:
-    # torch.quantile refuses inputs over 16M elements; subsample evenly beyond that (tails of the sorted values)
-    if values.numel() > 1 << 24:
-        values = values.sort().values[torch.linspace(0, values.numel() - 1, 1 << 24).long()]
-    return float(torch.quantile(values.double(), q))
 
 
 class StepDiagnostics:
@@ -157,7 +150,7 @@ class StepDiagnostics:
             values = torch.cat(parts) if parts else torch.zeros(0)
             if values.numel():
                 out[f"{name}_max"] = math.exp(float(values.max()))
-                out[f"{name}_p99"] = math.exp(_quantile(values, 0.99))
+                out[f"{name}_p99"] = math.exp(quantile(values, 0.99))
                 out[f"{name}_min"] = math.exp(float(values.min()))
                 outside = (values > self.log_high) | (values < self.log_low)
                 out[f"{'token' if name == 'ratio' else 'turn'}_outside_frac"] = float(outside.double().mean())

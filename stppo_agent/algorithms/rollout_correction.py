@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from .losses import KL_LOG_RATIO_CLAMP, log_ratio_at_level
-from .segments import masked_mean
+from .segments import masked_mean, quantile
 
 CORRECTION_NAMES = ("none", "tis", "mis")
 CORRECTION_LEVELS = ("token", "turn", "sequence")
@@ -66,7 +66,7 @@ def rollout_correction_weights(old_logprobs: torch.Tensor, sample_logprobs: torc
         "rollout_correction/kl": float(masked_mean(torch.expm1(token_log_w) - token_log_w, loss_mask)),
         "rollout_correction/weight_mean": float(values.mean()),
         "rollout_correction/weight_max": float(values.max()),
-        "rollout_correction/weight_p99": float(torch.quantile(values.double()[: 1 << 24], 0.99)),
+        "rollout_correction/weight_p99": quantile(values, 0.99),
     }
     if config.rollout_correction == "none":
         return None, metrics

@@ -100,3 +100,11 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
         y = y + weight * shifted
         stride, weight = stride * 2, weight * weight
     return y
+
+
+def quantile(values: torch.Tensor, q: float) -> float:
+    """``torch.quantile`` of any size: it refuses inputs over 16M elements, so beyond that the sorted values are
+    subsampled evenly (the tails stay)."""
+    if values.numel() > 1 << 24:
+        values = values.sort().values[torch.linspace(0, values.numel() - 1, 1 << 24).long()]
+    return float(torch.quantile(values.double(), q))
