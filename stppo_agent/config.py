@@ -87,6 +87,11 @@ class TrainConfig:
     """strategy=fsdp2 only: bfloat16 or float16 to gather weights and compute forward/backward in that dtype while
     the sharded master weights and AdamW state stay in `dtype` (float32) and gradients are reduced in float32
     (FSDP2's MixedPrecisionPolicy). None: compute in `dtype`."""
+    autocast_dtype: str | None = None
+    """bfloat16 or float16: run the forward passes (generation, scoring, training) under torch.autocast with
+    float32 weights, gradients and optimizer state, output heads in float32 (stppo_agent/mixed_precision.py);
+    2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX. auto: bfloat16 where the hardware has it natively, else
+    float32 (config.yaml records the choice). For strategy=fsdp2 use fsdp_compute_dtype instead."""
     reuse_kv_cache: bool = True
     """HF backend: continue each trajectory's key/value cache from its previous turn instead of re-encoding the
     transcript every turn (same tokens; stppo_agent/turn_cache.py)."""
@@ -177,6 +182,13 @@ class TrainConfig:
                 raise ValueError("fsdp_compute_dtype needs strategy=fsdp2 (DDP computes in `dtype`)")
             if self.fsdp_compute_dtype not in ("bfloat16", "float16"):
                 raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {self.fsdp_compute_dtype!r}")
+        if self.autocast_dtype is not None:
+            from .mixed_precision import validate_autocast_dtype
+
+            if self.strategy == "fsdp2":
+                raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
+                                 "mixed precision)")
+            validate_autocast_dtype(self.autocast_dtype, self.dtype)
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()

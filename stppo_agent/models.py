@@ -119,10 +119,14 @@ def load_reference(path: str | os.PathLike, dtype: str = "float32"):
 
 def load_policy_models(actor_path: str, *, critic_path: str | None, use_critic: bool, need_reference: bool,
                        dtype: str = "float32", gradient_checkpointing: bool = False,
-                       reference_path: str | None = None) -> PolicyModels:
-    """Everything a run needs, from Hugging Face folders or names."""
+                       reference_path: str | None = None, autocast_dtype: str | None = None) -> PolicyModels:
+    """Everything a run needs, from Hugging Face folders or names (forwards under autocast when asked)."""
+    from .mixed_precision import autocast_forward
+
     tokenizer = load_tokenizer(actor_path)
     actor = load_actor(actor_path, dtype, gradient_checkpointing)
     critic = load_critic(critic_path or actor_path, dtype, gradient_checkpointing) if use_critic else None
     reference = load_reference(reference_path or actor_path, dtype) if need_reference else None
+    actor, critic, reference = (autocast_forward(model, autocast_dtype) if model is not None else None
+                                for model in (actor, critic, reference))
     return PolicyModels(actor, tokenizer, critic, reference)

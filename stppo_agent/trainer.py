@@ -40,6 +40,7 @@ from .diagnostics import StepDiagnostics, StepMeans
 from .forward import batched_no_grad, critic_values, length_sorted_micro_batches, token_logprobs
 from .live_rollouts import LiveRollouts, PromptSampler  # noqa: F401  (PromptSampler: kept importable from here)
 from .logging_utils import MetricsLogger
+from .mixed_precision import resolve_autocast_dtype
 from .models import DTYPES, load_policy_models, resolve_device
 from .recording import RolloutRecorder
 from .rollout import HFGenerationBackend, RolloutBatch
@@ -73,10 +74,12 @@ class Trainer:
         envs now; ``stppo_agent.replay`` passes recorded batches). A folder that holds a run needs ``resume``
         or ``overwrite`` (:mod:`stppo_agent.run_folder`)."""
         config.validate()
+        self.device = resolve_device(config.device)
+        # config.yaml records the precision "auto" chose, so that a resume or replay elsewhere computes the same
+        config = dataclasses.replace(config, autocast_dtype=resolve_autocast_dtype(config.autocast_dtype, self.device))
         self.config, self.report, self.batch_hook = config, report, batch_hook
         self.algo = config.algorithm_config()
         self.run_dir = Path(config.output_dir)
-        self.device = resolve_device(config.device)
         self.sharded = config.strategy == "fsdp2"
         if self.sharded:
             distributed.ensure_process_group()
@@ -113,7 +116,8 @@ class Trainer:
         critic_path = str(checkpoint / "critic") if checkpoint is not None else config.critic_model
         models = load_policy_models(actor_path, critic_path=critic_path, use_critic=algo.use_critic,
                                     need_reference=need_reference, dtype=config.dtype,
-                                    gradient_checkpointing=config.gradient_checkpointing, reference_path=config.model)
+                                    gradient_checkpointing=config.gradient_checkpointing, reference_path=config.model,
+                                    autocast_dtype=config.autocast_dtype)
         self.tokenizer = models.tokenizer
         self.actor = models.actor.to(self.device)
         self.critic = models.critic.to(self.device) if models.critic is not None else None

@@ -1,0 +1,110 @@
+"""autocast_dtype: forwards in bfloat16 with float32 weights, gradients, optimizer state and output heads."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from stppo_agent.config import TrainConfig
+from stppo_agent.mixed_precision import autocast_forward, resolve_autocast_dtype
+from stppo_agent.models import load_actor, load_critic
+from stppo_agent.trainer import Trainer, read_metrics
+
+from .test_trainer import toy_config
+from .tiny_models import tiny_llama, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer(), hidden=64)
+
+
+def _output_dtypes(model, module: torch.nn.Module, **inputs) -> torch.dtype:
+    seen = []
+    handle = module.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    result = model(**inputs)
+    handle.remove()
+    return seen[0], result
+
+
+def test_the_body_runs_in_bfloat16_and_the_heads_in_float32(tiny_model):
+    actor = autocast_forward(load_actor(tiny_model), "bfloat16")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    body_dtype, out = _output_dtypes(actor, actor.model.layers[0].self_attn.q_proj, input_ids=ids)
+    assert body_dtype == torch.bfloat16
+    assert out.logits.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in actor.parameters())
+    critic = autocast_forward(load_critic(tiny_model), "bfloat16")
+    body_dtype, values = _output_dtypes(critic, critic.model.layers[0].mlp.up_proj, input_ids=ids)
+    assert body_dtype == torch.bfloat16 and values.logits.dtype == torch.float32
+
+
+def test_without_autocast_nothing_changes(tiny_model):
+    plain, wrapped = load_actor(tiny_model), autocast_forward(load_actor(tiny_model), None)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert torch.equal(plain(input_ids=ids).logits, wrapped(input_ids=ids).logits)
+
+
+def test_the_wrapped_forward_keeps_the_signature_generate_reads(tiny_model):
+    actor = autocast_forward(load_actor(tiny_model), "bfloat16")
+    assert "logits_to_keep" in inspect.signature(actor.forward).parameters
+    out = actor.generate(torch.tensor([[3, 4]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 5)
+
+
+def test_gradients_are_float32_and_close_to_full_precision(tiny_model):
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 3, 4]])
+    grads = {}
+    for name in (None, "bfloat16"):
+        actor = autocast_forward(load_actor(tiny_model), name)
+        actor(input_ids=ids, labels=ids).loss.backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in actor.parameters()])
+    assert grads["bfloat16"].dtype == torch.float32
+    cosine = torch.nn.functional.cosine_similarity(grads[None], grads["bfloat16"], dim=0)
+    assert cosine > 0.99, cosine
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="autocast_dtype must be bfloat16, float16, auto"):
+        TrainConfig(model="m", autocast_dtype="int8").validate()
+    with pytest.raises(ValueError, match="needs dtype=float32"):
+        TrainConfig(model="m", autocast_dtype="bfloat16", dtype="bfloat16").validate()
+    with pytest.raises(ValueError, match="with fsdp2 use fsdp_compute_dtype"):
+        TrainConfig(model="m", autocast_dtype="bfloat16", strategy="fsdp2").validate()
+
+
+def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny_model, tmp_path):
+    trainer = Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=6, autocast_dtype="bfloat16",
+                                 step_diagnostics=True))
+    trainer.train()
+    assert all(p.dtype == torch.float32 for p in trainer.actor.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.actor_optimizer.state.values())
+    records = read_metrics(tmp_path)
+    assert records[-1]["reward"] > records[0]["reward"] + 0.2, [r["reward"] for r in records]
+    # The first (on-policy) step's ratios are old log-probs over training log-probs of the same weights: under
+    # autocast they differ only by bfloat16 noise across batch shapes, far inside the clip range.
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    first = [record for record in steps if record["on_policy"]]
+    assert len(first) == 6
+    assert all(abs(record["ratio_max"] - 1) < 0.05 and abs(record["ratio_min"] - 1) < 0.05 for record in first), first
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,expected", [(True, False, "bfloat16"), (False, True, "bfloat16"),
+                                                      (False, False, None)])
+def test_auto_picks_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_autocast_dtype("auto", torch.device("cpu")) == expected
+    assert resolve_autocast_dtype("float16", torch.device("cpu")) == "float16"
+    assert resolve_autocast_dtype(None, torch.device("cpu")) is None
+
+
+def test_the_run_records_what_auto_chose(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    trainer = Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=1, autocast_dtype="auto"))
+    assert trainer.config.autocast_dtype is None
+    assert "autocast_dtype: null" in (tmp_path / "config.yaml").read_text()
