@@ -251,8 +251,6 @@ class Trainer:
         batch.stats.update(mismatch)
         if weights is not None:  # w' >= 0 times the advantage = w' times each token's clipped surrogate
             batch.advantages = batch.advantages * weights
-        batch.stats["rollout_logprob_diff"] = float((batch.old_logprobs - batch.sample_logprobs)[mask].abs().mean()) \
-            if mask.any() else 0.0
         if batch.ref_logprobs is not None and mask.any():
             batch.stats["kl_to_reference"] = float((batch.old_logprobs - batch.ref_logprobs)[mask].mean())
 

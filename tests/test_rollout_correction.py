@@ -69,6 +69,7 @@ def test_weights_match_a_plain_loop(seed, level, mode):
     assert metrics["rollout_correction/weight_mean"] == pytest.approx(float(raw.mean()), rel=1e-5)
     token_l = (old - sample)[mask]
     assert metrics["rollout_correction/kl"] == pytest.approx(float((token_l.exp() - 1 - token_l).mean()), rel=1e-5)
+    assert metrics["rollout_logprob_diff"] == pytest.approx(float(token_l.abs().mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

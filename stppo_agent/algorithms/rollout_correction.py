@@ -47,7 +47,8 @@ def resolve_rollout_correction(algo, generation_backend: str):
 def rollout_correction_weights(old_logprobs: torch.Tensor, sample_logprobs: torch.Tensor, loss_mask: torch.Tensor,
                                turn_ids: torch.Tensor, config) -> tuple[torch.Tensor | None, dict[str, float]]:
     """(weights w' (B, T), 0 off the mask; None when the correction is off) and the mismatch metrics, which are
-    measured whether or not the correction is on: ``rollout_correction/kl`` (k3 estimate of KL(pi_s || pi_old)
+    measured whether or not the correction is on: ``rollout_logprob_diff`` (mean |old - sample| per policy
+    token), ``rollout_correction/kl`` (k3 estimate of KL(pi_s || pi_old)
     per policy token), ``weight_mean``/``weight_max``/``weight_p99`` of w before the cap, and with a correction
     ``truncated_frac`` (tis) or ``masked_frac`` (mis): the share of policy tokens whose w exceeded the cap."""
     if config.rollout_correction == "auto" or config.rollout_correction_level == "auto":
@@ -63,6 +64,7 @@ def rollout_correction_weights(old_logprobs: torch.Tensor, sample_logprobs: torc
     weight = torch.exp(log_w.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP))
     values = weight[loss_mask]
     metrics = {
+        "rollout_logprob_diff": float(masked_mean((old - sample).abs(), loss_mask)),
         "rollout_correction/kl": float(masked_mean(torch.expm1(token_log_w) - token_log_w, loss_mask)),
         "rollout_correction/weight_mean": float(values.mean()),
         "rollout_correction/weight_max": float(values.max()),
