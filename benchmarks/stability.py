@@ -1,8 +1,8 @@
 """The off-policy stability study of ST-PPO's two mechanisms (turn-level ratios, clip-bias correction).
 
-    python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 6] [--seeds 0,1]
-                                   [--live ppo,turn_ppo,s_ppo,st_ppo,grpo,so_grpo] [--lr 1e-5] [--eval-limit 16]
-                                   [--device cpu|cuda] [--quick]
+    python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 3] [--seeds 0,1]
+                                   [--live ppo,st_ppo,grpo,so_grpo] [--lr 1e-5] [--eval-limit 16]
+                                   [--device cpu|cuda] [--autocast-dtype bfloat16|float16|none] [--quick]
 
 Parts, each written to OUT/report.md (tables) and OUT/summary.json, figures under OUT/figures/:
 
@@ -14,6 +14,9 @@ Parts, each written to OUT/report.md (tables) and OUT/summary.json, figures unde
    diagnostics. The recorded run is the ppo row (a ppo replay reproduces it exactly; --check-exact runs one
    and reports whether it did).
 3. Live runs: each algorithm of --live for each seed, from the same warm start, then evaluated ("after").
+   The defaults (3 iterations; live ppo vs st_ppo and grpo vs so_grpo, 2 seeds; turn_ppo and s_ppo through the
+   replays) are what fits 2 hours on 2 CPU cores with bfloat16 forwards; all six live is --live
+   ppo,turn_ppo,s_ppo,st_ppo,grpo,so_grpo (about 3 hours here, minutes on a GPU with --device cuda).
 
 The regime is off-policy on purpose: per iteration 8 prompts x 4 samples = 32 trajectories of up to 3 turns,
 mini-batches of 8 (4 optimizer steps per epoch), 2 PPO epochs: 7 of every 8 optimizer steps are off-policy.
