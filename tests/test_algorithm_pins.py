@@ -64,3 +64,34 @@ def test_explained_variance_is_zero_for_constant_targets_and_one_for_perfect_pre
     targets = torch.tensor([[1.0, 2.0, 4.0]])
     assert explained_variance(targets, targets, mask).item() == pytest.approx(1.0)
     assert explained_variance(torch.zeros_like(targets), targets, mask).item() == pytest.approx(0.0)
+
+
+def _bias_step(corrector, theta, weights):
+    """One step of a corrector on a toy surrogate: C = grad (weights . theta), loss gradient = theta."""
+    corrector.accumulate((weights * theta).sum())
+    theta.grad = theta.detach().clone()
+    return corrector.apply()
+
+
+def test_a_corrector_reused_over_steps_measures_each_step_afresh():
+    from stppo_agent.algorithms.clip_bias import ClipBiasCorrector
+
+    theta = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=torch.float64))
+    corrector = ClipBiasCorrector([theta], kappa=1.0)
+    first = _bias_step(corrector, theta, torch.tensor([6.0, 8.0], dtype=torch.float64))
+    second = _bias_step(corrector, theta, torch.tensor([0.0, 2.0], dtype=torch.float64))
+    assert first["clip_bias_norm"].item() == pytest.approx(10.0)
+    assert second["clip_bias_norm"].item() == pytest.approx(2.0)  # step 2's C alone, not 0 nor step 1's + 2's
+    torch.testing.assert_close(theta.grad, theta.detach() / 2.0)
+
+
+def test_measuring_only_reports_the_norms_and_leaves_the_gradient_alone():
+    from stppo_agent.algorithms.clip_bias import ClipBiasCorrector
+
+    theta = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=torch.float64))
+    metrics = _bias_step(ClipBiasCorrector([theta], kappa=1.0, rescale=False), theta,
+                         torch.tensor([6.0, 8.0], dtype=torch.float64))
+    assert set(metrics) == {"clip_bias_norm", "pg_grad_norm"}
+    assert metrics["clip_bias_norm"].item() == pytest.approx(10.0)
+    assert metrics["pg_grad_norm"].item() == pytest.approx(5.0)
+    torch.testing.assert_close(theta.grad, theta.detach())
