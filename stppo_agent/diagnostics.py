@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from . import distributed
-from .algorithms.segments import quantile, segment_counts, segment_ids, segment_sum
+from .algorithms.segments import quantile, segment_counts, segment_sum, turn_segment_ids
 
 OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "clip_bias_scale", "clip_bias_norm", "grad_cos_to_first",
                    "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99",
@@ -105,7 +105,7 @@ class StepDiagnostics:
         log_ratio = torch.where(mask, logprobs.detach().float() - micro.old_logprobs.float(),
                                 torch.zeros((), device=logprobs.device))
         self.token_log_ratios.append(log_ratio[mask].cpu())
-        ids, segments = segment_ids(micro.turn_ids, mask, "turn")
+        ids, segments = turn_segment_ids(micro.turn_ids, mask)
         counts = segment_counts(ids, segments, mask, log_ratio.dtype)
         sums = segment_sum(log_ratio, ids, segments)
         present = counts > 0

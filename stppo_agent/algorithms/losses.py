@@ -23,8 +23,8 @@ from .segments import (
     masked_mean,
     masked_sum,
     segment_counts,
-    segment_ids,
     segment_sum,
+    turn_segment_ids,
 )
 
 KL_LOG_RATIO_CLAMP = 20.0  # verl's bound on l before exp(-l) in k3 / low_var_kl
@@ -60,7 +60,7 @@ def _ratios(logprobs, old_logprobs, loss_mask, turn_ids, level: str):
     """
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero)
-    turn_ids_flat, turn_segments = segment_ids(turn_ids, loss_mask, "turn")
+    turn_ids_flat, turn_segments = turn_segment_ids(turn_ids, loss_mask)
     turn_counts = segment_counts(turn_ids_flat, turn_segments, loss_mask, logprobs.dtype)
     if level == "token":
         with torch.no_grad():

@@ -15,23 +15,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(x, mask) / mask.sum().clamp(min=1).to(x.dtype)
 
 
-def segment_ids(turn_ids: torch.Tensor, loss_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, int]:
-    """Flat segment id per position for a ratio level, and an upper bound on the number of segments.
+def turn_segment_ids(turn_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Flat turn id per position, (b, k) -> b * T + k, and an upper bound on the number of turns (B * T).
 
-    token: every position is its own segment; turn: (b, k) -> b * T + k (turn ids are < T, so no host sync is
-    needed to size the buckets); sequence: one per trajectory. Positions outside ``loss_mask`` get id 0 and
+    Turn ids are < T, so no host sync is needed to size the buckets. Positions outside ``loss_mask`` get id 0 and
     must be masked by the caller. turn_ids (B, T) long, loss_mask (B, T) bool -> ids (B, T) long.
+    (Token and sequence levels need no ids: the ratio is per position, or a masked sum per row.)
     """
     batch, length = loss_mask.shape
     rows = torch.arange(batch, device=loss_mask.device).unsqueeze(1)
-    if level == "sequence":
-        return rows.expand(batch, length), batch
-    if level == "turn":
-        ids = rows * length + turn_ids.clamp(min=0, max=length - 1)
-        return torch.where(loss_mask, ids, torch.zeros_like(ids)), batch * length
-    if level == "token":
-        return torch.arange(batch * length, device=loss_mask.device).view(batch, length), batch * length
-    raise ValueError(f"unknown ratio level {level!r}; known: token, turn, sequence")
+    ids = rows * length + turn_ids.clamp(min=0, max=length - 1)
+    return torch.where(loss_mask, ids, torch.zeros_like(ids)), batch * length
 
 
 def check_turn_ids(turn_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
