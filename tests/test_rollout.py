@@ -143,3 +143,52 @@ def test_total_token_budget_ends_a_trajectory(smollm2_tokenizer):
     assert batch.stats["truncated_max_total_tokens"] == 1.0 and batch.truncated.all()
     used = int(batch.attention_mask.sum())
     assert used <= limits.max_total_tokens
+
+
+class PerTrajectoryBackend:
+    """Each trajectory (told apart by the key the rollout passes) plays its own script; records every call's keys."""
+
+    def __init__(self, scripts: list[list[list[int]]]):
+        self.scripts, self.calls, self.row_of = scripts, [], {}
+
+    def generate(self, contexts, max_new_tokens, keys=None):
+        self.calls.append(list(keys))
+        out = []
+        for key in keys:
+            row = self.row_of.setdefault(key, len(self.row_of))
+            turn = sum(key in call for call in self.calls) - 1
+            out.append(Generation(self.scripts[row][turn], [-0.5] * len(self.scripts[row][turn])))
+        return out
+
+
+def test_per_trajectory_counters_flags_and_keys(smollm2_tokenizer):
+    from .conftest import FailingRetriever
+
+    tok = smollm2_tokenizer
+
+    def ids(text, eos=False):
+        return tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if eos else [])
+
+    search, answer = ids("<search> München </search>"), ids("<answer> Isar </answer>", eos=True)
+    scripts = [[ids("hello"), search, answer],  # invalid, search, answer
+               [search, search, search],  # the third search comes on the last turn: not served, truncated
+               [search, answer]]  # its retriever fails: a search error, then an answer
+    envs = [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=3).unwrapped for _ in range(2)]
+    envs.append(gym.make("stppo/NQ-v0", retriever=FailingRetriever(), max_turns=3).unwrapped)
+    backend = PerTrajectoryBackend(scripts)
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=64, max_observation_tokens=200,
+                           max_prompt_tokens=400, max_total_tokens=2000)
+    batch = collect_rollouts(backend, tok, envs, [{"index": 0}] * 3, [0, 1, 2], limits)
+
+    assert batch.terminated.tolist() == [True, False, True]
+    assert batch.truncated.tolist() == [False, True, False]
+    assert batch.stats["turns"] == pytest.approx(8 / 3)
+    assert batch.stats["search_calls"] == pytest.approx(1.0)  # 1 + 2 + 0 served searches
+    assert batch.stats["invalid_action_rate"] == pytest.approx(1 / 8)
+    assert batch.stats["search_error_rate"] == pytest.approx(1 / 4)
+    assert batch.stats["answer_rate"] == pytest.approx(2 / 3)
+    # stable, distinct keys per trajectory across turns (what KV-cache reuse hangs on), finished ones dropped
+    first = backend.calls[0]
+    assert len(set(first)) == 3 and backend.calls[1] == first and backend.calls[2] == first[:2]
+    # actions reach the env (and so the transcripts in episodes.jsonl) without special tokens
+    assert all(tok.eos_token not in segment.text for env in envs for segment in env.transcript)
