@@ -120,6 +120,11 @@ PLOTS = {
 }
 
 
+# Per optimizer step, from steps.jsonl (step_diagnostics=true; on in replays): where off-policy drift shows first.
+STEP_PLOT_KEYS = ["ratio_max", "ratio_p99", "token_outside_frac", "turn_outside_frac", "clip_bias_norm",
+                  "grad_cos_to_first"]
+
+
 def collapse_events(records: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
     """The collapse monitor's events in a run's records: (iteration, "alarm" | "rollback")."""
     events = []
@@ -187,4 +192,41 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
         figure.savefig(path, dpi=100)
         plt.close(figure)
         written.append(path)
+    steps = {Path(d).name or str(d): _read_steps(Path(d)) for d in run_dirs}
+    if any(steps.values()):
+        written.append(_plot_steps(steps, styles, out / "steps.png", plt))
     return written
+
+
+def _read_steps(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _plot_steps(steps: dict[str, list[dict]], styles: dict[str, dict], path: Path, plt) -> Path:
+    """One panel per step diagnostic, x = optimizer step; dotted verticals where an iteration's first (on-policy)
+    step starts."""
+    from matplotlib.ticker import MaxNLocator
+
+    columns = 3
+    rows = -(-len(STEP_PLOT_KEYS) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.3 * rows), squeeze=False)
+    for axis, key in zip(axes.flat, STEP_PLOT_KEYS):
+        for run, records in steps.items():
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if points:
+                axis.plot(*zip(*points), label=run, **dict(styles[run], markersize=3))
+        starts = sorted({r["step"] for records in steps.values() for r in records if r.get("on_policy")})
+        for start in starts[1:]:
+            axis.axvline(start - 0.5, color="grey", linestyle=":", linewidth=0.8)
+        axis.set_title(key)
+        axis.set_xlabel("optimizer step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(steps) > 1:
+            axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

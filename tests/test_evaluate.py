@@ -83,6 +83,37 @@ def test_plot_draws_every_group(tmp_path):
     assert all(p.stat().st_size > 5000 for p in (tmp_path / "plots").glob("*.png"))
 
 
+def test_plot_draws_step_diagnostics_per_optimizer_step(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stppo_agent.reports import STEP_PLOT_KEYS, plot_runs
+
+    for name, drift in (("ppo", 2.0), ("st_ppo", 1.0)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+        steps = [{"iteration": 1 + (k >= 4), "step": k + 1, "minibatch": k % 4, "on_policy": k % 4 == 0,
+                  "ratio_max": 1 + drift * k, "ratio_p99": 1.0, "token_outside_frac": 0.1 * k,
+                  "turn_outside_frac": 0.0, "clip_bias_norm": k, "grad_cos_to_first": 1.0} for k in range(8)]
+        (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    plt.close("all")
+    monkeypatch.setattr(plt, "close", lambda *a, **k: None)
+    written = plot_runs([tmp_path / "ppo", tmp_path / "st_ppo"], tmp_path / "plots")
+    assert (tmp_path / "plots" / "steps.png") in written
+    figure = plt.figure(plt.get_fignums()[-1])
+    panels = {axis.get_title(): axis for axis in figure.axes if axis.get_title()}
+    assert set(panels) == set(STEP_PLOT_KEYS)
+    lines = {line.get_label(): line for line in panels["ratio_max"].get_lines() if not line.get_label().startswith("_")}
+    assert list(lines["ppo"].get_xdata()) == list(range(1, 9))
+    assert list(lines["ppo"].get_ydata()) == [1 + 2.0 * k for k in range(8)]
+    assert [v.get_xdata()[0] for v in panels["ratio_max"].get_lines() if v.get_label().startswith("_")] == [4.5]
+    monkeypatch.undo()
+    plt.close("all")
+
+
 class _ChatStub(BaseHTTPRequestHandler):
     """Search on the first turn (vLLM-style stop_reason), answer with the first word after 'Doc 1' next."""
 
