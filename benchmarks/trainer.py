@@ -12,7 +12,8 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
   against one plain ``model.generate`` call producing the same number of tokens per trajectory, with the KV
   cache reused across turns (the default) and without (every turn re-encodes the transcript). Target >= 0.95.
 - mismatch: mean |old - sample| log-prob per policy token between the trainer's scoring forward and the
-  sampler (transformers generate), in float32 and bfloat16, and the k3 KL estimate of rollout_correction.
+  sampler (transformers generate), in float32, bfloat16 weights and bfloat16 autocast, and the k3 KL estimate of
+  rollout_correction.
 """
 
 from __future__ import annotations
@@ -83,14 +84,7 @@ def main() -> None:
                   max_prompt_tokens=512, max_total_tokens=1024, progress=False, tensorboard=False)
     trainer = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, **common), report=lambda _: None)
 
-    rollout_rates = {True: [], False: []}
-    for _ in range(args.repeats):  # alternate, so machine noise hits both alike
-        for reuse in (True, False):
-            trainer.backend.reuse_cache = reuse
-            started = time.perf_counter()
-            batch = trainer.rollout()
-            rollout_rates[reuse].append(float(batch.loss_mask.sum()) / (time.perf_counter() - started))
-    trainer.backend.reuse_cache = True
+    batch = trainer.rollout()  # warm-up (lazy inits, the retriever's first queries); sets the token count
     generated = int(batch.loss_mask.sum())
     per_trajectory = max(1, generated // batch.batch_size)
     prompts = [encode_prompt(trainer.tokenizer, env.transcript[0].text)
@@ -98,14 +92,43 @@ def main() -> None:
     from stppo_agent.rollout import left_pad
 
     input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)
-    started = time.perf_counter()
-    with torch.no_grad():
-        trainer.actor.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, top_k=0,
-                               max_new_tokens=per_trajectory, min_new_tokens=per_trajectory,
-                               pad_token_id=trainer.tokenizer.pad_token_id)
-    _synchronize(trainer.actor)
-    plain_seconds = time.perf_counter() - started
-    plain_tokens = per_trajectory * batch.batch_size
+
+    def plain_generate() -> float:
+        started = time.perf_counter()
+        with torch.no_grad():
+            trainer.actor.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, top_k=0,
+                                   max_new_tokens=per_trajectory, min_new_tokens=per_trajectory,
+                                   pad_token_id=trainer.tokenizer.pad_token_id)
+        _synchronize(trainer.actor)
+        return per_trajectory * batch.batch_size / (time.perf_counter() - started)
+
+    # Time spent inside the backend's generate, to split a rollout into generation and the rest (env steps,
+    # observation tokenisation, batching).
+    generate_seconds = [0.0]
+    backend_generate = trainer.backend.generate
+
+    def timed_generate(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return backend_generate(*args, **kwargs)
+        finally:
+            generate_seconds[0] += time.perf_counter() - started
+
+    trainer.backend.generate = timed_generate
+    rollout_rates, generation_share, plain_rates = {True: [], False: []}, {True: [], False: []}, []
+    for _ in range(args.repeats):  # alternate, so machine noise hits all three alike
+        for reuse in (True, False):
+            trainer.backend.reuse_cache = reuse
+            generate_seconds[0] = 0.0
+            started = time.perf_counter()
+            batch = trainer.rollout()
+            seconds = time.perf_counter() - started
+            rollout_rates[reuse].append(float(batch.loss_mask.sum()) / seconds)
+            generation_share[reuse].append(generate_seconds[0] / seconds)
+        plain_rates.append(plain_generate())
+    trainer.backend.reuse_cache = True
+    trainer.backend.generate = backend_generate
+    generated = int(batch.loss_mask.sum())
 
     trainer.score(batch)
     ours, raw = [], []
@@ -129,11 +152,12 @@ def main() -> None:
     print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
     print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   "
           f"ratio {st_tps / raw_tps:.2f}")
-    plain_tps = plain_tokens / plain_seconds
+    plain_tps = statistics.median(plain_rates)
     for reuse, label in ((True, "KV cache reused"), (False, "re-encoded    ")):
         rollout_tps = statistics.median(rollout_rates[reuse])
         print(f"rollout {label} {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
-              f"ratio {rollout_tps / plain_tps:.2f}")
+              f"ratio {rollout_tps / plain_tps:.2f}   (in generate: "
+              f"{statistics.median(generation_share[reuse]):.0%} of the rollout)")
     print(f"mismatch float32  mean |old - sample| {batch.stats['rollout_logprob_diff']:.2e}   "
           f"KL {batch.stats['rollout_correction/kl']:.2e}")
     bf16 = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, dtype="bfloat16",
@@ -142,6 +166,12 @@ def main() -> None:
     bf16.score(bf16_batch)
     print(f"mismatch bfloat16 mean |old - sample| {bf16_batch.stats['rollout_logprob_diff']:.2e}   "
           f"KL {bf16_batch.stats['rollout_correction/kl']:.2e}")
+    mixed = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, autocast_dtype="bfloat16",
+                                **dict(common, output_dir=tempfile.mkdtemp())), report=lambda _: None)
+    mixed_batch = mixed.rollout()
+    mixed.score(mixed_batch)
+    print(f"mismatch autocast bfloat16 (float32 weights and heads) mean |old - sample| "
+          f"{mixed_batch.stats['rollout_logprob_diff']:.2e}   KL {mixed_batch.stats['rollout_correction/kl']:.2e}")
 
 
 if __name__ == "__main__":
