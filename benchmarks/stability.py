@@ -1,6 +1,6 @@
 """The off-policy stability study of ST-PPO's two mechanisms (turn-level ratios, clip-bias correction).
 
-    python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 3] [--seeds 0,1]
+    python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 2] [--seeds 0,1]
                                    [--live ppo,st_ppo,grpo,so_grpo] [--lr 1e-5] [--eval-limit 16]
                                    [--device cpu|cuda] [--autocast-dtype bfloat16|float16|none] [--quick]
 
@@ -14,7 +14,7 @@ Parts, each written to OUT/report.md (tables) and OUT/summary.json, figures unde
    diagnostics. The recorded run is the ppo row (a ppo replay reproduces it exactly; --check-exact runs one
    and reports whether it did).
 3. Live runs: each algorithm of --live for each seed, from the same warm start, then evaluated ("after").
-   The defaults (3 iterations; live ppo vs st_ppo and grpo vs so_grpo, 2 seeds; turn_ppo and s_ppo through the
+   The defaults (2 iterations; live ppo vs st_ppo and grpo vs so_grpo, 2 seeds; turn_ppo and s_ppo through the
    replays) are what fits 2 hours on 2 CPU cores with bfloat16 forwards; all six live is --live
    ppo,turn_ppo,s_ppo,st_ppo,grpo,so_grpo (about 3 hours here, minutes on a GPU with --device cuda).
 
@@ -220,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/stability")
     parser.add_argument("--model", default=None, help="a warm-started checkpoint (default: stppo sft on smollm2)")
-    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--live", default="ppo,st_ppo,grpo,so_grpo",
                         help="algorithms trained live for every seed ('' for replays only); turn_ppo and s_ppo "
