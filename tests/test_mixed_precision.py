@@ -108,3 +108,22 @@ def test_the_run_records_what_auto_chose(tiny_model, tmp_path, monkeypatch):
     trainer = Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=1, autocast_dtype="auto"))
     assert trainer.config.autocast_dtype is None
     assert "autocast_dtype: null" in (tmp_path / "config.yaml").read_text()
+
+
+def test_a_run_under_autocast_replays_exactly(tiny_model, tmp_path):
+    """The stability study replays bfloat16-autocast recordings: same rule, same data -> the same update metrics."""
+    from stppo_agent.replay import replay
+
+    from .test_replay import TIMING
+
+    run = tmp_path / "recorded"
+    Trainer(toy_config(tiny_model, run, "ppo", iterations=2, prompts_per_iteration=4, samples_per_prompt=4,
+                       mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, actor_lr=2e-2, save_rollouts=True,
+                       autocast_dtype="bfloat16")).train()
+    replay(run, None, str(tmp_path / "again"), report=lambda _: None)
+    original, again = read_metrics(run), read_metrics(tmp_path / "again")
+    assert len(original) == len(again) == 2
+    for a, b in zip(original, again):
+        for key in sorted(set(a) - TIMING):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert "autocast_dtype: bfloat16" in (tmp_path / "again" / "config.yaml").read_text()
