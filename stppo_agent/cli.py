@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--batch-size", type=_positive_int, default=4, help="demonstrations per step")
     sft.add_argument("--lr", type=float, default=2e-5, help="learning rate")
     sft.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    sft.add_argument("--autocast-dtype", default=None, choices=("bfloat16", "float16", "auto"),
+                     help="forwards under torch.autocast with float32 weights (auto: bfloat16 where native)")
     sft.add_argument("--seed", type=int, default=0, help="seed")
     sft.set_defaults(handler=_run_sft)
 
@@ -309,7 +311,8 @@ def _run_sft(args: argparse.Namespace) -> int:
     summary = train_sft(SFTConfig(model=resolve_model(args.model), output_dir=args.output_dir, benchmarks=benchmarks,
                                   datasets=datasets, split=args.split, limit=args.limit, teacher=args.teacher,
                                   retriever=args.retriever, max_turns=args.max_turns, steps=args.steps,
-                                  batch_size=args.batch_size, lr=args.lr, dtype=args.dtype, seed=args.seed))
+                                  batch_size=args.batch_size, lr=args.lr, dtype=args.dtype,
+                                  autocast_dtype=args.autocast_dtype, seed=args.seed))
     print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; saved {args.output_dir}")
     return 0
 

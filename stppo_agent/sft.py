@@ -23,6 +23,7 @@ import torch
 
 from .evaluate import EvalSettings, evaluate_benchmark
 from .forward import token_logprobs
+from .mixed_precision import autocast_forward, resolve_autocast_dtype, validate_autocast_dtype
 from .models import load_actor, load_tokenizer, resolve_device
 from .rollout import Trajectory, encode_observation, encode_prompt, to_batch
 
@@ -45,6 +46,7 @@ class SFTConfig:
     batch_size: int = 4
     lr: float = 2e-5
     dtype: str = "float32"
+    autocast_dtype: str | None = None  # as in training: bfloat16 / float16 / auto forwards, float32 weights
     device: str = "auto"
     seed: int = 0
 
@@ -96,7 +98,9 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
     report(f"sft: {len(kept)} demonstrations by {config.teacher} ({len(trajectories) - len(kept)} over "
            f"max_total_tokens skipped), {config.steps} steps of {config.batch_size}")
     device = resolve_device(config.device)
-    model = load_actor(config.model, config.dtype).to(device)
+    validate_autocast_dtype(config.autocast_dtype, config.dtype)
+    config = dataclasses.replace(config, autocast_dtype=resolve_autocast_dtype(config.autocast_dtype, device))
+    model = autocast_forward(load_actor(config.model, config.dtype).to(device), config.autocast_dtype)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     order: list[int] = []

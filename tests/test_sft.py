@@ -4,6 +4,7 @@ the teacher's action tokens only."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -97,6 +98,16 @@ def test_sft_command(tiny_model, tmp_path, capsys):
                  "--limit", "4", "--teacher", "no-search", "--steps", "1"]) == 1
 
 
+def test_sft_under_autocast_records_the_precision_it_used(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "out"), "--benchmarks", "nq",
+                 "--limit", "4", "--steps", "2", "--batch-size", "2", "--autocast-dtype", "auto"]) == 0
+    summary = json.loads((tmp_path / "out" / "sft.json").read_text())
+    assert summary["config"]["autocast_dtype"] == "bfloat16" and math.isfinite(summary["last_loss"])
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == "float32"  # the weights stay float32
+
+
 def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_path, capsys):
     """`stppo demo` on a tiny model: warm start, ST-PPO, evaluation of the trained checkpoint."""
     out = tmp_path / "demo"
@@ -104,8 +115,11 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
                  "--iterations", "1", "--limit", "2"]) == 0
     printed = capsys.readouterr().out
     assert "warm start:" in printed and "QA avg (EM)" in printed
+    # 2 mini-batches x 2 epochs: 3 of the iteration's 4 optimizer steps are off-policy, and the summary says so
+    assert "on 3 off-policy steps: clip_frac" in printed
     config = (out / "train" / "config.yaml").read_text()
     assert f"model: {out / 'sft'}" in config  # RL started from the warm-started weights
+    assert "ppo_epochs: 2" in config and "autocast_dtype: auto" not in config  # the precision auto chose is kept
     results = json.loads((out / "eval" / "results.json").read_text())
     assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
     assert results[0]["provenance"]["agent"] == f"hf:{out / 'train' / 'checkpoints' / 'step-1' / 'actor'}"
