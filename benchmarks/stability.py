@@ -294,8 +294,11 @@ def main() -> None:
         (settings.out / "report.md").write_text(render(summary))
 
     write_report(final=False)
-    for algo in dict.fromkeys(["ppo", *settings.live]):  # the recorded run is live ppo's first seed
-        for seed in settings.seeds if algo in settings.live else settings.seeds[:1]:
+    # Seed by seed, every algorithm of a seed before the next seed: a study stopped early (they take hours on a
+    # CPU) leaves whole comparisons. The recorded run is live ppo's first seed.
+    algos = list(dict.fromkeys(["ppo", *settings.live]))
+    for seed in settings.seeds:
+        for algo in [a for a in algos if a in settings.live or seed == settings.seeds[0]]:
             run = settings.out / "live" / f"{algo}-s{seed}"
             timed(f"train {algo} seed {seed}", train, settings, model, algo, seed, run, False)
             summary = summarize(run)
