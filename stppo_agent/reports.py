@@ -123,6 +123,7 @@ PLOTS = {
 # Per optimizer step, from steps.jsonl (step_diagnostics=true; on in replays): where off-policy drift shows first.
 STEP_PLOT_KEYS = ["ratio_max", "ratio_p99", "token_outside_frac", "turn_outside_frac", "clip_bias_norm",
                   "grad_cos_to_first"]
+STEP_PLOT_LOG_KEYS = {"ratio_max": 1.0, "clip_bias_norm": 0.1}  # key -> the linear range of its symlog axis
 
 
 def collapse_events(records: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -221,6 +222,9 @@ def _plot_steps(steps: dict[str, list[dict]], styles: dict[str, dict], path: Pat
         starts = sorted({r["step"] for records in steps.values() for r in records if r.get("on_policy")})
         for start in starts[1:]:
             axis.axvline(start - 0.5, color="grey", linestyle=":", linewidth=0.8)
+        if key in STEP_PLOT_LOG_KEYS:  # one extreme token or step would flatten every other point
+            axis.set_yscale("symlog", linthresh=STEP_PLOT_LOG_KEYS[key])
+            axis.set_ylim(bottom=0)
         axis.set_title(key)
         axis.set_xlabel("optimizer step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
