@@ -78,8 +78,17 @@ def train_overrides(settings: Settings, seed: int) -> list[str]:
     ]
 
 
+class NotDone(Exception):
+    """--report-only met a part that has not run (or is running now in another invocation)."""
+
+
+REPORT_ONLY = False
+
+
 def stppo(*args: str) -> None:
     """One `stppo` command in its own process (as a user runs it); its output goes to the log beside it."""
+    if REPORT_ONLY:
+        raise NotDone(" ".join(args[:2]))
     command = [sys.executable, "-m", "stppo_agent.cli", *args]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
@@ -122,6 +131,8 @@ def evaluate(settings: Settings, model: str, out: Path) -> dict[str, float]:
 def train(settings: Settings, model: str, algo: str, seed: int, out: Path, record: bool = False) -> None:
     if (out / "done").exists():
         return
+    if REPORT_ONLY:  # never clear a run that another invocation may be writing
+        raise NotDone(str(out))
     shutil.rmtree(out, ignore_errors=True)
     sets = train_overrides(settings, seed) + (["save_rollouts=true"] if record else [])
     stppo("train", "--algo", algo, "--env", "stppo/NQ-v0,stppo/HotpotQA-v0,stppo/MedQA-v0", "--model", model,
@@ -133,6 +144,8 @@ def train(settings: Settings, model: str, algo: str, seed: int, out: Path, recor
 def replay(recorded: Path, algo: str, out: Path, iterations: int | None = None) -> None:
     if (out / "done").exists():
         return
+    if REPORT_ONLY:  # never clear a run that another invocation may be writing
+        raise NotDone(str(out))
     shutil.rmtree(out, ignore_errors=True)
     stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false",
           *(["--iterations", str(iterations)] if iterations else []))
@@ -193,6 +206,7 @@ def summarize(run: Path, iterations: int | None = None) -> dict:
         "kl_to_reference_last": series("kl_to_reference")[-1] if series("kl_to_reference") else None,
         "invalid_action_rate_mean": mean(series("invalid_action_rate")),
         "collapsed_at": collapsed_at,
+        "minutes": sum(r.get("iteration_seconds", 0.0) for r in records) / 60,
     }
 
 
@@ -237,7 +251,11 @@ def main() -> None:
     parser.add_argument("--replay-iterations", type=int, default=None,
                         help="replay only the first N recorded iterations (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 iteration: checks plumbing only")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: tables and figures of the parts already done (while a study runs, too)")
     args = parser.parse_args()
+    global REPORT_ONLY
+    REPORT_ONLY = args.report_only
     settings = Settings(Path(args.out), args.model, 1 if args.quick else args.iterations,
                         [int(s) for s in args.seeds.split(",") if s.strip()][: 1 if args.quick else None],
                         [a.strip() for a in args.live.split(",") if a.strip()], args.lr,
@@ -262,17 +280,23 @@ def main() -> None:
     before = timed("evaluate warm start", evaluate, settings, model, settings.out / "eval" / "warm-start")
 
     recorded = settings.out / "live" / f"ppo-s{settings.seeds[0]}"
-    timed("record ppo", train, settings, model, "ppo", settings.seeds[0], recorded, True)
+    try:
+        timed("record ppo", train, settings, model, "ppo", settings.seeds[0], recorded, True)
+    except NotDone:
+        raise SystemExit(f"--report-only: the recorded ppo run ({recorded}) is not done yet; nothing to report")
     span = settings.replay_iterations
     replays = {"ppo": summarize(recorded, span)}  # the recorded run is the ppo rule on its own data
     replay_dirs = {"ppo": recorded}
     for algo in settings.replay_rules + (["ppo"] if settings.check_exact else []):
         target = settings.out / "replay" / algo
-        timed(f"replay {algo}", replay, recorded, algo, target, span)
+        try:
+            timed(f"replay {algo}", replay, recorded, algo, target, span)
+        except NotDone:
+            continue
         if algo != "ppo":
             replays[algo], replay_dirs[algo] = summarize(target, span), target
     exact = None
-    if settings.check_exact:
+    if settings.check_exact and (settings.out / "replay" / "ppo" / "done").exists():
         original = read_jsonl(recorded / "metrics.jsonl")[:span]
         again = read_jsonl(settings.out / "replay" / "ppo" / "metrics.jsonl")
         timing_keys = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
@@ -300,11 +324,14 @@ def main() -> None:
     for seed in settings.seeds:
         for algo in [a for a in algos if a in settings.live or seed == settings.seeds[0]]:
             run = settings.out / "live" / f"{algo}-s{seed}"
-            timed(f"train {algo} seed {seed}", train, settings, model, algo, seed, run, False)
-            summary = summarize(run)
-            summary["after"] = timed(f"evaluate {algo} seed {seed}", evaluate, settings,
-                                     str(run / "checkpoints" / f"step-{settings.iterations}" / "actor"),
-                                     settings.out / "eval" / f"{algo}-s{seed}")
+            try:
+                timed(f"train {algo} seed {seed}", train, settings, model, algo, seed, run, False)
+                summary = summarize(run)
+                summary["after"] = timed(f"evaluate {algo} seed {seed}", evaluate, settings,
+                                         str(run / "checkpoints" / f"step-{settings.iterations}" / "actor"),
+                                         settings.out / "eval" / f"{algo}-s{seed}")
+            except NotDone:
+                continue
             live.setdefault(algo, {})[seed] = summary
             write_report(final=False)
 
@@ -312,7 +339,8 @@ def main() -> None:
     if live:
         figures["live"] = timed("plot live runs", plot, [settings.out / "live" / f"{a}-s{s}" for a in live
                                                          for s in live[a]], settings.out / "figures" / "live")
-    write_report(final=True)
+    write_report(final=not REPORT_ONLY or all(
+        (settings.out / "live" / f"{a}-s{s}" / "done").exists() for s in settings.seeds for a in settings.live))
     print((settings.out / "report.md").read_text())
     print(f"total {(time.perf_counter() - started) / 60:.1f} min; report {settings.out / 'report.md'}")
 
@@ -326,20 +354,21 @@ def render(summary: dict) -> str:
     header = ["rule", "clip_frac mean/max", "off-policy clip_frac", "turn_clip_frac mean/max",
               "off-policy turn_clip_frac", "token ratio max", "turn ratio max", "off-policy ratio p99",
               "off-policy ‖C‖ mean", "clip_bias_scale mean", "grad cos to 1st (off-policy)", "grad norm p99",
-              "KL to ref (last)"]
+              "KL to ref (last)", "minutes"]
     rows = []
     for algo, s in summary["replays"].items():
         rows.append([algo, f"{fmt(s['clip_frac_mean'])}/{fmt(s['clip_frac_max'])}", s["offpolicy_clip_frac_mean"],
                      f"{fmt(s['turn_clip_frac_mean'])}/{fmt(s['turn_clip_frac_max'])}",
                      s["offpolicy_turn_clip_frac_mean"], s["ratio_max"], s["turn_ratio_max"],
                      s["ratio_p99_offpolicy_mean"], s["clip_bias_norm_offpolicy_mean"], s["clip_bias_scale_mean"],
-                     s["grad_cos_offpolicy_mean"], s["grad_norm_p99"], s["kl_to_reference_last"]])
+                     s["grad_cos_offpolicy_mean"], s["grad_norm_p99"], s["kl_to_reference_last"], s["minutes"]])
     out += [table(header, rows), ""]
     if summary["live"]:
         out += ["## Live runs", "", f"Collapse criterion: {summary['collapse_criterion']}.", ""]
         header = ["algo", "seed", "reward first -> last", "worst drawdown", "clip_frac mean/max",
                   "turn_clip_frac mean/max", "off-policy clip_frac", "grad norm p99", "clip_bias_scale mean",
-                  "KL to ref (last)", "invalid rate", "collapsed at", *[f"{f} before -> after" for f in BENCHMARKS]]
+                  "KL to ref (last)", "invalid rate", "collapsed at", *[f"{f} before -> after" for f in BENCHMARKS],
+                  "minutes"]
         rows = []
         for algo, seeds in summary["live"].items():
             for seed, s in seeds.items():
@@ -348,10 +377,13 @@ def render(summary: dict) -> str:
                              f"{fmt(s['turn_clip_frac_mean'])}/{fmt(s['turn_clip_frac_max'])}",
                              s["offpolicy_clip_frac_mean"], s["grad_norm_p99"], s["clip_bias_scale_mean"],
                              s["kl_to_reference_last"], s["invalid_action_rate_mean"], s["collapsed_at"] or "no",
-                             *[f"{fmt(summary['before'][f])} -> {fmt(s['after'][f])}" for f in BENCHMARKS]])
+                             *[f"{fmt(summary['before'][f])} -> {fmt(s['after'][f])}" for f in BENCHMARKS],
+                             s["minutes"]])
         out += [table(header, rows), "", seed_means(summary), ""]
-    timings = ", ".join(f"{k} {v / 60:.1f} min" for k, v in summary["timings_s"].items())
-    out += [f"Total {summary['total_s'] / 60:.1f} min ({timings})."
+    # parts an earlier invocation finished take no time in this one: the "minutes" columns hold each run's own
+    # training time (the sum of its iterations, without model loading and evaluation)
+    timings = ", ".join(f"{k} {v / 60:.1f} min" for k, v in summary["timings_s"].items() if v >= 1)
+    out += [f"This invocation: {summary['total_s'] / 60:.1f} min ({timings or 'everything was done before'})."
             + ("" if summary.get("complete", True) else " **Incomplete: the study is still running or was stopped.**"),
             ""]
     return "\n".join(out)

@@ -29,3 +29,18 @@ def test_stability_study_quick_mode_runs_every_part(tmp_path):
     assert "reproduces the recorded run's update metrics exactly: **yes**" in report
     assert "| st_ppo |" in report and "Collapse criterion" in report
     assert {p.name for p in (out / "figures" / "replay").iterdir()} >= {"reward.png", "clipping.png"}
+    assert (out / "figures" / "replay" / "steps.png").exists()
+    assert summary["complete"] is True and "Incomplete" not in report
+
+    # --report-only runs nothing and never clears a run another invocation may be writing: here the st_ppo run
+    # lost its done marker (as while it trains), so it is left as it is and missing from the tables
+    (out / "live" / "st_ppo-s0" / "done").unlink()
+    before = sorted(p.name for p in (out / "live" / "st_ppo-s0").iterdir())
+    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stability.py"), "--quick", "--out", str(out),
+                            "--report-only"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(p.name for p in (out / "live" / "st_ppo-s0").iterdir()) == before
+    partial = json.loads((out / "summary.json").read_text())
+    assert set(partial["live"]) == {"ppo"} and partial["complete"] is False
+    assert set(partial["replays"]) == {"ppo", "turn_ppo", "s_ppo", "st_ppo"}
+    assert "Incomplete" in (out / "report.md").read_text()
