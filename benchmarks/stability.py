@@ -3,6 +3,7 @@
     python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 2] [--seeds 0,1]
                                    [--live ppo,st_ppo,grpo,so_grpo] [--lr 1e-5] [--eval-limit 16]
                                    [--device cpu|cuda] [--autocast-dtype bfloat16|float16|none] [--quick]
+                                   [--report-only]
 
 Parts, each written to OUT/report.md (tables) and OUT/summary.json, figures under OUT/figures/:
 
@@ -22,6 +23,10 @@ The regime is off-policy on purpose: per iteration 8 prompts x 4 samples = 32 tr
 mini-batches of 8 (4 optimizer steps per epoch), 2 PPO epochs: 7 of every 8 optimizer steps are off-policy.
 GRPO / SO-GRPO use the 4 samples of a prompt as the group. Everything else is the demo's (format reward 0.2,
 48 new tokens per turn, BM25 over the demo corpus). The collapse criterion is stated in the report.
+
+Every part is resumable (a finished run leaves a done marker; rerun the same command after a stop), and
+--report-only writes the tables and figures of what is done so far without running anything, also while the
+study runs in another process.
 
 --quick swaps in a tiny random model (SmolLM2's tokenizer), 1 iteration, 2 evaluation examples: plumbing only,
 under 2 minutes. Run the full study alone on the machine: it is CPU-bound and timings scale with load.
