@@ -12,6 +12,7 @@ on-policy ratios would leave 1 by noise alone). The head is a small share of the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -43,6 +44,12 @@ def resolve_autocast_dtype(name: str | None, device: torch.device) -> str | None
             getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()  # private probes: absent -> float32
         return "bfloat16" if native else None
     return None
+
+
+def with_resolved_precision(config, device: torch.device):
+    """``config`` (any dataclass with ``autocast_dtype``) with ``auto`` resolved for ``device``: the run's
+    config.yaml then records the precision chosen, so that a resume or replay on other hardware computes the same."""
+    return dataclasses.replace(config, autocast_dtype=resolve_autocast_dtype(config.autocast_dtype, device))
 
 
 def autocast_forward(model: torch.nn.Module, dtype_name: str | None) -> torch.nn.Module:

@@ -23,7 +23,7 @@ import torch
 
 from .evaluate import EvalSettings, evaluate_benchmark
 from .forward import token_logprobs
-from .mixed_precision import autocast_forward, resolve_autocast_dtype, validate_autocast_dtype
+from .mixed_precision import autocast_forward, validate_autocast_dtype, with_resolved_precision
 from .models import load_actor, load_tokenizer, resolve_device
 from .rollout import Trajectory, encode_observation, encode_prompt, to_batch
 
@@ -99,7 +99,7 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
            f"max_total_tokens skipped), {config.steps} steps of {config.batch_size}")
     device = resolve_device(config.device)
     validate_autocast_dtype(config.autocast_dtype, config.dtype)
-    config = dataclasses.replace(config, autocast_dtype=resolve_autocast_dtype(config.autocast_dtype, device))
+    config = with_resolved_precision(config, device)
     model = autocast_forward(load_actor(config.model, config.dtype).to(device), config.autocast_dtype)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)

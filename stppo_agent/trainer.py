@@ -40,7 +40,7 @@ from .diagnostics import StepDiagnostics, StepMeans
 from .forward import batched_no_grad, critic_values, length_sorted_micro_batches, token_logprobs
 from .live_rollouts import LiveRollouts, PromptSampler  # noqa: F401  (PromptSampler: kept importable from here)
 from .logging_utils import MetricsLogger
-from .mixed_precision import resolve_autocast_dtype
+from .mixed_precision import with_resolved_precision
 from .models import DTYPES, load_policy_models, resolve_device
 from .recording import RolloutRecorder
 from .rollout import HFGenerationBackend, RolloutBatch
@@ -75,8 +75,7 @@ class Trainer:
         or ``overwrite`` (:mod:`stppo_agent.run_folder`)."""
         config.validate()
         self.device = resolve_device(config.device)
-        # config.yaml records the precision "auto" chose, so that a resume or replay elsewhere computes the same
-        config = dataclasses.replace(config, autocast_dtype=resolve_autocast_dtype(config.autocast_dtype, self.device))
+        config = with_resolved_precision(config, self.device)
         self.config, self.report, self.batch_hook = config, report, batch_hook
         self.algo = config.algorithm_config()
         self.run_dir = Path(config.output_dir)
