@@ -193,17 +193,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
         figure.savefig(path, dpi=100)
         plt.close(figure)
         written.append(path)
-    steps = {Path(d).name or str(d): _read_steps(Path(d)) for d in run_dirs}
+    steps = {Path(d).name or str(d): read_metrics(d, "steps.jsonl") for d in run_dirs}
     if any(steps.values()):
         written.append(_plot_steps(steps, styles, out / "steps.png", plt))
     return written
-
-
-def _read_steps(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "steps.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _plot_steps(steps: dict[str, list[dict]], styles: dict[str, dict], path: Path, plt) -> Path:

@@ -425,6 +425,7 @@ def _reduce_metrics(totals: dict[str, torch.Tensor]) -> dict[str, float]:
     return {key: float(value) for key, value in zip(keys, summed)}
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+def read_metrics(run_dir: str | Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """A run's JSON-lines records: its metrics.jsonl, or another such file (``name="steps.jsonl"``)."""
+    path = Path(run_dir) / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
