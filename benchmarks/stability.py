@@ -133,12 +133,20 @@ def evaluate(settings: Settings, model: str, out: Path) -> dict[str, float]:
     return {family: scores[name] for family, name in BENCHMARKS.items()}
 
 
-def train(settings: Settings, model: str, algo: str, seed: int, out: Path, record: bool = False) -> None:
+def needs_run(out: Path) -> bool:
+    """False when ``out`` holds a finished run; otherwise clears it for a fresh one (a run cut mid-way restarts).
+    Under --report-only nothing is cleared: another invocation may be writing it."""
     if (out / "done").exists():
-        return
-    if REPORT_ONLY:  # never clear a run that another invocation may be writing
+        return False
+    if REPORT_ONLY:
         raise NotDone(str(out))
     shutil.rmtree(out, ignore_errors=True)
+    return True
+
+
+def train(settings: Settings, model: str, algo: str, seed: int, out: Path, record: bool = False) -> None:
+    if not needs_run(out):
+        return
     sets = train_overrides(settings, seed) + (["save_rollouts=true"] if record else [])
     stppo("train", "--algo", algo, "--env", "stppo/NQ-v0,stppo/HotpotQA-v0,stppo/MedQA-v0", "--model", model,
           "--output-dir", str(out), "--iterations", str(settings.iterations),
@@ -147,11 +155,8 @@ def train(settings: Settings, model: str, algo: str, seed: int, out: Path, recor
 
 
 def replay(recorded: Path, algo: str, out: Path, iterations: int | None = None) -> None:
-    if (out / "done").exists():
+    if not needs_run(out):
         return
-    if REPORT_ONLY:  # never clear a run that another invocation may be writing
-        raise NotDone(str(out))
-    shutil.rmtree(out, ignore_errors=True)
     stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false",
           *(["--iterations", str(iterations)] if iterations else []))
     (out / "done").write_text("")
