@@ -158,20 +158,20 @@ def main() -> None:
         print(f"rollout {label} {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
               f"ratio {rollout_tps / plain_tps:.2f}   (in generate: "
               f"{statistics.median(generation_share[reuse]):.0%} of the rollout)")
-    print(f"mismatch float32  mean |old - sample| {batch.stats['rollout_logprob_diff']:.2e}   "
-          f"KL {batch.stats['rollout_correction/kl']:.2e}")
-    bf16 = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, dtype="bfloat16",
-                               **dict(common, output_dir=tempfile.mkdtemp())), report=lambda _: None)
-    bf16_batch = bf16.rollout()
-    bf16.score(bf16_batch)
-    print(f"mismatch bfloat16 mean |old - sample| {bf16_batch.stats['rollout_logprob_diff']:.2e}   "
-          f"KL {bf16_batch.stats['rollout_correction/kl']:.2e}")
-    mixed = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, autocast_dtype="bfloat16",
-                                **dict(common, output_dir=tempfile.mkdtemp())), report=lambda _: None)
-    mixed_batch = mixed.rollout()
-    mixed.score(mixed_batch)
-    print(f"mismatch autocast bfloat16 (float32 weights and heads) mean |old - sample| "
-          f"{mixed_batch.stats['rollout_logprob_diff']:.2e}   KL {mixed_batch.stats['rollout_correction/kl']:.2e}")
+    for label, precision in (("float32", None), ("bfloat16 weights", {"dtype": "bfloat16"}),
+                             ("bfloat16 autocast (float32 weights and heads)", {"autocast_dtype": "bfloat16"})):
+        stats = batch.stats if precision is None else scored_rollout_stats(common, precision)
+        print(f"mismatch {label}: mean |old - sample| {stats['rollout_logprob_diff']:.2e}   "
+              f"KL {stats['rollout_correction/kl']:.2e}")
+
+
+def scored_rollout_stats(common: dict, precision: dict) -> dict:
+    """The batch statistics of one scored rollout by a fresh trainer in another precision."""
+    trainer = Trainer(TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, **precision,
+                                  **dict(common, output_dir=tempfile.mkdtemp())), report=lambda _: None)
+    batch = trainer.rollout()
+    trainer.score(batch)
+    return batch.stats
 
 
 if __name__ == "__main__":
