@@ -19,6 +19,7 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -104,10 +105,14 @@ def main() -> None:
 
     # Time spent inside the backend's generate, to split a rollout into generation and the rest (env steps,
     # observation tokenisation, batching).
-    generate_seconds = [0.0]
+    generate_seconds, keyed_calls = [0.0], [0]
     backend_generate = trainer.backend.generate
 
+    # functools.wraps keeps generate's signature: the rollout passes trajectory keys (what cache reuse needs)
+    # only to a backend whose signature has them
+    @functools.wraps(backend_generate)
     def timed_generate(*args, **kwargs):
+        keyed_calls[0] += kwargs.get("keys") is not None
         started = time.perf_counter()
         try:
             return backend_generate(*args, **kwargs)
@@ -126,6 +131,8 @@ def main() -> None:
             rollout_rates[reuse].append(float(batch.loss_mask.sum()) / seconds)
             generation_share[reuse].append(generate_seconds[0] / seconds)
         plain_rates.append(plain_generate())
+    if not keyed_calls[0]:
+        raise SystemExit("the rollout never passed trajectory keys to generate: cache reuse was not measured")
     trainer.backend.reuse_cache = True
     trainer.backend.generate = backend_generate
     generated = int(batch.loss_mask.sum())

@@ -13,8 +13,10 @@ from stppo_agent.rollout import (
     HFGenerationBackend,
     RolloutLimitError,
     RolloutLimits,
+    StopOnStrings,
     collect_rollouts,
     generated_length,
+    stop_candidate_ids,
 )
 
 from .conftest import KeywordRetriever
@@ -119,6 +121,28 @@ def test_generated_length_stops_after_stop_string_or_eos(smollm2_tokenizer):
     assert generated_length(head + tail, tok, ["</search>"], [eos]) == len(head)
     assert generated_length(tail + [eos, eos, eos], tok, ["</search>"], [eos]) == len(tail) + 1
     assert generated_length(tail, tok, ["</search>"], [eos]) == len(tail)
+
+
+def test_stop_strings_end_exactly_the_rows_that_completed_one(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    stops = ("</search>", "</answer>")
+    candidates = stop_candidate_ids(tok, stops)
+    # every token able to complete a stop string is a candidate: all that hold ">" when decoded alone
+    brute = [i for i in range(len(tok)) if ">" in tok.decode([i], skip_special_tokens=False)]
+    assert candidates.tolist() == brute and len(brute) < len(tok) // 100
+    assert stop_candidate_ids(tok, stops) is candidates  # decoded once per tokenizer
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    prompt = ids("Question?")
+    rows = [ids(" <search> capital </search>"), ids(" <answer> Paris </answer>"), ids(" a > b, no tag"),
+            ids(" <search> half"), ids(" </search")]
+    width = max(map(len, rows))
+    batch = torch.tensor([prompt + [tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    criterion = StopOnStrings(tok, stops, prompt_width=len(prompt), candidate_ids=candidates)
+    assert criterion(batch, None).tolist() == [True, True, False, False, False]
+    assert not criterion(batch[:, :len(prompt)], None).any()  # nothing generated yet
 
 
 def test_limits_are_validated_and_named(smollm2_tokenizer):

@@ -86,3 +86,25 @@ def test_a_context_that_does_not_extend_the_cache_is_re_encoded():
     assert state.continuation(["a"], [[1, 2, 7]]) == [[7]]  # no observation: the last token is fed again
     assert state.continuation(["a", "b"], [[1, 2, 6, 9], [3, 4, 8]]) is None  # a generation cut short
     assert state.continuation(["a", "c"], [[1, 2, 7], [3]]) is None  # a trajectory the chunk never saw
+
+
+def test_a_wrapped_generate_still_reuses_the_cache(smollm2_tokenizer, tmp_path):
+    # a user timing or logging the backend wraps generate(*args, **kwargs): the rollout must still pass the
+    # trajectory keys, or every turn silently re-encodes the transcript (what benchmarks/trainer.py once measured)
+    model = load_actor(tiny_llama(tmp_path / "tiny", smollm2_tokenizer, hidden=32, layers=2, seed=5))
+    backend = HFGenerationBackend(model, smollm2_tokenizer, SamplingSettings(greedy=True), batch_size=4)
+    inner, keyed = backend.generate, []
+
+    def wrapper(*args, **kwargs):
+        keyed.append(kwargs.get("keys") is not None)
+        return inner(*args, **kwargs)
+
+    backend.generate = wrapper
+    processed = count_forward_tokens(model)
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=10, max_observation_tokens=24, max_prompt_tokens=400,
+                           max_total_tokens=600)
+    envs = [gym.make("stppo/Toy-v0", turns=3, fixed_target=None).unwrapped for _ in range(4)]
+    collect_rollouts(backend, smollm2_tokenizer, envs, [{}] * 4, list(range(4)), limits, seeds=list(range(4)))
+    assert len(keyed) == 3 and all(keyed)
+    prefill = [n for n in processed if n > 4]  # a decode step feeds one token per row
+    assert len(prefill) == 3 and prefill[1] < prefill[0] and prefill[2] < prefill[0], prefill
