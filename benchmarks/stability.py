@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -240,7 +241,18 @@ def plot(runs: list[Path], out: Path) -> list[str]:
     return [str(p) for p in plot_runs([str(r) for r in runs], out)]
 
 
+def stop_on_sigterm() -> None:
+    """``kill`` stops the study and the `stppo` command it is waiting for: SIGTERM becomes SystemExit, on which
+    ``subprocess.run`` kills its child. (Python's default dies at once and left the command running, orphaned,
+    still writing its run folder and taking the CPU -- that a resumed study would then train again beside it.)"""
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_now)
+
+
 def main() -> None:
+    stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/stability")
     parser.add_argument("--model", default=None, help="a warm-started checkpoint (default: stppo sft on smollm2)")

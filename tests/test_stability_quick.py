@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,3 +49,41 @@ def test_stability_study_quick_mode_runs_every_part(tmp_path):
     assert set(partial["live"]) == {"ppo"} and partial["complete"] is False
     assert set(partial["replays"]) == {"ppo", "turn_ppo", "s_ppo", "st_ppo"}
     assert "Incomplete" in (out / "report.md").read_text()
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux /proc")
+def test_kill_stops_the_study_and_the_command_it_waits_for(tmp_path):
+    study = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "stability.py"), "--quick", "--out",
+                              str(tmp_path / "study")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not child and time.monotonic() < deadline:  # the first `stppo` command starts
+            time.sleep(0.2)
+            child = children(study.pid)
+        assert child, "the study never started a stppo command"
+        os.kill(study.pid, signal.SIGTERM)
+        study.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while alive(child[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(child[0]), "the stppo command outlived the study"
+        assert study.returncode == 128 + signal.SIGTERM
+    finally:
+        study.kill()
+        for pid in child:  # never leave a stray process behind, even when the test fails
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
