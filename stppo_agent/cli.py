@@ -409,6 +409,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     from stppo_envs.retrieval import make_retriever
     from stppo_envs.retrieval.server import ServerLimits, serve
 
+    from .shared_retrieval import stop_with_parent
+
+    stop_with_parent()  # a training run's shared server stops with the run, even a killed one
     retriever = make_retriever(args.retriever)
     retriever.search("warm up", 1)  # load the index (and start the JVM) before accepting requests
     serve(retriever, args.host, args.port, ServerLimits(max_topk=args.max_topk, max_queries=args.max_queries,

@@ -8,8 +8,10 @@ on a free loopback port, every rank talks to it over HTTP, and it stops with the
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,13 +34,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_ENV = "STPPO_STOP_WITH_PID"
+
+
+def spawn_tied_to_this_process(command: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``Popen`` of a child that stops when this process dies, however it dies (Linux; the child calls
+    :func:`stop_with_parent` at start-up).
+
+    atexit never runs when a training process is killed -- torchrun stops its workers with SIGTERM, then SIGKILL --
+    and a retrieval server left behind holds its index in memory (a JVM, or tens of GB of vectors) and its port.
+    Elsewhere the child only stops on a normal exit. (Not ``preexec_fn``: it is unsafe in a process with threads,
+    as a trainer is.)
+    """
+    env = {**popen_kwargs.pop("env", os.environ), PARENT_ENV: str(os.getpid())}
+    return subprocess.Popen(command, env=env, **popen_kwargs)
+
+
+def stop_with_parent() -> None:
+    """In a child started by :func:`spawn_tied_to_this_process`: have the kernel send SIGTERM when the parent
+    dies (the parent is the thread that started this process, i.e. the trainer's main thread)."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def start_server(spec: str, run_dir: Path, timeout: float = 600.0) -> str:
     """Start ``stppo serve --retriever spec`` and wait until it answers; returns its URL."""
     port = free_port()
     log = open(run_dir / "retrieval_server.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", spec, "--port",
-                                str(port)], stdout=log, stderr=subprocess.STDOUT)
-    atexit.register(_stop, process)
+    process = spawn_tied_to_this_process([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", spec,
+                                          "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    atexit.register(_stop, process)  # a normal exit; a killed one is covered by spawn_tied_to_this_process
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
