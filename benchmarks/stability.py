@@ -295,7 +295,8 @@ def main() -> None:
         t0 = time.perf_counter()
         value = fn(*a)
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
-        print(f"[{time.perf_counter() - started:7.0f}s] {name}", flush=True)
+        print(f"[{time.perf_counter() - started:7.0f}s] done: {name} ({(time.perf_counter() - t0) / 60:.1f} min)",
+              flush=True)
         return value
 
     model = timed("warm start", warm_start, settings)
