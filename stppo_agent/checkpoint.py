@@ -27,6 +27,10 @@ import torch
 _STEP = re.compile(r"^step-(\d+)$")
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, mostly); nothing older was touched."""
+
+
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint's files do not match its manifest (or it has none)."""
 
@@ -84,13 +88,22 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir()
-    actor.save_pretrained(scratch / "actor", state_dict=actor_state, safe_serialization=True)
-    tokenizer.save_pretrained(scratch / "actor")
-    if critic is not None:
-        save_critic(critic, scratch / "critic", critic_state)
-    torch.save(tensor_state, scratch / "trainer_state.pt")
-    (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
-    _write_manifest(scratch)
+    try:
+        actor.save_pretrained(scratch / "actor", state_dict=actor_state, safe_serialization=True)
+        tokenizer.save_pretrained(scratch / "actor")
+        if critic is not None:
+            save_critic(critic, scratch / "critic", critic_state)
+        torch.save(tensor_state, scratch / "trainer_state.pt")
+        (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
+        _write_manifest(scratch)
+    except Exception as exc:  # a full disk surfaces as OSError, or as safetensors' / torch's own error types
+        shutil.rmtree(scratch, ignore_errors=True)  # the partial copy would only hold on to the space
+        latest = max(list_checkpoints(run_dir), default=None)
+        kept = f"the newest complete checkpoint, step-{latest}, is intact" if latest is not None else \
+            "no complete checkpoint exists yet"
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {' '.join(str(exc).split())}. The partial copy was removed and "
+            f"{kept}: free disk space (or lower keep_checkpoints), then rerun with --resume") from exc
     if final.exists():
         shutil.rmtree(final)
     os.replace(scratch, final)

@@ -101,3 +101,34 @@ def test_a_manifest_missing_one_file_is_corrupt(tiny_model, tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CorruptCheckpointError, match="does not list actor/model.safetensors"):
         verify_checkpoint(folder)
+
+
+def test_a_checkpoint_that_cannot_be_written_says_why_and_keeps_the_last_good_one(tiny_model, tmp_path, monkeypatch,
+                                                                                capsys):
+    # a full disk: safetensors raises its own error type (not OSError) halfway through the weights
+    import transformers
+
+    Trainer(config(tiny_model, tmp_path, 1)).train()
+    save = transformers.PreTrainedModel.save_pretrained
+
+    def disk_full(self, folder, *args, **kwargs):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1000)  # what got written before the disk filled
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    code = main(["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
+                 str(tmp_path), "--iterations", "2", "--resume", "--set", "save_every=1", "--set", "on_collapse=none",
+                 "--set", "prompts_per_iteration=2", "--set", "samples_per_prompt=2", "--set", "mini_batch_size=4",
+                 "--set", "micro_batch_size=2", "--set", "progress=false", "--set", "tensorboard=false"])
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stppo train:")]
+    assert code == 1 and len(error) == 1, error  # one line (progress bars of the loading aside)
+    error = error[0]
+    assert "No space left on device" in error and "step-1, is intact" in error and "--resume" in error
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]  # no partial copy left
+    verify_checkpoint(tmp_path / "checkpoints" / "step-1")
+    assert (tmp_path / "metrics.jsonl").read_text().startswith(before)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save)
+    Trainer(config(tiny_model, tmp_path, 2), resume=True).train()  # space again: the run goes on
+    assert list_checkpoints(tmp_path) == [1, 2]
