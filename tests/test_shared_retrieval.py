@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from .processes import alive, gone_within
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
@@ -39,19 +41,6 @@ def start_parent(*args: str) -> tuple[subprocess.Popen, dict]:
     return parent, json.loads(line)
 
 
-def gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_tied_child_stops_when_its_parent_is_killed(tied, tmp_path):
     ready = tmp_path / "ready"
@@ -65,9 +54,9 @@ def test_a_tied_child_stops_when_its_parent_is_killed(tied, tmp_path):
         assert ready.exists()
         parent.kill()  # SIGKILL: no atexit, no handler
         parent.wait()
-        assert gone(started["pid"], within=5) is tied  # untied, it outlives its parent (what the tie is for)
+        assert gone_within(started["pid"], 5) is tied  # untied, it outlives its parent (what the tie is for)
     finally:
-        if not gone(started["pid"], within=0):
+        if alive(started["pid"]):
             os.kill(started["pid"], signal.SIGKILL)
 
 

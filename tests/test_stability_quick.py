@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from .processes import alive, children, gone_within
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -54,19 +56,6 @@ def test_stability_study_quick_mode_runs_every_part(tmp_path):
     assert "Incomplete" in (out / "report.md").read_text()
 
 
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux /proc")
 def test_kill_stops_the_study_and_the_command_it_waits_for(tmp_path):
     study = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "stability.py"), "--quick", "--out",
@@ -80,10 +69,7 @@ def test_kill_stops_the_study_and_the_command_it_waits_for(tmp_path):
         assert child, "the study never started a stppo command"
         os.kill(study.pid, signal.SIGTERM)
         study.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while alive(child[0]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(child[0]), "the stppo command outlived the study"
+        assert gone_within(child[0], 10), "the stppo command outlived the study"
         assert study.returncode == 128 + signal.SIGTERM
     finally:
         study.kill()
