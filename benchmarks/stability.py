@@ -48,6 +48,8 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repository on sys.path)
 
+from stppo_agent.trainer import read_metrics
+
 BENCHMARKS = {"general": "nq", "multi-hop": "hotpotqa", "medical": "medqa"}
 COLLAPSE = ("a run collapsed if, after its first iteration, its reward fell below half of its running best "
             "(a best of at least 0.1), or its invalid-action rate rose above both 0.5 and twice its first "
@@ -172,10 +174,6 @@ def drop_checkpoints(settings: Settings, run: Path) -> None:
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def number(record: dict, key: str) -> float | None:
     value = record.get(key)
     return float(value) if isinstance(value, (int, float)) else None
@@ -184,7 +182,7 @@ def number(record: dict, key: str) -> float | None:
 def summarize(run: Path, iterations: int | None = None) -> dict:
     """The per-run figures of the tables: curves from metrics.jsonl, tails from steps.jsonl (the first
     ``iterations`` only, when given: a replay of fewer iterations is compared with the same span of the run)."""
-    records, steps = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "steps.jsonl")
+    records, steps = read_metrics(run), read_metrics(run, "steps.jsonl")
     if iterations is not None:
         records = [r for r in records if r["step"] <= iterations]
         steps = [s for s in steps if s["iteration"] <= iterations]
@@ -332,8 +330,8 @@ def main() -> None:
             replays[algo], replay_dirs[algo] = summarize(target, span), target
     exact = None
     if settings.check_exact and (settings.out / "replay" / "ppo" / "done").exists():
-        original = read_jsonl(recorded / "metrics.jsonl")[:span]
-        again = read_jsonl(settings.out / "replay" / "ppo" / "metrics.jsonl")
+        original = read_metrics(recorded)[:span]
+        again = read_metrics(settings.out / "replay" / "ppo")
         timing_keys = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
         exact = len(original) == len(again) and all(
             all(a[k] == b.get(k) for k in a if k not in timing_keys) for a, b in zip(original, again))
