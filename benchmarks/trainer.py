@@ -1,7 +1,7 @@
 """Trainer throughput against raw baselines of the same model and batch, in one run.
 
     python benchmarks/trainer.py [--hidden 256] [--layers 4] [--trajectories 16] [--env stppo/NQ-v0]
-                                 [--tokenizer FOLDER]
+                                 [--tokenizer FOLDER] [--long-context 2000]
 
 Runs on the GPU when there is one (the trainer's device "auto"); the default tokenizer is SmolLM2's.
 
@@ -11,6 +11,10 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
 - rollout: generated tokens/s of the multi-turn rollout (generation, env steps, observation tokenisation)
   against one plain ``model.generate`` call producing the same number of tokens per trajectory, with the KV
   cache reused across turns (the default) and without (every turn re-encodes the transcript). Target >= 0.95.
+  Also printed: the same ratio against a plain ``generate`` given the rollout's in-place cache (what the rollout
+  adds beyond the cache: the observation tokens are context a plain call does not hold).
+- cache: ``generate`` after a long context (--long-context) with the rollout's in-place key/value cache
+  (stppo_agent/append_cache.py) against transformers' default DynamicCache.
 - mismatch: mean |old - sample| log-prob per policy token between the trainer's scoring forward and the
   sampler (transformers generate), in float32, bfloat16 weights and bfloat16 autocast, and the k3 KL estimate of
   rollout_correction.
@@ -28,9 +32,10 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
+from stppo_agent.append_cache import new_cache
 from stppo_agent.config import TrainConfig
 from stppo_agent.forward import position_ids
-from stppo_agent.rollout import RolloutBatch, encode_prompt
+from stppo_agent.rollout import CACHE_ARGUMENT, RolloutBatch, encode_prompt
 from stppo_agent.trainer import Trainer
 from tests.tiny_models import tiny_llama
 
@@ -76,6 +81,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--env", default="stppo/NQ-v0", help="env id (stppo/Toy-v0 needs no retriever)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--long-context", type=int, default=2000,
+                        help="context length of the in-place vs DynamicCache generation comparison")
     args = parser.parse_args()
     torch.manual_seed(0)
     model_path = make_model(args.hidden, args.layers, args.tokenizer)
@@ -94,12 +101,13 @@ def main() -> None:
 
     input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)
 
-    def plain_generate() -> float:
+    def plain_generate(cache=None) -> float:
         started = time.perf_counter()
         with torch.no_grad():
             trainer.actor.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, top_k=0,
                                    max_new_tokens=per_trajectory, min_new_tokens=per_trajectory,
-                                   pad_token_id=trainer.tokenizer.pad_token_id)
+                                   pad_token_id=trainer.tokenizer.pad_token_id,
+                                   **({CACHE_ARGUMENT: cache} if cache is not None else {}))
         _synchronize(trainer.actor)
         return per_trajectory * batch.batch_size / (time.perf_counter() - started)
 
@@ -120,7 +128,8 @@ def main() -> None:
             generate_seconds[0] += time.perf_counter() - started
 
     trainer.backend.generate = timed_generate
-    rollout_rates, generation_share, plain_rates = {True: [], False: []}, {True: [], False: []}, []
+    rollout_rates, generation_share = {True: [], False: []}, {True: [], False: []}
+    plain_rates, plain_append_rates = [], []
     for _ in range(args.repeats):  # alternate, so machine noise hits all three alike
         for reuse in (True, False):
             trainer.backend.reuse_cache = reuse
@@ -131,6 +140,7 @@ def main() -> None:
             rollout_rates[reuse].append(float(batch.loss_mask.sum()) / seconds)
             generation_share[reuse].append(generate_seconds[0] / seconds)
         plain_rates.append(plain_generate())
+        plain_append_rates.append(plain_generate(new_cache(trainer.actor.config)))
     if not keyed_calls[0]:
         raise SystemExit("the rollout never passed trajectory keys to generate: cache reuse was not measured")
     trainer.backend.reuse_cache = True
@@ -159,17 +169,46 @@ def main() -> None:
     print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
     print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   "
           f"ratio {st_tps / raw_tps:.2f}")
-    plain_tps = statistics.median(plain_rates)
+    plain_tps, plain_append_tps = statistics.median(plain_rates), statistics.median(plain_append_rates)
     for reuse, label in ((True, "KV cache reused"), (False, "re-encoded    ")):
         rollout_tps = statistics.median(rollout_rates[reuse])
         print(f"rollout {label} {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
               f"ratio {rollout_tps / plain_tps:.2f}   (in generate: "
-              f"{statistics.median(generation_share[reuse]):.0%} of the rollout)")
+              f"{statistics.median(generation_share[reuse]):.0%} of the rollout; against a plain generate with the "
+              f"rollout's in-place cache, {plain_append_tps:.1f} tok/s: {rollout_tps / plain_append_tps:.2f})")
+    print(long_context_cache_speedup(trainer, args.long_context, args.repeats))
     for label, precision in (("float32", None), ("bfloat16 weights", {"dtype": "bfloat16"}),
                              ("bfloat16 autocast (float32 weights and heads)", {"autocast_dtype": "bfloat16"})):
         stats = batch.stats if precision is None else scored_rollout_stats(common, precision)
         print(f"mismatch {label}: mean |old - sample| {stats['rollout_logprob_diff']:.2e}   "
               f"KL {stats['rollout_correction/kl']:.2e}")
+
+
+def long_context_cache_speedup(trainer: Trainer, context: int, repeats: int, rows: int = 8,
+                               new_tokens: int = 96) -> str:
+    """Sampling speed of ``generate`` after a long context with the rollout's in-place cache against transformers'
+    default DynamicCache, which copies the whole cache at every token (its cost grows with the context)."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(100, trainer.actor.config.vocab_size, (rows, context), generator=generator)
+    input_ids = input_ids.to(trainer.device)
+
+    def rate(in_place: bool) -> float:
+        cache = {CACHE_ARGUMENT: new_cache(trainer.actor.config)} if in_place else {}
+        started = time.perf_counter()
+        with torch.no_grad():
+            trainer.actor.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                                   top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   pad_token_id=trainer.tokenizer.pad_token_id, **cache)
+        _synchronize(trainer.actor)
+        return rows * new_tokens / (time.perf_counter() - started)
+
+    rates = {True: [], False: []}
+    for _ in range(repeats):
+        for in_place in (False, True):
+            rates[in_place].append(rate(in_place))
+    ours, default = statistics.median(rates[True]), statistics.median(rates[False])
+    return (f"cache   {context}-token context, {rows} x {new_tokens} new tokens: in-place {ours:9.1f} tok/s   "
+            f"DynamicCache {default:9.1f} tok/s   ratio {ours / default:.2f}")
 
 
 def scored_rollout_stats(common: dict, precision: dict) -> dict:

@@ -20,6 +20,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stppo_envs import step_envs
 
+from .append_cache import new_cache
 from .episode_stats import episode_rates
 from .turn_cache import TurnCaches, after_generate, extend_inputs
 
@@ -89,6 +90,8 @@ class HFGenerationBackend:
     Given ``keys`` (one per trajectory, stable over a rollout's turns), trajectories are generated in fixed chunks of
     ``batch_size`` and, with ``reuse_cache``, each chunk continues from the key/value cache of its previous turn
     instead of re-encoding the transcript (:mod:`stppo_agent.turn_cache`); :meth:`end_rollout` frees the caches.
+    Caches append in place (:mod:`stppo_agent.append_cache`): transformers' default copies the whole cache at every
+    token, which long multi-turn contexts pay quadratically.
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingSettings = SamplingSettings(),
@@ -140,6 +143,7 @@ class HFGenerationBackend:
                       output_scores=True, return_dict_in_generate=True, use_cache=True,
                       # ranks generate independently (an FSDP2 actor is gathered first): never lock-step
                       synced_gpus=False)
+        cache = cache if cache is not None else new_cache(self.model.config)
         if cache is not None:
             kwargs[CACHE_ARGUMENT] = cache
         if not self.sampling.greedy:

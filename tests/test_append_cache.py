@@ -1,0 +1,96 @@
+"""The rollout's in-place key/value cache holds what transformers' DynamicCache holds, without a copy per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from stppo_agent import append_cache
+from stppo_agent.append_cache import AppendLayer, new_cache
+from stppo_agent.models import load_actor
+from stppo_agent.rollout import CACHE_ARGUMENT, left_pad
+
+from .tiny_models import tiny_llama, word_tokenizer
+
+
+def states(rows: int, positions: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 2, positions, 4, generator=generator),
+            torch.randn(rows, 2, positions, 4, generator=generator))
+
+
+def assert_same_layer(ours: AppendLayer, reference: DynamicLayer) -> None:
+    assert ours.get_seq_length() == reference.get_seq_length()
+    assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+
+
+def test_updates_selection_and_cropping_hold_what_a_dynamic_layer_holds():
+    # the operations a rollout puts a cache through: a prefill, token-by-token decoding past a block boundary,
+    # dropping finished trajectories between turns, the next turn's prefill, and a crop
+    ours, reference = AppendLayer(), DynamicLayer()
+
+    def both(operation, *args):
+        getattr(ours, operation)(*args)
+        getattr(reference, operation)(*args)
+        assert_same_layer(ours, reference)
+
+    both("update", *states(4, 200, seed=0))
+    for step in range(100):
+        both("update", *states(4, 1, seed=step + 1))
+    both("batch_select_indices", torch.tensor([3, 1]))
+    both("update", *states(2, 1, seed=150))
+    both("batch_select_indices", torch.tensor([1, 0]))  # as many rows as the buffer: only its address tells
+    both("update", *states(2, 37, seed=200))
+    both("update", *states(2, 1, seed=201))
+    both("crop", -5)
+    both("update", *states(2, 3, seed=202))  # writes over the cropped positions
+    both("batch_repeat_interleave", 2)
+    both("update", *states(4, 1, seed=203))
+
+
+def test_decoding_writes_in_place_and_grows_by_blocks(monkeypatch):
+    monkeypatch.setattr(append_cache, "BLOCK_POSITIONS", 64)
+    layer = AppendLayer()
+    layer.update(*states(3, 10, seed=0))
+    buffers = {layer._key_buffer.data_ptr()}
+    for step in range(200):
+        keys, _ = layer.update(*states(3, 1, seed=step + 1))
+        buffers.add(layer._key_buffer.data_ptr())
+        assert keys.data_ptr() == layer._key_buffer.data_ptr()  # a view of the buffer, not a copy
+    assert layer.get_seq_length() == 210
+    assert layer._key_buffer.shape[-2] == 256  # under one block of room to spare
+    assert len(buffers) == 4  # 64 -> 128 -> 192 -> 256 positions: one copy per block, not one per token
+
+
+def test_new_cache_keeps_layers_of_other_kinds():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=2)
+    assert [type(layer) for layer in new_cache(config).layers] == [AppendLayer] * 3
+    config.layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    config.sliding_window = 4
+    kinds = [type(layer) for layer in new_cache(config).layers]
+    assert kinds[0] is AppendLayer and kinds[2] is AppendLayer and kinds[1] is not AppendLayer
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_generate_with_the_cache_is_bit_identical(tmp_path, greedy, autocast):
+    tokenizer = word_tokenizer()
+    model = load_actor(tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3)).eval()
+    prompts = [[4, 5, 6, 7, 8] * 3, [5, 6] * 11, [7] * 4]
+    input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
+
+    def generate(**cache):
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the study's bfloat16 forwards
+            return model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
+                                  max_new_tokens=300, min_new_tokens=300, pad_token_id=tokenizer.pad_token_id,
+                                  output_scores=True, return_dict_in_generate=True, **cache)
+
+    reference, ours = generate(), generate(**{CACHE_ARGUMENT: new_cache(model.config)})
+    assert torch.equal(ours.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, reference.scores))
+    assert isinstance(ours.get(CACHE_ARGUMENT).layers[0], AppendLayer)
