@@ -322,11 +322,19 @@ def _run_sft(args: argparse.Namespace) -> int:
 
 def _run_train(args: argparse.Namespace) -> int:
     from . import distributed
+
+    with distributed.process_group_for_command():  # under torchrun: gloo on CPU, NCCL on GPUs
+        metrics, main = _train(args), distributed.is_main()
+    if main:  # asked inside: once the group is left, every process is rank 0
+        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> dict:
     from .assets import resolve_model
     from .config import load_config
     from .trainer import Trainer
 
-    distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, NCCL on GPUs)
     config_file = args.config
     if args.resume and config_file is None and args.output_dir and (Path(args.output_dir) / "config.yaml").exists():
         config_file = str(Path(args.output_dir) / "config.yaml")  # the run's own settings, resolved algorithm too
@@ -334,19 +342,17 @@ def _run_train(args: argparse.Namespace) -> int:
                          output_dir=args.output_dir, iterations=args.iterations)
     config.plugins = list(dict.fromkeys([*config.plugins, *args.imports]))
     config.model = resolve_model(config.model) if config.model else config.model
-    metrics = Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
-    if distributed.is_main():
-        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
-    return 0
+    return Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
 
 
 def _run_replay(args: argparse.Namespace) -> int:
     from . import distributed
     from .replay import replay
 
-    distributed.init_from_env()
-    metrics = replay(args.run, args.algo, args.output_dir, args.overrides, args.iterations)
-    if distributed.is_main():
+    with distributed.process_group_for_command():
+        metrics = replay(args.run, args.algo, args.output_dir, args.overrides, args.iterations)
+        main = distributed.is_main()
+    if main:
         print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
         print(f"replay written to {args.output_dir} (metrics.jsonl, steps.jsonl)")
     return 0

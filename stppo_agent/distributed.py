@@ -27,6 +27,19 @@ def init_from_env() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def process_group_for_command():
+    """Join torchrun's process group (:func:`init_from_env`) for a command, and leave it when the command ends
+    normally. Leaving matters: a process that exits still holding a gloo group can abort at interpreter shutdown
+    ("terminate called without an active exception", SIGABRT) when its connection threads are torn down while
+    another rank exits, failing a run that finished. After an error the group is left as it is: other ranks may
+    still be inside a collective, and torchrun stops them."""
+    init_from_env()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _backend() -> str:
     """NCCL on GPUs (after binding this process to its GPU), gloo on CPU."""
     if not torch.cuda.is_available():

@@ -125,6 +125,7 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     done = subprocess.run(command(torchrun, 2, first), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count('"reward"') == 1  # the final metrics, printed by rank 0 only
     _, state = load_trainer_state(out / "checkpoints" / "step-2")
     assert state["iteration"] == 2 and state["optimizer_steps"] == 2
     done = subprocess.run(command([sys.executable], 4, then, resume=True), capture_output=True, text=True,
@@ -259,6 +260,23 @@ def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
     initial = AutoModelForCausalLM.from_pretrained(model)
     changed = [not torch.equal(a, b) for a, b in zip(trained.parameters(), initial.parameters())]
     assert any(changed)
+
+
+def test_a_finished_command_leaves_its_process_group(tmp_path):
+    """A process that exits still holding a gloo group can abort at shutdown (SIGABRT, "terminate called without
+    an active exception") and fail a run that finished: `stppo train` leaves the group when it ends."""
+    from stppo_agent.cli import main
+
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    args = ["train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
+            str(tmp_path / "run"), "--iterations", "1"]
+    for item in ("strategy=fsdp2", "prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4",
+                 "micro_batch_size=2",
+                 "max_turns=1", "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=16",
+                 "progress=false", "tensorboard=false"):  # fsdp2 makes a one-process group
+        args += ["--set", item]
+    assert main(args) == 0
+    assert not dist.is_initialized()
 
 
 def _scoring_main(rank: int, port: int, model: str, out: str, result_path: str) -> None:
