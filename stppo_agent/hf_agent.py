@@ -19,7 +19,7 @@ class HFAgent:
 
     def __init__(self, path: str, *, max_new_tokens: int = 256, max_observation_tokens: int = 512,
                  sampling: SamplingSettings = SamplingSettings(greedy=True), device: str | None = None,
-                 batch_size: int = 16, dtype: str = "float32"):
+                 batch_size: int = 16, dtype: str = "float32", reuse_cache: bool = True):
         from .assets import resolve_model
         from .models import load_actor, load_tokenizer
 
@@ -28,14 +28,20 @@ class HFAgent:
         self.tokenizer = load_tokenizer(resolved)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_actor(resolved, dtype).to(device).eval()
-        self.backend = HFGenerationBackend(self.model, self.tokenizer, sampling, batch_size=batch_size)
+        self.backend = HFGenerationBackend(self.model, self.tokenizer, sampling, batch_size=batch_size,
+                                           reuse_cache=reuse_cache)
         self.max_new_tokens, self.max_observation_tokens = max_new_tokens, max_observation_tokens
         self._contexts: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
+        if all(episode.turn == 0 for episode in episodes):  # a new set of episodes: the last set's caches go
+            self.backend.end_rollout()
         contexts = [self._context(ep) for ep in episodes]
-        generations = self.backend.generate(contexts, self.max_new_tokens)
+        # keyed by episode, so each continues its key/value cache from its previous turn (same tokens as
+        # re-encoding the transcript, tested)
+        generations = self.backend.generate(contexts, self.max_new_tokens,
+                                            keys=[episode.example_id for episode in episodes])
         actions = []
         for episode, generation in zip(episodes, generations):
             self._contexts[episode.example_id] += generation.token_ids

@@ -111,7 +111,12 @@ class HFGenerationBackend:
                 out += self._generate(list(range(len(part))), part, max_new_tokens, None)[0]
             return out
         results: list[Generation | None] = [None] * len(contexts)
-        for chunk, positions in self.turns.groups(keys):
+        groups = self.turns.groups(keys)
+        # a chunk none of whose trajectories plays this turn is done (trajectories do not come back; one that did
+        # would be re-encoded): free its cache now rather than at the end of the rollout
+        for finished in set(self.turns.states) - {chunk for chunk, _ in groups}:
+            del self.turns.states[finished]
+        for chunk, positions in groups:
             chunk_keys, chunk_contexts = [keys[p] for p in positions], [contexts[p] for p in positions]
             state = self.turns.states.pop(chunk, None) if self.reuse_cache else None
             generations, state = self._generate(chunk_keys, chunk_contexts, max_new_tokens, state)

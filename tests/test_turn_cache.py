@@ -108,3 +108,38 @@ def test_a_wrapped_generate_still_reuses_the_cache(smollm2_tokenizer, tmp_path):
     assert len(keyed) == 3 and all(keyed)
     prefill = [n for n in processed if n > 4]  # a decode step feeds one token per row
     assert len(prefill) == 3 and prefill[1] < prefill[0] and prefill[2] < prefill[0], prefill
+
+
+def test_a_finished_chunk_frees_its_cache_at_once(tmp_path):
+    tok = word_tokenizer()
+    model = load_actor(tiny_llama(tmp_path / "tiny", tok, hidden=32, layers=2, seed=5))
+    backend = HFGenerationBackend(model, tok, SamplingSettings(greedy=True), batch_size=2)
+    contexts = {key: [4, 5, 6][: 1 + key % 3] for key in range(4)}  # chunks {0, 1} and {2, 3}
+    generations = backend.generate(list(contexts.values()), 3, keys=list(contexts))
+    assert sorted(backend.turns.states) == [0, 1]
+    later = [contexts[2] + generations[2].token_ids + [7]]  # only trajectory 2 plays on
+    backend.generate(later, 3, keys=[2])
+    assert sorted(backend.turns.states) == [1]  # chunk 0 is done: its cache is gone before the rollout ends
+
+
+def test_the_evaluation_agent_reuses_caches_with_the_same_episodes(tmp_path):
+    from stppo_agent.evaluate import run_episodes
+    from stppo_agent.hf_agent import HFAgent
+
+    from .conftest import KeywordRetriever
+
+    model = tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=32, layers=2, seed=5)
+    records, processed_tokens = {}, {}
+    for reuse in (False, True):
+        agent = HFAgent(str(model), max_new_tokens=8, max_observation_tokens=24, batch_size=3, reuse_cache=reuse)
+        processed = count_forward_tokens(agent.model)
+        envs = [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=3).unwrapped
+                for _ in range(4)]
+        records[reuse] = run_episodes(envs, agent, list(range(7)))  # two sets of episodes: 4, then 3
+        processed_tokens[reuse] = sum(processed)
+        assert len(agent.backend.turns.states) <= 2  # only the last set's chunks are held
+        # a new set of episodes starts afresh
+        assert set(agent.backend.turns.chunk_of) == {r["example_id"] for r in records[reuse][4:]}
+    assert [r["transcript"] for r in records[True]] == [r["transcript"] for r in records[False]]
+    assert sum(r["turns"] for r in records[True]) > 7  # episodes went past their first turn
+    assert processed_tokens[True] < 0.8 * processed_tokens[False], processed_tokens
