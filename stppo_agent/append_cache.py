@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # transformers >= 4.56 has per-layer caches; older versions keep their default cache
+try:  # transformers with per-layer caches (DynamicLayer); older versions keep their default cache
     from transformers.cache_utils import DynamicCache, DynamicLayer
 except ImportError:  # pragma: no cover - depends on the installed transformers
     DynamicCache = DynamicLayer = None
