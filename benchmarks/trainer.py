@@ -101,15 +101,8 @@ def main() -> None:
 
     input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)
 
-    def plain_generate(cache=None) -> float:
-        started = time.perf_counter()
-        with torch.no_grad():
-            trainer.actor.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, top_k=0,
-                                   max_new_tokens=per_trajectory, min_new_tokens=per_trajectory,
-                                   pad_token_id=trainer.tokenizer.pad_token_id,
-                                   **({CACHE_ARGUMENT: cache} if cache is not None else {}))
-        _synchronize(trainer.actor)
-        return per_trajectory * batch.batch_size / (time.perf_counter() - started)
+    def plain_generate(in_place: bool = False) -> float:
+        return generate_rate(trainer, input_ids, attention, per_trajectory, in_place)
 
     # Time spent inside the backend's generate, to split a rollout into generation and the rest (env steps,
     # observation tokenisation, batching).
@@ -140,7 +133,7 @@ def main() -> None:
             rollout_rates[reuse].append(float(batch.loss_mask.sum()) / seconds)
             generation_share[reuse].append(generate_seconds[0] / seconds)
         plain_rates.append(plain_generate())
-        plain_append_rates.append(plain_generate(new_cache(trainer.actor.config)))
+        plain_append_rates.append(plain_generate(in_place=True))
     if not keyed_calls[0]:
         raise SystemExit("the rollout never passed trajectory keys to generate: cache reuse was not measured")
     trainer.backend.reuse_cache = True
@@ -184,6 +177,20 @@ def main() -> None:
               f"KL {stats['rollout_correction/kl']:.2e}")
 
 
+def generate_rate(trainer: Trainer, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
+                  in_place: bool) -> float:
+    """Tokens/s of one plain sampled ``generate`` of exactly ``new_tokens`` per row, with the rollout's in-place
+    cache or transformers' default one."""
+    cache = {CACHE_ARGUMENT: new_cache(trainer.actor.config)} if in_place else {}
+    started = time.perf_counter()
+    with torch.no_grad():
+        trainer.actor.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0,
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               pad_token_id=trainer.tokenizer.pad_token_id, **cache)
+    _synchronize(trainer.actor)
+    return new_tokens * input_ids.shape[0] / (time.perf_counter() - started)
+
+
 def long_context_cache_speedup(trainer: Trainer, context: int, repeats: int, rows: int = 8,
                                new_tokens: int = 96) -> str:
     """Sampling speed of ``generate`` after a long context with the rollout's in-place cache against transformers'
@@ -191,21 +198,11 @@ def long_context_cache_speedup(trainer: Trainer, context: int, repeats: int, row
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(100, trainer.actor.config.vocab_size, (rows, context), generator=generator)
     input_ids = input_ids.to(trainer.device)
-
-    def rate(in_place: bool) -> float:
-        cache = {CACHE_ARGUMENT: new_cache(trainer.actor.config)} if in_place else {}
-        started = time.perf_counter()
-        with torch.no_grad():
-            trainer.actor.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                                   top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                   pad_token_id=trainer.tokenizer.pad_token_id, **cache)
-        _synchronize(trainer.actor)
-        return rows * new_tokens / (time.perf_counter() - started)
-
     rates = {True: [], False: []}
     for _ in range(repeats):
         for in_place in (False, True):
-            rates[in_place].append(rate(in_place))
+            rates[in_place].append(generate_rate(trainer, input_ids, torch.ones_like(input_ids), new_tokens,
+                                                 in_place))
     ours, default = statistics.median(rates[True]), statistics.median(rates[False])
     return (f"cache   {context}-token context, {rows} x {new_tokens} new tokens: in-place {ours:9.1f} tok/s   "
             f"DynamicCache {default:9.1f} tok/s   ratio {ours / default:.2f}")

@@ -134,13 +134,13 @@ class HFGenerationBackend:
         and the chunk's new state."""
         device = next(self.model.parameters()).device
         new = state.continuation(keys, contexts) if state is not None else None
-        cache = None
         if new is not None:
             state.select(keys)
             input_ids, attention_mask = extend_inputs(state, new, self.tokenizer.pad_token_id)
             cache = state.cache
         else:
             input_ids, attention_mask = left_pad(contexts, self.tokenizer.pad_token_id, device)
+            cache = new_cache(self.model.config)
         was_training = self.model.training
         self.model.eval()
         kwargs = dict(do_sample=not self.sampling.greedy, max_new_tokens=max_new_tokens,
@@ -148,7 +148,6 @@ class HFGenerationBackend:
                       output_scores=True, return_dict_in_generate=True, use_cache=True,
                       # ranks generate independently (an FSDP2 actor is gathered first): never lock-step
                       synced_gpus=False)
-        cache = cache if cache is not None else new_cache(self.model.config)
         if cache is not None:
             kwargs[CACHE_ARGUMENT] = cache
         if not self.sampling.greedy:
