@@ -326,8 +326,12 @@ def _run_train(args: argparse.Namespace) -> int:
     with distributed.process_group_for_command():  # under torchrun: gloo on CPU, NCCL on GPUs
         metrics, main = _train(args), distributed.is_main()
     if main:  # asked inside: once the group is left, every process is rank 0
-        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+        _print_metrics(metrics)
     return 0
+
+
+def _print_metrics(metrics: dict) -> None:
+    print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
 
 
 def _train(args: argparse.Namespace) -> dict:
@@ -353,7 +357,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         metrics = replay(args.run, args.algo, args.output_dir, args.overrides, args.iterations)
         main = distributed.is_main()
     if main:
-        print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+        _print_metrics(metrics)
         print(f"replay written to {args.output_dir} (metrics.jsonl, steps.jsonl)")
     return 0
 

@@ -271,9 +271,8 @@ def test_a_finished_command_leaves_its_process_group(tmp_path):
     args = ["train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
             str(tmp_path / "run"), "--iterations", "1"]
     for item in ("strategy=fsdp2", "prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4",
-                 "micro_batch_size=2",
-                 "max_turns=1", "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=16",
-                 "progress=false", "tensorboard=false"):  # fsdp2 makes a one-process group
+                 "micro_batch_size=2", "max_turns=1", "max_new_tokens_per_turn=1", "max_prompt_tokens=8",
+                 "max_total_tokens=16", "progress=false", "tensorboard=false"):  # fsdp2 makes a one-process group
         args += ["--set", item]
     assert main(args) == 0
     assert not dist.is_initialized()
