@@ -94,3 +94,13 @@ def test_generate_with_the_cache_is_bit_identical(tmp_path, greedy, autocast):
     assert torch.equal(ours.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(ours.scores, reference.scores))
     assert isinstance(ours.get(CACHE_ARGUMENT).layers[0], AppendLayer)
+
+
+def test_the_rollout_backend_generates_with_the_in_place_cache(tmp_path):
+    from stppo_agent.rollout import HFGenerationBackend, SamplingSettings
+
+    tokenizer = word_tokenizer()
+    model = load_actor(tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3))
+    backend = HFGenerationBackend(model, tokenizer, SamplingSettings(greedy=True), batch_size=2)
+    backend.generate([[4, 5, 6], [5, 6]], 3, keys=["a", "b"])  # a first turn: a fresh cache
+    assert all(isinstance(layer, AppendLayer) for layer in backend.turns.states[0].cache.layers)
