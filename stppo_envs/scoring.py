@@ -86,33 +86,115 @@ def f1_score(prediction: str | None, golden_answers: str | Sequence[str]) -> flo
     return max(_token_f1(prediction, gold) for gold in golden)
 
 
-_LETTER_PATTERNS = (
-    re.compile(r"^\s*\(?([A-J])\)?\s*(?:[.:)\-]|$)"),  # "B", "(B)", "B.", "B) text", "B: text"
-    re.compile(r"\b(?i:answer|option|choice)\s*(?i:is|:)?\s*\(?([A-J])\b\)?"),
-)
+# Markup a chat model wraps an answer in: emphasis and code marks, LaTeX ``\\boxed{..}``/``\\text{..}``,
+# headings and quotes. None of these characters survives normalize_answer, so removing them changes no
+# option-text comparison.
+_LATEX_WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm|mathbf)\{([^{}]*)\}")
+_MARKUP_CHARS = re.compile(r"[*_`$]")
+_LINE_PREFIX = re.compile(r"^\s*(?:#+|>)\s+", re.MULTILINE)  # "> B", "## B"; not ">50 degree"
+# "B", "(b)", "[B]", "{c}", "b." -- nothing but one letter.
+_BARE_LETTER = re.compile(r"^[(\[{]?\s*([A-Za-z])\s*[)\]}]?\s*[.:!]?$")
+# "(b) text", "[B] text" -- a bracketed letter then anything.
+_BRACKETED_LETTER = re.compile(r"^[(\[{]\s*([A-Za-z])\s*[)\]}](?=\s|[.:,;]|$)")
+# "B. text", "b) text", "B: text", "B - text": the delimiter must be followed by white space, so "B-cell",
+# "C.difficile" and "e.g." are words, not letters.
+_DELIMITED_LETTER = re.compile(r"^([A-Za-z])(?:[.:)]|\s*-)(?=\s|$)")
+# After "answer is": "B because ...", "b, since ..." also name a letter.
+_LETTER_THEN_WORD = re.compile(r"^([A-Za-z])(?=[,;!?]|\s+\S)")
+_WORDS_NOT_LETTERS = frozenset("aAI")  # "a drug", "A drug", "I think": an article or pronoun, not an option
+# "A or B", "a, c", "A/B", "B and C": a hedge names no single option.
+_HEDGE = re.compile(r"^[(\[]?[A-Za-z][)\]]?\s*(?:,|/|&|\bor\b|\band\b)\s*[(\[]?[A-Za-z]\b")
+_ANSWER_LEAD_IN = re.compile(r"\banswer\s*(?:(?:is|would be|will be|should be)\b)?\s*[:\-]?\s*",
+                             re.IGNORECASE)
+_OPTION_LEAD_IN = re.compile(r"\b(?:option|choice)\s*(?:(?:is|would be|will be|should be)\b)?\s*[:\-]?\s*",
+                             re.IGNORECASE)
+
+
+def _strip_markup(text: str) -> str:
+    text = _LATEX_WRAPPER.sub(r"\1", text)
+    text = _LINE_PREFIX.sub("", _MARKUP_CHARS.sub("", text))
+    return text.strip()
+
+
+def _verbatim(text: str) -> str:
+    return " ".join(_MARKUP_CHARS.sub("", text).casefold().split()).rstrip(".").strip()
+
+
+def _named_choice(text: str, choices: Mapping[str, str], after_lead_in: bool) -> str | None:
+    """The option ``text`` names by itself (the whole prediction, or what follows "the answer is")."""
+    text = text.strip()
+    bare = _BARE_LETTER.match(text.split("\n", 1)[0].strip())  # "B" alone on the first line, reasons below
+    if bare and bare.group(1).upper() in choices:
+        return bare.group(1).upper()
+    # Verbatim (up to case, spacing and a final period) first: SQuAD normalisation drops punctuation, which
+    # merges options such as "Rh+ve"/"Rh-ve" or "15.6"/"156" (MedMCQA, MMLU).
+    for key in (_verbatim, normalize_answer):
+        wanted = key(text)
+        named = [letter for letter, option in choices.items() if wanted and key(option) == wanted]
+        if len(named) == 1:
+            return named[0]
+    if _HEDGE.match(text):
+        return None
+    match = _BRACKETED_LETTER.match(text) or _DELIMITED_LETTER.match(text)
+    if match is None and after_lead_in:
+        match = _LETTER_THEN_WORD.match(text)
+        if match and match.group(1) in _WORDS_NOT_LETTERS and not re.match(r"^.[,;!?]", text):
+            match = None
+    if match and match.group(1).upper() in choices:
+        return match.group(1).upper()
+    return None
 
 
 def extract_choice(prediction: str | None, choices: Mapping[str, str]) -> str | None:
     """The option letter a free-text prediction names, or None.
 
-    Tries, in order: a leading letter ("B", "(B) text", "B. text"), "answer is B", then the exact
-    (normalised) text of exactly one option.
+    Markup is dropped first (``**B**``, ``*B*``, `` `B` ``, ``$\\boxed{B}$``, ``# B``). Then, on the whole
+    prediction, the first rule that names an option decides:
+
+    1. nothing but one letter, in either case, optionally bracketed or followed by ``.``/``:``: ``B``, ``b``,
+       ``(b)``, ``[B]``, ``b.``, or such a letter alone on the first line -- the letter, even where some
+       option's text is that letter (blood groups): the prompt asks for the letter;
+    2. the whole text of exactly one option: ``C. difficile``, ``B-cell lymphoma``, ``D-dimer`` are those
+       options, not letters C, B, D. Compared verbatim up to case, spacing and a final period first (so
+       ``Rh-ve`` is not ``Rh+ve``, nor ``15.6`` ``156``), then SQuAD-normalised (punctuation and articles
+       do not count) where that names exactly one option;
+    3. a leading letter, either case, bracketed (``(b) text``) or followed by ``.``, ``)``, ``:`` or `` -``
+       and white space (``B. text``, ``b) text``); ``B-cell`` and ``e.g.`` are words, not letters;
+    4. the same rules on what follows the last "answer is" / "answer:" phrase (``The answer is b``,
+       ``Final answer: **B**``, ``the answer is insulin``), else the last "option" / "choice" phrase
+       (``the correct option is C``); there a letter followed by a word also counts (``the answer is B
+       because ...``).
+
+    A lone ``a`` (also ``(a)``, ``a.``, ``a) text``, ``the answer is a.``) is option A: as a whole answer the
+    article means nothing. ``a`` followed by a word is the article (``a beta blocker`` is matched by
+    option text or not at all), and so is ``A`` -- ``I`` likewise is the pronoun there. A hedge naming
+    several letters (``A or B``, ``A, B``, ``A/B``) names none. Unreadable answers are None (scored 0).
+
+    Relation to the references: Search-R1 defines no multiple-choice scoring; FlashRAG scores MCQ sets by
+    exact match against the golden option's *text* (rule 2); MIRAGE's ``locate_answer`` reads upper-case
+    leading letters and "Option X" (rules 1, 3, 4) but takes the first letter of a hedge and falls back to
+    "A" when nothing matches, which would reward unreadable answers.
 
     >>> opts = {"A": "aspirin", "B": "insulin", "C": "warfarin"}
-    >>> extract_choice("(B) insulin", opts), extract_choice("The answer is C", opts)
-    ('B', 'C')
-    >>> extract_choice("insulin", opts), extract_choice("no idea", opts)
-    ('B', None)
+    >>> extract_choice("(B) insulin", opts), extract_choice("The answer is c", opts), extract_choice("**b**", opts)
+    ('B', 'C', 'B')
+    >>> extract_choice("insulin", opts), extract_choice("no idea", opts), extract_choice("A or B", opts)
+    ('B', None, None)
+    >>> extract_choice("C. difficile", {"A": "E. coli", "B": "S. aureus", "C": "H. pylori", "D": "C. difficile"})
+    'D'
     """
     if not prediction:
         return None
-    for pattern in _LETTER_PATTERNS:
-        match = pattern.search(prediction)
-        if match and match.group(1).upper() in choices:
-            return match.group(1).upper()
-    normalized = normalize_answer(prediction)
-    named = [letter for letter, text in choices.items() if normalize_answer(text) == normalized]
-    return named[0] if len(named) == 1 else None
+    text = _strip_markup(prediction)
+    named = _named_choice(text, choices, after_lead_in=False)
+    if named is not None:
+        return named
+    for lead_in in (_ANSWER_LEAD_IN, _OPTION_LEAD_IN):
+        matches = list(lead_in.finditer(text))
+        named = _named_choice(text[matches[-1].end():], choices, after_lead_in=True) if matches else None
+        if named is not None:
+            return named
+    return None
 
 
 def choice_accuracy(prediction: str | None, choices: Mapping[str, str], answer_letter: str) -> float:
