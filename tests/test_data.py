@@ -162,3 +162,12 @@ def test_triviaqa_popqa_and_generic_mcq_raw_formats(tmp_path):
     generic.write_text(json.dumps({"question": "Pick", "choices": ["x", "y", "z"], "answer": 2}) + "\n")
     example = load_examples("medqa", generic)[0]
     assert (example.answer_letter, example.golden_answers) == ("C", ("z", "C"))
+
+
+def test_missing_entries_of_answer_and_option_lists_are_not_the_text_none(tmp_path):
+    path = tmp_path / "nq_test.jsonl"
+    path.write_text(json.dumps({"question": "Where?", "golden_answers": ["Paris", None]}) + "\n")
+    assert load_examples("nq", str(path))[0].golden_answers == ("Paris",)
+    mcq = tmp_path / "generic_test.jsonl"
+    mcq.write_text(json.dumps({"question": "Pick", "choices": ["x", None, "None"], "answer": 2}) + "\n")
+    assert dict(load_examples("medqa", str(mcq))[0].choices) == {"A": "x", "C": "None"}

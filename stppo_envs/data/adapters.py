@@ -89,13 +89,13 @@ def _as_answer_list(value: Any) -> list[str]:
         stripped = value.strip()
         if stripped.startswith("[") and stripped.endswith("]"):  # PopQA stores a JSON list as a string
             try:
-                return [str(v) for v in json.loads(stripped)]
+                return [str(v) for v in json.loads(stripped) if v is not None]
             except json.JSONDecodeError:
                 pass
         return [value]
     if isinstance(value, Mapping):  # TriviaQA: {"value", "aliases", "normalized_aliases", ...}
         return _as_answer_list(value.get("value")) + _as_answer_list(value.get("aliases"))
-    return [str(v) for v in value]
+    return [str(v) for v in value if v is not None]  # a null entry is no answer, not the text "None"
 
 
 def qa_example(record: Record, benchmark: str, fallback_id: str) -> Example:
@@ -130,10 +130,19 @@ def _mcq(record: Record, benchmark: str, fallback_id: str, choices: dict[str, st
     )
 
 
+def _present(value: Any) -> bool:
+    """An option cell that holds an option: not missing, not an empty CSV cell (a row with fewer options than
+    the file has columns). The text "None" or "NA" is an option like any other."""
+    return value is not None and str(value).strip() != ""
+
+
 def _choices_from(value: Any) -> dict[str, str]:
     if isinstance(value, Mapping):
-        return {str(k).strip().upper(): str(v) for k, v in value.items() if v is not None}
-    return {_LETTERS[i]: str(v) for i, v in enumerate(value)}
+        return {str(k).strip().upper(): str(v) for k, v in value.items() if _present(v)}
+    values = list(value)
+    if len(values) > len(_LETTERS):
+        raise DatasetFormatError(f"{len(values)} options; at most {len(_LETTERS)} (A-J) are supported")
+    return {_LETTERS[i]: str(v) for i, v in enumerate(values) if _present(v)}
 
 
 def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
@@ -141,7 +150,8 @@ def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
     if "options" in record and "answer_idx" in record:  # MedQA (MIRAGE / GBaker)
         return _mcq(record, benchmark, fallback_id, _choices_from(record["options"]), str(record["answer_idx"]))
     if "opa" in record and "cop" in record:  # MedMCQA, cop is 1-based in the original release
-        choices = {letter: str(record[f"op{letter.lower()}"]) for letter in "ABCD"}
+        choices = {letter: str(record[f"op{letter.lower()}"]) for letter in "ABCD"
+                   if _present(record.get(f"op{letter.lower()}"))}
         cop = int(record["cop"])
         if not 1 <= cop <= 4:
             raise DatasetFormatError(f"{benchmark}: cop must be 1-4 (original MedMCQA release), got {cop}")
@@ -158,7 +168,7 @@ def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
             return _with_metadata(example, contexts=list(contexts))
         return example
     if all(letter in record for letter in "ABCD") and "answer" in record:  # MMLU CSV
-        choices = {letter: str(record[letter]) for letter in "ABCDEFGHIJ" if record.get(letter) is not None}
+        choices = {letter: str(record[letter]) for letter in _LETTERS if _present(record.get(letter))}
         return _mcq(record, benchmark, fallback_id, choices, str(record["answer"]))
     if "choices" in record and ("answer" in record or "answer_idx" in record):
         answer = record.get("answer_idx", record.get("answer"))

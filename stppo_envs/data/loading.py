@@ -189,7 +189,17 @@ def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
         return _load_keyed_json(files)
     if suffix == ".csv" and family == "mcq" and not _csv_has_header(files[0]):
         return datasets.concatenate_datasets([_load_headerless_mcq_csv(path) for path in files])
+    if suffix == ".csv":
+        return _load_with_builder("csv", data_files, **_csv_as_text(_csv_header(files[0])))
     return _load_with_builder(_FILE_BUILDERS[suffix], data_files)
+
+
+def _csv_as_text(columns: list[str]) -> dict:
+    """Every CSV cell as the file's text: pandas would otherwise turn options named "None", "NA", "N/A",
+    "null" or "nan" into missing values and "007" or "1.50" into numbers. Empty cells stay "" (a required
+    one is refused by the adapters)."""
+    return {"na_filter": False,
+            "features": datasets.Features({name: datasets.Value("string") for name in columns})}
 
 
 def _load_with_builder(builder: str, data_files: list[str], **kwargs) -> datasets.Dataset:
@@ -222,7 +232,8 @@ def _first_bad_line(data_files: list[str]) -> str | None:
 
 def _load_headerless_mcq_csv(path: Path) -> datasets.Dataset:
     """MMLU's ``SUBJECT_test.csv`` files: no header row; the subject is the file name."""
-    table = _load_with_builder("csv", [str(path)], column_names=_mmlu_columns(path), header=None)
+    columns = _mmlu_columns(path)
+    table = _load_with_builder("csv", [str(path)], column_names=columns, header=None, **_csv_as_text(columns))
     subject = path.stem.removesuffix("_test").removesuffix("_dev").removesuffix("_val")
     return table.add_column("subject", [subject] * len(table))
 
@@ -252,10 +263,13 @@ def _load_keyed_json(files: list[Path]) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def _csv_has_header(path: Path) -> bool:
+def _csv_header(path: Path) -> list[str]:
     with open(path, encoding="utf-8", newline="") as handle:
-        first = next(csv.reader(handle), [])
-    return any(cell.strip().lower() in {"question", "answer"} for cell in first)
+        return next(csv.reader(handle), [])
+
+
+def _csv_has_header(path: Path) -> bool:
+    return any(cell.strip().lower() in {"question", "answer"} for cell in _csv_header(path))
 
 
 def _mmlu_columns(path: Path) -> list[str]:
