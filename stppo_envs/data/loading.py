@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
@@ -90,18 +91,27 @@ def load_examples(
     return _load_cached(info.name, key, split, limit, shuffle_seed, family or info.family)
 
 
-def _cache_key(dataset: str | os.PathLike | None) -> tuple[str | None, float]:
-    """(normalised source, mtime) so that an edited file is re-read."""
+def _cache_key(dataset: str | os.PathLike | None) -> tuple[str | None, tuple]:
+    """(normalised source, the (name, size, mtime_ns) of every data file it holds), so that an edited file is
+    re-read -- also a file edited in place inside a folder, which leaves the folder's own mtime alone."""
     if dataset is None or str(dataset) == "demo":
-        return None, 0.0
+        return None, ()
     path = Path(dataset).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in _FILE_BUILDERS and p.is_file())
+        return str(path.resolve()), tuple((p.name, *_file_stamp(p)) for p in files)
     if path.exists():
-        return str(path.resolve()), path.stat().st_mtime
-    return str(dataset), 0.0
+        return str(path.resolve()), _file_stamp(path)
+    return str(dataset), ()
+
+
+def _file_stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(benchmark: str, key: tuple[str | None, float], split: str, limit: int | None,
+def _load_cached(benchmark: str, key: tuple[str | None, tuple], split: str, limit: int | None,
                  shuffle_seed: int | None, family: str) -> tuple[Example, ...]:
     info = BENCHMARKS[benchmark]
     source = key[0]
@@ -206,6 +216,10 @@ def _load_with_builder(builder: str, data_files: list[str], **kwargs) -> dataset
     for path in map(Path, data_files):
         if path.stat().st_size == 0 or not path.read_text(encoding="utf-8", errors="replace").strip():
             raise DatasetFormatError(f"{path} is empty: no records to load")
+    # datasets' on-disk cache recognises a file by its size and float mtime, which misses an edit of the same
+    # size within a float's resolution; naming the config by (size, mtime_ns) gives each version its own cache.
+    stamps = repr([(name, *_file_stamp(Path(name))) for name in data_files])
+    kwargs.setdefault("name", "stppo-" + hashlib.sha256(stamps.encode()).hexdigest()[:16])
     try:
         return datasets.load_dataset(builder, data_files=data_files, split="train", **kwargs)
     except Exception as exc:
