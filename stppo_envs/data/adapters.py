@@ -21,7 +21,7 @@ Record = Mapping[str, Any]
 Adapter = Callable[[Record, str, str], Example]  # (record, benchmark, fallback id) -> Example
 
 _LETTERS = "ABCDEFGHIJ"
-_ID_FIELDS = ("id", "_id", "qid", "question_id")
+ID_FIELDS = ("id", "_id", "qid", "question_id")
 _QUESTION_FIELDS = ("question", "Question", "QUESTION", "query")
 _METADATA_FIELDS = ("type", "level", "subject_name", "topic_name", "meta_info", "subject", "answerable")
 
@@ -36,8 +36,9 @@ def _first_field(record: Record, names: tuple[str, ...], benchmark: str, what: s
     )
 
 
-def _record_id(record: Record, fallback: str) -> str:
-    for name in _ID_FIELDS:
+def record_id(record: Record, fallback: str) -> str:
+    """The record's id as text (so 1 and "1" are one id), or ``fallback`` when it has none."""
+    for name in ID_FIELDS:
         if record.get(name) not in (None, ""):
             return str(record[name])
     return fallback
@@ -107,11 +108,11 @@ def qa_example(record: Record, benchmark: str, fallback_id: str) -> Example:
     answers = list(dict.fromkeys(a for a in answers if a.strip()))  # dedupe, keep order
     if not answers:
         raise DatasetFormatError(
-            f"{benchmark}: record {_record_id(record, fallback_id)!r} has no answer (looked for golden_answers, "
+            f"{benchmark}: record {record_id(record, fallback_id)!r} has no answer (looked for golden_answers, "
             f"answer, answers, Answer, possible_answers); its fields are {sorted(record)}"
         )
     return Example(
-        id=_record_id(record, fallback_id), question=question.strip(), golden_answers=tuple(answers),
+        id=record_id(record, fallback_id), question=question.strip(), golden_answers=tuple(answers),
         benchmark=benchmark, metadata=_metadata(record),
     )
 
@@ -121,11 +122,11 @@ def _mcq(record: Record, benchmark: str, fallback_id: str, choices: dict[str, st
     letter = letter.strip().upper()
     if letter not in choices:
         raise DatasetFormatError(
-            f"{benchmark}: record {_record_id(record, fallback_id)!r} has answer {letter!r}, not one of "
+            f"{benchmark}: record {record_id(record, fallback_id)!r} has answer {letter!r}, not one of "
             f"{sorted(choices)}"
         )
     return Example(
-        id=_record_id(record, fallback_id), question=question, golden_answers=(choices[letter], letter),
+        id=record_id(record, fallback_id), question=question, golden_answers=(choices[letter], letter),
         benchmark=benchmark, choices=choices, answer_letter=letter, metadata=_metadata(record),
     )
 

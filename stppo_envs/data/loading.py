@@ -19,7 +19,7 @@ from typing import Iterable
 
 import datasets
 
-from .adapters import example_from_record
+from .adapters import ID_FIELDS, example_from_record, record_id
 from .schema import DatasetFormatError, Example
 
 DEMO_DIR = Path(__file__).parent / "demo"
@@ -125,6 +125,7 @@ def _load_cached(benchmark: str, key: tuple[str | None, tuple], split: str, limi
         label = benchmark
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    _check_unique_ids(table, label, split)
     # Rows without an id get one from their position in the file, so ids survive shuffling and limits.
     table = table.add_column(_ROW_COLUMN, list(range(len(table))))
     if shuffle_seed is not None:
@@ -134,6 +135,27 @@ def _load_cached(benchmark: str, key: tuple[str | None, tuple], split: str, limi
     return tuple(
         example_from_record(row, label, f"{label}-{split}-{row.pop(_ROW_COLUMN)}", family) for row in table
     )
+
+
+def _check_unique_ids(table: datasets.Dataset, label: str, split: str) -> None:
+    """Every example of the split needs its own id: agents, rollouts and result records key an episode's state
+    by it, so two questions sharing one would share state. The whole split is checked, before any limit."""
+    columns = [name for name in ID_FIELDS if name in table.column_names]
+    if not columns:
+        return  # every row gets its position as id
+    values = table.select_columns(columns).to_dict()
+    rows: dict[str, list[int]] = {}
+    for row, fields in enumerate(zip(*(values[name] for name in columns))):
+        rows.setdefault(record_id(dict(zip(columns, fields)), f"{label}-{split}-{row}"), []).append(row)
+    repeated = [(key, where) for key, where in rows.items() if len(where) > 1]
+    if repeated:
+        shown = ", ".join(f"{key!r} (rows {', '.join(map(str, where[:4]))}{', ...' if len(where) > 4 else ''})"
+                          for key, where in repeated[:5])
+        count = "1 id occurs" if len(repeated) == 1 else f"{len(repeated)} ids occur"
+        raise DatasetFormatError(
+            f"{label} {split}: {count} more than once: {shown}{', ...' if len(repeated) > 5 else ''}"
+            " (rows count from 0; ids are compared as text, so 1 and \"1\" are one id). Each example needs its "
+            "own id: episodes' state and results are keyed by it")
 
 
 def _load_source(info: BenchmarkInfo, source: str, split: str, family: str) -> datasets.Dataset:
@@ -270,11 +292,21 @@ def _load_keyed_json(files: list[Path]) -> datasets.Dataset:
     rows = []
     for path in files:
         with open(path, encoding="utf-8") as handle:
-            for key, value in json.load(handle).items():
+            for key, value in json.load(handle, object_pairs_hook=functools.partial(_unique_keys, path)).items():
                 if not isinstance(value, dict):
                     raise DatasetFormatError(f"{path}: value of key {key!r} is not an object")
                 rows.append({"id": str(key), **value})
     return datasets.Dataset.from_list(rows)
+
+
+def _unique_keys(path: Path, pairs: list[tuple[str, object]]) -> dict:
+    """``json.load`` keeps only the last of two equal keys; in a keyed file that silently drops a record."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise DatasetFormatError(f"{path}: key {key!r} occurs more than once in one object")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _csv_header(path: Path) -> list[str]:
