@@ -121,9 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps")
     sft.add_argument("--batch-size", type=_positive_int, default=4, help="demonstrations per step")
     sft.add_argument("--lr", type=float, default=2e-5, help="learning rate")
-    sft.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    sft.add_argument("--autocast-dtype", default=None, choices=("bfloat16", "float16", "auto"),
-                     help="forwards under torch.autocast with float32 weights (auto: bfloat16 where native)")
+    sft.add_argument("--dtype", default="float32", help="float32 or bfloat16 (float16 needs a loss scaler)")
+    sft.add_argument("--autocast-dtype", default=None, choices=("bfloat16", "auto"),
+                     help="forwards under torch.autocast with float32 weights (auto: bfloat16 on a GPU or AMX CPU)")
     sft.add_argument("--seed", type=int, default=0, help="seed")
     sft.set_defaults(handler=_run_sft)
 
@@ -271,7 +271,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400, max_total_tokens=768,
         # A rollback needs a recent healthy checkpoint to return to: then one is written every iteration.
         save_every=1 if args.on_collapse == "rollback" else args.iterations, keep_checkpoints=1, device="auto",
-        autocast_dtype="auto",  # bfloat16 forwards where the CPU has them natively: 1.6x faster RL here
+        autocast_dtype="auto",  # bfloat16 forwards on a GPU or an AMX CPU, where they are faster
         step_diagnostics=True, on_collapse=args.on_collapse)
     metrics = Trainer(config).train()
     print(off_policy_summary(out / "train", metrics["reward"]))

@@ -84,14 +84,15 @@ class TrainConfig:
     """Data-parallel strategy under torchrun: ddp (whole model per rank) or fsdp2 (parameters, gradients and
     optimizer state sharded over the ranks by torch.distributed.fsdp.fully_shard; also runs in one process)."""
     fsdp_compute_dtype: str | None = None
-    """strategy=fsdp2 only: bfloat16 or float16 to gather weights and compute forward/backward in that dtype while
+    """strategy=fsdp2 only: bfloat16 to gather weights and compute forward/backward in that dtype while
     the sharded master weights and AdamW state stay in `dtype` (float32) and gradients are reduced in float32
-    (FSDP2's MixedPrecisionPolicy). None: compute in `dtype`."""
+    (FSDP2's MixedPrecisionPolicy). None: compute in `dtype`. float16 is refused (no loss scaler)."""
     autocast_dtype: str | None = None
-    """bfloat16 or float16: run the forward passes (generation, scoring, training) under torch.autocast with
-    float32 weights, gradients and optimizer state, output heads in float32 (stppo_agent/mixed_precision.py);
-    2-3x faster on GPUs and on CPUs with AVX512-BF16/AMX. auto: bfloat16 where the hardware has it natively, else
-    float32 (config.yaml records the choice). For strategy=fsdp2 use fsdp_compute_dtype instead."""
+    """bfloat16: run the forward passes (generation, scoring, training) under torch.autocast with float32
+    weights, gradients and optimizer state, output heads in float32 (stppo_agent/mixed_precision.py); faster on
+    GPUs and on CPUs with AMX. auto: bfloat16 on a GPU that supports it or a CPU with AMX, else float32
+    (config.yaml records the choice). float16 is refused: it needs a loss scaler, which stppo lacks. For
+    strategy=fsdp2 use fsdp_compute_dtype instead."""
     reuse_kv_cache: bool = True
     """HF backend: continue each trajectory's key/value cache from its previous turn instead of re-encoding the
     transcript every turn (same tokens; stppo_agent/turn_cache.py)."""
@@ -100,7 +101,7 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = 0.35
     """Share of GPU memory the vLLM engine may take (the rest is the trainer's)."""
     dtype: str = "float32"
-    """float32, bfloat16 or float16 for the models' weights."""
+    """float32 or bfloat16 for the models' weights (float16 is refused for training: no loss scaler)."""
     gradient_checkpointing: bool = False
     device: str = "auto"
     """auto (cuda when available), cpu, cuda, cuda:N."""
@@ -182,9 +183,11 @@ class TrainConfig:
                 raise ValueError("fsdp_compute_dtype needs strategy=fsdp2 (DDP computes in `dtype`)")
             if self.fsdp_compute_dtype not in ("bfloat16", "float16"):
                 raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {self.fsdp_compute_dtype!r}")
-        if self.autocast_dtype is not None:
-            from .mixed_precision import validate_autocast_dtype
+        from .mixed_precision import refuse_float16_training, validate_autocast_dtype
 
+        refuse_float16_training("fsdp_compute_dtype", self.fsdp_compute_dtype)  # no loss scaler: see there
+        refuse_float16_training("dtype", self.dtype)
+        if self.autocast_dtype is not None:
             if self.strategy == "fsdp2":
                 raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
                                  "mixed precision)")

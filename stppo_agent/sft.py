@@ -46,7 +46,7 @@ class SFTConfig:
     batch_size: int = 4
     lr: float = 2e-5
     dtype: str = "float32"
-    autocast_dtype: str | None = None  # as in training: bfloat16 / float16 / auto forwards, float32 weights
+    autocast_dtype: str | None = None  # as in training: bfloat16 / auto forwards, float32 weights
     device: str = "auto"
     seed: int = 0
 
@@ -87,6 +87,10 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
     """Fine-tune ``config.model`` on the teacher's demonstrations; save a Hugging Face folder in ``output_dir``."""
     if config.steps < 1 or config.batch_size < 1:
         raise ValueError("steps and batch_size must be >= 1")
+    for name in ("max_observation_tokens", "max_total_tokens"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    validate_autocast_dtype(config.autocast_dtype, config.dtype)  # before minutes of teacher episodes
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model)
@@ -98,7 +102,6 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
     report(f"sft: {len(kept)} demonstrations by {config.teacher} ({len(trajectories) - len(kept)} over "
            f"max_total_tokens skipped), {config.steps} steps of {config.batch_size}")
     device = resolve_device(config.device)
-    validate_autocast_dtype(config.autocast_dtype, config.dtype)
     config = with_resolved_precision(config, device)
     model = autocast_forward(load_actor(config.model, config.dtype).to(device), config.autocast_dtype)
     model.train()

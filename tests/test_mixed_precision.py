@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +70,7 @@ def test_gradients_are_float32_and_close_to_full_precision(tiny_model):
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="autocast_dtype must be bfloat16, float16, auto"):
+    with pytest.raises(ValueError, match="autocast_dtype must be bfloat16, auto"):
         TrainConfig(model="m", autocast_dtype="int8").validate()
     with pytest.raises(ValueError, match="needs dtype=float32"):
         TrainConfig(model="m", autocast_dtype="bfloat16", dtype="bfloat16").validate()
@@ -92,19 +94,75 @@ def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny
     assert all(abs(record["ratio_max"] - 1) < 0.05 and abs(record["ratio_min"] - 1) < 0.05 for record in first), first
 
 
-@pytest.mark.parametrize("avx512_bf16,amx,expected", [(True, False, "bfloat16"), (False, True, "bfloat16"),
-                                                      (False, False, None)])
-def test_auto_picks_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch, avx512_bf16, amx, expected):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+@pytest.mark.parametrize("settings, name", [
+    (dict(dtype="float16"), "dtype"),
+    (dict(autocast_dtype="float16"), "autocast_dtype"),
+    (dict(strategy="fsdp2", fsdp_compute_dtype="float16"), "fsdp_compute_dtype"),
+])
+def test_float16_training_is_refused_with_the_alternatives(settings, name):
+    """No loss scaler exists, so float16 gradients would silently underflow: refused, naming what works."""
+    with pytest.raises(ValueError, match=f"^{name}=float16 is refused for training: .*use bfloat16 .* or float32$"):
+        TrainConfig(model="m", **settings).validate()
+
+
+@pytest.mark.parametrize("settings", [dict(dtype="float16"), dict(autocast_dtype="float16")])
+def test_sft_refuses_float16_before_any_work(settings, tmp_path):
+    from stppo_agent.sft import SFTConfig, train_sft
+
+    with pytest.raises(ValueError, match="float16 is refused for training"):  # before the model "m" is looked up
+        train_sft(SFTConfig(model=str(tmp_path / "no-model"), output_dir=str(tmp_path / "out"), **settings))
+    assert not (tmp_path / "out").exists()
+
+
+def test_float16_weights_still_serve_evaluation(tiny_model):
+    """No gradient is taken there, so float16 stays available to `hf:` agents."""
+    from stppo_agent.hf_agent import HFAgent
+
+    agent = HFAgent(str(tiny_model), device="cpu", dtype="float16")
+    assert next(agent.model.parameters()).dtype == torch.float16
+
+
+def _mock_cpu(monkeypatch, flags):
+    """A CPU with these /proc/cpuinfo flags, for both today's and torch's private probes."""
+    from stppo_agent import mixed_precision
+
+    monkeypatch.setattr(mixed_precision, "cpu_flags", lambda: None if flags is None else set(flags), raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: "avx512_bf16" in (flags or ()))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: "amx_bf16" in (flags or ()))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    # measured: bf16 autocast at 0.85x float32 on an AVX512-BF16 CPU without AMX -> float32 there
+    ({"avx2", "avx512f", "avx512_bf16"}, None),
+    ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "bfloat16"),
+    ({"avx2"}, None),
+    (set(), None),
+])
+def test_auto_picks_bfloat16_on_a_cpu_only_with_amx(monkeypatch, flags, expected):
+    _mock_cpu(monkeypatch, flags)
     assert resolve_autocast_dtype("auto", torch.device("cpu")) == expected
-    assert resolve_autocast_dtype("float16", torch.device("cpu")) == "float16"
+    assert resolve_autocast_dtype("bfloat16", torch.device("cpu")) == "bfloat16"  # asked for: kept
     assert resolve_autocast_dtype(None, torch.device("cpu")) is None
 
 
+def test_auto_without_proc_cpuinfo_asks_torch_for_amx(monkeypatch):
+    from stppo_agent import mixed_precision
+
+    monkeypatch.setattr(mixed_precision, "cpu_flags", lambda: None)
+    for amx, expected in ((True, "bfloat16"), (False, None)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert resolve_autocast_dtype("auto", torch.device("cpu")) == expected
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86 Linux")
+def test_cpu_flags_are_this_machines():
+    from stppo_agent.mixed_precision import cpu_flags
+
+    assert {"fpu", "sse2"} <= cpu_flags()
+
+
 def test_the_run_records_what_auto_chose(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    _mock_cpu(monkeypatch, {"avx512_bf16"})
     trainer = Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=1, autocast_dtype="auto"))
     assert trainer.config.autocast_dtype is None
     assert "autocast_dtype: null" in (tmp_path / "config.yaml").read_text()
