@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 DEMO_BENCHMARKS = ("nq", "hotpotqa", "medqa")
 DEMO_LR = 1e-5
+DEMO_MAX_OBSERVATION_TOKENS = 160  # the demo's warm start and RL alike (the shared default is 512)
 QA_FAMILY_ORDER = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
 
 
@@ -118,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--retriever", default="demo", help="retriever spec (demo, bm25:DIR, dense:DIR, http://...)")
     sft.add_argument("--max-turns", type=_positive_int, default=3,
                      help="turns per demonstration (default 3: two searches)")
+    sft.add_argument("--max-observation-tokens", type=_positive_int, default=None,
+                     help="tokens of one observation kept (default: train's max_observation_tokens default)")
+    sft.add_argument("--max-total-tokens", type=_positive_int, default=None,
+                     help="longer demonstrations are skipped (default: train's max_total_tokens default)")
     sft.add_argument("--steps", type=_positive_int, default=60, help="optimizer steps")
     sft.add_argument("--batch-size", type=_positive_int, default=4, help="demonstrations per step")
     sft.add_argument("--lr", type=float, default=2e-5, help="learning rate")
@@ -255,7 +260,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         from .sft import SFTConfig, train_sft
 
         summary = train_sft(SFTConfig(model=model, output_dir=str(out / "sft"), benchmarks=DEMO_BENCHMARKS,
-                                      steps=args.sft_steps, lr=5e-5), report=lambda _: None)
+                                      steps=args.sft_steps, lr=5e-5,
+                                      max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS, max_total_tokens=1024),
+                            report=lambda _: None)
         print(f"warm start: {summary['demonstrations']} demonstrations, loss {summary['first_loss']:.2f} -> "
               f"{summary['last_loss']:.2f} in {args.sft_steps} steps")
         model = str(out / "sft")
@@ -268,7 +275,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         # with one mini-batch per iteration, or at lr <= 3e-6, no turn ever left the clip range).
         samples_per_prompt=2, mini_batch_size=2, micro_batch_size=2, ppo_epochs=2, actor_lr=args.lr, critic_lr=1e-5,
         max_turns=3,
-        max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400, max_total_tokens=768,
+        max_new_tokens_per_turn=48, max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS, max_prompt_tokens=400,
+        max_total_tokens=768,
         # A rollback needs a recent healthy checkpoint to return to: then one is written every iteration.
         save_every=1 if args.on_collapse == "rollback" else args.iterations, keep_checkpoints=1, device="auto",
         autocast_dtype="auto",  # bfloat16 forwards on a GPU or an AMX CPU, where they are faster
@@ -311,11 +319,13 @@ def _run_sft(args: argparse.Namespace) -> int:
 
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     datasets = dict(_key_value(item) for item in args.dataset)
+    limits = {name: getattr(args, name) for name in ("max_observation_tokens", "max_total_tokens")
+              if getattr(args, name) is not None}  # unset: SFTConfig's defaults, which are training's
     summary = train_sft(SFTConfig(model=resolve_model(args.model), output_dir=args.output_dir, benchmarks=benchmarks,
                                   datasets=datasets, split=args.split, limit=args.limit, teacher=args.teacher,
                                   retriever=args.retriever, max_turns=args.max_turns, steps=args.steps,
                                   batch_size=args.batch_size, lr=args.lr, dtype=args.dtype,
-                                  autocast_dtype=args.autocast_dtype, seed=args.seed))
+                                  autocast_dtype=args.autocast_dtype, seed=args.seed, **limits))
     print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; saved {args.output_dir}")
     return 0
 

@@ -6,7 +6,8 @@ agent spec such as ``hf:BIG_MODEL`` or ``openai:URL#MODEL`` (rejection-sampling 
 benchmark envs; its episodes that earned the reward become the training data.
 
 Episodes are tokenised exactly as rollouts are (the prompt through the chat template, each observation alone and
-cut to ``max_observation_tokens``), and the loss is the mean negative log-likelihood of the teacher's action
+cut to ``max_observation_tokens``, whose default is training's: a demonstration never shows a cut that RL would
+not), and the loss is the mean negative log-likelihood of the teacher's action
 tokens only: observations and the prompt are masked, as in the PPO loss.
 """
 
@@ -25,7 +26,7 @@ from .evaluate import EvalSettings, evaluate_benchmark
 from .forward import token_logprobs
 from .mixed_precision import autocast_forward, validate_autocast_dtype, with_resolved_precision
 from .models import load_actor, load_tokenizer, resolve_device
-from .rollout import Trajectory, encode_observation, encode_prompt, to_batch
+from .rollout import RolloutLimits, Trajectory, encode_observation, encode_prompt, to_batch
 
 
 @dataclasses.dataclass
@@ -40,8 +41,9 @@ class SFTConfig:
     retriever: str = "demo"
     topk: int = 3
     max_turns: int = 3  # two searches (both hops of a multi-hop question) and the answer
-    max_observation_tokens: int = 160
-    max_total_tokens: int = 1024
+    # the same limits, and defaults, as `stppo train` (TrainConfig takes them from RolloutLimits too)
+    max_observation_tokens: int = RolloutLimits.max_observation_tokens
+    max_total_tokens: int = RolloutLimits.max_total_tokens
     steps: int = 60
     batch_size: int = 4
     lr: float = 2e-5

@@ -98,8 +98,28 @@ def test_sft_command(tiny_model, tmp_path, capsys):
                  "--limit", "4", "--teacher", "no-search", "--steps", "1"]) == 1
 
 
+def test_sft_cuts_observations_where_training_does(tiny_model, tmp_path):
+    """One setting, one default: a demonstration never shows a cut observation that RL rollouts would not."""
+    from stppo_agent.config import TrainConfig
+
+    assert SFTConfig(model="m", output_dir="o").max_observation_tokens == TrainConfig().max_observation_tokens == 512
+    assert SFTConfig(model="m", output_dir="o").max_total_tokens == TrainConfig().max_total_tokens
+    common = ["sft", "--model", str(tiny_model), "--benchmarks", "nq", "--limit", "2", "--steps", "1"]
+    assert main([*common, "--output-dir", str(tmp_path / "default")]) == 0
+    assert main([*common, "--output-dir", str(tmp_path / "short"), "--max-observation-tokens", "24",
+                 "--max-total-tokens", "700"]) == 0
+    default = json.loads((tmp_path / "default" / "sft.json").read_text())["config"]
+    short = json.loads((tmp_path / "short" / "sft.json").read_text())["config"]
+    assert (default["max_observation_tokens"], default["max_total_tokens"]) == (512, 4096)
+    assert (short["max_observation_tokens"], short["max_total_tokens"]) == (24, 700)
+    with pytest.raises(SystemExit, match="2"):
+        main([*common, "--output-dir", str(tmp_path / "x"), "--max-observation-tokens", "0"])
+
+
 def test_sft_under_autocast_records_the_precision_it_used(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    from stppo_agent import mixed_precision
+
+    monkeypatch.setattr(mixed_precision, "cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
     assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "out"), "--benchmarks", "nq",
                  "--limit", "4", "--steps", "2", "--batch-size", "2", "--autocast-dtype", "auto"]) == 0
     summary = json.loads((tmp_path / "out" / "sft.json").read_text())
@@ -120,6 +140,11 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
     config = (out / "train" / "config.yaml").read_text()
     assert f"model: {out / 'sft'}" in config  # RL started from the warm-started weights
     assert "ppo_epochs: 2" in config and "autocast_dtype: auto" not in config  # the precision auto chose is kept
+    # the demo cuts observations at 160 tokens in its warm start and in RL alike (its output predates the
+    # shared default of 512)
+    assert "max_observation_tokens: 160" in config
+    warm_start = json.loads((out / "sft" / "sft.json").read_text())["config"]
+    assert (warm_start["max_observation_tokens"], warm_start["max_total_tokens"]) == (160, 1024)
     results = json.loads((out / "eval" / "results.json").read_text())
     assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
     assert results[0]["provenance"]["agent"] == f"hf:{out / 'train' / 'checkpoints' / 'step-1' / 'actor'}"
