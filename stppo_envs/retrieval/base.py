@@ -147,6 +147,58 @@ class RetrieverUnavailableError(RetrievalError, ConnectionError):
     """A remote retrieval server did not answer (down, timed out, or returned an error)."""
 
 
+class PartialSearchError(RetrievalError):
+    """Some queries of a ``batch_search`` failed and the others were served: ``results[i]`` is the hits of query
+    i, None exactly where ``errors`` holds that query's :class:`RetrievalError`. Callers that can use the served
+    rows catch it (see :func:`search_each`); everyone else sees a plain :class:`RetrievalError`."""
+
+    def __init__(self, results: Sequence[list[Hit] | None], errors: dict[int, RetrievalError]):
+        self.results, self.errors = list(results), dict(sorted(errors.items()))
+        first = next(iter(self.errors))
+        if len(self.results) == 1:  # a single search: its own error, word for word
+            super().__init__(str(self.errors[first]))
+        else:
+            super().__init__(f"{len(self.errors)} of {len(self.results)} queries failed; query {first}: "
+                             f"{self.errors[first]}")
+
+
+def as_retrieval_error(exc: BaseException) -> RetrievalError:
+    return exc if isinstance(exc, RetrievalError) else RetrievalError(f"{type(exc).__name__}: {exc}")
+
+
+def search_each(retriever: "Retriever", queries: Sequence[str], k: int, *,
+                isolate: type[BaseException] | tuple[type[BaseException], ...] = RetrievalError,
+                ) -> tuple[list[list[Hit] | None], dict[int, RetrievalError]]:
+    """Serve ``queries`` in as few ``batch_search`` calls as possible, so that a query the backend refuses (Lucene's
+    TooManyClauses, say) fails alone: ``(rows, errors)`` with ``rows[i]`` None exactly where ``errors`` has i.
+
+    A failed batch is split in halves until the refused queries stand alone (a few calls for one bad query among
+    thousands, not one call per query: dense backends are much faster batched). A backend that is down
+    (:class:`RetrieverUnavailableError`) fails every query at once; splitting would only multiply the timeouts.
+    ``isolate`` is what counts as a per-query failure; the server passes ``Exception``.
+    """
+    queries = list(queries)
+    if not queries:
+        return [], {}
+    try:
+        rows = list(retriever.batch_search(queries, k))
+    except PartialSearchError as exc:
+        return list(exc.results), dict(exc.errors)
+    except RetrieverUnavailableError as exc:
+        return [None] * len(queries), dict.fromkeys(range(len(queries)), exc)
+    except isolate as exc:
+        if len(queries) == 1:
+            return [None], {0: as_retrieval_error(exc)}
+        half = len(queries) // 2
+        left, left_errors = search_each(retriever, queries[:half], k, isolate=isolate)
+        right, right_errors = search_each(retriever, queries[half:], k, isolate=isolate)
+        return left + right, {**left_errors, **{half + i: e for i, e in right_errors.items()}}
+    if len(rows) != len(queries):  # never hand out rows that may belong to other queries
+        error = RetrievalError(f"the backend returned {len(rows)} rows for {len(queries)} queries")
+        return [None] * len(queries), dict.fromkeys(range(len(queries)), error)
+    return rows, {}
+
+
 @runtime_checkable
 class Retriever(Protocol):
     """Anything with pyserini-style ``search`` and ``batch_search`` returning :class:`Hit` lists."""
@@ -203,13 +255,22 @@ class CachedRetriever(BatchSearchMixin):
                     missing.setdefault(query, []).append(i)
                 else:
                     results[i] = cached
+        errors: dict[int, RetrievalError] = {}
         if missing:
-            fetched = self.retriever.batch_search(list(missing), k)
+            try:
+                fetched, failed = self.retriever.batch_search(list(missing), k), {}
+            except PartialSearchError as exc:  # keep what was served; report the rest at the caller's positions
+                fetched, failed = exc.results, exc.errors
             with self._lock:
-                for (query, positions), hits in zip(missing.items(), fetched):
+                for j, ((query, positions), hits) in enumerate(zip(missing.items(), fetched)):
+                    if j in failed:
+                        errors.update(dict.fromkeys(positions, failed[j]))
+                        continue
                     self._cache[(query, k)] = hits
                     for i in positions:
                         results[i] = hits
+        if errors:
+            raise PartialSearchError(results, errors)
         return results  # type: ignore[return-value]
 
     def __getstate__(self):

@@ -86,8 +86,9 @@ class BM25Retriever(ReopensAfterPickling, BatchSearchMixin):
                 qids = [str(i) for i in range(len(queries))]
                 by_qid = searcher.batch_search(list(queries), qids, k=k, threads=self.threads)
                 raw = [by_qid[qid] for qid in qids]
-        except Exception as exc:  # a Java exception surfaces as jnius.JavaException
-            raise RetrievalError(f"BM25 search failed on {self.index}: {exc}") from exc
+        except Exception as exc:  # a Java exception surfaces as jnius.JavaException, its stack trace appended
+            reason = next(iter(str(exc).splitlines()), type(exc).__name__)
+            raise RetrievalError(f"BM25 search failed on {self.index}: {reason}") from exc
         return [[self._to_hit(searcher, r) for r in results] for results in raw]
 
     @staticmethod

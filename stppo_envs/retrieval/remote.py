@@ -2,7 +2,9 @@
 
 ``POST /retrieve {"queries": [...], "topk": k, "return_scores": true}`` ->
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``. Connection failures, timeouts and
-5xx answers are retried with backoff (urllib3 ``Retry``), then raised as :class:`RetrieverUnavailableError`.
+502/503/504 answers are retried with backoff (urllib3 ``Retry``), then raised as
+:class:`RetrieverUnavailableError`. Queries the server answered with a per-query error (``"errors"``, see
+``server.py``) raise :class:`PartialSearchError`, which carries the rows of the queries that were served.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from urllib3.util.retry import Retry
 from .base import (
     BatchSearchMixin,
     Hit,
+    PartialSearchError,
     ReopensAfterPickling,
     RetrievalError,
     RetrieverUnavailableError,
@@ -61,10 +64,17 @@ class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
         return self._session
 
     def batch_search(self, queries: Sequence[str], k: int = 10) -> list[list[Hit]]:
-        results: list[list[Hit]] = []
+        results: list[list[Hit] | None] = []
+        errors: dict[int, RetrievalError] = {}
         for start in range(0, len(queries), self.max_batch):  # servers cap request sizes
-            results += self._post(list(queries[start:start + self.max_batch]), k)
-        return results
+            try:
+                results += self._post(list(queries[start:start + self.max_batch]), k)
+            except PartialSearchError as exc:  # the other chunks' rows stay served
+                errors.update({start + i: e for i, e in exc.errors.items()})
+                results += exc.results
+        if errors:
+            raise PartialSearchError(results, errors)
+        return results  # type: ignore[return-value]
 
     def _post(self, queries: list[str], k: int) -> list[list[Hit]]:
         if not queries:
@@ -81,10 +91,18 @@ class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
             raise RetrievalError(f"retrieval server {self.url} rejected the request ({response.status_code}): "
                                  f"{response.text[:300]}")
         try:
-            result = response.json()["result"]
-            return [[_hit(item) for item in row] for row in result]
-        except (ValueError, KeyError, TypeError) as exc:
+            answer = response.json()
+            rows = [[_hit(item) for item in row] for row in answer["result"]]
+            errors = {int(e["index"]): RetrievalError(f"retrieval server {self.url}: {e['message']}")
+                      for e in answer.get("errors") or []}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RetrievalError(f"retrieval server {self.url} sent an unexpected answer: {exc}") from exc
+        if len(rows) != len(queries) or not all(0 <= i < len(rows) for i in errors):  # rows match by position only
+            raise RetrievalError(f"retrieval server {self.url} sent {len(rows)} rows (errors at {sorted(errors)}) "
+                                 f"for {len(queries)} queries")
+        if errors:
+            raise PartialSearchError([None if i in errors else row for i, row in enumerate(rows)], errors)
+        return rows
 
     def __repr__(self) -> str:
         return f"RemoteRetriever({self.url!r})"

@@ -2,11 +2,16 @@
 
     POST /retrieve {"queries": [...], "topk": 3, "return_scores": true}
       -> {"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}   (bare documents without scores)
+         + "errors": [{"index": i, "type", "message"}, ...]   only when the backend refused some queries
     GET  /health   -> {"status": "ok", "retriever": ..., "queries_served": n}
 
 Concurrent requests are gathered for a few milliseconds and served by one ``batch_search`` call per top-k on a
 single worker thread (pyserini and faiss are fastest batched, and the JVM is not shared across threads
 arbitrarily). Limits on request size, query count, query length and top-k answer 4xx with a message.
+
+A query the backend refuses (Lucene's TooManyClauses for a query of over 1,024 distinct terms) fails alone: its
+row is ``[]`` and ``errors`` says why, while the other queries of the batch -- the sender's and those merged
+from other clients -- are answered. 503 means only that the backend is unreachable, which clients retry.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .base import RetrievalError, Retriever, is_valid_unicode
+from .base import RetrievalError, Retriever, RetrieverUnavailableError, is_valid_unicode, search_each
 
 
 class RetrieveRequest(BaseModel):
@@ -45,7 +50,12 @@ class ServerLimits:
 
 
 class _Batcher:
-    """Collects (queries, k) requests arriving within a short window and serves them with one call per k."""
+    """Collects (queries, k) requests arriving within a short window and serves them with one call per k.
+
+    ``search`` answers ``(rows, errors)`` for its own queries only: a query the backend refuses is an entry of
+    ``errors`` (its row None) and never fails the queries merged with it, the sender's or anyone else's. Only a
+    backend that is itself unreachable (:class:`RetrieverUnavailableError`) fails whole requests.
+    """
 
     def __init__(self, retriever: Retriever, limits: ServerLimits):
         self.retriever, self.limits = retriever, limits
@@ -53,7 +63,7 @@ class _Batcher:
         self.queries_served = 0
         self.batches_served = 0
 
-    async def search(self, queries: list[str], k: int):
+    async def search(self, queries: list[str], k: int) -> tuple[list, dict[int, RetrievalError]]:
         if self.queue is None:
             self.queue = asyncio.Queue()
             asyncio.get_running_loop().create_task(self._serve_forever())
@@ -78,34 +88,27 @@ class _Batcher:
                     break
             for k in sorted({k for _, k, _ in pending}):
                 group = [(q, f) for q, kk, f in pending if kk == k]
-                flat = [query for queries, _ in group for query in queries]
                 try:
-                    results = await asyncio.to_thread(self.retriever.batch_search, flat, k)
-                except Exception as exc:
-                    if len(group) == 1:  # reported to the request, the server stays up
-                        group[0][1].done() or group[0][1].set_exception(exc)
-                        continue
-                    # One request's bad query must not fail the requests merged with it: serve each alone.
-                    for queries, future in group:
-                        await self._serve_alone(queries, k, future)
-                    continue
-                self.queries_served += len(flat)
-                self.batches_served += 1
-                offset = 0
-                for queries, future in group:
-                    if not future.done():
-                        future.set_result(results[offset:offset + len(queries)])
-                    offset += len(queries)
+                    await self._serve_group(group, k)
+                except Exception as exc:  # a bug here must fail these requests, not stop the loop serving all
+                    for _, future in group:
+                        future.done() or future.set_exception(exc)
 
-    async def _serve_alone(self, queries: list[str], k: int, future: asyncio.Future) -> None:
-        try:
-            results = await asyncio.to_thread(self.retriever.batch_search, queries, k)
-        except Exception as exc:
-            future.done() or future.set_exception(exc)
-            return
-        self.queries_served += len(queries)
+    async def _serve_group(self, group: list[tuple[list[str], asyncio.Future]], k: int) -> None:
+        flat = [query for queries, _ in group for query in queries]
+        rows, errors = await asyncio.to_thread(search_each, self.retriever, flat, k, isolate=Exception)
+        self.queries_served += len(flat) - len(errors)
         self.batches_served += 1
-        future.done() or future.set_result(results)
+        offset = 0
+        for queries, future in group:
+            mine = {i - offset: e for i, e in errors.items() if offset <= i < offset + len(queries)}
+            down = next((e for e in mine.values() if isinstance(e, RetrieverUnavailableError)), None)
+            if not future.done():
+                if down is not None:
+                    future.set_exception(down)
+                else:
+                    future.set_result((rows[offset:offset + len(queries)], mine))
+            offset += len(queries)
 
 
 def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
@@ -136,10 +139,17 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
         if invalid:  # rejected here, alone, before it can be merged with other clients' queries
             raise HTTPException(422, f"queries {invalid[:5]} are not valid Unicode (lone surrogate code points)")
         try:
-            results = await batcher.search(request.queries, k)
-        except RetrievalError as exc:
+            rows, errors = await batcher.search(request.queries, k)
+        except RetrieverUnavailableError as exc:  # the backend is down: 503, which clients retry
             raise HTTPException(503, f"retrieval failed: {exc}") from exc
-        return {"result": [[_result_item(hit, request.return_scores) for hit in hits] for hits in results]}
+        except Exception as exc:  # a server bug: 500, which clients do not retry
+            raise HTTPException(500, f"retrieval failed: {type(exc).__name__}: {exc}") from exc
+        answer: dict[str, Any] = {"result": [[_result_item(hit, request.return_scores) for hit in hits or []]
+                                             for hits in rows]}
+        if errors:  # Search-R1's clients read only "result", where a failed query is an empty list
+            answer["errors"] = [{"index": i, "type": type(e).__name__, "message": str(e)}
+                                for i, e in sorted(errors.items())]
+        return answer
 
     return BodyLimit(app, limits.max_body_bytes)
 
