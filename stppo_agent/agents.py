@@ -1,8 +1,10 @@
 """The agent protocol for evaluation, and scripted baselines that need no LLM.
 
-An agent maps a batch of in-progress episodes to one action text each. Agents are stateless: an
-:class:`EpisodeView` carries everything seen so far (question, options, transcript segments, turn), so the
-same agent object can serve any number of episodes in any order.
+An agent maps a batch of in-progress episodes to one action text each. An :class:`EpisodeView` carries
+everything seen so far (question, options, transcript segments, turn), so the same agent object can serve any
+number of episodes in any order. An agent that keeps state across an episode's turns (an LLM's token context
+and KV cache) keys it by ``episode_id``, never by ``example_id``: one example may be played by several
+episodes at once.
 
 Scripted baselines sanity-check environments and retrieval:
 - ``oracle`` answers with a golden answer (it is given the examples): EM / accuracy must be 1.0.
@@ -34,6 +36,13 @@ class EpisodeView:
     transcript: tuple[Segment, ...]
     turn: int
     max_turns: int | None = None  # the env's turn limit, where known
+    # Unique among the episodes of one run (evaluation: the example id, then "<id>#2", "<id>#3" for further
+    # episodes of the same example); defaults to the example id for drivers that play each example once.
+    episode_id: str | None = None
+
+    def __post_init__(self):
+        if self.episode_id is None:
+            object.__setattr__(self, "episode_id", self.example_id)
 
     @property
     def last_observation(self) -> str:
@@ -62,7 +71,19 @@ class OracleAgent:
 
 def gold_answers(examples: Sequence[Example]) -> dict[str, str]:
     """Example id -> the first golden answer (the option letter for multiple choice)."""
-    return {e.id: (e.answer_letter if e.is_multiple_choice else e.golden_answers[0]) for e in examples}
+    return {e.id: (e.answer_letter if e.is_multiple_choice else e.golden_answers[0]) for e in by_id(examples)}
+
+
+def by_id(examples: Sequence[Example]) -> list[Example]:
+    """``examples``, refused when two share an id: agents that look an example up by id would answer one of
+    them with the other's gold (loaders refuse such datasets; this guards examples built by hand)."""
+    seen: set[str] = set()
+    for example in examples:
+        if example.id in seen:
+            raise ValueError(f"example id {example.id!r} occurs more than once; scripted agents look examples up "
+                             "by id, so each needs its own")
+        seen.add(example.id)
+    return list(examples)
 
 
 class NoSearchAgent:
@@ -83,7 +104,7 @@ class GoldSearchAgent:
 
     def __init__(self, examples: Sequence[Example]):
         self._gold = gold_answers(examples)
-        self._hops = {e.id: [str(t) for t in e.metadata.get("supporting_titles", ())] for e in examples}
+        self._hops = {e.id: [str(t) for t in e.metadata.get("supporting_titles", ())] for e in by_id(examples)}
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
         return [self._act_one(episode) for episode in episodes]

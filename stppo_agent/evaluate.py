@@ -48,17 +48,19 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
 
     records: list[dict] = []
     retriever, topk = envs[0].retriever, envs[0].topk
+    episode_ids = _episode_ids([envs[0].examples[i].id for i in indices])
     # episodes/s and ETA on a terminal (an LLM agent on a CPU takes minutes); silent in logs and CI
     bar = tqdm(total=len(indices), desc=envs[0].benchmark, unit="episode", disable=None, leave=False)
     for start in range(0, len(indices), len(envs)):
         chunk = indices[start:start + len(envs)]
+        chunk_episode_ids = episode_ids[start:start + len(envs)]
         active = {slot: envs[slot] for slot in range(len(chunk))}
         for slot, env in active.items():
             env.reset(seed=seed + chunk[slot], options={"index": chunk[slot]})
         chunk_records: dict[int, dict] = {}
         while active:
             slots = list(active)
-            actions = agent.act([_view(active[s]) for s in slots])
+            actions = agent.act([_view(active[s], chunk_episode_ids[s]) for s in slots])
             parsed = {s: active[s].begin_step(a) for s, a in zip(slots, actions)}
             hits, errors = serve_searches(retriever, topk,
                                           {s: p for s, p in parsed.items() if active[s].needs_search(p)})
@@ -68,8 +70,9 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
                                                                          errors.get(slot))
                 if terminated or truncated:
                     chunk_records[slot] = _episode_record(env, reward, terminated, truncated, info)
+                    chunk_records[slot]["episode_id"] = chunk_episode_ids[slot]
                     if hasattr(agent, "generated_tokens"):  # LLM agents count their tokens; scripted ones have none
-                        chunk_records[slot]["response_tokens"] = agent.generated_tokens(env.example.id)
+                        chunk_records[slot]["response_tokens"] = agent.generated_tokens(chunk_episode_ids[slot])
                     del active[slot]
                     bar.update(1)
         records += [chunk_records[slot] for slot in range(len(chunk))]
@@ -77,10 +80,25 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
     return records
 
 
-def _view(env: SearchQAEnv) -> EpisodeView:
+def _episode_ids(example_ids: Sequence[str]) -> list[str]:
+    """One id per episode, unique within the run: the example id, then ``<id>#2``, ``<id>#3``, ... for further
+    episodes of the same example (agents key per-episode state by it, never by the example id)."""
+    ids: list[str] = []
+    used: set[str] = set()
+    for example_id in example_ids:
+        candidate, n = example_id, 1
+        while candidate in used:  # also past an example whose own id looks like "<id>#2"
+            n += 1
+            candidate = f"{example_id}#{n}"
+        used.add(candidate)
+        ids.append(candidate)
+    return ids
+
+
+def _view(env: SearchQAEnv, episode_id: str) -> EpisodeView:
     example = env.example
     return EpisodeView(example.id, example.question, example.choices, tuple(env.transcript), env.turn,
-                       env.max_turns)
+                       env.max_turns, episode_id)
 
 
 def _episode_record(env: SearchQAEnv, reward: float, terminated: bool, truncated: bool, info: dict) -> dict:

@@ -35,30 +35,34 @@ class HFAgent:
         self._generated: dict[str, int] = {}
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
-        if all(episode.turn == 0 for episode in episodes):  # a new set of episodes: the last set's caches go
+        if all(episode.turn == 0 for episode in episodes):  # a new set of episodes: the last set's state goes
             self.backend.end_rollout()
+            self._contexts.clear()
+            self._generated.clear()
         contexts = [self._context(ep) for ep in episodes]
-        # keyed by episode, so each continues its key/value cache from its previous turn (same tokens as
-        # re-encoding the transcript, tested)
-        generations = self.backend.generate(contexts, self.max_new_tokens,
-                                            keys=[episode.example_id for episode in episodes])
+        keys = [episode.episode_id for episode in episodes]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"two episodes of one batch share an episode_id: {sorted(keys)}")
+        # keyed by episode (never by example: one example may be played twice at once), so each continues
+        # its key/value cache from its previous turn (same tokens as re-encoding the transcript, tested)
+        generations = self.backend.generate(contexts, self.max_new_tokens, keys=keys)
         actions = []
-        for episode, generation in zip(episodes, generations):
-            self._contexts[episode.example_id] += generation.token_ids
-            self._generated[episode.example_id] = self._generated.get(episode.example_id, 0) + len(
-                generation.token_ids)
+        for key, generation in zip(keys, generations):
+            self._contexts[key] += generation.token_ids
+            self._generated[key] = self._generated.get(key, 0) + len(generation.token_ids)
             actions.append(self.tokenizer.decode(generation.token_ids, skip_special_tokens=True))
         return actions
 
-    def generated_tokens(self, example_id: str) -> int:
-        """Tokens this agent generated in the episode of ``example_id`` (for the evaluation's token count)."""
-        return self._generated.get(example_id, 0)
+    def generated_tokens(self, episode_id: str) -> int:
+        """Tokens this agent generated in episode ``episode_id`` (for the evaluation's token count)."""
+        return self._generated.get(episode_id, 0)
 
     def _context(self, episode: EpisodeView) -> list[int]:
+        key = episode.episode_id
         if episode.turn == 0:
-            self._generated[episode.example_id] = 0
-            self._contexts[episode.example_id] = encode_prompt(self.tokenizer, episode.transcript[0].text)
+            self._generated[key] = 0
+            self._contexts[key] = encode_prompt(self.tokenizer, episode.transcript[0].text)
         else:
-            self._contexts[episode.example_id] += encode_observation(self.tokenizer, episode.transcript[-1].text,
-                                                                     self.max_observation_tokens)
-        return self._contexts[episode.example_id]
+            self._contexts[key] += encode_observation(self.tokenizer, episode.transcript[-1].text,
+                                                      self.max_observation_tokens)
+        return self._contexts[key]

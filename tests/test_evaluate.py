@@ -329,3 +329,54 @@ def test_plot_keeps_each_runs_style_across_panels_and_integer_iterations(tmp_pat
     assert set(styles) == {"alpha", "beta"} and all(len(v) == 1 for v in styles.values()), styles
     monkeypatch.undo()
     plt.close("all")
+
+
+def _keyword_envs(n: int, max_turns: int = 3):
+    import gymnasium as gym
+
+    from .conftest import KeywordRetriever
+    from .test_rollout import PASSAGES
+
+    return [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=max_turns).unwrapped
+            for _ in range(n)]
+
+
+def test_hf_agent_keeps_two_episodes_of_one_example_apart(tmp_path):
+    """Per-episode state (token context, KV cache, token count) is keyed by the episode, not the example id:
+    two episodes of the same question in flight at once each equal that question's episode run alone."""
+    from stppo_agent.evaluate import run_episodes
+    from stppo_agent.hf_agent import HFAgent
+
+    from .tiny_models import tiny_llama, word_tokenizer
+
+    model = tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=16, layers=1, seed=5)
+    agent = HFAgent(str(model), max_new_tokens=4, max_observation_tokens=16)
+    alone = run_episodes(_keyword_envs(1, max_turns=2), agent, [2])
+    twice = run_episodes(_keyword_envs(3, max_turns=2), agent, [2, 0, 2])
+    assert alone[0]["turns"] > 1  # the episode went past its first turn, so its state carried over
+    for record in (twice[0], twice[2]):
+        assert record["transcript"] == alone[0]["transcript"]
+        assert record["response_tokens"] == alone[0]["response_tokens"]
+    assert [r["episode_id"] for r in twice] == [twice[0]["example_id"], twice[1]["example_id"],
+                                                twice[0]["example_id"] + "#2"]
+
+
+def test_scripted_agents_refuse_examples_that_share_an_id():
+    from stppo_agent.agent_specs import build_agent
+    from stppo_envs import Example
+
+    examples = [Example("q1", "Capital of France?", ("Paris",), "nq"),
+                Example("q1", "Capital of Peru?", ("Lima",), "nq")]
+    for spec in ("oracle", "gold-search"):
+        with pytest.raises(ValueError, match="example id 'q1' occurs more than once"):
+            build_agent(spec, examples)
+
+
+def test_the_oracle_scores_one_when_an_example_is_run_twice_at_once():
+    from stppo_agent.agents import OracleAgent
+    from stppo_agent.evaluate import run_episodes
+
+    envs = _keyword_envs(2)
+    records = run_episodes(envs, OracleAgent(envs[0].examples), [1, 1])
+    assert [r["em"] for r in records] == [1.0, 1.0]
+    assert [r["episode_id"] for r in records] == [records[0]["example_id"], records[0]["example_id"] + "#2"]
