@@ -150,6 +150,19 @@ def _mark_events(axis, runs: dict[str, list[dict[str, Any]]]) -> None:
             labelled.add(kind)
 
 
+def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
+    """Distinct legend labels for run folders, as ``compare`` labels results: the folder's name with as many
+    parents as it takes to tell the runs apart (runs/a/train and runs/b/train: a/train and b/train). Folders are
+    resolved first, so that "." and "run/" are named; the same folder twice is an error, not two curves."""
+    resolved = [Path(d).resolve() for d in run_dirs]
+    seen: dict[Path, str] = {}
+    for given, path in zip(run_dirs, resolved):
+        if path in seen:
+            raise ValueError(f"run {given} is given twice (as {seen[path]} too)")
+        seen[path] = str(given)
+    return distinct_labels(resolved)
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
     """One PNG per metric group, every run a line; returns the files written."""
     import matplotlib
@@ -159,9 +172,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
 
     from .trainer import read_metrics
 
+    labels = run_labels(run_dirs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = {Path(d).name or str(d): read_metrics(d) for d in run_dirs}
+    runs = {label: read_metrics(d) for label, d in zip(labels, run_dirs)}
     if not any(runs.values()):
         raise FileNotFoundError(f"no metrics.jsonl in {', '.join(map(str, run_dirs))}")
     from matplotlib.ticker import MaxNLocator
@@ -193,7 +207,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> list[Path]:
         figure.savefig(path, dpi=100)
         plt.close(figure)
         written.append(path)
-    steps = {Path(d).name or str(d): read_metrics(d, "steps.jsonl") for d in run_dirs}
+    steps = {label: read_metrics(d, "steps.jsonl") for label, d in zip(labels, run_dirs)}
     if any(steps.values()):
         written.append(_plot_steps(steps, styles, out / "steps.png", plt))
     return written
@@ -208,10 +222,12 @@ def _plot_steps(steps: dict[str, list[dict]], styles: dict[str, dict], path: Pat
     rows = -(-len(STEP_PLOT_KEYS) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.3 * rows), squeeze=False)
     for axis, key in zip(axes.flat, STEP_PLOT_KEYS):
+        drawn = False
         for run, records in steps.items():
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if points:
                 axis.plot(*zip(*points), label=run, **dict(styles[run], markersize=3))
+                drawn = True
         starts = sorted({r["step"] for records in steps.values() for r in records if r.get("on_policy")})
         for start in starts[1:]:
             axis.axvline(start - 0.5, color="grey", linestyle=":", linewidth=0.8)
@@ -221,7 +237,7 @@ def _plot_steps(steps: dict[str, list[dict]], styles: dict[str, dict], path: Pat
         axis.set_title(key)
         axis.set_xlabel("optimizer step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if len(steps) > 1:
+        if drawn and len(steps) > 1:
             axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
