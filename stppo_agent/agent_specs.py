@@ -30,9 +30,23 @@ def resolve_agent_spec(spec: str) -> tuple[str, str | None]:
     return f"hf:{folder / 'actor'}", f"{spec} -> {why}"
 
 
-@functools.lru_cache(maxsize=2)
 def _hf_agent(path: str, max_new_tokens: int) -> Agent:
-    """One loaded model serves every benchmark of an evaluation."""
+    """One loaded model serves every benchmark of an evaluation; a checkpoint rewritten at the same path (a run
+    trained again with --overwrite) is loaded afresh."""
+    return _cached_hf_agent(path, max_new_tokens, _folder_stamp(path))
+
+
+def _folder_stamp(path: str) -> tuple:
+    from pathlib import Path
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return ()  # a model name (hf:smollm2): resolved to a cache that does not change under us
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file())
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_hf_agent(path: str, max_new_tokens: int, stamp: tuple) -> Agent:
     from .hf_agent import HFAgent
 
     return HFAgent(path, max_new_tokens=max_new_tokens)

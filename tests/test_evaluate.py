@@ -380,3 +380,21 @@ def test_the_oracle_scores_one_when_an_example_is_run_twice_at_once():
     records = run_episodes(envs, OracleAgent(envs[0].examples), [1, 1])
     assert [r["em"] for r in records] == [1.0, 1.0]
     assert [r["episode_id"] for r in records] == [records[0]["example_id"], records[0]["example_id"] + "#2"]
+
+
+def test_a_checkpoint_rewritten_at_the_same_path_is_loaded_again(tmp_path):
+    """The hf: agent cache (one model for every benchmark of an evaluation) is keyed by the checkpoint's files,
+    not only its path: a run overwritten in place must not be evaluated with the old weights."""
+    import os
+
+    from stppo_agent.agent_specs import build_agent
+
+    from .tiny_models import tiny_llama, word_tokenizer
+
+    model = tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=16, layers=1, seed=5)
+    first = build_agent(f"hf:{model}", [], 4)
+    assert build_agent(f"hf:{model}", [], 4) is first  # unchanged files: the loaded model is reused
+    weights = next(p for p in model.iterdir() if p.suffix == ".safetensors")
+    stamp = weights.stat().st_mtime_ns + 1_000_000
+    os.utime(weights, ns=(stamp, stamp))
+    assert build_agent(f"hf:{model}", [], 4) is not first
