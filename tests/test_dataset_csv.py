@@ -59,3 +59,14 @@ def test_an_empty_answer_option_is_an_error_and_an_empty_spare_column_is_no_opti
     bad.write_text("question,A,B,C,D,answer\nPick?,x,,z,w,B\n", encoding="utf-8")
     with pytest.raises(DatasetFormatError, match="answer 'B', not one of"):
         load_examples("mmlu_med", str(bad))
+
+
+def test_medmcqa_csv_keeps_na_options_and_names_a_bad_cop(tmp_path):
+    path = tmp_path / "medmcqa_dev.csv"
+    path.write_text("id,question,opa,opb,opc,opd,cop\nm1,Which?,None,NA,null,x,2\n", encoding="utf-8")
+    (example,) = load_examples("medmcqa", str(path), split="dev")
+    assert dict(example.choices) == {"A": "None", "B": "NA", "C": "null", "D": "x"}
+    assert example.answer_letter == "B" and example.golden_answers == ("NA", "B")
+    path.write_text("id,question,opa,opb,opc,opd,cop\nm1,Which?,a,b,c,d,two\n", encoding="utf-8")
+    with pytest.raises(DatasetFormatError, match="cop must be 1-4 .*got 'two'"):
+        load_examples("medmcqa", str(path), split="dev")

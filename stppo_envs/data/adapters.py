@@ -153,9 +153,11 @@ def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
     if "opa" in record and "cop" in record:  # MedMCQA, cop is 1-based in the original release
         choices = {letter: str(record[f"op{letter.lower()}"]) for letter in "ABCD"
                    if _present(record.get(f"op{letter.lower()}"))}
-        cop = int(record["cop"])
-        if not 1 <= cop <= 4:
-            raise DatasetFormatError(f"{benchmark}: cop must be 1-4 (original MedMCQA release), got {cop}")
+        raw_cop = record["cop"]
+        cop = str(int(raw_cop) if isinstance(raw_cop, float) and raw_cop.is_integer() else raw_cop).strip()
+        if cop not in ("1", "2", "3", "4"):
+            raise DatasetFormatError(f"{benchmark}: cop must be 1-4 (original MedMCQA release), got {record['cop']!r}")
+        cop = int(cop)
         return _mcq(record, benchmark, fallback_id, choices, "ABCD"[cop - 1])
     if "final_decision" in record:  # PubMedQA: yes / no / maybe
         choices = {"A": "yes", "B": "no", "C": "maybe"}
