@@ -5,12 +5,16 @@
 
 Runs on the GPU when there is one (the trainer's device "auto"); the default tokenizer is SmolLM2's.
 
-- update: policy tokens/s of ``Trainer.update`` (GRPO: actor only, like the baseline) against a raw loop of
-  forward + log-softmax + masked mean loss + backward + AdamW step over the same micro-batches. Target >= 0.8.
-  ST-PPO's figure (critic + clip-bias correction: about twice the work) is printed for reference.
+- update: policy tokens/s of ``Trainer.update`` (GRPO: actor only, like the baseline) against a raw loop doing
+  the trainer's work by the most direct code and nothing more: the same length-sorted, trimmed micro-batches, LM
+  head over the response positions only (``logits_to_keep``), log-prob of the taken token, masked mean loss,
+  backward, gradient clipping, one AdamW step. Target >= 0.8. ST-PPO's figure (critic + clip-bias correction:
+  about twice the work) is printed for reference.
 - rollout: generated tokens/s of the multi-turn rollout (generation, env steps, observation tokenisation)
   against one plain ``model.generate`` call producing the same number of tokens per trajectory, with the KV
   cache reused across turns (the default) and without (every turn re-encodes the transcript). Target >= 0.95.
+  The plain call is not an upper bound: it samples no observation tokens' context and steps no env, but its
+  sampler (``torch.multinomial``, half of a rollout's profile on a CPU) is the rollout's too.
   Also printed: the same ratio against a plain ``generate`` given the rollout's in-place cache (what the rollout
   adds beyond the cache: the observation tokens are context a plain call does not hold).
 - cache: ``generate`` after a long context (--long-context) with the rollout's in-place key/value cache
@@ -18,6 +22,9 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
 - mismatch: mean |old - sample| log-prob per policy token between the trainer's scoring forward and the
   sampler (transformers generate), in float32, bfloat16 weights and bfloat16 autocast, and the k3 KL estimate of
   rollout_correction.
+
+Every ratio is printed as the median over --repeats with its range (min-max): the pieces alternate within a
+repeat, so each repeat gives one paired ratio, and the range shows how far machine noise moves it.
 """
 
 from __future__ import annotations
@@ -48,23 +55,34 @@ def make_model(hidden: int, layers: int, tokenizer_path: str | None) -> Path:
     return tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=hidden, layers=layers)
 
 
-def raw_update(model, batch: RolloutBatch, micro: int) -> float:
-    """Seconds for a plain forward/backward/step over the batch, micro-batch by micro-batch."""
+def raw_update(model, batch: RolloutBatch, micro: int, max_grad_norm: float = 1.0) -> float:
+    """Seconds for the trainer's work on ``batch`` written plainly: rows sorted by length, each micro-batch trimmed
+    to its own longest row, logits for the response positions only, the taken tokens' log-probs, a masked mean
+    over the batch's policy tokens, backward, gradient clipping and one AdamW step. What the trainer adds (ratios,
+    clipping, metrics, its bookkeeping) is what the comparison measures."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     started = time.perf_counter()
     optimizer.zero_grad()
+    order = torch.argsort(batch.lengths().cpu(), stable=True)
+    tokens = batch.loss_mask.sum()
     for start in range(0, batch.batch_size, micro):
-        part = batch.select(range(start, min(start + micro, batch.batch_size)))
-        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask,
-                       position_ids=position_ids(part.attention_mask)).logits
+        part = batch.select(order[start:start + micro]).trimmed()
         width = part.response_ids.shape[1]
-        logits = logits[:, part.prompt_width - 1: part.prompt_width - 1 + width].float()
-        logprobs = torch.log_softmax(logits, -1).gather(-1, part.response_ids.unsqueeze(-1)).squeeze(-1)
-        loss = -(logprobs * part.loss_mask).sum() / batch.loss_mask.sum()
+        logits = model(input_ids=part.input_ids, attention_mask=part.attention_mask,
+                       position_ids=position_ids(part.attention_mask), use_cache=False,
+                       logits_to_keep=width + 1).logits[:, :width].float()  # positions P-1 .. P+T-2
+        logprobs = logits.gather(-1, part.response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+        loss = -(logprobs * part.loss_mask).sum() / tokens
         loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     _synchronize(model)
     return time.perf_counter() - started
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    """Median and range over repeats: 1.03 (0.98-1.09)."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def _synchronize(model) -> None:
@@ -141,34 +159,37 @@ def main() -> None:
     generated = int(batch.loss_mask.sum())
 
     trainer.score(batch)
-    ours, raw = [], []
-    for _ in range(args.repeats):  # alternate, so machine noise hits both alike
-        started = time.perf_counter()
-        trainer.update(batch)
-        ours.append(time.perf_counter() - started)
-        raw.append(raw_update(trainer.actor, batch, 4))
-    ours_tps, raw_tps = generated / statistics.median(ours), generated / statistics.median(raw)
-
     st_trainer = Trainer(TrainConfig(algo="st_ppo", **dict(common, output_dir=tempfile.mkdtemp())),
                          report=lambda _: None)
     st_trainer.score(batch)
-    started = time.perf_counter()
-    st_trainer.update(batch)
-    st_tps = generated / (time.perf_counter() - started)
+    ours, raw, st = [], [], []
+    micro = trainer.config.micro_batch_size
+    for _ in range(args.repeats):  # alternate, so machine noise hits all three alike
+        started = time.perf_counter()
+        trainer.update(batch)
+        ours.append(time.perf_counter() - started)
+        raw.append(raw_update(trainer.actor, batch, micro, trainer.config.max_grad_norm))
+        started = time.perf_counter()
+        st_trainer.update(batch)
+        st.append(time.perf_counter() - started)
 
     print(f"device {trainer.device}; model: random Llama hidden={args.hidden} layers={args.layers} "
           f"vocab={trainer.actor.config.vocab_size}; "
-          f"{batch.batch_size} trajectories, {generated} policy tokens, {int(batch.attention_mask.sum())} tokens")
-    print(f"update  grpo   {ours_tps:9.1f} tok/s   raw fwd+bwd {raw_tps:9.1f} tok/s   ratio {ours_tps / raw_tps:.2f}")
-    print(f"update  st_ppo {st_tps:9.1f} tok/s   (actor + critic + clip-bias correction)   "
-          f"ratio {st_tps / raw_tps:.2f}")
+          f"{batch.batch_size} trajectories, {generated} policy tokens, {int(batch.attention_mask.sum())} tokens; "
+          f"{args.repeats} repeats, ratios as median (min-max) of the repeats' paired ratios")
+    raw_tps = generated / statistics.median(raw)
+    print(f"update  grpo   {generated / statistics.median(ours):9.1f} tok/s   raw {raw_tps:9.1f} tok/s   "
+          f"ratio {spread([r / o for o, r in zip(ours, raw)])}")
+    print(f"update  st_ppo {generated / statistics.median(st):9.1f} tok/s   (actor + critic + clip-bias correction)   "
+          f"ratio {spread([r / s for s, r in zip(st, raw)])}")
     plain_tps, plain_append_tps = statistics.median(plain_rates), statistics.median(plain_append_rates)
     for reuse, label in ((True, "KV cache reused"), (False, "re-encoded    ")):
-        rollout_tps = statistics.median(rollout_rates[reuse])
-        print(f"rollout {label} {rollout_tps:9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
-              f"ratio {rollout_tps / plain_tps:.2f}   (in generate: "
+        rates = rollout_rates[reuse]
+        print(f"rollout {label} {statistics.median(rates):9.1f} tok/s   plain generate {plain_tps:9.1f} tok/s   "
+              f"ratio {spread([r / p for r, p in zip(rates, plain_rates)])}   (in generate: "
               f"{statistics.median(generation_share[reuse]):.0%} of the rollout; against a plain generate with the "
-              f"rollout's in-place cache, {plain_append_tps:.1f} tok/s: {rollout_tps / plain_append_tps:.2f})")
+              f"rollout's in-place cache, {plain_append_tps:.1f} tok/s: "
+              f"{spread([r / p for r, p in zip(rates, plain_append_rates)])})")
     print(long_context_cache_speedup(trainer, args.long_context, args.repeats))
     for label, precision in (("float32", None), ("bfloat16 weights", {"dtype": "bfloat16"}),
                              ("bfloat16 autocast (float32 weights and heads)", {"autocast_dtype": "bfloat16"})):
@@ -205,7 +226,7 @@ def long_context_cache_speedup(trainer: Trainer, context: int, repeats: int, row
                                                  in_place))
     ours, default = statistics.median(rates[True]), statistics.median(rates[False])
     return (f"cache   {context}-token context, {rows} x {new_tokens} new tokens: in-place {ours:9.1f} tok/s   "
-            f"DynamicCache {default:9.1f} tok/s   ratio {ours / default:.2f}")
+            f"DynamicCache {default:9.1f} tok/s   ratio {spread([a / b for a, b in zip(rates[True], rates[False])])}")
 
 
 def scored_rollout_stats(common: dict, precision: dict) -> dict:

@@ -86,3 +86,52 @@ def test_third_party_noise_is_hidden_unless_verbose(tmp_path):
     assert "EM/acc" in quiet.stdout
     verbose = run("--verbose")
     assert verbose.returncode == 0 and "MemorySegmentIndexInput" in verbose.stderr
+
+
+# The README's measured table compares the trainer with raw baselines: a baseline must do the trainer's work, no
+# more (issue 34.6), or the ratio flatters the trainer.
+
+
+def _benchmark(name: str):
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path):
+    """Same micro-batches (length-sorted, trimmed), the same tokens through the body and the same positions (the
+    response's only) through the LM head."""
+    from stppo_agent.trainer import Trainer
+
+    from .test_trainer import toy_config
+    from .tiny_models import tiny_llama, word_tokenizer
+
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    # responses of 1-6 tokens over 1-3 turns, one row per micro-batch: each is trimmed to its own length
+    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", prompts_per_iteration=6, samples_per_prompt=2,
+                                 mini_batch_size=12, micro_batch_size=1, ppo_epochs=1, max_turns=3,
+                                 max_new_tokens_per_turn=2), report=lambda _: None)
+    batch = trainer.rollout()
+    trainer.score(batch)
+    assert len(set(batch.lengths().tolist())) > 1  # rows differ in length, so trimming has something to trim
+    seen = {"head": [], "body": []}
+    head = trainer.actor.lm_head.register_forward_hook(lambda _m, i, _o: seen["head"].append(i[0].shape[:2]))
+    body = trainer.actor.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen["body"].append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        trainer.update(batch)
+        trainers = dict(seen)
+        seen.update(head=[], body=[])
+        _benchmark("trainer").raw_update(trainer.actor, batch, trainer.config.micro_batch_size)
+    finally:
+        head.remove()
+        body.remove()
+    assert min(width for _, width in trainers["body"]) < batch.input_ids.shape[1]  # the trainer trims
+    assert seen["body"] == trainers["body"]
+    assert seen["head"] == trainers["head"]
+    assert sum(rows * width for rows, width in seen["head"]) < batch.batch_size * batch.input_ids.shape[1]
