@@ -86,6 +86,21 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
     return sums[inverse], sizes[inverse], stds[inverse]
 
 
+def outcome_scores(rewards: torch.Tensor, loss_mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """Each trajectory's score for an outcome-reward estimator: R_b minus the sum of its per-token KL penalties.
+
+    As verl does with ``use_kl_in_reward``: its token-level rewards (the outcome at the last token, minus
+    ``kl_ctrl * kl`` at every token, ``apply_kl_penalty``) are summed per sequence before the group baseline
+    (``compute_grpo_outcome_advantage`` / ``compute_rloo_outcome_advantage``). So a trajectory that drifted further
+    from the reference ranks lower in its group, and a penalty shared by the whole group cancels in the baseline.
+    """
+    scores = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    if kl_penalty is None:
+        return scores
+    zero = torch.zeros((), dtype=kl_penalty.dtype, device=kl_penalty.device)
+    return scores - torch.where(loss_mask, kl_penalty, zero).sum(1).to(scores.dtype)
+
+
 def _broadcast(per_trajectory: torch.Tensor, loss_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=loss_mask.device)
     return torch.where(loss_mask, per_trajectory.to(dtype).unsqueeze(1), zero)
@@ -93,11 +108,12 @@ def _broadcast(per_trajectory: torch.Tensor, loss_mask: torch.Tensor, dtype: tor
 
 @register_advantage_estimator("grpo")
 def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None):
-    """A_b = (R_b - mean_g R) / (std_g R + 1e-6), or without the division (Dr. GRPO); broadcast to tokens.
+    """A_b = (S_b - mean_g S) / (std_g S + 1e-6), or without the division (Dr. GRPO); broadcast to tokens.
 
-    A trajectory alone in its group has no baseline and gets advantage 0.
+    S_b = R_b - sum of b's per-token KL penalties (:func:`outcome_scores`). A trajectory alone in its group has no
+    baseline and gets advantage 0.
     """
-    scores = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    scores = outcome_scores(rewards, loss_mask, kl_penalty)
     sums, sizes, stds = _group_stats(scores, group_ids)
     advantage = scores - sums / sizes
     if config.grpo_std_normalize:
@@ -110,8 +126,9 @@ def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_pe
 
 @register_advantage_estimator("rloo")
 def rloo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None):
-    """A_b = R_b - mean of R over the other members of b's group (0 for a trajectory alone); broadcast."""
-    scores = rewards.to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+    """A_b = S_b - mean of S over the other members of b's group (0 for a trajectory alone); broadcast.
+    S_b as in :func:`grpo_advantages`."""
+    scores = outcome_scores(rewards, loss_mask, kl_penalty)
     sums, sizes, _ = _group_stats(scores, group_ids)
     leave_one_out = (sums - scores) / (sizes - 1).clamp(min=1)
     advantage = torch.where(sizes > 1, scores - leave_one_out, torch.zeros_like(scores))
