@@ -15,7 +15,6 @@ import math
 import os
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,6 +42,7 @@ from .logging_utils import MetricsLogger
 from .mixed_precision import with_resolved_precision
 from .models import DTYPES, load_policy_models, resolve_device
 from .recording import RolloutRecorder
+from .reduced_metrics import StepMetrics
 from .rollout import HFGenerationBackend, RolloutBatch
 
 
@@ -314,7 +314,7 @@ class Trainer:
             if algo.clip_bias_correction or self.config.step_diagnostics else None
         global_tokens, global_seqs = self._global_counts(mini)
         self.actor_optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        step_metrics = StepMetrics()
         finite = torch.ones((), device=self.device)
         for micro in self._micro_batches(mini, self.actor_train):
             logprobs, entropy = token_logprobs(self.actor_train, micro, with_entropy=True,
@@ -330,10 +330,8 @@ class Trainer:
             if corrector is not None:
                 corrector.accumulate(bias, anchor=logprobs)
             loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
-            weight = micro.loss_mask.sum() / (global_tokens * self.world)
-            for key, value in metrics.items():
-                totals[key] = totals[key] + value.float() * weight
-        out = _reduce_metrics(totals)
+            step_metrics.add(metrics, micro.loss_mask.sum())
+        out = step_metrics.reduce()
         if corrector is not None:
             corrector.all_reduce()
             out.update({k: float(v) for k, v in corrector.apply().items()})
@@ -374,7 +372,7 @@ class Trainer:
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
         global_tokens, _ = self._global_counts(mini)
         self.critic_optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = defaultdict(float)
+        step_metrics = StepMetrics()
         finite = torch.ones((), device=self.device)
         for micro in self._micro_batches(mini, self.critic_train):
             values = critic_values(self.critic_train, micro)
@@ -382,10 +380,8 @@ class Trainer:
                                        loss_mask=micro.loss_mask, config=self.algo, global_num_tokens=global_tokens)
             finite = finite * torch.isfinite(loss)
             loss.backward()
-            weight = float(micro.loss_mask.sum() / (global_tokens * self.world))
-            for key, value in metrics.items():
-                totals[key] += float(value) * weight
-        totals = _reduce_metrics({k: torch.tensor(v, device=self.device) for k, v in totals.items()})
+            step_metrics.add(metrics, micro.loss_mask.sum())
+        totals = step_metrics.reduce()
         grad_norm = distributed.clip_grad_norm(list(self.critic.parameters()), self.config.max_grad_norm)
         totals["critic_grad_norm"] = float(grad_norm)
         if not (bool(distributed.all_reduce_sum(finite) == self.world) and math.isfinite(totals["critic_grad_norm"])):
@@ -414,15 +410,6 @@ class Trainer:
         if not self.sharded:
             return None, None
         return full_model_state(self.actor), full_model_state(self.critic) if self.critic is not None else None
-
-
-def _reduce_metrics(totals: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Token-weighted partial means from every rank summed into global means (one all-reduce)."""
-    if not totals:
-        return {}
-    keys = sorted(totals)
-    summed = distributed.all_reduce_sum(torch.stack([totals[k].float() for k in keys]))
-    return {key: float(value) for key, value in zip(keys, summed)}
 
 
 def read_metrics(run_dir: str | Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:

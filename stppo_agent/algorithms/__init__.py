@@ -8,6 +8,7 @@
     loss, bias_surrogate, metrics = get_policy_loss(preset.policy_loss)(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
         loss_mask=loss_mask, turn_ids=turn_ids, config=preset)
+    metrics.parts["turn_clip_frac"]   # Summed([turns outside the clip range, turns]): exact over micro-batches
 """
 
 from .advantages import (
@@ -21,6 +22,7 @@ from .config import ALGORITHMS, AlgorithmConfig, register_algorithm
 from .losses import (
     POLICY_LOSSES,
     aggregate,
+    aggregate_parts,
     explained_variance,
     get_policy_loss,
     kl_estimate,
@@ -29,13 +31,14 @@ from .losses import (
     register_policy_loss,
     value_loss,
 )
+from .metrics import Extreme, LossMetrics, Summed
 from .registry import Registry
 from .rollout_correction import resolve_rollout_correction, rollout_correction_weights
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "POLICY_LOSSES", "Registry",
-    "aggregate", "compact_policy_positions", "explained_variance", "get_advantage_estimator", "get_policy_loss",
-    "kl_estimate", "kl_reward_penalty", "log_ratio_at_level", "register_advantage_estimator",
-    "register_algorithm", "register_policy_loss", "resolve_rollout_correction", "rollout_correction_weights",
-    "value_loss",
+    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme", "LossMetrics",
+    "POLICY_LOSSES", "Registry", "Summed", "aggregate", "aggregate_parts", "compact_policy_positions",
+    "explained_variance", "get_advantage_estimator", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
+    "log_ratio_at_level", "register_advantage_estimator", "register_algorithm", "register_policy_loss",
+    "resolve_rollout_correction", "rollout_correction_weights", "value_loss",
 ]

@@ -2,7 +2,9 @@
 
 Shapes: every per-token tensor is (B, T); ``loss_mask`` is bool; ``turn_ids`` is long (-1 off the mask).
 Policy losses return ``(loss, bias_surrogate, metrics)``: ``bias_surrogate = agg(c_t * rho_t * A_t)`` with
-c_t and A_t constant, whose gradient is the clipping bias C of docs/algorithms.md; metrics are detached tensors.
+c_t and A_t constant, whose gradient is the clipping bias C of docs/algorithms.md; ``metrics`` is a
+:class:`~stppo_agent.algorithms.metrics.LossMetrics`: detached tensors (the values over the batch given), each with
+the sums or extremes that combine it exactly over micro-batches and ranks (what the trainer logs).
 A loss returns a ``bias_surrogate`` that does not require grad when nothing in the micro-batch is clipped: C's
 share is then exactly zero, and the corrector skips its extra backward (every on-policy step: the first
 mini-batch of each iteration, or all of them when one mini-batch is the whole batch).
@@ -17,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .metrics import LossMetrics
 from .registry import Registry
 from .segments import (
     broadcast_segments,
@@ -84,16 +87,33 @@ def _ratios(logprobs, old_logprobs, loss_mask, turn_ids, level: str):
 def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str, global_num_tokens=None,
               global_num_seqs=None) -> torch.Tensor:
     """token-mean: sum / number of policy tokens; seq-mean-token-mean: mean over trajectories of token means."""
+    total, count = aggregate_parts(per_token, loss_mask, mode)
+    denominator = global_num_tokens if mode == "token-mean" else global_num_seqs
+    return total / (denominator if denominator is not None else count.clamp(min=1))
+
+
+def aggregate_parts(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, this batch's own count) of :func:`aggregate`: the sum over policy tokens and their number
+    (token-mean), or the sum of per-trajectory token means and the number of trajectories with policy tokens
+    (seq-mean-token-mean). Both add over micro-batches and ranks, so their ratio is the whole batch's mean."""
     if mode == "token-mean":
-        denominator = global_num_tokens if global_num_tokens is not None else loss_mask.sum().clamp(min=1)
-        return masked_sum(per_token, loss_mask) / denominator
+        return masked_sum(per_token, loss_mask), loss_mask.sum()
     if mode == "seq-mean-token-mean":
         zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
         per_seq = torch.where(loss_mask, per_token, zero).sum(1) / loss_mask.sum(1).clamp(min=1)
         has_tokens = loss_mask.any(1)
-        denominator = global_num_seqs if global_num_seqs is not None else has_tokens.sum().clamp(min=1)
-        return torch.where(has_tokens, per_seq, zero).sum() / denominator
+        return torch.where(has_tokens, per_seq, zero).sum(), has_tokens.sum()
     raise ValueError(f"unknown loss_agg {mode!r}; known: token-mean, seq-mean-token-mean")
+
+
+def _aggregate_metric(metrics: LossMetrics, name: str, per_token: torch.Tensor, loss_mask: torch.Tensor,
+                      mode: str, global_num_tokens=None, global_num_seqs=None) -> torch.Tensor:
+    """:func:`aggregate`, recorded in ``metrics`` under ``name`` with its numerator and count as parts."""
+    total, count = aggregate_parts(per_token, loss_mask, mode)
+    denominator = global_num_tokens if mode == "token-mean" else global_num_seqs
+    value = total / (denominator if denominator is not None else count.clamp(min=1))
+    metrics.mean(name, total, count, value=value)
+    return value
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator: str) -> torch.Tensor:
@@ -124,25 +144,26 @@ def kl_reward_penalty(old_logprobs, ref_logprobs, loss_mask, config) -> torch.Te
     return torch.where(loss_mask, config.kl_in_reward * (old_logprobs - ref_logprobs), zero)
 
 
-def _turn_clip_fraction(turn_sums, turn_counts, config) -> torch.Tensor:
-    """Fraction of (trajectory, turn) segments whose turn-level ratio left [1 - eps_low, 1 + eps_high]."""
+def _turn_clip_counts(turn_sums, turn_counts, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segments whose turn-level ratio left [1 - eps_low, 1 + eps_high], (trajectory, turn) segments present)."""
     present = turn_counts > 0
     turn_ratio = torch.exp(turn_sums / turn_counts.clamp(min=1))
     outside = (turn_ratio > 1 + config.clip_high) | (turn_ratio < 1 - config.clip_low)
-    return (outside & present).sum().to(turn_sums.dtype) / present.sum().clamp(min=1)
+    return (outside & present).sum().to(turn_sums.dtype), present.sum()
 
 
 @torch.no_grad()
-def _ratio_metrics(logprobs, old_logprobs, ratio, clipped, loss_mask, turn_sums, turn_counts, config):
+def _ratio_metrics(metrics: LossMetrics, logprobs, old_logprobs, ratio, clipped, loss_mask, turn_sums, turn_counts,
+                   config) -> None:
+    """Clip fractions and ratio statistics, each with the parts that combine it exactly over micro-batches."""
     token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, torch.zeros((), dtype=ratio.dtype))
-    return {
-        "clip_frac": masked_mean(clipped.to(ratio.dtype), loss_mask),
-        "turn_clip_frac": _turn_clip_fraction(turn_sums, turn_counts, config),
-        "ratio/mean": masked_mean(ratio, loss_mask),
-        "ratio/max": torch.where(loss_mask, ratio, torch.full_like(ratio, -torch.inf)).max(),
-        "ratio/min": torch.where(loss_mask, ratio, torch.full_like(ratio, torch.inf)).min(),
-        "approx_kl": masked_mean(torch.exp(token_log_ratio) - 1 - token_log_ratio, loss_mask),
-    }
+    tokens = loss_mask.sum()
+    metrics.mean("clip_frac", masked_sum(clipped.to(ratio.dtype), loss_mask), tokens)
+    metrics.mean("turn_clip_frac", *_turn_clip_counts(turn_sums, turn_counts, config))
+    metrics.mean("ratio/mean", masked_sum(ratio, loss_mask), tokens)
+    metrics.extreme("ratio/max", torch.where(loss_mask, ratio, torch.full_like(ratio, -torch.inf)).max(), "max")
+    metrics.extreme("ratio/min", torch.where(loss_mask, ratio, torch.full_like(ratio, torch.inf)).min(), "min")
+    metrics.mean("approx_kl", masked_sum(torch.exp(token_log_ratio) - 1 - token_log_ratio, loss_mask), tokens)
 
 
 @register_policy_loss("ppo_clip")
@@ -162,42 +183,45 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     surrogate = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     clipped = loss_mask & (((advantages > 0) & (ratio > 1 + config.clip_high))
                            | ((advantages < 0) & (ratio < 1 - config.clip_low)))
-    pg_loss = aggregate(surrogate, loss_mask, **agg_kwargs)
+    metrics = LossMetrics()
+    pg_loss = _aggregate_metric(metrics, "pg_loss", surrogate, loss_mask, **agg_kwargs)
     bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
     if not bool(clipped.any()):  # C's share is exactly 0: spare the corrector a whole backward pass
         bias_surrogate = bias_surrogate.detach()
     loss = pg_loss
 
-    metrics = {"pg_loss": pg_loss.detach()}
-    metrics.update(_ratio_metrics(logprobs.detach(), old_logprobs, ratio.detach(), clipped, loss_mask, turn_sums,
-                                  turn_counts, config))
+    _ratio_metrics(metrics, logprobs.detach(), old_logprobs, ratio.detach(), clipped, loss_mask, turn_sums,
+                   turn_counts, config)
     if ref_logprobs is not None and config.kl_loss_coef > 0:
-        kl = aggregate(kl_estimate(logprobs, ref_logprobs, config.kl_estimator), loss_mask, **agg_kwargs)
+        kl = _aggregate_metric(metrics, "kl_loss", kl_estimate(logprobs, ref_logprobs, config.kl_estimator),
+                               loss_mask, **agg_kwargs)
         loss = loss + config.kl_loss_coef * kl
-        metrics["kl_loss"] = kl.detach()
     if entropy is not None:
-        mean_entropy = aggregate(entropy, loss_mask, **agg_kwargs)
+        mean_entropy = _aggregate_metric(metrics, "entropy", entropy, loss_mask, **agg_kwargs)
         loss = loss - config.entropy_coef * mean_entropy
-        metrics["entropy"] = mean_entropy.detach()
     return loss, bias_surrogate, metrics
 
 
 def value_loss(*, values, old_values, returns, loss_mask, config, global_num_tokens=None):
     """Critic loss 0.5 * max((V - R)^2, (clip(V, V_old - eps_v, V_old + eps_v) - R)^2), token-mean over policy tokens.
 
-    Returns (loss, metrics) with ``value_loss``, ``value_clip_frac`` and ``explained_variance``.
+    Returns (loss, metrics) with ``value_loss``, ``value_clip_frac`` and ``explained_variance`` (a
+    :class:`LossMetrics`: each with the parts that combine it exactly over micro-batches and ranks).
     """
     returns = returns.detach()
     clipped_values = old_values + (values - old_values).clamp(-config.value_clip, config.value_clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
-    loss = aggregate(per_token, loss_mask, "token-mean", global_num_tokens=global_num_tokens)
-    metrics = {
-        "value_loss": loss.detach(),
-        "value_clip_frac": masked_mean((clipped_error > unclipped_error).to(values.dtype), loss_mask).detach(),
-        "explained_variance": explained_variance(values.detach(), returns, loss_mask),
-    }
+    metrics = LossMetrics()
+    loss = _aggregate_metric(metrics, "value_loss", per_token, loss_mask, "token-mean",
+                             global_num_tokens=global_num_tokens)
+    clipped = (clipped_error > unclipped_error).to(values.dtype)
+    metrics.mean("value_clip_frac", masked_sum(clipped.detach(), loss_mask), loss_mask.sum(),
+                 value=masked_mean(clipped, loss_mask))
+    predictions = values.detach()
+    metrics.summed("explained_variance", explained_variance(predictions, returns, loss_mask),
+                   _variance_sums(predictions, returns, loss_mask), _explained_variance_from_sums)
     return loss, metrics
 
 
@@ -206,3 +230,23 @@ def explained_variance(predictions, targets, loss_mask) -> torch.Tensor:
     residual_var = masked_mean((targets - predictions - masked_mean(targets - predictions, loss_mask)) ** 2, loss_mask)
     target_var = masked_mean((targets - masked_mean(targets, loss_mask)) ** 2, loss_mask)
     return torch.where(target_var > 0, 1 - residual_var / target_var.clamp(min=1e-12), torch.zeros_like(target_var))
+
+
+def _variance_sums(predictions, targets, loss_mask) -> torch.Tensor:
+    """Sums of residual, residual^2, target, target^2 and the token count, in float64 (the variances are
+    differences of these sums)."""
+    residual, targets = (targets - predictions).double(), targets.double()
+    return torch.stack([masked_sum(residual, loss_mask), masked_sum(residual**2, loss_mask),
+                        masked_sum(targets, loss_mask), masked_sum(targets**2, loss_mask),
+                        loss_mask.sum().double()])
+
+
+def _explained_variance_from_sums(sums: torch.Tensor) -> torch.Tensor:
+    """:func:`explained_variance` over the tokens whose :func:`_variance_sums` were added up. A variance from sums
+    is a difference of two near-equal numbers: below 1e-10 of the mean square it is rounding, and counts as 0."""
+    residual, residual_sq, target, target_sq, count = sums
+    count = count.clamp(min=1)
+    residual_var = (residual_sq / count - (residual / count) ** 2).clamp(min=0)
+    target_var = (target_sq / count - (target / count) ** 2).clamp(min=0)
+    varies = target_var > 1e-10 * target_sq / count
+    return torch.where(varies, 1 - residual_var / target_var.clamp(min=1e-12), torch.zeros_like(target_var))
