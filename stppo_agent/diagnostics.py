@@ -67,9 +67,9 @@ class StepMeans:
 
 class StepDiagnostics:
     """Collects what one optimizer step saw (``observe_micro`` for each micro-batch) and, before the optimizer
-    moves the weights, measures the gradient (``finish_step``). The tails are exact over the mini-batch (the
-    loss's ``ratio/max`` is a token-weighted mean of micro-batch maxima); under data parallelism they are this
-    rank's share of the mini-batch."""
+    moves the weights, measures the gradient (``finish_step``). The tails are exact over the whole global
+    mini-batch: under data parallelism every rank's ratios are gathered (a collective in ``finish_step``), so
+    every rank logs, and the collapse monitor on every rank judges, the same values."""
 
     def __init__(self, path: Path | None, sharded: bool = False, start_iteration: int = 0,
                  clip_low: float = 0.2, clip_high: float = 0.2, gradients: bool = True):
@@ -146,8 +146,12 @@ class StepDiagnostics:
 
     def _tails(self) -> dict[str, float]:
         out = {}
-        for name, parts in (("ratio", self.token_log_ratios), ("turn_ratio", self.turn_log_ratios)):
-            values = torch.cat(parts) if parts else torch.zeros(0)
+        local = [torch.cat(parts) if parts else torch.zeros(0) for parts in (self.token_log_ratios,
+                                                                            self.turn_log_ratios)]
+        if distributed.world_size() > 1:  # quantiles and shares of the global mini-batch need every rank's values
+            everyone = distributed.all_gather_objects(local)
+            local = [torch.cat([rank_values[i] for rank_values in everyone]) for i in range(2)]
+        for name, values in zip(("ratio", "turn_ratio"), local):
             if values.numel():
                 out[f"{name}_max"] = math.exp(float(values.max()))
                 out[f"{name}_p99"] = math.exp(quantile(values, 0.99))

@@ -37,12 +37,13 @@ from .collapse_guard import CollapseGuard, CollapseStopped, stop_advice
 from .config import TrainConfig
 from .diagnostics import StepDiagnostics, StepMeans
 from .forward import batched_no_grad, critic_values, length_sorted_micro_batches, token_logprobs
+from .global_batch import gather_global_batch, mini_batch_rows
 from .live_rollouts import LiveRollouts, PromptSampler  # noqa: F401  (PromptSampler: kept importable from here)
 from .logging_utils import MetricsLogger
 from .mixed_precision import with_resolved_precision
 from .models import DTYPES, load_policy_models, resolve_device
 from .recording import RolloutRecorder
-from .reduced_metrics import StepMetrics
+from .reduced_metrics import StepMetrics, rollout_statistics
 from .rollout import HFGenerationBackend, RolloutBatch
 
 
@@ -179,7 +180,7 @@ class Trainer:
                 if hasattr(self.backend, "sync_weights"):  # an engine with its own copy of the weights
                     self.backend.sync_weights(self.actor)
                 self.iteration += 1
-                metrics.update(batch.stats, rollout_seconds=rollout_seconds,
+                metrics.update(rollout_statistics(batch, self.algo), rollout_seconds=rollout_seconds,
                                iteration_seconds=time.perf_counter() - started,
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
                 if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
@@ -254,18 +255,23 @@ class Trainer:
             batch.stats["kl_to_reference"] = float((batch.old_logprobs - batch.ref_logprobs)[mask].mean())
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """PPO epochs over this rank's scored share of the batch. The mini-batches are global: with several
+        processes every rank gathers the global batch and takes its rows of each global mini-batch
+        (:mod:`stppo_agent.global_batch`), so the steps are those of one process on the global batch."""
         config = self.config
         means = StepMeans()
         tokens, started = 0, time.perf_counter()
         generator = torch.Generator().manual_seed(config.seed + self.iteration)
         if self.diagnostics is not None:
             self.diagnostics.begin_iteration(self.iteration + 1)
-        local_mini = config.mini_batch_size // self.world
-        total_steps, step = config.ppo_epochs * math.ceil(batch.batch_size / local_mini), 0
+        if self.world > 1:
+            batch = gather_global_batch(batch, self.tokenizer.pad_token_id)
+        size = config.mini_batch_size
+        total_steps, step = config.ppo_epochs * math.ceil(batch.batch_size / size), 0
         for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
-            for start in range(0, batch.batch_size, local_mini):
-                mini = batch.select(order[start:start + local_mini])
+            for start in range(0, batch.batch_size, size):
+                mini = batch.select(mini_batch_rows(order, start, size, self.rank, self.world))
                 step += 1
                 self.phase(f"update step {step}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)

@@ -1,17 +1,27 @@
-"""Logged numbers do not depend on how a batch is split: losses and fractions are ratios of sums over the whole
-mini-batch (issue 33.3, 34.5)."""
+"""Logged numbers do not depend on how a batch is split: micro-batch size, number of processes.
+
+Losses and fractions are ratios of sums over the whole mini-batch (issue 33.3, 34.5), rollout statistics are
+combined over ranks as sums and counts (33.2), and the global mini-batches of 2 processes are those of 1
+process (33.6): 2 gloo processes log what 1 process logs on the same global batch, step by step.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import get_policy_loss, value_loss
 from stppo_agent.config import TrainConfig
+from stppo_agent.episode_stats import episode_rates
 from stppo_agent.forward import critic_values, token_logprobs
-from stppo_agent.trainer import Trainer
+from stppo_agent.shared_retrieval import free_port
+from stppo_agent.trainer import Trainer, read_metrics
 
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -61,3 +71,105 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
         assert set(logged[micro]) == set(logged[8])
         for key, value in logged[8].items():
             assert logged[micro][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, micro)
+
+
+# --- 1 process vs 2 processes ----------------------------------------------------------------------------------
+
+# per row of the 8-row batch: (reward, turns, invalid actions, searches served, searches failed); shares of two
+# ranks (prompts 0, 2 and 1, 3: rows 0, 1, 4, 5 and 2, 3, 6, 7) differ, so rank 0's share is not the batch
+EPISODES = [(1.0, 2, 0, 1, 0), (0.5, 2, 1, 1, 0), (0.0, 1, 1, 0, 1), (0.0, 2, 2, 0, 0),
+            (1.0, 2, 0, 2, 0), (1.0, 1, 0, 1, 0), (0.0, 2, 1, 0, 2), (0.5, 2, 0, 1, 1)]
+
+
+def share_stats(batch, rows: list[int]) -> dict[str, float]:
+    """What a rollout reports for ``rows`` (the formulas of rollout.to_batch), from :data:`EPISODES`."""
+    episodes = [dict(zip(("reward", "turns", "invalid_actions", "search_calls", "search_errors"), EPISODES[r]),
+                     answered=EPISODES[r][0] > 0) for r in rows]
+    return {"reward": sum(e["reward"] for e in episodes) / len(rows),
+            "response_tokens": float(batch.loss_mask[rows].sum()) / len(rows),
+            "turns": sum(e["turns"] for e in episodes) / len(rows),
+            "search_calls": sum(e["search_calls"] for e in episodes) / len(rows),
+            **episode_rates(episodes), "truncated_max_total_tokens": 0.0}
+
+
+class FixedShares:
+    """A rollout source serving this rank's share (prompts rank::world) of a batch saved to disk."""
+
+    def __init__(self, trainer, path: str):
+        self.trainer, self.path = trainer, path
+
+    def next_batch(self, iteration: int):
+        batch = torch.load(self.path, weights_only=False)
+        spp = self.trainer.config.samples_per_prompt
+        prompts = range(self.trainer.rank, batch.batch_size // spp, self.trainer.world)
+        rows = [prompt * spp + sample for prompt in prompts for sample in range(spp)]
+        share = batch.select(rows)
+        share.stats = share_stats(batch, rows)
+        return share
+
+    def state(self):
+        return {}
+
+    def load(self, state):
+        pass
+
+
+def shared_config(model: str, out: str) -> TrainConfig:
+    # two mini-batches of 4 over two epochs: the shuffle decides which rows share a step; step diagnostics log
+    # every step; rollout correction (tis) logs weight statistics; the reference model logs kl_to_reference
+    return toy_config(Path(model), Path(out), ppo_epochs=2, mini_batch_size=4, micro_batch_size=1,
+                      actor_lr=3e-3, critic_lr=3e-3, step_diagnostics=True,
+                      algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
+                                 "rollout_correction": "tis", "rollout_correction_cap": 1.2})
+
+
+def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        trainer = Trainer(shared_config(model, out), report=lambda _: None,
+                          rollout_source=lambda t: FixedShares(t, batch_path))
+        trainer.train()
+        if rank == 0:
+            torch.save({n: p.detach().clone() for n, p in trainer.actor.named_parameters()}, f"{out}/weights.pt")
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
+
+
+def test_two_processes_log_and_train_what_one_process_does(tmp_path):
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    maker = Trainer(toy_config(model, tmp_path / "maker"), report=lambda _: None)
+    batch = maker.rollout()
+    # sampled log-probs off the trainer's: rollout-correction weights spread around 1, some above the cap
+    batch.sample_logprobs = batch.sample_logprobs + 0.3 * torch.randn(
+        batch.sample_logprobs.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
+    batch.rewards = torch.tensor([e[0] for e in EPISODES])
+    torch.save(batch, tmp_path / "batch.pt")
+
+    single = Trainer(shared_config(str(model), str(tmp_path / "one")), report=lambda _: None,
+                     rollout_source=lambda t: FixedShares(t, str(tmp_path / "batch.pt")))
+    single.train()
+    mp.start_processes(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
+                                                str(tmp_path / "batch.pt")), nprocs=2, start_method="spawn")
+    one, two = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
+    # the rollout statistics of the global batch, not rank 0's share: reward 0.5 (rank 0's share: 0.875)
+    assert one["reward"] == pytest.approx(0.5) and two["reward"] == pytest.approx(0.5)
+    assert two["invalid_action_rate"] == pytest.approx(5 / 14)  # 5 invalid actions in 14 turns
+    assert two["search_error_rate"] == pytest.approx(4 / 10)  # 4 of 10 searches failed
+    assert one["rollout_correction/truncated_frac"] > 0
+    assert set(one) == set(two)
+    for key in sorted(set(one) - TIMING):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+    # step by step: the same global mini-batches give the same gradient norms, fractions and ratio tails
+    steps_one, steps_two = read_metrics(tmp_path / "one", "steps.jsonl"), read_metrics(tmp_path / "two", "steps.jsonl")
+    assert len(steps_one) == len(steps_two) == 4
+    for first, second in zip(steps_one, steps_two):
+        for key, value in first.items():
+            assert second[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (first["step"], key)
+    weights = torch.load(tmp_path / "two" / "weights.pt")
+    for name, param in single.actor.named_parameters():
+        torch.testing.assert_close(weights[name], param.detach(), rtol=1e-4, atol=1e-6)
+    print(json.dumps({k: (one[k], two[k]) for k in ("reward", "entropy", "turn_clip_frac", "grad_norm")}))
