@@ -3,7 +3,9 @@
 - ``warn``: a clear line (which signals, their values, their recent range) and the event in ``metrics.jsonl``;
 - ``stop``: also checkpoints and stops (:class:`CollapseStopped`) with advice;
 - ``rollback``: restores the newest *healthy* checkpoint taken before the collapse began, scales the actor's
-  learning rate by ``rollback_lr_factor`` and continues, at most ``max_rollbacks`` times (then it stops).
+  learning rate by ``rollback_lr_factor`` and continues, at most ``max_rollbacks`` times (then it stops). The
+  factor compounds (x0.5 twice is x0.25, whichever checkpoint each rollback returns to) and survives ``--resume``;
+  ``collapse/lr_scale`` and ``collapse/actor_lr`` log the scale and the rate from then on.
   Iterations keep counting (they are rollouts spent); the checkpoints written during the collapse are moved
   aside to ``checkpoints/.collapsed-step-N`` (kept for inspection, never resumed from), and the restored state
   is saved at once as the current iteration's checkpoint, so ``--resume`` continues the rolled-back run.
@@ -77,7 +79,8 @@ class CollapseGuard:
         metrics["collapse/action"] = decision.action
         if decision.action == "rollback":
             lr_scale = self._roll_back(decision.rollback_to)
-            metrics.update({"collapse/rollback_to": decision.rollback_to, "collapse/lr_scale": lr_scale})
+            metrics.update({"collapse/rollback_to": decision.rollback_to, "collapse/lr_scale": lr_scale,
+                            "collapse/actor_lr": self.trainer.actor_scheduler.get_last_lr()[0]})
         return decision
 
     def _decide(self, verdict: Verdict) -> Decision:
@@ -100,8 +103,9 @@ class CollapseGuard:
                                         f"{config.save_every} iterations; a healthy one needs two quiet "
                                         "iterations). Stopping; lower actor_lr, or save more often.")
             factor = config.rollback_lr_factor
+            rate = config.actor_lr * self.trainer.actor_lr_scale * factor  # compounded over earlier rollbacks
             return Decision("rollback", f"{head}. Rolling back to step-{healthy[-1]} with the actor learning "
-                                        f"rate x{factor} (rollback {self.rollbacks + 1} of at most "
+                                        f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
                                         f"{config.max_rollbacks}).", rollback_to=healthy[-1])
         return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
                                 f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")

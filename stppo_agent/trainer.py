@@ -88,11 +88,13 @@ class Trainer:
             raise ValueError(f"prompts_per_iteration ({config.prompts_per_iteration}) and mini_batch_size "
                              f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
+        self.actor_lr_scale = 1.0  # the rollbacks' compounded learning-rate factor (saved in checkpoints)
         self._bar = None  # the progress bar while train() runs
         random.seed(config.seed)
         np.random.seed(config.seed)
         torch.manual_seed(config.seed)
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
+        trainer_state.check_resume_settings(self, checkpoint)  # a refused change fails before the models load
         self._build_models(checkpoint)
         self.source = (rollout_source or LiveRollouts)(self)
         if checkpoint is not None:

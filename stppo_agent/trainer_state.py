@@ -3,17 +3,26 @@
 ``--resume`` restores everything (optimizers, schedules, random streams, counters, the prompt sampler's position:
 bit-identical to an uninterrupted run); a collapse rollback restores only the weights and optimizer state
 (:mod:`stppo_agent.rollback`), so both share :func:`restore_optimizers`.
+
+A checkpoint also records the config it was trained with and ``actor_lr_scale``, the product of the rollbacks'
+learning-rate factors so far. On resume the *current* config's learning rates and weight decay are written into
+the restored optimizers and schedules (:func:`apply_learning_rates`): the actor's rate is ``actor_lr`` times that
+scale, unless ``actor_lr`` itself changed, which then is the rate used (the scale restarts at 1). Which settings may
+change on resume and which are refused: :mod:`stppo_agent.resume_settings`.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
+from . import distributed, resume_settings
 from .checkpoint import full_optimizer_state, load_full_optimizer_state, load_trainer_state
 
 
@@ -31,8 +40,54 @@ def checkpoint_states(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     json_state = {"iteration": trainer.iteration, "optimizer_steps": trainer.optimizer_steps,
                   "nan_skips_total": trainer.nan_skips_total, "sampler": trainer.source.state(),
                   "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
-                  "algo": trainer.config.algo, "model": trainer.config.model}
+                  "algo": trainer.config.algo, "model": trainer.config.model, "config": run_config(trainer),
+                  "actor_lr_scale": trainer.actor_lr_scale}
     return tensors, json_state
+
+
+def run_config(trainer) -> dict[str, Any]:
+    """The trainer's config as ``config.yaml`` records it (every algorithm field resolved), as plain values."""
+    return yaml.safe_load(trainer.config.to_yaml(resolved=trainer.algo))
+
+
+def checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The config ``checkpoint`` was trained with: its own record, or for checkpoints written before they held one,
+    the run's ``config.yaml`` (read before the resumed run rewrites it)."""
+    from .config import NumberLoader
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    if "config" in state:
+        return state["config"]
+    path = checkpoint.parent.parent / "config.yaml"
+    return yaml.load(path.read_text(), Loader=NumberLoader) if path.exists() else None
+
+
+def check_resume_settings(trainer, checkpoint: Path | None) -> None:
+    """Refuse (ValueError, one line) a resume that changes a setting the checkpoint is tied to; call it before the
+    models load, so that a refusal costs seconds."""
+    previous = checkpoint_config(checkpoint) if checkpoint is not None else None
+    if previous is not None:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        resume_settings.check(previous, run_config(trainer), int(state["iteration"]))
+
+
+def apply_learning_rates(trainer) -> None:
+    """Write the config's learning rates (the actor's times ``trainer.actor_lr_scale``) and weight decay into the
+    optimizers and their schedules, at the schedules' current step. With nothing changed this reproduces the
+    restored values bit for bit (the same ``base * lambda(step)`` the schedule computes)."""
+    config = trainer.config
+    _set_rates(trainer.actor_optimizer, trainer.actor_scheduler, config.actor_lr * trainer.actor_lr_scale,
+               config.weight_decay)
+    if trainer.critic_optimizer is not None:
+        _set_rates(trainer.critic_optimizer, trainer.critic_scheduler, config.critic_lr, config.weight_decay)
+
+
+def _set_rates(optimizer: torch.optim.Optimizer, scheduler, base_lr: float, weight_decay: float) -> None:
+    scheduler.base_lrs = [base_lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base_lr, base_lr * factor(scheduler.last_epoch)
+        group["weight_decay"] = weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def restore_optimizers(trainer, tensors: dict[str, Any]) -> None:
@@ -55,8 +110,30 @@ def resume(trainer, checkpoint: Path) -> None:
     trainer.source.load(state["sampler"])
     random.setstate(_python_rng(state["python_rng"]))
     np.random.set_state(_numpy_rng(state["numpy_rng"]))
+    previous = checkpoint_config(checkpoint)
+    found = resume_settings.check(previous, run_config(trainer), trainer.iteration) if previous is not None else []
+    scale = state.get("actor_lr_scale")
+    if scale is None:  # written before checkpoints recorded it: what the restored schedule says
+        old_lr = (previous or {}).get("actor_lr") or trainer.config.actor_lr
+        scale = trainer.actor_scheduler.base_lrs[0] / old_lr if old_lr else 1.0
+    changed = {key for key, _, _ in found}
+    trainer.actor_lr_scale = 1.0 if "actor_lr" in changed else float(scale)
+    apply_learning_rates(trainer)
+    if not distributed.is_main():
+        return
     trainer.report(f"resumed from {checkpoint} (iteration {trainer.iteration}, {trainer.optimizer_steps} "
                    "optimizer steps)")
+    if found:
+        trainer.report(f"changed since the checkpoint: {resume_settings.describe(found)}")
+    if "actor_lr" in changed and float(scale) != 1.0:
+        trainer.report(f"actor_lr {trainer.config.actor_lr} is the rate used from now on (the rollbacks' x{scale:g} "
+                       "applied to the old one)")
+    elif float(scale) != 1.0:
+        trainer.report(f"actor learning rate {trainer.config.actor_lr * scale:g}: actor_lr {trainer.config.actor_lr} "
+                       f"x{scale:g} from the run's rollbacks")
+    if found and trainer.config.save_rollouts:
+        trainer.report("this run records its rollouts, and stppo replay applies one config (the one in config.yaml) "
+                       "to every iteration: a replay will not reproduce the iterations before this change exactly")
 
 
 def _jsonable(value):

@@ -1,0 +1,112 @@
+"""What --resume does with settings that differ from the checkpoint's, and the learning rate across rollbacks
+(issue 33, items 4 and 5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stppo_agent.checkpoint import load_trainer_state
+from stppo_agent.cli import main
+from stppo_agent.rollback import restore_training_state
+from stppo_agent.trainer import Trainer, read_metrics
+
+from .test_trainer import toy_config
+from .tiny_models import tiny_llama, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
+
+def small(model: Path, out: Path, iterations: int, **overrides):
+    values = dict(iterations=iterations, save_every=1, keep_checkpoints=2, prompts_per_iteration=2,
+                  samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, on_collapse="none")
+    values.update(overrides)
+    return toy_config(model, out, "ppo", **values)
+
+
+def cli(model: Path, out: Path, iterations: int, *extra: str) -> list[str]:
+    settings = ["prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4", "micro_batch_size=2",
+                "ppo_epochs=2", "actor_lr=3e-3", "critic_lr=3e-3", "max_turns=2", "max_new_tokens_per_turn=1",
+                "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
+                "save_every=1", "on_collapse=none", "algorithm.kl_in_reward=0", "algorithm.kl_loss_coef=0"]
+    return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
+            "--iterations", str(iterations), *[x for s in settings for x in ("--set", s)], *extra]
+
+
+def test_resume_applies_new_learning_rates_and_weight_decay_and_says_what_changed(tiny_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(cli(tiny_model, out, 2)) == 0
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--iterations", "3", "--resume", "--set", "actor_lr=1e-3",
+                 "--set", "critic_lr=2e-3", "--set", "weight_decay=0.01"]) == 0
+    said = capsys.readouterr().out
+    assert "actor_lr 0.003 -> 0.001" in said and "critic_lr 0.003 -> 0.002" in said, said
+    assert "weight_decay 0.0 -> 0.01" in said and "iterations 2 -> 3" in said, said
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["actor_lr"] == pytest.approx(3e-3) and records[2]["actor_lr"] == pytest.approx(1e-3)
+    assert yaml.safe_load((out / "config.yaml").read_text())["actor_lr"] == pytest.approx(1e-3)
+    tensors, state = load_trainer_state(out / "checkpoints" / "step-3")
+    for name, lr in (("actor", 1e-3), ("critic", 2e-3)):
+        groups = tensors[f"{name}_optimizer"]["param_groups"]
+        assert all(g["lr"] == pytest.approx(lr) and g["weight_decay"] == 0.01 for g in groups), groups
+        assert tensors[f"{name}_scheduler"]["base_lrs"] == [pytest.approx(lr)]
+    assert state["config"]["actor_lr"] == pytest.approx(1e-3)  # the checkpoint says what it was trained with
+
+
+def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tiny_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    Trainer(small(tiny_model, out, 1)).train()
+    refusals = {"seed=7": "seed", "env=stppo/NQ-v0": "env", "algorithm.use_critic=false": "algorithm.use_critic",
+                "dtype=bfloat16": "dtype", "save_rollouts=true": "save_rollouts"}
+    for setting, field in refusals.items():
+        with pytest.raises(ValueError, match=f"--resume cannot change {field}") as caught:
+            Trainer(small(tiny_model, out, 2, **dict([_parsed(setting)])), resume=True, report=lambda _: None)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match="--resume cannot change algo .ppo -> grpo."):
+        Trainer(toy_config(tiny_model, out, "grpo", iterations=2, save_every=1, prompts_per_iteration=2,
+                           samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, on_collapse="none"),
+                resume=True, report=lambda _: None)
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(out), "--iterations", "2", "--resume", "--set", "seed=7"]) == 1
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err  # refused before any model loads
+    assert err.count("\n") == 1 and "--resume cannot change seed (0 -> 7)" in err
+    assert [r["step"] for r in read_metrics(out)] == [1]  # nothing ran, nothing was rewritten
+
+
+def _parsed(setting: str):
+    key, _, raw = setting.partition("=")
+    value = yaml.safe_load(raw)
+    if key.startswith("algorithm."):
+        return "algorithm", {"kl_in_reward": 0.0, "kl_loss_coef": 0.0, key.split(".", 1)[1]: value}
+    return key, value
+
+
+def test_rollbacks_compound_the_learning_rate_cut_and_resume_keeps_it(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(small(tiny_model, out, 2, actor_lr=3e-3), report=lambda _: None)
+    trainer.train()
+    healthy = out / "checkpoints" / "step-1"
+    rates = []
+    for _ in range(3):  # every rollback goes back to the same checkpoint, whose own rate is the original one
+        scale = restore_training_state(trainer, healthy, 0.5)
+        rates.append((scale, trainer.actor_scheduler.get_last_lr()[0], trainer.actor_optimizer.param_groups[0]["lr"]))
+    assert [r[0] for r in rates] == [0.5, 0.25, 0.125]
+    for _, last, group in rates:
+        assert last == group
+    assert [r[1] for r in rates] == [pytest.approx(x) for x in (1.5e-3, 7.5e-4, 3.75e-4)]
+    trainer.save()  # what the guard does right after a rollback; kill -9 here, then --resume
+    resumed = Trainer(small(tiny_model, out, 3, actor_lr=3e-3), resume=True, report=lambda _: None)
+    assert resumed.actor_optimizer.param_groups[0]["lr"] == pytest.approx(3.75e-4)
+    assert resumed.actor_scheduler.base_lrs == [pytest.approx(3.75e-4)]
+    resumed.train()
+    assert read_metrics(out)[-1]["actor_lr"] == pytest.approx(3.75e-4)
+    # a new actor_lr on resume is the rate used from then on: the rollbacks' cut was a cut of the old one
+    again = Trainer(small(tiny_model, out, 4, actor_lr=1e-4), resume=True, report=lambda _: None)
+    assert again.actor_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
