@@ -264,9 +264,10 @@ def tripped_iterations(records: Iterable[Mapping[str, Any]]) -> set[int]:
 
 def healthy_steps(records: Sequence[Mapping[str, Any]], steps: Iterable[int]) -> list[int]:
     """Checkpoint steps known to be healthy: iteration S (whose update made the weights) and iteration S + 1
-    (whose rollouts those weights sampled) were both logged, past the monitor's warm-up, and neither tripped a
-    signal."""
-    logged = {int(r["step"]) for r in records if "step" in r and not r.get("collapse/warmup")}
+    (whose rollouts those weights sampled) were both judged by the monitor (``collapse/tripped`` logged: an
+    unmonitored iteration vouches for nothing), past its warm-up, and neither tripped a signal."""
+    logged = {int(r["step"]) for r in records if "step" in r and "collapse/tripped" in r
+              and not r.get("collapse/warmup")}
     tripped = tripped_iterations(records)
     return sorted(s for s in steps if {s, s + 1} <= logged and not {s, s + 1} & tripped)
 
@@ -282,9 +283,16 @@ def checkpoint_reward(records: Sequence[Mapping[str, Any]], step: int) -> float 
     return None
 
 
-def best_step(records: Sequence[Mapping[str, Any]], steps: Iterable[int]) -> int | None:
-    """The healthy checkpoint with the highest :func:`checkpoint_reward` (the newest among equals)."""
-    scored = [(checkpoint_reward(records, s), s) for s in healthy_steps(records, steps)]
+def monitored(records: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether the collapse monitor judged any of a run's iterations (not with ``on_collapse=none``)."""
+    return any("collapse/tripped" in r for r in records)
+
+
+def best_step(records: Sequence[Mapping[str, Any]], steps: Iterable[int], healthy_only: bool = True) -> int | None:
+    """The healthy checkpoint with the highest :func:`checkpoint_reward` (the newest among equals); with
+    ``healthy_only=False`` (a run without a monitor) the highest among all ``steps``."""
+    candidates = healthy_steps(records, steps) if healthy_only else list(steps)
+    scored = [(checkpoint_reward(records, s), s) for s in candidates]
     scored = [(reward, s) for reward, s in scored if reward is not None]
     return max(scored)[1] if scored else None
 

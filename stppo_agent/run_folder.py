@@ -104,8 +104,12 @@ def is_run_folder(path: Path) -> bool:
 def pick_checkpoint(run_dir: Path, which: str = "latest") -> tuple[Path, str]:
     """A checkpoint of a run, by name: ``latest`` (newest that verifies), ``healthy`` (newest known-healthy),
     ``best`` (the healthy one whose weights sampled the highest training reward; see stppo_agent/collapse.py),
-    or a step number. Returns the checkpoint folder and a line saying why it was chosen."""
-    from .collapse import best_step, checkpoint_reward, healthy_steps
+    or a step number. Returns the checkpoint folder and a line saying why it was chosen.
+
+    A run trained without the collapse monitor (``on_collapse=none``) has no ``healthy`` checkpoint (nothing
+    judged one), and its ``best`` is the kept checkpoint whose weights sampled the highest training reward, health
+    unknown (the reason line says so)."""
+    from .collapse import best_step, checkpoint_reward, healthy_steps, monitored
     from .trainer import read_metrics
 
     steps = valid_checkpoints(run_dir)
@@ -114,6 +118,15 @@ def pick_checkpoint(run_dir: Path, which: str = "latest") -> tuple[Path, str]:
     records = read_metrics(run_dir)
     if which == "latest":
         chosen, why = steps[-1], "the newest checkpoint"
+    elif which == "healthy" and records and not monitored(records):
+        raise FileNotFoundError(f"{run_dir} was trained with on_collapse=none: no collapse monitor judged its "
+                                "iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
+    elif which == "best" and records and not monitored(records):
+        chosen = best_step(records, steps, healthy_only=False)
+        if chosen is None:
+            raise FileNotFoundError(f"{run_dir}: no kept checkpoint has a logged training reward. Use @latest or @STEP")
+        why = (f"the checkpoint with the highest training reward ({checkpoint_reward(records, chosen):.3f}); the run "
+               "was not monitored (on_collapse=none), so its health is unknown")
     elif which in ("best", "healthy"):
         healthy = healthy_steps(records, steps)
         chosen = best_step(records, steps) if which == "best" else (healthy[-1] if healthy else None)

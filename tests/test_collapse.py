@@ -272,3 +272,25 @@ def test_config_rejects_bad_collapse_settings():
     config.validate()
     with pytest.raises(ValueError, match="not a monitored signal"):
         load_config(None, ["collapse_thresholds.ratio=5"], model="m").validate()
+
+
+def test_an_unmonitored_run_has_no_healthy_checkpoint_and_its_best_says_so(tiny_model, tmp_path):
+    # on_collapse=none: no monitor judged any iteration, so none can vouch for a checkpoint (issue 33, item 10)
+    config = toy_config(tiny_model, tmp_path, "ppo", iterations=4, save_every=1, keep_checkpoints=4,
+                        prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=8, micro_batch_size=4,
+                        on_collapse="none")
+    Trainer(config, report=lambda _: None).train()
+    records = read_metrics(tmp_path)
+    assert not any(key.startswith("collapse/") for r in records for key in r)
+    assert healthy_steps(records, [1, 2, 3, 4]) == []
+    with pytest.raises(FileNotFoundError, match="on_collapse=none.*no collapse monitor.*@best, @latest or @STEP"):
+        pick_checkpoint(tmp_path, "healthy")
+    folder, why = pick_checkpoint(tmp_path, "best")
+    rewards = {s: checkpoint_reward(records, s) for s in (1, 2, 3, 4)}
+    best = max(sorted(rewards), key=lambda s: (rewards[s], s))
+    assert folder.name == f"step-{best}", (rewards, why)
+    assert f"highest training reward ({rewards[best]:.3f})" in why and "not monitored" in why
+    # iterations the monitor never saw vouch for nothing in a run that turned it on later
+    judged = [{"step": 1, "reward": 0.9}, {"step": 2, "reward": 0.9},
+              {"step": 3, "reward": 0.5, "collapse/tripped": 0}, {"step": 4, "reward": 0.5, "collapse/tripped": 0}]
+    assert healthy_steps(judged, [1, 2, 3]) == [3]
