@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -200,3 +202,20 @@ def all_gather_objects(value) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s sampling streams (generation, and anything else drawn from torch's, Python's
+    and NumPy's global generators): ``seed`` itself on rank 0, so one process samples exactly as it always did;
+    elsewhere a 32-bit seed derived from (seed, rank) by NumPy's SeedSequence, so that ranks draw different
+    tokens and rank r of seed s does not repeat rank 0 of another seed (as ``seed + rank`` would)."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % 2**64, rank]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (every device), Python's ``random`` and NumPy's global generator with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

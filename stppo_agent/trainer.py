@@ -13,12 +13,10 @@ import dataclasses
 import json
 import math
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 import stppo_envs  # noqa: F401  (registers the env ids)
@@ -90,12 +88,12 @@ class Trainer:
         self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
         self.actor_lr_scale = 1.0  # the rollbacks' compounded learning-rate factor (saved in checkpoints)
         self._bar = None  # the progress bar while train() runs
-        random.seed(config.seed)
-        np.random.seed(config.seed)
-        torch.manual_seed(config.seed)
+        distributed.seed_everything(config.seed)  # the same on every rank: models are built identically
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
         trainer_state.check_resume_settings(self, checkpoint)  # a refused change fails before the models load
         self._build_models(checkpoint)
+        if self.rank > 0:  # each rank samples its own tokens; rank 0 continues the one-process stream unchanged
+            distributed.seed_everything(distributed.rank_seed(config.seed, self.rank))
         self.source = (rollout_source or LiveRollouts)(self)
         if checkpoint is not None:
             trainer_state.resume(self, checkpoint)
@@ -155,7 +153,8 @@ class Trainer:
 
             path = str(checkpoint / "actor") if checkpoint is not None else self.config.model
             dtype = "bfloat16" if self.config.dtype == "float32" else self.config.dtype
-            return VLLMGenerationBackend(path, self.config.sampling(), dtype=dtype, seed=self.config.seed + self.rank,
+            return VLLMGenerationBackend(path, self.config.sampling(), dtype=dtype,
+                                         seed=distributed.rank_seed(self.config.seed, self.rank),
                                          gpu_memory_utilization=self.config.vllm_gpu_memory_utilization)
         return HFGenerationBackend(self.actor, self.tokenizer, self.config.sampling(),
                                    batch_size=self.config.generation_batch_size,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import yaml
 
-from . import distributed, resume_settings
+from . import distributed, rank_streams, resume_settings
 from .checkpoint import full_optimizer_state, load_full_optimizer_state, load_trainer_state
 
 
@@ -42,6 +42,7 @@ def checkpoint_states(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
                   "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
                   "algo": trainer.config.algo, "model": trainer.config.model, "config": run_config(trainer),
                   "actor_lr_scale": trainer.actor_lr_scale}
+    rank_streams.save(tensors, json_state)  # every rank's random streams (a collective with several processes)
     return tensors, json_state
 
 
@@ -110,6 +111,7 @@ def resume(trainer, checkpoint: Path) -> None:
     trainer.source.load(state["sampler"])
     random.setstate(_python_rng(state["python_rng"]))
     np.random.set_state(_numpy_rng(state["numpy_rng"]))
+    rank_streams.restore(trainer, tensors, state)  # ranks > 0: their own streams (the above are rank 0's)
     previous = checkpoint_config(checkpoint)
     found = resume_settings.check(previous, run_config(trainer), trainer.iteration) if previous is not None else []
     scale = state.get("actor_lr_scale")
