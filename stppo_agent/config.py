@@ -79,7 +79,12 @@ class TrainConfig:
     max_prompt_tokens: int = RolloutLimits.max_prompt_tokens
     max_total_tokens: int = RolloutLimits.max_total_tokens
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (0: greedy). The trainer scores old, reference and updated log-probs
+    at the same temperature and top_k / top_p (stppo_agent/sampling.py), so ratios compare like with like."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the most likely tokens whose probability exceeds top_p (1: off)."""
+    top_k: int = 0
+    """Sample from the k most likely tokens (0: off); applied before top_p, as transformers and vLLM do."""
     strategy: str = "ddp"
     """Data-parallel strategy under torchrun: ddp (whole model per rank) or fsdp2 (parameters, gradients and
     optimizer state sharded over the ranks by torch.distributed.fsdp.fully_shard; also runs in one process)."""
@@ -164,7 +169,8 @@ class TrainConfig:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
 
     def sampling(self) -> SamplingSettings:
-        return SamplingSettings(self.temperature, self.top_p)
+        """How rollouts sample and the trainer scores; raises naming a bad value."""
+        return SamplingSettings(self.temperature, self.top_p, greedy=self.temperature == 0, top_k=self.top_k)
 
     def validate(self) -> None:
         if not self.model:

@@ -11,6 +11,7 @@ import inspect
 import torch
 
 from .rollout import RolloutBatch
+from .sampling import SamplingSettings, sampling_logits
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -36,21 +37,31 @@ def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
     return model(**kwargs).logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
 
 
-def token_logprobs(model, batch: RolloutBatch, with_entropy: bool = False, entropy_grad: bool = False):
+def token_logprobs(model, batch: RolloutBatch, with_entropy: bool = False, entropy_grad: bool = False,
+                   sampling: SamplingSettings | None = None):
     """log pi(y_t | y_<t) for every response token (B, T) float32, and per-token entropy when asked.
+
+    With ``sampling`` (the rollout's settings), pi is the distribution the tokens were sampled from: the logits
+    divided by the temperature, truncated to the top-k / top-p support (:func:`stppo_agent.sampling.sampling_logits`)
+    -- what the behaviour log-probs were measured on. Greedy settings, or temperature 1 without truncation, score
+    the raw logits exactly as without ``sampling``.
 
     ``logit[y] - logsumexp(logits)`` avoids keeping a second (B, T, V) tensor of log-probs for the backward pass.
     The entropy is computed only where the policy acted, and carries a gradient only with ``entropy_grad``
     (an entropy bonus needs it; the metric does not).
     """
-    logits = response_logits(model, batch).float()
+    logits = sampling_logits(response_logits(model, batch).float(), batch.response_ids, sampling, batch.loss_mask)
     normalizer = torch.logsumexp(logits, dim=-1)
     chosen = logits.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - normalizer
     if not with_entropy:
         return chosen, None
+    # the entropy of the same distribution as the log-probs: the one sampled from (temperature, truncation)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         policy_logits = logits[batch.loss_mask]
-        policy_entropy = normalizer[batch.loss_mask] - (torch.softmax(policy_logits, dim=-1) * policy_logits).sum(-1)
+        probabilities, values = torch.softmax(policy_logits, dim=-1), policy_logits
+        if sampling is not None and sampling.truncates:  # a removed token has probability 0: 0 * -inf would be NaN
+            values = torch.where(torch.isfinite(policy_logits), policy_logits, 0.0)
+        policy_entropy = normalizer[batch.loss_mask] - (probabilities * values).sum(-1)
         entropy = torch.zeros_like(chosen).masked_scatter(batch.loss_mask, policy_entropy)
     return chosen, entropy
 

@@ -22,6 +22,12 @@ from stppo_envs import step_envs
 
 from .append_cache import new_cache
 from .episode_stats import episode_rates
+from .sampling import (  # SamplingSettings lives with the scoring that follows it; callers import it from here too
+    SamplingSettings,
+    generation_config,
+    project_generation,
+    warn_ignored_checkpoint_settings,
+)
 from .turn_cache import TurnCaches, after_generate, extend_inputs
 
 # transformers 5 renamed generate's past_key_values argument (and output field) to cache
@@ -77,15 +83,13 @@ class GenerationBackend(Protocol):
                  keys: Sequence[Hashable] | None = None) -> list[Generation]: ...
 
 
-@dataclasses.dataclass
-class SamplingSettings:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False
-
-
 class HFGenerationBackend:
     """``model.generate`` with stop strings; behaviour log-probs from the processed scores at sampling time.
+
+    ``generate`` runs with a complete generation config built from ``sampling`` alone
+    (:func:`stppo_agent.sampling.generation_config`): a checkpoint's own processors (a repetition penalty,
+    ``no_repeat_ngram_size``, ...) are not applied -- the trainer's scoring would not know them -- and a warning
+    names them once.
 
     Given ``keys`` (one per trajectory, stable over a rollout's turns), trajectories are generated in fixed chunks of
     ``batch_size`` and, with ``reuse_cache``, each chunk continues from the key/value cache of its previous turn
@@ -100,6 +104,7 @@ class HFGenerationBackend:
         self.stop_strings, self.batch_size, self.reuse_cache = tuple(stop_strings), batch_size, reuse_cache
         self.eos_ids = _eos_ids(model, tokenizer)
         self.turns = TurnCaches(batch_size)
+        warn_ignored_checkpoint_settings(model)
 
     @torch.no_grad()
     def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -143,23 +148,21 @@ class HFGenerationBackend:
             cache = new_cache(self.model.config)
         was_training = self.model.training
         self.model.eval()
-        kwargs = dict(do_sample=not self.sampling.greedy, max_new_tokens=max_new_tokens,
-                      pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids,
-                      output_scores=True, return_dict_in_generate=True, use_cache=True,
-                      # ranks generate independently (an FSDP2 actor is gathered first): never lock-step
-                      synced_gpus=False)
+        config = generation_config(self.sampling, max_new_tokens=max_new_tokens,
+                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_ids)
+        # ranks generate independently (an FSDP2 actor is gathered first): never lock-step
+        kwargs = dict(generation_config=config, synced_gpus=False)
         if cache is not None:
             kwargs[CACHE_ARGUMENT] = cache
-        if not self.sampling.greedy:
-            kwargs.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0)
         if self.stop_strings:
             candidates = stop_candidate_ids(self.tokenizer, self.stop_strings)
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [StopOnStrings(self.tokenizer, self.stop_strings, input_ids.shape[1], candidates)])
-        output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        with project_generation(self.model, config):
+            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         self.model.train(was_training)
         generated = output.sequences[:, input_ids.shape[1]:]
-        # log p(chosen) = score[chosen] - logsumexp(score) per step, scores after temperature / top-p: no
+        # log p(chosen) = score[chosen] - logsumexp(score) per step, scores after temperature / top-k / top-p: no
         # (B, steps, V) stack nor a V-wide log-softmax output (150 MB per turn for 16 rows of 48 tokens, 49k vocab)
         chosen = torch.stack([score.float().gather(1, generated[:, step:step + 1]).squeeze(1)
                               - torch.logsumexp(score.float(), dim=-1)

@@ -221,14 +221,18 @@ class Trainer:
     @torch.no_grad()
     def score(self, batch: RolloutBatch) -> None:
         """Behaviour (pre-update) and reference log-probs, values, then advantages and returns."""
-        micro = self.config.micro_batch_size
+        micro, sampling = self.config.micro_batch_size, self.config.sampling()
+
+        def sampled_logprobs(model, micro_batch):  # under the distribution the rollout sampled from (as verl)
+            return token_logprobs(model, micro_batch, sampling=sampling)
+
         # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
         # micro-batch), and one model at a time, so at most one full copy of weights is held.
         with distributed.gathered(self.actor):
-            batch.old_logprobs = batched_no_grad(token_logprobs, self.actor, batch, micro)
+            batch.old_logprobs = batched_no_grad(sampled_logprobs, self.actor, batch, micro)
         if self.reference is not None:
             with distributed.gathered(self.reference):
-                batch.ref_logprobs = batched_no_grad(token_logprobs, self.reference, batch, micro)
+                batch.ref_logprobs = batched_no_grad(sampled_logprobs, self.reference, batch, micro)
         if self.critic is not None:
             with distributed.gathered(self.critic):
                 batch.values = batched_no_grad(critic_values, self.critic, batch, micro)
@@ -325,7 +329,7 @@ class Trainer:
         finite = torch.ones((), device=self.device)
         for micro in self._micro_batches(mini, self.actor_train):
             logprobs, entropy = token_logprobs(self.actor_train, micro, with_entropy=True,
-                                               entropy_grad=algo.entropy_coef > 0)
+                                               entropy_grad=algo.entropy_coef > 0, sampling=self.config.sampling())
             loss, bias, metrics = loss_fn(
                 logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
                 loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
