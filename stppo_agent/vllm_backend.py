@@ -4,10 +4,18 @@ Importing this module never needs vLLM; constructing the backend does. Prompts g
 come back as token ids with their log-probs (token-in/token-out), stopping at ``</search>`` / ``</answer>`` with
 the stop string kept in the output. After every update the trainer pushes the actor's weights into the engine
 with :meth:`VLLMGenerationBackend.sync_weights` (no checkpoint round-trip).
+
+Distributions: the engine samples with the run's temperature / top-k / top-p and nothing else (no repetition,
+presence or frequency penalty, no min-p, and not the checkpoint's generation_config), and reports each sampled
+token's log-prob under that processed distribution (``logprobs_mode=processed_logprobs``). The trainer scores
+the same processed distribution (:mod:`stppo_agent.sampling`), so ``rollout_logprob_diff`` measures the engine's
+numerical mismatch alone, at any sampling setting. A vLLM without ``logprobs_mode`` (V1 before it had the
+option) reports raw log-probs: the backend then warns when the settings reshape the distribution.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -19,16 +27,19 @@ INSTALL_HINT = "the vLLM backend needs vllm: pip install 'stppo[vllm]' (on a mac
 
 def sampling_kwargs(sampling: SamplingSettings, max_new_tokens: int, stop_strings: Sequence[str],
                     seed: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` matching the HF backend's sampling."""
+    """Keyword arguments of ``vllm.SamplingParams`` matching the HF backend's sampling: every processor that
+    could reshape the distribution is set, to the run's value or off."""
     kwargs: dict[str, Any] = {
         "max_tokens": max_new_tokens, "stop": list(stop_strings), "include_stop_str_in_output": True,
         "logprobs": 0,  # the sampled token's log-prob (vLLM: 0 extra alternatives)
         "skip_special_tokens": False, "detokenize": True,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
     }
     if sampling.greedy:
         kwargs.update(temperature=0.0)
-    else:
-        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)  # top_k: vLLM's default, off
+    else:  # top_k -1 is "off" in every vLLM (0 only in newer ones)
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k if sampling.top_k > 0 else -1)
     if seed is not None:
         kwargs["seed"] = seed
     return kwargs
@@ -76,12 +87,16 @@ def weight_items(model: torch.nn.Module, chunk_bytes: int = 1 << 30) -> Iterator
 
 
 def engine_defaults(vllm: Any) -> dict[str, Any]:
-    """Engine options this vLLM knows: log-probs after temperature/top-p (V1 reports raw ones by default), so
-    they compare with the HF backend's and with the trainer's recomputed old log-probs."""
+    """Engine options this vLLM knows: log-probs after temperature / top-k / top-p (V1 reports raw ones by
+    default), so they compare with the HF backend's and with the trainer's old log-probs, which score the same
+    processed distribution; and vLLM's own sampling defaults rather than the checkpoint's generation_config."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)} if hasattr(vllm, "EngineArgs") else set()
-    return {"logprobs_mode": "processed_logprobs"} if "logprobs_mode" in fields else {}
+    options = {"logprobs_mode": "processed_logprobs"} if "logprobs_mode" in fields else {}
+    if "generation_config" in fields:
+        options["generation_config"] = "vllm"
+    return options
 
 
 class VLLMGenerationBackend:
@@ -96,9 +111,15 @@ class VLLMGenerationBackend:
             raise ImportError(INSTALL_HINT) from exc
         self._vllm = vllm
         self.sampling, self.stop_strings, self.seed = sampling, tuple(stop_strings), seed
+        defaults = engine_defaults(vllm)
+        if sampling.reshapes and "logprobs_mode" not in defaults:
+            warnings.warn(f"vLLM {getattr(vllm, '__version__', '?')} has no logprobs_mode: its V1 engine reports "
+                          "log-probs of the raw logits, not of the temperature / top-k / top-p distribution it "
+                          "samples from, so rollout_logprob_diff and the rollout correction see the settings; "
+                          "upgrade vllm", UserWarning, stacklevel=2)
         self.llm = vllm.LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True, seed=seed,
-                            **engine_defaults(vllm), **llm_kwargs)
+                            **{**defaults, **llm_kwargs})
         self._calls = 0
 
     def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int, keys=None) -> list[Generation]:

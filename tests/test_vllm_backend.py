@@ -23,9 +23,12 @@ def test_sampling_kwargs_match_the_hf_backend():
     sampled = sampling_kwargs(SamplingSettings(temperature=0.7, top_p=0.9), 64, ["</search>", "</answer>"], seed=3)
     assert sampled == {"max_tokens": 64, "stop": ["</search>", "</answer>"], "include_stop_str_in_output": True,
                        "logprobs": 0, "skip_special_tokens": False, "detokenize": True, "temperature": 0.7,
-                       "top_p": 0.9, "seed": 3}
+                       "top_p": 0.9, "top_k": -1, "seed": 3, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0, "min_p": 0.0}
+    assert sampling_kwargs(SamplingSettings(top_k=20), 8, [])["top_k"] == 20
     greedy = sampling_kwargs(SamplingSettings(greedy=True), 8, [])
     assert greedy["temperature"] == 0.0 and "top_p" not in greedy and "seed" not in greedy
+    assert greedy["repetition_penalty"] == 1.0  # greedy too: a penalty would change which token is the argmax
 
 
 def test_prompts_are_token_ids():
@@ -91,8 +94,49 @@ def test_engine_defaults_ask_for_processed_logprobs_only_where_known():
     class OldArgs:
         model: str = ""
 
+    @dataclasses.dataclass
+    class CurrentArgs:
+        logprobs_mode: str = "raw_logprobs"
+        generation_config: str = "auto"
+
     assert engine_defaults(SimpleNamespace(EngineArgs=NewArgs)) == {"logprobs_mode": "processed_logprobs"}
     assert engine_defaults(SimpleNamespace(EngineArgs=OldArgs)) == {}
+    # the checkpoint's generation_config would set vLLM's default sampling parameters: vLLM's own instead
+    assert engine_defaults(SimpleNamespace(EngineArgs=CurrentArgs)) == {"logprobs_mode": "processed_logprobs",
+                                                                        "generation_config": "vllm"}
+
+
+def fake_vllm(monkeypatch, **engine_fields):
+    """A stand-in ``vllm`` module whose ``LLM`` records the engine options it was built with."""
+    import dataclasses
+    import sys
+
+    args = dataclasses.make_dataclass("EngineArgs", [(name, str, value) for name, value in engine_fields.items()])
+    built = {}
+    module = SimpleNamespace(EngineArgs=args, __version__="0.0-test", LLM=lambda **kwargs: built.update(kwargs))
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return built
+
+
+def test_the_engine_reports_the_sampled_distributions_logprobs(monkeypatch):
+    import warnings
+
+    built = fake_vllm(monkeypatch, logprobs_mode="raw_logprobs", generation_config="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        VLLMGenerationBackend("m", SamplingSettings(temperature=0.7, top_p=0.9))
+    assert built["logprobs_mode"] == "processed_logprobs" and built["generation_config"] == "vllm"
+
+
+def test_a_vllm_without_logprobs_mode_is_named_when_the_settings_reshape_the_distribution(monkeypatch):
+    import warnings
+
+    fake_vllm(monkeypatch, model="")
+    with pytest.warns(UserWarning, match="no logprobs_mode"):
+        VLLMGenerationBackend("m", SamplingSettings(temperature=0.7))
+    with warnings.catch_warnings():  # temperature 1, no truncation: raw and processed log-probs are the same
+        warnings.simplefilter("error")
+        VLLMGenerationBackend("m", SamplingSettings())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed: nothing to refuse")
