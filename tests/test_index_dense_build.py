@@ -3,6 +3,7 @@ one-line errors for bad input (issue 34.4). Small corpora and the bundled MiniLM
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import json
 
@@ -79,3 +80,67 @@ def test_top5_equals_a_raw_faiss_index_of_contents(tmp_path):
     got = make_retriever(f"dense:{index}", cache_size=0).batch_search(queries, 5)
     assert [[h.docid for h in hits] for hits in got] == [[f"d{i}" for i in row] for row in ids]
     np.testing.assert_allclose([[h.score for h in hits] for hits in got], scores, atol=1e-5)
+
+
+def interrupted_build(corpus, out, monkeypatch, *, shard_size, after_shards=1):
+    """Run a build that stops (as a kill would) once ``after_shards`` shards are written."""
+    calls = {"n": 0}
+    original = TextEncoder.encode_passages
+
+    def stopping(self, passages):
+        calls["n"] += 1
+        if calls["n"] > after_shards:
+            raise KeyboardInterrupt("simulated kill")
+        return original(self, passages)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TextEncoder, "encode_passages", stopping)
+        with pytest.raises(KeyboardInterrupt):
+            build_dense_index(corpus, out, MINILM, shard_size=shard_size, progress=False)
+    assert len(list((out / "shards").glob("0*.npy"))) == after_shards
+
+
+def own_text_finds_itself(index, contents=CONTENTS):
+    hits = make_retriever(f"dense:{index}", cache_size=0).batch_search(contents, 1)
+    return sum(row[0].docid == f"d{i}" for i, row in enumerate(hits))
+
+
+def test_resuming_with_another_shard_size_is_refused(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    interrupted_build(corpus, tmp_path / "index", monkeypatch, shard_size=3)
+    with pytest.raises(ValueError, match=r"shard_size: 3 when the shards were written, 2 now"):
+        build_dense_index(corpus, tmp_path / "index", MINILM, shard_size=2, progress=False)
+    assert not (tmp_path / "index" / "meta.json").exists()
+    build_dense_index(corpus, tmp_path / "index", MINILM, shard_size=3, progress=False)  # same settings: resumes
+    assert own_text_finds_itself(tmp_path / "index") == len(CONTENTS)
+
+
+def test_resuming_after_the_corpus_changed_is_refused(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    interrupted_build(corpus, tmp_path / "index", monkeypatch, shard_size=3)
+    write_corpus(corpus, CONTENTS[::-1])  # the same passages in another order
+    with pytest.raises(ValueError, match="corpus_sha256"):
+        build_dense_index(corpus, tmp_path / "index", MINILM, shard_size=3, progress=False)
+    assert not (tmp_path / "index" / "meta.json").exists()
+
+
+def test_resuming_with_other_encoder_settings_is_refused(tmp_path, monkeypatch):
+    from stppo_envs.retrieval import encoder as encoder_module
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    interrupted_build(corpus, tmp_path / "index", monkeypatch, shard_size=3)
+    detect = encoder_module.EncoderSettings.detect
+    monkeypatch.setattr(encoder_module.EncoderSettings, "detect",
+                        classmethod(lambda cls, model: dataclasses.replace(detect(model), max_length=128)))
+    with pytest.raises(ValueError, match="encoder.max_length: 256 when the shards were written, 128 now"):
+        build_dense_index(corpus, tmp_path / "index", MINILM, shard_size=3, progress=False)
+
+
+def test_a_shard_of_the_wrong_length_never_reaches_the_index(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    interrupted_build(corpus, tmp_path / "index", monkeypatch, shard_size=3)
+    shard = tmp_path / "index" / "shards" / "000000.npy"
+    np.save(shard, np.load(shard)[:2])  # as a shard written by another build would be
+    with pytest.raises(ValueError, match="shard 0 holds 2 vectors for 3 passages"):
+        build_dense_index(corpus, tmp_path / "index", MINILM, shard_size=3, progress=False)
+    assert not (tmp_path / "index" / "meta.json").exists()
