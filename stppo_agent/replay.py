@@ -11,6 +11,12 @@ Replaying iteration k through algorithm B means: the batch that A's policy sampl
 updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
 recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
 (old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B.
+
+The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
+the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay through another
+algorithm therefore keeps the recorded run's resolved correction and cap; the level follows the replayed rule as
+``auto`` would have chosen it (turn level for turn-level rules) unless the recorded run set it explicitly. An
+explicit ``--set algorithm.rollout_correction...`` wins. The replay says which it used.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import distributed
+from .algorithms import resolve_rollout_correction
 from .config import TrainConfig, load_config
 from .recording import load_batch, read_format, recorded_iterations, tokenizer_fingerprint
 from .rollout import RolloutBatch
@@ -82,7 +89,8 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     values = dataclasses.asdict(original)
     same_algo = algo is None or algo == original.algo
     values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,
-                  algorithm=values["algorithm"] if same_algo else {}, iterations=len(available),
+                  algorithm=values["algorithm"] if same_algo else recorded_correction(original),
+                  iterations=len(available),
                   step_diagnostics=True, model=str(folder / "initial" / "actor"))
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
@@ -92,6 +100,29 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     if config.iterations > len(available):
         raise ValueError(f"iterations={config.iterations}: {run_dir} recorded only {len(available)}")
     return config
+
+
+def recorded_correction(original: TrainConfig) -> dict:
+    """The rollout-correction fields the recorded run's batches call for, as algorithm overrides for another rule
+    (``auto`` resolved against the backend that sampled them, not against the replay's)."""
+    recorded = original.algorithm_config()
+    kept = {"rollout_correction": recorded.rollout_correction,
+            "rollout_correction_cap": recorded.rollout_correction_cap}
+    automatic = resolve_rollout_correction(dataclasses.replace(recorded, rollout_correction_level="auto"),
+                                           original.generation_backend).rollout_correction_level
+    if recorded.rollout_correction_level != automatic:  # set by hand for that run: keep it
+        kept["rollout_correction_level"] = recorded.rollout_correction_level
+    return kept
+
+
+def describe_correction(config: TrainConfig, original: TrainConfig, overrides: Sequence[str]) -> str:
+    algo, recorded = config.algorithm_config(), original.algorithm_config()
+    used = (f"{algo.rollout_correction} at {algo.rollout_correction_level} level, cap {algo.rollout_correction_cap:g}"
+            if algo.rollout_correction != "none" else "none")
+    if any(item.startswith("algorithm.rollout_correction") for item in overrides):
+        return f"rollout correction: {used} (set here; the recorded run used {recorded.rollout_correction})"
+    return (f"rollout correction: {used}, kept from the recorded run (its batches were sampled by "
+            f"{original.generation_backend}); --set algorithm.rollout_correction=none|tis|mis to change it")
 
 
 def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
@@ -104,7 +135,10 @@ def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Se
         raise ValueError("the replay's --output-dir must differ from the recorded run's folder")
     trainer = Trainer(config, report=report, rollout_source=lambda t: RecordedRollouts(t, Path(run_dir)))
     if distributed.is_main():
+        original = recorded_config(run_dir)
+        report(describe_correction(config, original, overrides))
         (Path(output_dir) / "replay.json").write_text(json.dumps(
-            {"replay_of": str(Path(run_dir).resolve()), "recorded_algo": recorded_config(run_dir).algo,
-             "algo": config.algo, "iterations": config.iterations}, indent=1) + "\n")
+            {"replay_of": str(Path(run_dir).resolve()), "recorded_algo": original.algo,
+             "algo": config.algo, "iterations": config.iterations,
+             "rollout_correction": trainer.algo.rollout_correction}, indent=1) + "\n")
     return trainer.train()

@@ -163,3 +163,46 @@ def test_step_means_separate_off_policy_steps():
     single.add({"clip_frac": 0.0}, on_policy=True)
     assert "offpolicy/clip_frac" not in single.means()
     assert not math.isnan(single.means()["clip_frac"])
+
+
+def as_if_recorded_with_vllm(run: Path, copy: Path) -> Path:
+    """``run``'s folder as a vLLM-backed run would have written it: config.yaml holds the backend and the rollout
+    correction ``auto`` resolved to for it (token-level TIS at cap 2 for ppo)."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(run, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["generation_backend"] = "vllm"
+    config["algorithm"].update(rollout_correction="tis", rollout_correction_level="token", rollout_correction_cap=2.0)
+    (copy / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return copy
+
+
+def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recorded_ppo, tmp_path):
+    # issue 30, item 3: the correction belongs to the data (which engine sampled it), not to the update rule
+    from stppo_agent.replay import replay_config
+
+    run = as_if_recorded_with_vllm(recorded_ppo, tmp_path / "vllm-run")
+    messages = []
+    replay(run, "grpo", str(tmp_path / "grpo"), iterations=1, report=messages.append)
+    algo = replay_config(run, "grpo", str(tmp_path / "unused")).algorithm_config()
+    assert (algo.rollout_correction, algo.rollout_correction_level, algo.rollout_correction_cap) == ("tis", "token", 2)
+    assert "rollout_correction/truncated_frac" in read_metrics(tmp_path / "grpo")[0]  # the correction ran
+    said = [m for m in messages if m.startswith("rollout correction")]
+    assert said and "tis" in said[0] and "kept from the recorded run" in said[0] and "vllm" in said[0], messages
+    assert json.loads((tmp_path / "grpo" / "replay.json").read_text())["rollout_correction"] == "tis"
+    # a turn-level rule corrects at its own level, as `auto` would have chosen for it under vLLM
+    st = replay_config(run, "st_ppo", str(tmp_path / "unused")).algorithm_config()
+    assert (st.rollout_correction, st.rollout_correction_level) == ("tis", "turn")
+    # an explicit setting wins, and is said to
+    off = replay_config(run, "grpo", str(tmp_path / "unused"), ["algorithm.rollout_correction=none"])
+    assert off.algorithm_config().rollout_correction == "none"
+    mis = replay_config(run, "st_ppo", str(tmp_path / "unused"), ["algorithm.rollout_correction=mis",
+                                                                   "algorithm.rollout_correction_level=sequence"])
+    assert (mis.algorithm_config().rollout_correction, mis.algorithm_config().rollout_correction_level) == \
+        ("mis", "sequence")
+    # a run recorded with transformers generate had no correction, and its replays have none
+    plain = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused")).algorithm_config()
+    assert plain.rollout_correction == "none"
