@@ -3,7 +3,7 @@
 Layout under the run folder (no pickle anywhere)::
 
     rollouts/
-      format.json                      format name and version, world size, the tokenizer's fingerprint
+      format.json                      format name and version, the tokenizer's fingerprint
       initial/actor/                   the actor before the first update (Hugging Face folder)
       initial/critic/                  the critic before the first update, when the run had its own
                                        critic_model (otherwise a replay rebuilds it as the run did: the
@@ -15,8 +15,15 @@ Layout under the run folder (no pickle anywhere)::
 Tensors (B trajectories, P prompt width, T response width): ``input_ids`` and ``attention_mask`` (B, P + T),
 left-padded prompt then right-padded response; ``response_ids``, ``loss_mask`` (bool), ``turn_ids`` (-1 off the
 policy tokens) and ``sample_logprobs`` (behaviour log-probs at sampling time) (B, T); ``rewards``,
-``group_ids``, ``terminated``, ``truncated`` (B,). The safetensors metadata holds ``prompt_width`` and the
-batch's rollout statistics (``stats``, JSON). Each file is written to a temporary name and renamed into place.
+``group_ids``, ``terminated``, ``truncated`` (B,). The safetensors metadata holds ``prompt_width``, the batch's
+rollout statistics (``stats``, JSON), ``rank`` and ``world_size``: how many processes recorded that iteration, each
+its share (prompts ``rank::world_size``). A run resumed with another process count records its later iterations
+with the new count, so the count is per iteration; :func:`load_iteration` reads every rank's share of one. Each
+file is written to a temporary name and renamed into place; rank 0 removes an iteration's files of ranks the
+current run does not have (left by an earlier attempt with more processes).
+
+Version 1 (before per-iteration world sizes) is read too: an iteration's world size is then the number of its
+rank files.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "stppo-rollouts"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 TENSOR_FIELDS = ("input_ids", "attention_mask", "response_ids", "loss_mask", "turn_ids", "sample_logprobs",
                  "rewards", "group_ids", "terminated", "truncated")
 
@@ -56,8 +64,8 @@ class RolloutRecorder:
         self.folder.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             _atomic_text(self.folder / "format.json", json.dumps(
-                {"format": FORMAT_NAME, "version": FORMAT_VERSION, "world_size": world,
-                 "tokenizer": tokenizer_fingerprint(tokenizer)}, indent=1) + "\n")
+                {"format": FORMAT_NAME, "version": FORMAT_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer)},
+                indent=1) + "\n")
 
     @classmethod
     def for_trainer(cls, trainer) -> "RolloutRecorder":
@@ -94,7 +102,12 @@ class RolloutRecorder:
 
         tensors = {name: getattr(batch, name).detach().cpu().contiguous() for name in TENSOR_FIELDS}
         metadata = {"prompt_width": str(batch.prompt_width), "iteration": str(iteration),
-                    "stats": json.dumps(batch.stats, sort_keys=True)}
+                    "stats": json.dumps(batch.stats, sort_keys=True), "rank": str(self.rank),
+                    "world_size": str(self.world)}
+        if self.rank == 0:  # shares of this iteration from an earlier attempt with more processes
+            for stale in self.folder.glob(f"iter-{iteration:06d}.rank-*"):
+                if _rank_of(stale) is not None and _rank_of(stale) >= self.world:
+                    stale.unlink(missing_ok=True)
         target = batch_file(self.folder, iteration, self.rank, "safetensors")
         scratch = target.with_name(target.name + ".tmp")
         save_file(tensors, str(scratch), metadata=metadata)
@@ -134,10 +147,81 @@ def read_format(folder: Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{folder.parent} has no recorded rollouts ({path} is missing): train it with "
                                 "--set save_rollouts=true to record them")
     meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
+    if meta.get("format") != FORMAT_NAME or meta.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: unsupported rollout format {meta.get('format')!r} v{meta.get('version')} "
-                         f"(this stppo reads {FORMAT_NAME} v{FORMAT_VERSION})")
+                         f"(this stppo reads {FORMAT_NAME} v{', v'.join(map(str, READABLE_VERSIONS))})")
     return meta
+
+
+def _rank_of(path: Path) -> int | None:
+    rank = path.name.split(".")[1].removeprefix("rank-") if path.name.count(".") >= 2 else ""
+    return int(rank) if rank.isdigit() else None
+
+
+def _filled(like: torch.Tensor, width: int, fill) -> torch.Tensor:
+    return torch.full((like.shape[0], width), fill, dtype=like.dtype)
+
+
+def recorded_world_size(folder: Path, iteration: int) -> int:
+    """How many processes recorded ``iteration``: rank 0's metadata, or (version 1) the number of rank files."""
+    from safetensors import safe_open
+
+    path = batch_file(folder, iteration, 0, "safetensors")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: iteration {iteration} was not recorded")
+    with safe_open(str(path), framework="pt") as handle:
+        world = (handle.metadata() or {}).get("world_size")
+    if world is not None:
+        return int(world)
+    ranks = {_rank_of(p) for p in folder.glob(f"iter-{iteration:06d}.rank-*.safetensors")}
+    count = 0
+    while count in ranks:
+        count += 1
+    return count
+
+
+def check_iteration_files(folder: Path, iteration: int) -> int:
+    """The iteration's world size, after checking that every rank's share is there (ValueError otherwise)."""
+    world = recorded_world_size(folder, iteration)
+    missing = [rank for rank in range(world) if not batch_file(folder, iteration, rank, "safetensors").exists()]
+    if missing:
+        raise ValueError(f"{folder}: iteration {iteration} was recorded by {world} processes, but the share of "
+                         f"{', '.join(f'rank-{r}' for r in missing)} is missing; a replay would use part of its data")
+    return world
+
+
+def load_iteration(folder: Path, iteration: int, pad_id: int):
+    """Every rank's recorded share of ``iteration`` as one batch, rows in single-process order (by prompt group,
+    stably), prompts left-padded and responses right-padded to the widest share; ``stats`` are the whole batch's,
+    combined from the shares' as sums and counts."""
+    from .reduced_metrics import combine_rollout_statistics, rollout_parts
+    from .rollout import RolloutBatch
+
+    world = check_iteration_files(folder, iteration)
+    shares = [load_batch(folder, iteration, rank) for rank in range(world)]
+    if world == 1:
+        return shares[0]
+    prompt = max(share.prompt_width for share in shares)
+    response = max(share.response_ids.shape[1] for share in shares)
+    fills = {"input_ids": pad_id, "response_ids": pad_id, "turn_ids": -1}  # everything else pads with 0 / False
+    tensors = {}
+    for name in TENSOR_FIELDS:
+        parts = []
+        for share in shares:
+            value = getattr(share, name)
+            if value.dim() == 2:  # (B, P + T): prompt left-padded, response right-padded; (B, T): right-padded
+                left = prompt - share.prompt_width if name in ("input_ids", "attention_mask") else 0
+                used = value.shape[1] - share.prompt_width if name in ("input_ids", "attention_mask") \
+                    else value.shape[1]
+                value = torch.cat([_filled(value, left, fills.get(name, 0)), value,
+                                   _filled(value, response - used, fills.get(name, 0))], dim=1)
+            parts.append(value)
+        tensors[name] = torch.cat(parts)
+    infos = [info for share in shares for info in share.episode_info] \
+        if all(share.episode_info is not None for share in shares) else None
+    stats = combine_rollout_statistics([rollout_parts(share, None) for share in shares])
+    merged = RolloutBatch(prompt_width=prompt, stats=stats, episode_info=infos, **tensors)
+    return merged.select(torch.sort(merged.group_ids, stable=True).indices)
 
 
 def recorded_iterations(folder: Path, rank: int) -> list[int]:

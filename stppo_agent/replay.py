@@ -26,10 +26,19 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from . import distributed
 from .algorithms import resolve_rollout_correction
 from .config import TrainConfig, load_config
-from .recording import load_batch, read_format, recorded_iterations, tokenizer_fingerprint
+from .recording import (
+    check_iteration_files,
+    load_batch,
+    load_iteration,
+    read_format,
+    recorded_iterations,
+    tokenizer_fingerprint,
+)
 from .rollout import RolloutBatch
 
 # Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
@@ -37,24 +46,36 @@ _REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retr
 
 
 class RecordedRollouts:
-    """A rollout source that serves a run's recorded batches, iteration by iteration."""
+    """A rollout source that serves a run's recorded batches, iteration by iteration, to any number of processes.
+
+    An iteration recorded by as many processes as replay it gives each rank the share that rank sampled. Otherwise
+    the iteration's shares are merged into the whole batch (:func:`~stppo_agent.recording.load_iteration`) and
+    rank r takes prompts ``r::world``, as a live run with this many processes would have sampled them; every row
+    of every iteration is used either way."""
 
     def __init__(self, trainer, run_dir: Path):
         self.folder = Path(run_dir) / "rollouts"
         meta = read_format(self.folder)
-        if meta["world_size"] != trainer.world:
-            raise ValueError(f"{run_dir} was recorded by {meta['world_size']} processes; replay it with as many "
-                             f"(torchrun --nproc_per_node {meta['world_size']}), not {trainer.world}")
         mine = tokenizer_fingerprint(trainer.tokenizer)
         if mine != meta["tokenizer"]:
             differing = sorted(k for k in mine if mine[k] != meta["tokenizer"].get(k))
             raise ValueError(f"tokenizer mismatch: the model's tokenizer differs from the one that recorded {run_dir} "
                              f"({', '.join(differing)}); recorded token ids would mean other text")
-        self.rank = trainer.rank
-        self.iterations = recorded_iterations(self.folder, trainer.rank)
+        self.rank, self.world, self.pad_id = trainer.rank, trainer.world, trainer.tokenizer.pad_token_id
+        self.iterations = recorded_iterations(self.folder, 0)
 
     def next_batch(self, iteration: int) -> RolloutBatch:
-        return load_batch(self.folder, iteration + 1, self.rank)
+        number = iteration + 1
+        if check_iteration_files(self.folder, number) == self.world:
+            return load_batch(self.folder, number, self.rank)
+        whole = load_iteration(self.folder, number, self.pad_id)
+        groups = torch.unique(whole.group_ids)
+        if self.world > 1 and len(groups) % self.world:
+            raise ValueError(f"recorded iteration {number} holds {len(groups)} prompts, which {self.world} processes "
+                             "cannot share evenly: replay it with a number of processes that divides that")
+        if self.world == 1:
+            return whole
+        return whole.select(torch.isin(whole.group_ids, groups[self.rank::self.world]).nonzero().flatten())
 
     def state(self) -> dict:
         return {}
@@ -86,6 +107,8 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     if available != list(range(1, len(available) + 1)):
         raise ValueError(f"{folder}: recorded iterations are not 1..N ({available[:5]}...); was the run resumed "
                          "from a checkpoint after deleting recordings?")
+    for number in available:  # every rank's share of every iteration, or a clear refusal before any model loads
+        check_iteration_files(folder, number)
     values = dataclasses.asdict(original)
     same_algo = algo is None or algo == original.algo
     values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stppo_agent.cli import main
-from stppo_agent.recording import load_batch, recorded_iterations
+from stppo_agent.recording import load_batch, recorded_iterations, recorded_world_size
 from stppo_agent.replay import replay
 from stppo_agent.trainer import Trainer, read_metrics
 
@@ -45,7 +45,8 @@ def test_recording_holds_every_iteration_the_initial_weights_and_transcripts(rec
     folder = recorded_ppo / "rollouts"
     assert recorded_iterations(folder, 0) == [1, 2, 3]
     fmt = json.loads((folder / "format.json").read_text())
-    assert fmt["format"] == "stppo-rollouts" and fmt["world_size"] == 1
+    assert fmt["format"] == "stppo-rollouts" and fmt["version"] == 2
+    assert all(recorded_world_size(folder, i) == 1 for i in (1, 2, 3))  # per iteration: a resume may change it
     # the initial actor is the model the run started from, bit for bit
     from safetensors.torch import load_file
 
@@ -206,3 +207,78 @@ def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recor
     # a run recorded with transformers generate had no correction, and its replays have none
     plain = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused")).algorithm_config()
     assert plain.rollout_correction == "none"
+
+
+def _split_as_ranks(batch, world: int) -> list:
+    """The shares ``world`` processes would have sampled of ``batch``: prompts ``rank::world``, each prompt's
+    samples together (what live rollouts give each rank)."""
+    groups = sorted(set(batch.group_ids.tolist()))
+    shares = []
+    for rank in range(world):
+        mine = set(groups[rank::world])
+        rows = [row for row, group in enumerate(batch.group_ids.tolist()) if group in mine]
+        shares.append(batch.select(rows).trimmed())
+    return shares
+
+
+def _record_with_world_sizes(source: Path, target: Path, worlds: dict[int, int]) -> Path:
+    """A copy of ``source``'s recorded run whose iteration k was recorded by ``worlds[k]`` processes, written
+    through the recorder in iteration order (as a run resumed with another process count writes it)."""
+    import shutil
+
+    from stppo_agent.recording import RolloutRecorder
+
+    target.mkdir()
+    shutil.copy(source / "config.yaml", target / "config.yaml")
+    shutil.copytree(source / "rollouts" / "initial", target / "rollouts" / "initial")
+    tokenizer = word_tokenizer()
+    for iteration, world in sorted(worlds.items()):
+        batch = load_batch(source / "rollouts", iteration, 0)
+        for rank, share in enumerate(_split_as_ranks(batch, world)):
+            RolloutRecorder(target, tokenizer, rank, world).record(iteration, share)
+    return target
+
+
+def test_replay_reads_every_ranks_files_of_iterations_recorded_by_another_process_count(recorded_ppo, tmp_path):
+    # issue 33, item 7: iteration 1 recorded by 2 processes, then a resume with 1 process recorded 2 and 3 (and
+    # re-recorded 3, which the 2-process attempt had written before it was killed)
+    from stppo_agent.recording import RolloutRecorder
+
+    run = _record_with_world_sizes(recorded_ppo, tmp_path / "mixed", {1: 2, 3: 2})
+    resumed = RolloutRecorder(run, word_tokenizer(), 0, 1)
+    for iteration in (2, 3):
+        resumed.record(iteration, load_batch(recorded_ppo / "rollouts", iteration, 0))
+    assert not (run / "rollouts" / "iter-000003.rank-1.safetensors").exists()  # the stale share is gone
+    assert (run / "rollouts" / "iter-000001.rank-1.safetensors").exists()
+    replay(run, None, str(tmp_path / "again"), report=lambda _: None)
+    original, again = read_metrics(recorded_ppo), read_metrics(tmp_path / "again")
+    assert [r["reward"] for r in again] == [r["reward"] for r in original]  # every row of every iteration
+    for a, b in zip(original, again):  # the 2-process iteration merges into the 1-process batch, bit for bit
+        for key in ("grad_norm", "pg_loss", "clip_frac", "value_loss", "response_tokens", "advantage/mean"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+def test_replay_shares_a_recorded_iteration_among_another_number_of_processes(recorded_ppo, tmp_path):
+    from types import SimpleNamespace
+
+    from stppo_agent.recording import tensors_equal
+    from stppo_agent.replay import RecordedRollouts
+
+    run = _record_with_world_sizes(recorded_ppo, tmp_path / "two", {1: 2, 2: 1, 3: 1})
+    whole = load_batch(recorded_ppo / "rollouts", 1, 0)
+    for world in (1, 2):  # recorded by 2 (iteration 1) and by 1 (iteration 2), replayed by 1 and by 2 processes
+        for rank in range(world):
+            source = RecordedRollouts(SimpleNamespace(world=world, rank=rank, tokenizer=word_tokenizer()), run)
+            for iteration in (1, 2):
+                expected = _split_as_ranks(load_batch(recorded_ppo / "rollouts", iteration, 0), world)[rank] \
+                    if world > 1 else load_batch(recorded_ppo / "rollouts", iteration, 0)
+                got = source.next_batch(iteration - 1)
+                assert got.group_ids.tolist() == expected.group_ids.tolist()
+                assert torch.equal(got.trimmed().response_ids, expected.trimmed().response_ids)
+                assert got.rewards.tolist() == expected.rewards.tolist()
+                if world == 1 and iteration == 1:
+                    assert tensors_equal(got, whole)
+                    assert got.stats["reward"] == pytest.approx(float(whole.rewards.mean()))
+    (run / "rollouts" / "iter-000001.rank-1.safetensors").unlink()
+    with pytest.raises(ValueError, match="iteration 1 was recorded by 2 processes.*rank-1.*missing"):
+        replay(run, None, str(tmp_path / "x"), report=lambda _: None)
