@@ -103,15 +103,22 @@ def main() -> None:
         for name, (preset, advantages) in prepared.items():
             if repeat >= 3:  # the first rounds are warm-up
                 samples[name].append(time_once(preset, advantages, data))
-    baseline = statistics.median(step for step, _ in samples["ppo"])
-    print(f"{'preset':10s} {'ms':>8s} {'vs ppo':>8s} {'clipped tok':>12s} {'clipped turns':>14s} "
+    # ratios per round (the presets of a round ran back to back), then their median and range over the rounds
+    print(f"{args.repeats} rounds; ratios as median (min-max) over the rounds")
+    print(f"{'preset':10s} {'ms':>8s} {'vs ppo':>18s} {'clipped tok':>12s} {'clipped turns':>14s} "
           f"{'correction ms':>14s} {'correction / step':>18s}")
     for name, (preset, advantages) in prepared.items():
         step = statistics.median(s for s, _ in samples[name])
         correction = statistics.median(c for _, c in samples[name])
         tokens, turns = clipped_shares(preset, advantages, data)
-        extra = f"{correction * 1e3:14.1f} {correction / step:18.2f}" if preset.clip_bias_correction else ""
-        print(f"{name:10s} {step * 1e3:8.1f} {step / baseline:8.2f} {tokens:12.3f} {turns:14.3f} {extra}")
+        versus = spread([s / base for (s, _), (base, _) in zip(samples[name], samples["ppo"])])
+        extra = f"{correction * 1e3:14.1f} {spread([c / s for s, c in samples[name]]):>18s}" \
+            if preset.clip_bias_correction else ""
+        print(f"{name:10s} {step * 1e3:8.1f} {versus:>18s} {tokens:12.3f} {turns:14.3f} {extra}")
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 if __name__ == "__main__":

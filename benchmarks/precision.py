@@ -4,14 +4,17 @@
 
 - speed: forward+backward of a causal LM (loss on the last 100 positions, as a trainer's response span) in float32
   and under bfloat16 autocast with float32 weights and output head (stppo_agent/mixed_precision.py), alternated;
-  prints the median seconds of each and their ratio. Only CPUs with AVX512-BF16 or AMX (and GPUs) compute
-  bfloat16 natively: elsewhere the ratio is below 1, which is why ``autocast_dtype=auto`` stays float32 there.
+  prints the median seconds of each and the median and range of the repeats' ratios. A CPU without AMX measured
+  below 1 (0.85x on an AVX512-BF16 CPU), which is why ``autocast_dtype=auto`` picks bfloat16 on a CPU only with
+  AMX; the first line says what auto picks here.
 - noise (on the bundled demo corpus' text): log-probs of the same weights and tokens computed under autocast in
   left-padded micro-batches of 2 and in one batch (scoring and training group and pad rows differently), and
   float32 against autocast: mean, p99 and max of |d log p|. Clipping at 0.2 starts at |d log p| = log 1.2 = 0.18:
   on-policy ratios must stay far below it.
 
-Default model: a random Llama of SmolLM2-135M's shape (hidden 576, 30 layers, SmolLM2's tokenizer).
+Default model: a random Llama of SmolLM2-135M's shape (hidden 576, 30 layers, SmolLM2's tokenizer). The noise
+figures depend on the weights: the README's and docs/stability.md's were measured with ``--model`` set to the
+stability study's SmolLM2 warm start (runs/stability/sft).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-from stppo_agent.mixed_precision import autocast_forward
+from stppo_agent.mixed_precision import autocast_forward, cpu_has_amx_bf16, resolve_autocast_dtype
 from stppo_agent.models import load_actor
 
 
@@ -107,8 +110,11 @@ def main() -> None:
         seconds["float32"].append(forward_backward(full, ids))
         seconds["bfloat16"].append(forward_backward(mixed, ids))
     fp32, bf16 = statistics.median(seconds["float32"]), statistics.median(seconds["bfloat16"])
-    print(f"model {path}; batch {args.batch} x {args.length} tokens")
-    print(f"forward+backward  float32 {fp32:.2f} s   bfloat16 autocast {bf16:.2f} s   speed-up {fp32 / bf16:.2f}x")
+    speedups = [f / b for f, b in zip(seconds["float32"], seconds["bfloat16"])]  # paired: one per repeat
+    print(f"model {path}; batch {args.batch} x {args.length} tokens; CPU AMX bf16: {cpu_has_amx_bf16()} "
+          f"(autocast_dtype=auto would pick {resolve_autocast_dtype('auto', torch.device('cpu')) or 'float32'})")
+    print(f"forward+backward  float32 {fp32:.2f} s   bfloat16 autocast {bf16:.2f} s   speed-up "
+          f"{statistics.median(speedups):.2f}x ({min(speedups):.2f}-{max(speedups):.2f} over {args.repeats} repeats)")
     grouped, whole = logprobs(mixed, ids, 2, pad=37), logprobs(mixed, ids, args.batch)
     print(f"|d log p| autocast, padded micro-batches of 2 vs one batch: {describe(grouped - whole)}")
     print(f"|d log p| float32 vs autocast:                              {describe(logprobs(full, ids, 2) - whole)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,8 +25,8 @@ from stppo_agent.shared_retrieval import free_port  # noqa: E402
 from tests.tiny_models import tiny_llama  # noqa: E402
 
 
-def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> float:
-    """Global policy tokens/s of the update (every rank's share), median over iterations 2..4."""
+def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> list[float]:
+    """Global policy tokens/s of the update (every rank's share) in each of iterations 2..4 (the first warms up)."""
     out = Path(tempfile.mkdtemp())
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     command = launcher + ["-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/NQ-v0", "--model",
@@ -37,8 +38,12 @@ def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> floa
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     subprocess.run(command, check=True, capture_output=True, env=env, cwd=REPO)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    per_rank = sorted(r["update_tokens_per_s"] for r in records[1:])
-    return per_rank[len(per_rank) // 2] * processes
+    return [r["update_tokens_per_s"] * processes for r in records[1:]]
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """Median and range: 812.3 (790.1-840.2)."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 
@@ -78,10 +83,13 @@ def main() -> None:
     # a random 4-layer model over SmolLM2's vocabulary, on the demo NQ env (prompts of a few hundred tokens)
     model = tiny_llama(Path(tempfile.mkdtemp()) / "model", load_tokenizer(str(smollm2_path())), hidden=256, layers=4)
     one, two = train_throughput(1, model), train_throughput(2, model)
-    print(f"update, 1 process : {one:8.1f} policy tok/s")
-    print(f"update, 2 processes: {two:8.1f} policy tok/s   ({two / one:.2f}x; ideal 2.0)")
+    # medians and ranges over iterations 2..4; the ratio's range pairs the slowest with the fastest iterations
+    print(f"update, 1 process : {spread(one)} policy tok/s")
+    print(f"update, 2 processes: {spread(two)} policy tok/s   ({statistics.median(two) / statistics.median(one):.2f}x,"
+          f" {min(two) / max(one):.2f}-{max(two) / min(one):.2f}x; ideal 2.0)")
     sharded = train_throughput(2, model, "fsdp2")
-    print(f"update, 2 processes, FSDP2: {sharded:8.1f} policy tok/s   ({sharded / two:.2f}x DDP on 2 processes)")
+    print(f"update, 2 processes, FSDP2: {spread(sharded)} policy tok/s   "
+          f"({statistics.median(sharded) / statistics.median(two):.2f}x DDP on 2 processes)")
     data = shared_data()
     queries = [json.loads(line)["question"] for _, line in zip(range(640), open(data / "qa/nq_open_dev.jsonl"))]
     server_qps(cached_index("bm25", data / "corpus/wiki_dpr_sample_1000.jsonl", "wiki1000"), queries)
