@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     dense.add_argument("--out", required=True, help="index folder to create")
     dense.add_argument("--index-type", default="flat", choices=["flat", "hnsw", "ivf"], help="faiss index type")
     dense.add_argument("--batch-size", type=_positive_int, default=64, help="passages per encoder batch")
-    dense.add_argument("--shard-size", type=int, default=4096, help="passages per resumable shard")
+    dense.add_argument("--shard-size", type=_positive_int, default=4096, help="passages per resumable shard")
     dense.add_argument("--device", default=None, help="encoder device (default: cuda when available)")
     dense.set_defaults(handler=_run_index_dense)
 

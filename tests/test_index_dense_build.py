@@ -144,3 +144,50 @@ def test_a_shard_of_the_wrong_length_never_reaches_the_index(tmp_path, monkeypat
     with pytest.raises(ValueError, match="shard 0 holds 2 vectors for 3 passages"):
         build_dense_index(corpus, tmp_path / "index", MINILM, shard_size=3, progress=False)
     assert not (tmp_path / "index" / "meta.json").exists()
+
+
+def test_ivf_on_fewer_passages_than_lists_clamps_the_lists_and_says_so(tmp_path, capsys):
+    from stppo_agent.cli import main
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")  # 7 passages; the default is 4 * sqrt(n) = 10 lists
+    assert main(["index", "dense", "--corpus", str(corpus), "--encoder", MINILM, "--out", str(tmp_path / "ivf"),
+                 "--index-type", "ivf"]) == 0
+    err = capsys.readouterr().err
+    assert "ivf: 7 passages allow at most 7 lists; using 7 instead of 10" in err
+    assert not (tmp_path / "ivf" / "shards").exists()
+    assert own_text_finds_itself(tmp_path / "ivf") == len(CONTENTS)
+
+
+@pytest.mark.parametrize("flag, value", [("--shard-size", "0"), ("--shard-size", "-3"), ("--batch-size", "0")])
+def test_a_non_positive_size_is_a_one_line_error(tmp_path, capsys, flag, value):
+    from stppo_agent.cli import main
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    with pytest.raises(SystemExit) as exited:
+        main(["index", "dense", "--corpus", str(corpus), "--encoder", MINILM, "--out", str(tmp_path / "x"),
+              flag, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"argument {flag}: must be >= 1, got {value}" in err[-1] and "Traceback" not in "".join(err)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [({"shard_size": 0}, "shard_size must be >= 1, got 0"),
+                                             ({"batch_size": -1}, "batch_size must be >= 1, got -1"),
+                                             ({"index_type": "pq"}, "unknown faiss index type 'pq'")])
+def test_bad_build_arguments_leave_nothing_behind(tmp_path, kwargs, message):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    with pytest.raises(ValueError, match=message):
+        build_dense_index(corpus, tmp_path / "x", MINILM, progress=False, **kwargs)
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_empty_corpus_or_a_missing_encoder_leaves_nothing_behind(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no passages"):
+        build_dense_index(empty, tmp_path / "x", MINILM, progress=False)
+    with pytest.raises(FileNotFoundError, match="cannot load encoder"):
+        build_dense_index(write_corpus(tmp_path / "corpus.jsonl"), tmp_path / "x", str(tmp_path / "no-model"),
+                          progress=False)
+    assert not (tmp_path / "x").exists()

@@ -14,13 +14,14 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from .base import parse_contents, passages_sha256
 from .encoder import EncoderSettings, TextEncoder
-from .indexing import iter_contents
+from .indexing import CorpusFormatError, iter_contents
 
 INDEX_TYPES = ("flat", "hnsw", "ivf")
 BUILD_RECORD = "build.json"
@@ -35,7 +36,11 @@ def make_faiss_index(kind: str, dim: int, vectors: np.ndarray, *, hnsw_m: int = 
     elif kind == "hnsw":
         index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
     elif kind == "ivf":
-        lists = ivf_lists or max(1, min(4096, int(4 * np.sqrt(len(vectors)))))
+        wanted = ivf_lists or max(1, min(4096, int(4 * np.sqrt(len(vectors)))))
+        lists = max(1, min(wanted, len(vectors)))  # k-means cannot train more centroids than it has points
+        if lists < wanted:
+            print(f"ivf: {len(vectors)} passages allow at most {len(vectors)} lists; using {lists} instead of "
+                  f"{wanted}", file=sys.stderr)
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, lists, faiss.METRIC_INNER_PRODUCT)
         index.train(vectors)
     else:
@@ -55,22 +60,28 @@ def build_dense_index(corpus: str | os.PathLike, out: str | os.PathLike, encoder
     import faiss
     from tqdm.auto import tqdm
 
+    # Everything that can be refused is checked before OUT is created: a refused build leaves nothing behind.
     if index_type not in INDEX_TYPES:
         raise ValueError(f"unknown faiss index type {index_type!r}; known: {', '.join(INDEX_TYPES)}")
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     out = Path(out)
     if (out / "meta.json").exists():
         raise FileExistsError(f"{out} already holds a dense index; remove it or choose another --out")
     # One read of the corpus decides the vectors, the stored rows and the recorded hash alike.
     records = list(iter_contents(corpus))
+    if not records:
+        raise CorpusFormatError(f"{corpus}: no passages")
     passages = [(docid, *parse_contents(contents), contents) for docid, contents in records]
     settings = EncoderSettings.detect(encoder)
+    text_encoder = TextEncoder(settings, device, batch_size)
     record = {"encoder": dataclasses.asdict(settings), "passage_text": "contents", "shard_size": shard_size,
               "passages": len(records), "corpus_sha256": passages_sha256(records)}
     shards_dir = out / "shards"
     shards_dir.mkdir(parents=True, exist_ok=True)
     _check_resume(shards_dir, record)
 
-    text_encoder = TextEncoder(settings, device, batch_size)
     shard_count = (len(passages) + shard_size - 1) // shard_size
     bar = tqdm(total=len(passages), desc="encoding passages", unit="passage", disable=not progress)
     for shard in range(shard_count):
