@@ -18,8 +18,8 @@ Corpora are written as pyserini JsonCollection files (``{"id", "contents": "\\"T
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stppo_envs import load_examples  # noqa: E402
 from stppo_envs.retrieval.base import to_contents  # noqa: E402
-from stppo_envs.retrieval.indexing import iter_contents  # noqa: E402
+from stppo_envs.retrieval.indexing import CorpusFormatError, iter_contents  # noqa: E402
 
 # benchmark -> (hub source for load_examples, splits); MCQ hub sets whose schema differs are converted below
 HUB_SOURCES = {
@@ -49,13 +49,22 @@ MMLU_MEDICAL = ("anatomy", "clinical_knowledge", "college_biology", "college_med
                 "professional_medicine")
 
 
-def write_jsonl(rows: Iterable[dict], path: Path) -> int:
+def write_jsonl(rows: Iterable[dict], path: Path, *, empty_error: str | None = None) -> int:
+    """Write ``rows`` to ``path`` atomically: a temporary file beside it, renamed when complete. A failure while
+    reading the rows (a malformed source) leaves neither a partial ``path`` nor the temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
     count = 0
-    with open(path, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-            count += 1
+    try:
+        with open(partial, "w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+                count += 1
+        if count == 0 and empty_error:  # an empty corpus file would only fail later, at indexing
+            raise CorpusFormatError(empty_error)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return count
 
 
@@ -112,39 +121,53 @@ def cmd_datasets(args: argparse.Namespace) -> None:
 
 
 def convert_corpus(source: Path, out: Path) -> int:
-    """Any supported corpus layout (plain or .gz JSON lines included) -> one pyserini JsonCollection file."""
-    if source.suffix == ".gz":
-        plain = out.with_suffix(".tmp.jsonl")
-        with gzip.open(source, "rt", encoding="utf-8") as src, open(plain, "w", encoding="utf-8") as dst:
-            for line in src:
-                dst.write(line)
-        count = convert_corpus(plain, out)
-        plain.unlink()
-        return count
-    return write_jsonl(({"id": docid, "contents": contents} for docid, contents in iter_contents(source)), out)
+    """Any supported corpus layout, gzipped or not (``iter_contents``) -> one pyserini JsonCollection file."""
+    rows = ({"id": docid, "contents": contents} for docid, contents in iter_contents(source))
+    return write_jsonl(rows, out, empty_error=f"{source}: no passages")
 
 
 def medrag_rows(records: Iterable[dict]) -> Iterator[dict]:
     """MedRAG corpora (``id``, ``title``, ``content``) -> pyserini rows."""
-    for record in records:
-        yield {"id": str(record["id"]), "contents": to_contents(record.get("title", ""), record["content"])}
+    for number, record in enumerate(records, start=1):
+        if not isinstance(record, dict) or "content" not in record:
+            raise CorpusFormatError(f"MedRAG record {number}: no 'content' field" if isinstance(record, dict)
+                                    else f"MedRAG record {number}: not a JSON object")
+        yield {"id": str(record.get("id", number - 1)),
+               "contents": to_contents(record.get("title", ""), record["content"])}
+
+
+def local_medrag_records(path: Path) -> Iterator[dict]:
+    """A local MedRAG JSON lines file, read as it streams; a bad line is an error naming it."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusFormatError(f"{path}, line {number}: not JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise CorpusFormatError(f"{path}, line {number}: not a JSON object")
+            if "content" not in record:
+                raise CorpusFormatError(f"{path}, line {number} has no 'content' field (fields: {sorted(record)})")
+            yield record
 
 
 def cmd_corpus(args: argparse.Namespace) -> None:
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if args.name == "wiki18":
         source = Path(args.local) if args.local else _hub_file(*WIKI18)
         print(f"{convert_corpus(source, out_dir / 'wiki18.jsonl')} passages -> {out_dir / 'wiki18.jsonl'}")
     elif args.name == "medical":
         if args.local:
-            with open(args.local, encoding="utf-8") as handle:
-                records = [json.loads(line) for line in handle if line.strip()]
+            records = local_medrag_records(Path(args.local))
         else:
             import datasets
 
             records = datasets.load_dataset(MEDRAG_TEXTBOOKS, split="train")
-        print(f"{write_jsonl(medrag_rows(records), out_dir / 'medical.jsonl')} passages -> {out_dir / 'medical.jsonl'}")
+        count = write_jsonl(medrag_rows(records), out_dir / "medical.jsonl",
+                            empty_error=f"{args.local or MEDRAG_TEXTBOOKS}: no passages")
+        print(f"{count} passages -> {out_dir / 'medical.jsonl'}")
 
 
 def _hub_file(repo: str, filename: str) -> Path:
@@ -164,7 +187,7 @@ def cmd_index(args: argparse.Namespace) -> None:
         print(build_dense_index(args.corpus, out / "dense", args.dense_encoder, index_type=args.index_type))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     ds = commands.add_parser("datasets")
@@ -185,8 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     index.add_argument("--threads", type=int, default=4)
     index.set_defaults(handler=cmd_index)
     args = parser.parse_args(argv)
-    args.handler(args)
+    try:
+        args.handler(args)
+    except (OSError, ValueError, KeyError) as exc:  # CorpusFormatError and DatasetFormatError are ValueErrors
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"prepare.py {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,6 +6,8 @@ import gzip
 import json
 import shutil
 
+import pytest
+
 from data_scripts.prepare import LOCAL_SOURCES, main
 from stppo_envs import load_examples
 from stppo_envs.retrieval import make_retriever
@@ -45,3 +47,57 @@ def test_corpus_conversion_and_indexing(shared_data, tmp_path):
     main(["index", "--corpus", str(tmp_path / "corpora/medical.jsonl"), "--out", str(tmp_path / "indexes")])
     hits = make_retriever(f"bm25:{tmp_path / 'indexes/bm25'}").search("heart 3 parts", 1)
     assert hits[0].title == "Anatomy" and hits[0].docid == "t3"
+
+
+def test_a_gzipped_json_list_corpus_is_converted(tmp_path):
+    records = [{"id": f"m{i}", "title": f"Title {i}", "text": f"Passage {i}."} for i in range(3)]
+    source = tmp_path / "musique.json.gz"
+    with gzip.open(source, "wt", encoding="utf-8") as handle:
+        json.dump(records, handle, indent=1)  # a JSON list over several lines, as MuSiQue's corpus is
+    assert main(["corpus", "wiki18", "--out", str(tmp_path / "out"), "--local", str(source)]) == 0
+    converted = [json.loads(x) for x in (tmp_path / "out/wiki18.jsonl").read_text().splitlines()]
+    assert converted == [{"id": f"m{i}", "contents": f'"Title {i}"\nPassage {i}.'} for i in range(3)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["wiki18.jsonl"]  # no temporary file
+
+
+def _gzipped(data: bytes) -> bytes:
+    return gzip.compress(data)
+
+
+MALFORMED = {
+    "a JSON list of strings": ("x.json.gz", _gzipped(b'["a", "b"]'), "passage 0 is not a JSON object"),
+    "a list on a JSON line": ("x.jsonl", b'{"id": 1, "contents": "a"}\n[1, 2]\n', "line 2: not a JSON object"),
+    "a broken JSON line": ("x.jsonl.gz", _gzipped(b'{"id": 1, "contents": "a"}\n{"id": 2, "cont\n'),
+                           "line 2: not JSON"),
+    "truncated JSON": ("x.json", b'[{"id": 1, "text": "a"}, {"id"', "not JSON"),
+    "not UTF-8": ("x.jsonl", b'{"id": 1, "contents": "\xff\xfe"}\n', "not UTF-8"),
+    "a truncated gzip file": ("x.jsonl.gz", _gzipped(b'{"id": 1, "contents": "a"}\n' * 500)[:60], "gzip"),
+    "not gzip at all": ("x.jsonl.gz", b'{"id": 1, "contents": "a"}\n', "gzip"),
+    "no passages": ("x.jsonl", b"\n\n", "no passages"),
+    "records without text": ("x.jsonl", b'{"id": 1, "body": "a"}\n', "neither 'contents' nor 'text'"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_local_corpus_is_a_one_line_error_that_leaves_no_file(tmp_path, capsys, case):
+    name, data, reason = MALFORMED[case]
+    source = tmp_path / "in" / name
+    source.parent.mkdir()
+    source.write_bytes(data)
+    out = tmp_path / "out"
+    assert main(["corpus", "wiki18", "--out", str(out), "--local", str(source)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("prepare.py corpus: error: ") and reason in err, err
+    assert not out.exists() or list(out.iterdir()) == []  # no temporary file, no empty output
+
+
+@pytest.mark.parametrize("lines, reason", [(['{"id": "t0", "title": "A"}'], "line 1 has no 'content'"),
+                                          (['{"id": "t0", "content": "x"}', "not json"], "line 2: not JSON"),
+                                          (["[1]"], "line 1: not a JSON object")])
+def test_a_malformed_medrag_corpus_is_a_one_line_error(tmp_path, capsys, lines, reason):
+    source = tmp_path / "textbooks.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    assert main(["corpus", "medical", "--out", str(tmp_path / "out"), "--local", str(source)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and reason in err, err
+    assert list((tmp_path / "out").iterdir()) == [] if (tmp_path / "out").exists() else True

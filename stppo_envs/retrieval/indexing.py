@@ -2,15 +2,18 @@
 
 Corpora in the pyserini/FlashRAG layout (JSON lines ``{"id", "contents": "\\"Title\\"\\ntext"}``) are indexed
 as they are; a few other common layouts are converted on the way in: JSON lines or a JSON list of
-``{"id"?, "title", "text"}`` (MuSiQue), and a JSON object ``title -> [sentences]`` (HotpotQA distractor).
+``{"id"?, "title", "text"}`` (MuSiQue), and a JSON object ``title -> [sentences]`` (HotpotQA distractor). Any of
+them may be gzipped (``.gz``).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -29,30 +32,60 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[str, str, str]]:
 
 
 def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """Yield (docid, contents) for every passage; pyserini ``contents`` pass through byte for byte."""
+    """Yield (docid, contents) for every passage; pyserini ``contents`` pass through byte for byte.
+
+    ``.gz`` files are read as they stream (``wiki-18.jsonl.gz``, ``corpus.json.gz``). Anything unreadable -- not
+    UTF-8, not JSON, a truncated gzip file, a record that is not an object -- is a :class:`CorpusFormatError`
+    naming the file and line.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"corpus file not found: {path}")
-    with open(path, encoding="utf-8") as handle:
-        head = handle.read(1).lstrip()
-        handle.seek(0)
-        first_line = handle.readline()
-        handle.seek(0)
-        if path.suffix == ".jsonl" or _is_json_object(first_line):
-            for number, line in enumerate(handle):
-                if line.strip():
-                    yield _passage(json.loads(line), number, path)
-            return
-        data = json.load(handle)
-    if head == "[" or isinstance(data, list):
+    inner_suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+    try:
+        with _open_text(path) as handle:
+            first_line = handle.readline()
+        with _open_text(path) as handle:
+            if inner_suffix == ".jsonl" or _is_json_object(first_line):
+                for number, line in enumerate(handle, start=1):
+                    if line.strip():
+                        yield _passage(_json_line(line, number, path), number - 1, path)
+                return
+            try:
+                data = json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise CorpusFormatError(f"{path}: not JSON lines, and not JSON either ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise CorpusFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError; a cut-off file, EOFError
+        if path.suffix != ".gz":
+            raise
+        raise CorpusFormatError(f"{path}: not a readable gzip file ({exc or type(exc).__name__})") from exc
+    if isinstance(data, list):
         for number, record in enumerate(data):
             yield _passage(record, number, path)
     elif isinstance(data, dict):  # HotpotQA: title -> list of sentences
         for number, (title, sentences) in enumerate(data.items()):
-            text = "".join(sentences) if isinstance(sentences, list) else str(sentences)
+            text = "".join(map(str, sentences)) if isinstance(sentences, list) else str(sentences)
             yield str(number), to_contents(title, text)
     else:
-        raise CorpusFormatError(f"{path}: unsupported corpus layout")
+        raise CorpusFormatError(f"{path}: unsupported corpus layout (a JSON {type(data).__name__})")
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _json_line(line: str, number: int, path: Path) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CorpusFormatError(f"{path}, line {number}: not JSON ({exc.msg})") from exc
+    if not isinstance(record, dict):
+        raise CorpusFormatError(f"{path}, line {number}: not a JSON object (a {type(record).__name__})")
+    return record
 
 
 def _is_json_object(line: str) -> bool:
@@ -63,6 +96,8 @@ def _is_json_object(line: str) -> bool:
 
 
 def _passage(record: dict, number: int, path: Path) -> tuple[str, str]:
+    if not isinstance(record, dict):
+        raise CorpusFormatError(f"{path}: passage {number} is not a JSON object (a {type(record).__name__})")
     docid = str(record.get("id", record.get("docid", number)))
     if "contents" in record:
         return docid, str(record["contents"])
