@@ -82,7 +82,7 @@ def ensure_pyserini() -> None:
     finally:
         if placeholder_key:
             os.environ.pop("OPENAI_API_KEY", None)
-    if not os.environ.get("STPPO_VERBOSE"):
+    if os.environ.get("STPPO_VERBOSE") != "1":  # the value `stppo --verbose` exports
         _quiet_lucene()
 
 
