@@ -241,9 +241,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     from .config import TrainConfig
     from .trainer import Trainer
 
+    from .name_checks import check_model
     out = Path(args.output_dir)
     model = resolve_model(args.model)
     print(f"stppo demo: {args.sft_steps} warm-start steps, then {args.iterations} iterations of ST-PPO on "
+    check_model(args.model)
           f"{args.model} with the bundled demo set (BM25, CPU)")
     if args.sft_steps > 0:
         # A 135M model never writes Search-R1's tags on its own, so RL would see no reward at all: a short
@@ -450,9 +452,11 @@ def _evaluate_all(agent: str, benchmarks: Sequence[str], datasets: dict[str, str
 
 
 def _key_value(item: str) -> tuple[str, str]:
+    from .name_checks import check_retriever
     key, sep, value = item.partition("=")
     if not sep:
         raise ValueError(f"expected BENCH=PATH, got {item!r}")
+    check_retriever(args.retriever)
     from stppo_envs import benchmark_info
 
     return benchmark_info(key).name, value

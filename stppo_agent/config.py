@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from stppo_envs.suggest import closest
+
 from .algorithms import ALGORITHMS, AlgorithmConfig, resolve_rollout_correction
 from .algorithms.advantages import GROUP_ESTIMATORS
 from .distributed import STRATEGIES
@@ -159,8 +161,8 @@ class TrainConfig:
         preset = ALGORITHMS[self.algo]
         unknown = set(self.algorithm) - {f.name for f in dataclasses.fields(AlgorithmConfig)}
         if unknown:
-            raise ValueError(f"unknown algorithm fields {sorted(unknown)}; known: "
-                             f"{', '.join(f.name for f in dataclasses.fields(AlgorithmConfig))}")
+            raise ValueError(unknown_fields("algorithm fields", unknown, [f.name for f in dataclasses.fields(
+                AlgorithmConfig)]))
         hints = typing.get_type_hints(AlgorithmConfig)
         values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in self.algorithm.items()}
         return resolve_rollout_correction(dataclasses.replace(preset, **values), self.generation_backend)
@@ -294,10 +296,18 @@ def from_dict(values: dict[str, Any]) -> TrainConfig:
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     unknown = set(values) - set(fields)
     if unknown:
-        raise ValueError(f"unknown config fields {sorted(unknown)}; known: {', '.join(fields)}")
+        raise ValueError(unknown_fields("config fields", unknown, list(fields)))
     hints = typing.get_type_hints(TrainConfig)
     coerced = {key: _coerce(key, value, hints[key]) for key, value in values.items()}
     return TrainConfig(**coerced)
+
+
+def unknown_fields(kind: str, unknown: set, known: list[str]) -> str:
+    """``unknown config fields ['actor_lrr'] (did you mean actor_lr?); known: ...``: each with its closest name."""
+    hints = [(name, closest(name, known)) for name in sorted(unknown)]
+    hints = [f"{match} for {name}" if len(unknown) > 1 else match for name, match in hints if match]
+    suggestion = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return f"unknown {kind} {sorted(unknown)}{suggestion}; known: {', '.join(known)}"
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Iterable
 
 import datasets
 
+from ..suggest import unknown_name
 from .adapters import ID_FIELDS, example_from_record, record_id
 from .schema import DatasetFormatError, Example
 
@@ -65,7 +66,7 @@ def benchmark_info(name: str) -> BenchmarkInfo:
     key = name.strip().lower()
     key = _ALIASES.get(key, key)
     if key not in BENCHMARKS:
-        raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+        raise KeyError(unknown_name("benchmark", name, [*BENCHMARKS, *_ALIASES], listing=BENCHMARKS))
     return BENCHMARKS[key]
 
 
