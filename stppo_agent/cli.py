@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     from stppo_envs.retrieval.server import ServerLimits
 
     from .agent_specs import SPEC_HELP
+    from .plugins import add_import_argument
 
     parser = _Parser(prog="stppo", description=__doc__)
     parser.add_argument("--verbose", action="store_true",
@@ -121,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--autocast-dtype", default=None, choices=("bfloat16", "auto"),
                      help="forwards under torch.autocast with float32 weights (auto: bfloat16 on a GPU or AMX CPU)")
     sft.add_argument("--seed", type=int, default=0, help="seed")
+    add_import_argument(sft)
     sft.set_defaults(handler=_run_sft)
 
     train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
@@ -133,9 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
-    train.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                       help="import MODULE first: it registers algorithms, losses or estimators of your own "
-                            "(recorded in the run's config for --resume and replay)")
+    add_import_argument(train, recorded=True)
     train.add_argument("--resume", action="store_true",
                        help="continue from the run folder's last valid checkpoint, with the run's own config.yaml "
                             "unless --config is given")
@@ -150,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--iterations", type=int, default=None, help="replay the first N recorded iterations")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field of the recorded config, e.g. algorithm.clip_high=0.28")
+    add_import_argument(rep, recorded=True)
     rep.set_defaults(handler=_run_replay)
 
     ev = commands.add_parser("eval", help="evaluate an agent per benchmark")
@@ -172,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
     ev.add_argument("--output-dir", required=True, help="results.json, results.csv, episodes.jsonl")
+    add_import_argument(ev)
     ev.set_defaults(handler=_run_eval)
 
     index = commands.add_parser("index", help="build a search index from a pyserini/FlashRAG corpus")
@@ -239,13 +241,13 @@ def _run_plot(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from .assets import resolve_model
     from .config import TrainConfig
+    from .name_checks import check_model
     from .trainer import Trainer
 
-    from .name_checks import check_model
     out = Path(args.output_dir)
+    check_model(args.model)
     model = resolve_model(args.model)
     print(f"stppo demo: {args.sft_steps} warm-start steps, then {args.iterations} iterations of ST-PPO on "
-    check_model(args.model)
           f"{args.model} with the bundled demo set (BM25, CPU)")
     if args.sft_steps > 0:
         # A 135M model never writes Search-R1's tags on its own, so RL would see no reward at all: a short
@@ -308,8 +310,13 @@ def off_policy_summary(run_dir: Path, reward: float) -> str:
 
 def _run_sft(args: argparse.Namespace) -> int:
     from .assets import resolve_model
+    from .name_checks import check_model, check_retriever
+    from .plugins import load_plugins
     from .sft import SFTConfig, train_sft
 
+    load_plugins(args.imports)  # a teacher of your own (register_agent)
+    check_model(args.model)
+    check_retriever(args.retriever)
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     datasets = dict(_key_value(item) for item in args.dataset)
     limits = {name: getattr(args, name) for name in ("max_observation_tokens", "max_total_tokens")
@@ -347,17 +354,31 @@ def _train(args: argparse.Namespace) -> dict:
         config_file = str(Path(args.output_dir) / "config.yaml")  # the run's own settings, resolved algorithm too
     config = load_config(config_file, args.overrides, algo=args.algo, env=args.env, model=args.model,
                          output_dir=args.output_dir, iterations=args.iterations)
-    config.plugins = list(dict.fromkeys([*config.plugins, *args.imports]))
+    from .name_checks import check_train_config
+    from .plugins import portable_specs
+
+    config.plugins = portable_specs([*config.plugins, *args.imports])
+    check_train_config(config)  # plugins imported, then every name checked before a model loads
     config.model = resolve_model(config.model) if config.model else config.model
     return Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
 
 
 def _run_replay(args: argparse.Namespace) -> int:
     from . import distributed
-    from .replay import replay
+    from .name_checks import check_algorithm
+    from .plugins import load_plugins, portable_specs
+    from .replay import recorded_config, replay
 
+    overrides = list(args.overrides)
+    if args.imports:  # added to the recorded run's plugins (which the replay imports again); an explicit --set wins
+        merged = portable_specs([*recorded_config(args.run).plugins, *args.imports])
+        overrides.insert(0, f"plugins={json.dumps(merged)}")
+        load_plugins(merged)
+    if args.algo is not None:
+        load_plugins(recorded_config(args.run).plugins)
+        check_algorithm(args.algo)
     with distributed.process_group_for_command():
-        metrics = replay(args.run, args.algo, args.output_dir, args.overrides, args.iterations)
+        metrics = replay(args.run, args.algo, args.output_dir, overrides, args.iterations)
         main = distributed.is_main()
     if main:
         _print_metrics(metrics)
@@ -368,6 +389,12 @@ def _run_replay(args: argparse.Namespace) -> int:
 def _run_eval(args: argparse.Namespace) -> int:
     from stppo_envs import benchmark_info
 
+    from .name_checks import check_retriever
+    from .plugins import load_plugins
+
+    load_plugins(args.imports)  # agents of your own (register_agent)
+    if args.retriever is not None:
+        check_retriever(args.retriever)
     benchmarks = [benchmark_info(b.strip()).name for b in args.benchmarks.split(",") if b.strip()]
     datasets = dict(_key_value(item) for item in args.dataset)
     stray = sorted(set(datasets) - set(benchmarks))
@@ -425,9 +452,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     from stppo_envs.retrieval import make_retriever
     from stppo_envs.retrieval.server import ServerLimits, serve
 
+    from .name_checks import check_retriever
     from .shared_retrieval import stop_with_parent
 
     stop_with_parent()  # a training run's shared server stops with the run, even a killed one
+    check_retriever(args.retriever)
     retriever = make_retriever(args.retriever)
     retriever.search("warm up", 1)  # load the index (and start the JVM) before accepting requests
     serve(retriever, args.host, args.port, ServerLimits(max_topk=args.max_topk, max_queries=args.max_queries,
@@ -452,11 +481,9 @@ def _evaluate_all(agent: str, benchmarks: Sequence[str], datasets: dict[str, str
 
 
 def _key_value(item: str) -> tuple[str, str]:
-    from .name_checks import check_retriever
     key, sep, value = item.partition("=")
     if not sep:
         raise ValueError(f"expected BENCH=PATH, got {item!r}")
-    check_retriever(args.retriever)
     from stppo_envs import benchmark_info
 
     return benchmark_info(key).name, value
