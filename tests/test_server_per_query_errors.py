@@ -52,7 +52,7 @@ def test_a_query_lucene_refuses_fails_alone_through_stppo_serve(threaded_server,
     assert infos["search_calls"].tolist() == [1, 1, 1, 0]  # served [0, 1, 2]
     assert infos["search_errors"].tolist() == [0, 0, 0, 1]
     assert infos["_error"].tolist() == [False, False, False, True]
-    assert infos["error"]["type"][3] == "PartialSearchError" and "maxClauseCount" in infos["error"]["message"][3]
+    assert infos["error"]["type"][3] == "RetrievalError" and "maxClauseCount" in infos["error"]["message"][3]
 
     remote = RemoteRetriever(url)
     with pytest.raises(PartialSearchError) as caught:
@@ -61,7 +61,11 @@ def test_a_query_lucene_refuses_fails_alone_through_stppo_serve(threaded_server,
     assert caught.value.results[:3] == expected and caught.value.results[4] == expected[0]
     with pytest.raises(RetrievalError, match="maxClauseCount") as alone:
         remote.search(TOO_MANY_CLAUSES, 3)
-    assert not isinstance(alone.value, RetrieverUnavailableError)  # not "server down": no retries, no 503
+    assert type(alone.value) is RetrievalError  # its own error; not "server down": no retries, no 503
+    chunked = RemoteRetriever(url, max_batch=2)  # a refused query in one request, the rest served in others
+    with pytest.raises(PartialSearchError) as caught:
+        chunked.batch_search(GOOD + [TOO_MANY_CLAUSES, GOOD[0]], 3)
+    assert sorted(caught.value.errors) == [3] and caught.value.results[:3] == expected
 
 
 class _Backend:

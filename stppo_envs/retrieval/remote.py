@@ -4,7 +4,8 @@
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``. Connection failures, timeouts and
 502/503/504 answers are retried with backoff (urllib3 ``Retry``), then raised as
 :class:`RetrieverUnavailableError`. Queries the server answered with a per-query error (``"errors"``, see
-``server.py``) raise :class:`PartialSearchError`, which carries the rows of the queries that were served.
+``server.py``) raise :class:`PartialSearchError`, which carries the rows of the queries that were served (a
+single search raises its own :class:`RetrievalError`).
 """
 
 from __future__ import annotations
@@ -67,18 +68,19 @@ class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
         results: list[list[Hit] | None] = []
         errors: dict[int, RetrievalError] = {}
         for start in range(0, len(queries), self.max_batch):  # servers cap request sizes
-            try:
-                results += self._post(list(queries[start:start + self.max_batch]), k)
-            except PartialSearchError as exc:  # the other chunks' rows stay served
-                errors.update({start + i: e for i, e in exc.errors.items()})
-                results += exc.results
+            rows, failed = self._post(list(queries[start:start + self.max_batch]), k)
+            results += rows
+            errors.update({start + i: e for i, e in failed.items()})
+        if len(queries) == 1 and errors:  # a single search fails with its own error
+            raise errors[0]
         if errors:
             raise PartialSearchError(results, errors)
         return results  # type: ignore[return-value]
 
-    def _post(self, queries: list[str], k: int) -> list[list[Hit]]:
+    def _post(self, queries: list[str], k: int) -> tuple[list[list[Hit] | None], dict[int, RetrievalError]]:
+        """One request: its rows (None where the server refused the query) and the per-query errors."""
         if not queries:
-            return []
+            return [], {}
         payload = {"queries": queries, "topk": k, "return_scores": True}
         try:
             response = self.session.post(self.url, json=payload, timeout=self.timeout)
@@ -100,9 +102,7 @@ class RemoteRetriever(ReopensAfterPickling, BatchSearchMixin):
         if len(rows) != len(queries) or not all(0 <= i < len(rows) for i in errors):  # rows match by position only
             raise RetrievalError(f"retrieval server {self.url} sent {len(rows)} rows (errors at {sorted(errors)}) "
                                  f"for {len(queries)} queries")
-        if errors:
-            raise PartialSearchError([None if i in errors else row for i, row in enumerate(rows)], errors)
-        return rows
+        return [None if i in errors else row for i, row in enumerate(rows)], errors
 
     def __repr__(self) -> str:
         return f"RemoteRetriever({self.url!r})"
