@@ -25,6 +25,7 @@ from .prompts import (
     SEARCH_R1_TEMPLATE,
     format_information,
     render_prompt,
+    search_failure_observation,
     search_r1_question,
 )
 from .retrieval.base import Hit, RetrievalError, Retriever, sanitize_query  # noqa: F401 (re-exported)
@@ -168,7 +169,7 @@ class SearchQAEnv(gym.Env[str, str]):
             if error is not None:
                 self._counts["search_errors"] += 1
                 info["error"] = {"type": type(error).__name__, "message": str(error)}
-                observation = format_information([])
+                observation = search_failure_observation(error)
             elif hits is not None:
                 self._counts["search_calls"] += 1
                 observation = format_information(hits)[:MAX_OBSERVATION_CHARS]

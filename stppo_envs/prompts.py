@@ -66,6 +66,22 @@ def format_information(hits: Sequence[Hit]) -> str:
     return f"\n\n<information>{lines.strip()}</information>\n\n"
 
 
+SEARCH_FAILURE_CHARS = 200
+"""How much of a failed search's error message the agent sees (a Lucene message can run to kilobytes)."""
+
+
+def search_failure_observation(error: BaseException) -> str:
+    """The observation of a search that failed: Search-R1's empty ``<information>`` block, holding one line that
+    says why, so that the agent (and a reader of the transcript) can tell a failed search from one that found
+    nothing. The full message stays in ``info["error"]``.
+
+    >>> search_failure_observation(ValueError("too many clauses"))
+    '\\n\\n<information>Search failed: too many clauses</information>\\n\\n'
+    """
+    message = " ".join(str(error).split())[:SEARCH_FAILURE_CHARS] or type(error).__name__
+    return f"\n\n<information>Search failed: {message}</information>\n\n"
+
+
 def template_hash(*templates: str) -> str:
     """A short, stable id of the prompt templates in use (for result provenance)."""
     digest = hashlib.sha256("\x1f".join(templates).encode("utf-8")).hexdigest()

@@ -16,7 +16,7 @@ from gymnasium.vector.utils import batch_space
 
 from .actions import ParsedAction
 from .env import SearchQAEnv, sanitize_query
-from .retrieval.base import Hit, RetrievalError, RetrieverUnavailableError
+from .retrieval.base import Hit, RetrievalError, search_each
 from .retrieval.factory import make_retriever
 
 
@@ -91,23 +91,12 @@ def serve_searches(retriever, topk: int, pending: dict[int, ParsedAction]
     """Serve the search actions of many envs with one ``batch_search``; a failure is reported for each of them."""
     if not pending:
         return {}, {}
+    # search_each isolates a query the backend refuses in a few calls (a partial answer from a server is kept
+    # as it came), while a backend that is down fails every search alike.
     keys = list(pending)
-    queries = [sanitize_query(pending[i].content) for i in keys]
-    try:
-        return dict(zip(keys, retriever.batch_search(queries, topk))), {}
-    except RetrieverUnavailableError as exc:  # the backend is down: every search fails alike
-        return {}, dict.fromkeys(keys, exc)
-    except RetrievalError as exc:
-        if len(keys) == 1:
-            return {}, {keys[0]: exc}
-    # One query the backend refuses must not fail its neighbours' searches: serve each alone.
-    hits, errors = {}, {}
-    for key, query in zip(keys, queries):
-        try:
-            hits[key] = retriever.batch_search([query], topk)[0]
-        except RetrievalError as exc:
-            errors[key] = exc
-    return hits, errors
+    rows, errors = search_each(retriever, [sanitize_query(pending[i].content) for i in keys], topk)
+    return ({key: rows[j] for j, key in enumerate(keys) if j not in errors},
+            {keys[j]: error for j, error in errors.items()})
 
 
 def step_envs(envs: Sequence[gym.Env], actions: Sequence[str]) -> list[tuple]:

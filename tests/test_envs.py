@@ -138,7 +138,9 @@ def test_retrieval_failure_is_reported_not_raised():
     obs, reward, terminated, truncated, info = env.step("<search>anything</search>")
     assert info["error"]["type"] == "RetrievalError" and "down" in info["error"]["message"]
     assert info["search_errors"] == 1 and info["search_calls"] == 0
-    assert obs == "\n\n<information></information>\n\n" and not terminated
+    # The agent sees that the search failed, and why, not an empty result it could take for "nothing found".
+    assert obs == "\n\n<information>Search failed: retrieval server at http://127.0.0.1:9 is down</information>\n\n"
+    assert not terminated
 
 
 def test_format_reward_follows_search_r1():
