@@ -18,6 +18,7 @@ import stppo_envs
 from stppo_envs.retrieval import RetrievalError
 
 from . import distributed
+from .reduced_metrics import rollout_statistics
 from .rollout import HFGenerationBackend, RolloutBatch, collect_rollouts
 from .shared_retrieval import shared_retriever_spec
 
@@ -123,7 +124,8 @@ class LiveRollouts:
                                      config.rollout_limits(), seeds,
                                      on_turn=lambda turn, active: trainer.phase(
                                          f"rollout turn {turn + 1}/{config.max_turns} done ({active} active)"))
-        rate = batch.stats.get("search_error_rate", 0.0)
+        # the global rate (a collective): every rank stops together instead of one rank leaving the others waiting
+        rate = rollout_statistics(batch, trainer.algo).get("search_error_rate", 0.0)
         if rate > config.max_search_error_rate:
             raise RetrievalError(
                 f"iteration {iteration + 1}: {rate:.0%} of the searches failed (max_search_error_rate="

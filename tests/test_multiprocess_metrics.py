@@ -20,6 +20,7 @@ from stppo_agent.algorithms import get_policy_loss, value_loss
 from stppo_agent.config import TrainConfig
 from stppo_agent.episode_stats import episode_rates
 from stppo_agent.forward import critic_values, token_logprobs
+from stppo_agent.reduced_metrics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.shared_retrieval import free_port
 from stppo_agent.trainer import Trainer, read_metrics
 
@@ -46,6 +47,8 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
     trainer = Trainer(toy_config(model, tmp_path / "run", actor_lr=0.0, critic_lr=0.0), report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)
+    # every statistic a rollout and its scoring report has a declared population to be combined over ranks by
+    assert set(batch.stats) <= set(ROLLOUT_STAT_POPULATIONS), set(batch.stats) - set(ROLLOUT_STAT_POPULATIONS)
     noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(0))
     batch.old_logprobs = batch.old_logprobs + 0.3 * noise  # off-policy: ratios leave the clip range
     logged = {}
