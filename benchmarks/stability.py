@@ -2,7 +2,7 @@
 
     python benchmarks/stability.py [--out runs/stability] [--model PATH] [--iterations 2] [--seeds 0,1]
                                    [--live ppo,st_ppo,grpo,so_grpo] [--lr 1e-5] [--eval-limit 16]
-                                   [--device cpu|cuda] [--autocast-dtype bfloat16|float16|none] [--quick]
+                                   [--device cpu|cuda] [--autocast-dtype bfloat16|none] [--quick]
                                    [--report-only]
 
 Parts, each written to OUT/report.md (tables) and OUT/summary.json, figures under OUT/figures/:
@@ -28,8 +28,13 @@ Every part is resumable (a finished run leaves a done marker; rerun the same com
 --report-only writes the tables and figures of what is done so far without running anything, also while the
 study runs in another process.
 
---quick swaps in a tiny random model (SmolLM2's tokenizer), 1 iteration, 2 evaluation examples: plumbing only,
-under 2 minutes. Run the full study alone on the machine: it is CPU-bound and timings scale with load.
+--quick runs every part on a tiny random model (a word-level tokenizer over stppo/Toy-v0's words): the warm start
+and the evaluations on the demo set (plumbing: the model scores 0 there), and 1 iteration of training and the
+replays on stppo/Toy-v0 (16 trajectories of 2 turns of up to 3 tokens, 4 mini-batches x 2 epochs, actor lr 2e-2),
+where a random policy earns reward and the off-policy steps clip: real gradients, so the replay-exactness check can
+fail. 3.7 min of CPU in 12 min on this 2-core machine under a load of 11; the `stppo` commands' start-up
+dominates. Run the full study alone on the machine: it is CPU-bound and timings scale
+with load.
 """
 
 from __future__ import annotations
@@ -74,16 +79,24 @@ class Settings:
     keep_checkpoints: bool = False
 
 
+QUICK_ENV = "stppo/Toy-v0"  # a tiny random policy earns reward here (a search env gives it none: no gradient)
+STUDY_ENV = "stppo/NQ-v0,stppo/HotpotQA-v0,stppo/MedQA-v0"
+WARM_START_LIMITS = ("--max-observation-tokens", "160", "--max-total-tokens", "1024")  # as the RL runs cut them
+
+
 def train_overrides(settings: Settings, seed: int) -> list[str]:
-    quick = settings.quick
+    common = [f"seed={seed}", f"device={settings.device}", "samples_per_prompt=4", "ppo_epochs=2",
+              f"actor_lr={settings.lr}", "critic_lr=1e-5", "save_every=1000", "keep_checkpoints=1", "progress=false",
+              "tensorboard=false", "step_diagnostics=true",
+              *([f"autocast_dtype={settings.autocast_dtype}"] if settings.autocast_dtype else [])]
+    if settings.quick:  # 16 trajectories in 4 mini-batches x 2 epochs: 7 of 8 steps off-policy, as in the study
+        # 3 tokens per turn (the env reads the first word), so that turn-level ratios differ from token-level ones
+        return ["prompts_per_iteration=4", "mini_batch_size=4", "micro_batch_size=2", "max_turns=2",
+                "max_new_tokens_per_turn=3", "max_prompt_tokens=8", "max_total_tokens=32", *common]
     return [
-        "env_kwargs.split=train", "env_kwargs.format_reward=0.2",
-        f"prompts_per_iteration={2 if quick else 8}", "samples_per_prompt=4", f"mini_batch_size={2 if quick else 8}",
-        f"micro_batch_size={2 if quick else 4}", "ppo_epochs=2", f"actor_lr={settings.lr}", "critic_lr=1e-5",
-        "max_turns=3", f"max_new_tokens_per_turn={8 if quick else 48}", "max_observation_tokens=160",
-        "max_prompt_tokens=400", "max_total_tokens=768", f"seed={seed}", f"device={settings.device}",
-        "save_every=1000", "keep_checkpoints=1", "progress=false", "tensorboard=false", "step_diagnostics=true",
-        *([f"autocast_dtype={settings.autocast_dtype}"] if settings.autocast_dtype else []),
+        "env_kwargs.split=train", "env_kwargs.format_reward=0.2", "prompts_per_iteration=8", "mini_batch_size=8",
+        "micro_batch_size=4", "max_turns=3", "max_new_tokens_per_turn=48", "max_observation_tokens=160",
+        "max_prompt_tokens=400", "max_total_tokens=768", *common,
     ]
 
 
@@ -111,18 +124,16 @@ def warm_start(settings: Settings) -> str:
     if (target / "sft.json").exists():  # reuse an earlier run's warm start
         return str(target)
     if settings.quick:
-        from stppo_agent.assets import smollm2_path
-        from stppo_agent.models import load_tokenizer
-
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.tiny_models import tiny_llama
+        from tests.tiny_models import tiny_llama, word_tokenizer
 
-        base = tiny_llama(settings.out / "tiny", load_tokenizer(str(smollm2_path())), hidden=32, layers=2)
+        # the toy env's words are the whole vocabulary: a random policy says the target often enough to be paid
+        base = tiny_llama(settings.out / "tiny", word_tokenizer(), hidden=32, layers=2)
         stppo("sft", "--model", str(base), "--output-dir", str(target), "--benchmarks", "nq,hotpotqa,medqa",
-              "--steps", "2", "--limit", "4")
+              "--steps", "2", "--limit", "4", *WARM_START_LIMITS)
     else:
         stppo("sft", "--model", "smollm2", "--output-dir", str(target), "--benchmarks", "nq,hotpotqa,medqa",
-              "--steps", "20", "--lr", "5e-5")
+              "--steps", "20", "--lr", "5e-5", *WARM_START_LIMITS)
     return str(target)
 
 
@@ -152,7 +163,7 @@ def train(settings: Settings, model: str, algo: str, seed: int, out: Path, recor
     if not needs_run(out):
         return
     sets = train_overrides(settings, seed) + (["save_rollouts=true"] if record else [])
-    stppo("train", "--algo", algo, "--env", "stppo/NQ-v0,stppo/HotpotQA-v0,stppo/MedQA-v0", "--model", model,
+    stppo("train", "--algo", algo, "--env", QUICK_ENV if settings.quick else STUDY_ENV, "--model", model,
           "--output-dir", str(out), "--iterations", str(settings.iterations),
           *[arg for item in sets for arg in ("--set", item)])
     (out / "done").write_text("")
@@ -268,18 +279,21 @@ def main() -> None:
     parser.add_argument("--live", default="ppo,st_ppo,grpo,so_grpo",
                         help="algorithms trained live for every seed ('' for replays only); turn_ppo and s_ppo "
                              "go through the replays by default (all six live do not fit 2 hours on 2 CPU cores)")
-    parser.add_argument("--lr", type=float, default=1e-5, help="actor learning rate of every run")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="actor learning rate of every run (default 1e-5; --quick: 2e-2, so that steps clip)")
     parser.add_argument("--eval-limit", type=int, default=16, help="held-out questions per benchmark")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--autocast-dtype", default="bfloat16", choices=("bfloat16", "float16", "none"),
-                        help="forward passes under torch.autocast, float32 weights (2.6x faster here; none: float32)")
+    parser.add_argument("--autocast-dtype", default="bfloat16", choices=("bfloat16", "none"),
+                        help="forward passes under torch.autocast, float32 weights (2.6x faster on the AMD EPYC the "
+                             "study ran on; check benchmarks/precision.py on yours; none: float32)")
     parser.add_argument("--replay-rules", default="turn_ppo,s_ppo,st_ppo",
                         help="rules the recorded ppo run is replayed through")
     parser.add_argument("--check-exact", action="store_true",
                         help="also replay through ppo and report whether it reproduces the recording exactly")
     parser.add_argument("--replay-iterations", type=int, default=None,
                         help="replay only the first N recorded iterations (default: all)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 iteration: checks plumbing only")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, 1 iteration, trained and replayed on stppo/Toy-v0 (real gradients)")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: tables and figures of the parts already done (while a study runs, too)")
     parser.add_argument("--keep-checkpoints", action="store_true",
@@ -289,7 +303,8 @@ def main() -> None:
     REPORT_ONLY = args.report_only
     settings = Settings(Path(args.out), args.model, 1 if args.quick else args.iterations,
                         [int(s) for s in args.seeds.split(",") if s.strip()][: 1 if args.quick else None],
-                        [a.strip() for a in args.live.split(",") if a.strip()], args.lr,
+                        [a.strip() for a in args.live.split(",") if a.strip()],
+                        args.lr if args.lr is not None else 2e-2 if args.quick else 1e-5,
                         2 if args.quick else args.eval_limit, args.device, args.quick,
                         [a.strip() for a in args.replay_rules.split(",") if a.strip()],
                         args.check_exact or args.quick, args.replay_iterations,

@@ -1,4 +1,4 @@
-"""benchmarks/stability.py --quick: the study's plumbing end to end on a tiny model (about a minute)."""
+"""benchmarks/stability.py --quick: the study end to end on a tiny model, with real gradients (a few minutes)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,18 @@ def test_stability_study_quick_mode_runs_every_part(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    # The exactness check means something only if the updates do: the recorded run was paid, every step had a
+    # gradient, the weights moved between steps (off-policy ratios left 1) and some tokens were clipped.
+    recorded = out / "live" / "ppo-s0"
+    assert json.loads((recorded / "metrics.jsonl").read_text().splitlines()[0])["reward"] > 0
+    steps = [json.loads(line) for line in (recorded / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 8 and all(step["grad_norm"] > 0 for step in steps)
+    off_policy = [step for step in steps if not step["on_policy"]]
+    assert max(step["ratio_max"] for step in off_policy) > 1.01
+    assert max(step["token_outside_frac"] for step in off_policy) > 0
+    assert summary["replays"]["ppo"]["clip_frac_max"] > 0
+    assert summary["replays"]["ppo"]["ratio_max"] > summary["replays"]["ppo"]["turn_ratio_max"]  # turns of tokens
+    assert summary["replays"]["st_ppo"]["clip_bias_scale_mean"] is not None
     assert summary["replay_reproduces_recording"] is True
     assert set(summary["replays"]) == {"ppo", "turn_ppo", "s_ppo", "st_ppo"}
     assert set(summary["live"]) == {"ppo", "st_ppo"} and set(summary["before"]) == {"general", "multi-hop", "medical"}
