@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(VENV)/bin/stppo demo
+	$(VENV)/bin/stppo demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 # Mutation testing (not in CI: about an hour on 2 cores). Settings in pyproject.toml [tool.mutmut]; results in
 # mutants/ (`.venv/bin/mutmut browse` to read the survivors; `.venv/bin/mutmut results`).

@@ -200,6 +200,7 @@ class TrainConfig:
                 raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
                                  "mixed precision)")
             validate_autocast_dtype(self.autocast_dtype, self.dtype)
+        self.sampling()  # a bad temperature / top_p / top_k fails here, before minutes of model loading
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()

@@ -41,6 +41,9 @@ from .recording import (
 )
 from .rollout import RolloutBatch
 
+# The distribution the recorded tokens were sampled from: a property of the data, never changed by a replay.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
 # Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
 _REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retriever": False}
 
@@ -118,6 +121,11 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
     config = load_config(None, list(overrides), **values)
+    changed = [name for name in SAMPLING_FIELDS if getattr(config, name) != getattr(original, name)]
+    if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
+        raise ValueError(f"a replay scores the recorded tokens with the settings that sampled them; "
+                         f"{', '.join(f'{n}={getattr(original, n)}' for n in changed)} recorded, "
+                         f"{', '.join(f'{n}={getattr(config, n)}' for n in changed)} asked: drop that --set")
     if iterations is not None:
         config.iterations = iterations
     if config.iterations > len(available):

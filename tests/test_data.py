@@ -125,7 +125,7 @@ def test_demo_set_has_three_families_and_splits():
 
 
 def test_unknown_benchmark_and_missing_fields(tmp_path):
-    with pytest.raises(KeyError, match="unknown benchmark 'nqq'; known: 2wiki"):
+    with pytest.raises(KeyError, match=r"unknown benchmark 'nqq' \(did you mean nq\?\); known: 2wiki"):
         benchmark_info("nqq")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q?", "label": "x"}) + "\n")

@@ -77,7 +77,10 @@ def test_plot_draws_every_group(tmp_path):
                 "pg_grad_norm": 2.0, "clip_bias_scale": 1.0, "approx_kl": 0.01, "entropy": 1.5,
                 "response_tokens": 100, "turns": 2} for i in range(1, 6)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert main(["plot", str(run), str(run), "--out", str(tmp_path / "plots")]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    assert main(["plot", str(run), str(other), "--out", str(tmp_path / "plots")]) == 0
     names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert names == ["clip_bias.png", "clipping.png", "entropy.png", "kl.png", "response_length.png", "reward.png"]
     assert all(p.stat().st_size > 5000 for p in (tmp_path / "plots").glob("*.png"))

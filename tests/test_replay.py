@@ -209,6 +209,19 @@ def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recor
     assert plain.rollout_correction == "none"
 
 
+def test_replay_refuses_other_sampling_settings_than_the_recorded_ones(recorded_ppo, tmp_path):
+    # the recorded tokens were drawn at the recorded temperature / top-p / top-k, and scoring must use the same
+    # distribution (issue 30, item 1): a replay that rescored them at another temperature would see ratios != 1
+    from stppo_agent.replay import replay_config
+
+    recorded = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"))
+    for override in ("temperature=0.7", "top_p=0.9", "top_k=20"):
+        with pytest.raises(ValueError, match="settings that sampled them.*drop that --set"):
+            replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"), [override])
+    same = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"), [f"temperature={recorded.temperature}"])
+    assert same.temperature == recorded.temperature
+
+
 def _split_as_ranks(batch, world: int) -> list:
     """The shares ``world`` processes would have sampled of ``batch``: prompts ``rank::world``, each prompt's
     samples together (what live rollouts give each rank)."""

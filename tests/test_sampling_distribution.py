@@ -126,6 +126,8 @@ def test_temperature_zero_means_greedy_and_bad_settings_are_named():
                        (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k")):
         with pytest.raises(ValueError, match=match):
             SamplingSettings(**bad)
+        with pytest.raises(ValueError, match=match):  # named by validate(), before any model loads
+            TrainConfig(model="m", **bad).validate()
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_p=0.9), dict(top_k=5),
