@@ -24,9 +24,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:  # said once, at the start, rather than found missing at the end of a run
-                print("stppo: tensorboard is not installed, so no TensorBoard logs are written (metrics.jsonl has "
-                      "every metric); `pip install tensorboard` adds them, --set tensorboard=false silences this")
+            except ImportError:  # an optional extra: metrics.jsonl holds every metric; the README says how to add it
                 self._tb = None
         if wandb_project:
             try:
