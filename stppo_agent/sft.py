@@ -51,6 +51,7 @@ class SFTConfig:
     autocast_dtype: str | None = None  # as in training: bfloat16 / auto forwards, float32 weights
     device: str = "auto"
     seed: int = 0
+    progress: bool = True  # a "warm start" bar on stderr: the steps take minutes on a CPU
 
 
 def demonstrations(config: SFTConfig) -> list[list[dict[str, Any]]]:
@@ -111,7 +112,10 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
     order: list[int] = []
     losses = []
     started = time.perf_counter()
-    for step in range(config.steps):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(config.steps), desc="warm start", unit="step", disable=not config.progress)
+    for step in bar:
         if len(order) < config.batch_size:  # a fresh shuffled pass over the demonstrations
             order += random.sample(range(len(kept)), len(kept))
         batch = to_batch([kept[i] for i in order[:config.batch_size]], tokenizer.pad_token_id).to(device)
@@ -125,8 +129,10 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         if (step + 1) % 10 == 0 or step == 0:
             report(f"sft step {step + 1}/{config.steps}: loss {losses[-1]:.3f}")
+    bar.close()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -93,7 +93,9 @@ def test_a_teacher_that_never_earns_reward_is_refused(tiny_model, tmp_path):
 def test_sft_command(tiny_model, tmp_path, capsys):
     assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "out"), "--benchmarks", "nq",
                  "--limit", "4", "--steps", "2", "--batch-size", "2"]) == 0
-    assert "loss" in capsys.readouterr().out and (tmp_path / "out" / "config.json").exists()
+    captured = capsys.readouterr()
+    assert "loss" in captured.out and (tmp_path / "out" / "config.json").exists()
+    assert "warm start" in captured.err and "2/2" in captured.err  # the steps' progress bar (issue 28, 1)
     assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "x"), "--benchmarks", "nq",
                  "--limit", "4", "--teacher", "no-search", "--steps", "1"]) == 1
 
