@@ -24,8 +24,8 @@ def save(tensors: dict[str, Any], json_state: dict[str, Any]) -> None:
     """Add every rank's streams to a checkpoint's states (a collective with several processes; nothing with one)."""
     if distributed.world_size() == 1:
         return
-    local = {"torch": torch.get_rng_state(), "python": _jsonable(random.getstate()),
-             "numpy": _jsonable(np.random.get_state())}
+    local = {"torch": torch.get_rng_state(), "python": jsonable(random.getstate()),
+             "numpy": jsonable(np.random.get_state())}
     if torch.cuda.is_available():
         local["cuda"] = torch.cuda.get_rng_state_all()
     everyone = distributed.all_gather_objects(local)
@@ -43,8 +43,8 @@ def restore(trainer, tensors: dict[str, Any], json_state: dict[str, Any]) -> Non
         torch.set_rng_state(saved[rank]["torch"])
         if "cuda" in saved[rank] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved[rank]["cuda"])
-        random.setstate(_python_state(saved_json[rank]["python"]))
-        np.random.set_state(_numpy_state(saved_json[rank]["numpy"]))
+        random.setstate(python_state(saved_json[rank]["python"]))
+        np.random.set_state(numpy_state(saved_json[rank]["numpy"]))
         return
     seed = int(np.random.SeedSequence([trainer.config.seed % 2**64, rank, trainer.iteration]).generate_state(1)[0])
     distributed.seed_everything(seed)
@@ -52,18 +52,19 @@ def restore(trainer, tensors: dict[str, Any], json_state: dict[str, Any]) -> Non
                    f"{max(1, len(saved))} process(es)); its sampling continues from a fresh stream (seed {seed})")
 
 
-def _jsonable(value):
+def jsonable(value):
+    """A Python / NumPy random state as JSON (arrays as lists with their dtype); undone by the two below."""
     if isinstance(value, np.ndarray):
         return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
     if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 
-def _python_state(state):
+def python_state(state):
     return (state[0], tuple(state[1]), state[2])
 
 
-def _numpy_state(state):
+def numpy_state(state):
     array = state[1]
     return (state[0], np.array(array["ndarray"], dtype=array["dtype"]), *state[2:])

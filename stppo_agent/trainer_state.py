@@ -39,7 +39,8 @@ def checkpoint_states(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         tensors["cuda_rng"] = torch.cuda.get_rng_state_all()
     json_state = {"iteration": trainer.iteration, "optimizer_steps": trainer.optimizer_steps,
                   "nan_skips_total": trainer.nan_skips_total, "sampler": trainer.source.state(),
-                  "python_rng": _jsonable(random.getstate()), "numpy_rng": _jsonable(np.random.get_state()),
+                  "python_rng": rank_streams.jsonable(random.getstate()),
+                  "numpy_rng": rank_streams.jsonable(np.random.get_state()),
                   "algo": trainer.config.algo, "model": trainer.config.model, "config": run_config(trainer),
                   "actor_lr_scale": trainer.actor_lr_scale}
     rank_streams.save(tensors, json_state)  # every rank's random streams (a collective with several processes)
@@ -109,8 +110,8 @@ def resume(trainer, checkpoint: Path) -> None:
     trainer.iteration, trainer.optimizer_steps = int(state["iteration"]), int(state["optimizer_steps"])
     trainer.nan_skips_total = int(state["nan_skips_total"])
     trainer.source.load(state["sampler"])
-    random.setstate(_python_rng(state["python_rng"]))
-    np.random.set_state(_numpy_rng(state["numpy_rng"]))
+    random.setstate(rank_streams.python_state(state["python_rng"]))
+    np.random.set_state(rank_streams.numpy_state(state["numpy_rng"]))
     rank_streams.restore(trainer, tensors, state)  # ranks > 0: their own streams (the above are rank 0's)
     previous = checkpoint_config(checkpoint)
     found = resume_settings.check(previous, run_config(trainer), trainer.iteration) if previous is not None else []
@@ -136,20 +137,3 @@ def resume(trainer, checkpoint: Path) -> None:
     if found and trainer.config.save_rollouts:
         trainer.report("this run records its rollouts, and stppo replay applies one config (the one in config.yaml) "
                        "to every iteration: a replay will not reproduce the iterations before this change exactly")
-
-
-def _jsonable(value):
-    if isinstance(value, np.ndarray):
-        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _python_rng(state):
-    return (state[0], tuple(state[1]), state[2])
-
-
-def _numpy_rng(state):
-    array = state[1]
-    return (state[0], np.array(array["ndarray"], dtype=array["dtype"]), *state[2:])
