@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stppo_envs import load_examples  # noqa: E402
 from stppo_envs.retrieval.base import to_contents  # noqa: E402
-from stppo_envs.retrieval.indexing import CorpusFormatError, iter_contents  # noqa: E402
+from stppo_envs.retrieval.indexing import CorpusFormatError, iter_contents, json_record  # noqa: E402
 
 # benchmark -> (hub source for load_examples, splits); MCQ hub sets whose schema differs are converted below
 HUB_SOURCES = {
@@ -142,12 +142,7 @@ def local_medrag_records(path: Path) -> Iterator[dict]:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusFormatError(f"{path}, line {number}: not JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise CorpusFormatError(f"{path}, line {number}: not a JSON object")
+            record = json_record(line, number, path)
             if "content" not in record:
                 raise CorpusFormatError(f"{path}, line {number} has no 'content' field (fields: {sorted(record)})")
             yield record

@@ -49,7 +49,7 @@ def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
             if inner_suffix == ".jsonl" or _is_json_object(first_line):
                 for number, line in enumerate(handle, start=1):
                     if line.strip():
-                        yield _passage(_json_line(line, number, path), number - 1, path)
+                        yield _passage(json_record(line, number, path), number - 1, path)
                 return
             try:
                 data = json.load(handle)
@@ -78,7 +78,8 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
-def _json_line(line: str, number: int, path: Path) -> dict:
+def json_record(line: str, number: int, path: Path) -> dict:
+    """Line ``number`` of ``path`` as a JSON object, or a CorpusFormatError naming the file and the line."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
