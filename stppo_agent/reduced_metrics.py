@@ -87,6 +87,7 @@ ROLLOUT_STAT_POPULATIONS = {
     "response_tokens": "trajectories",
     "turns": "trajectories",
     "search_calls": "trajectories",
+    "search_errors": "trajectories",
     "answer_rate": "trajectories",
     "truncated_max_total_tokens": "trajectories",
     "invalid_action_rate": "turns",
@@ -137,11 +138,13 @@ def rollout_weights(batch, level: str) -> torch.Tensor:
 
 
 def _search_attempts(stats: Mapping[str, float], trajectories: int) -> float:
-    """Searches attempted (served + failed). The stats hold the served ones per trajectory and the failed share
-    e / (served + e), which gives e whenever the share is below 1. At 1 (every search failed; the trainer stops
-    such a run unless max_search_error_rate allows it) the count of failures is not in the stats: the turns that
-    were neither invalid nor an answer bound it from above."""
+    """Searches attempted (served + failed), exactly from the per-trajectory means of both. Batches recorded
+    before ``search_errors`` was a statistic hold only the served ones and the failed share e / (served + e),
+    which gives e whenever the share is below 1; at 1 the turns that were neither invalid nor an answer bound it
+    from above."""
     served = stats.get("search_calls", 0.0) * trajectories
+    if "search_errors" in stats:
+        return served + stats["search_errors"] * trajectories
     rate = stats.get("search_error_rate", 0.0)
     if rate < 1:
         return served / (1 - rate)

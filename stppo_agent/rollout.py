@@ -487,6 +487,7 @@ def to_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
         "response_tokens": float(loss_mask.sum()) / batch,
         "turns": sum(t.turns for t in trajectories) / batch,
         "search_calls": sum(t.search_calls for t in trajectories) / batch,
+        "search_errors": sum(t.search_errors for t in trajectories) / batch,  # with search_calls: the attempts
         **episode_rates([t.counters() for t in trajectories]),
         "truncated_max_total_tokens": sum(t.finish_reason == "max_total_tokens" for t in trajectories) / batch,
     }

@@ -92,7 +92,26 @@ def share_stats(batch, rows: list[int]) -> dict[str, float]:
             "response_tokens": float(batch.loss_mask[rows].sum()) / len(rows),
             "turns": sum(e["turns"] for e in episodes) / len(rows),
             "search_calls": sum(e["search_calls"] for e in episodes) / len(rows),
+            "search_errors": sum(e["search_errors"] for e in episodes) / len(rows),
             **episode_rates(episodes), "truncated_max_total_tokens": 0.0}
+
+
+def test_the_search_error_rate_over_ranks_is_exact_when_one_rank_had_only_failures():
+    # rank 0: 2 trajectories of 3 turns, every search failed (2 each); rank 1: one served search each. 4 of 6
+    # searches failed. Derived from the rate alone, rank 0's attempts were only bounded (turns - answers = 5).
+    from types import SimpleNamespace
+
+    from stppo_agent.reduced_metrics import combine_rollout_statistics, rollout_parts
+
+    def share(served: float, failed: float) -> SimpleNamespace:
+        stats = {"turns": 3.0, "search_calls": served, "search_errors": failed, "answer_rate": 0.5,
+                 "invalid_action_rate": 0.0, "search_error_rate": failed / (served + failed)}
+        return SimpleNamespace(stats=stats, batch_size=2, loss_mask=torch.ones(2, 3, dtype=torch.bool),
+                               old_logprobs=None)
+
+    combined = combine_rollout_statistics([rollout_parts(share(0.0, 2.0), None), rollout_parts(share(1.0, 0.0), None)])
+    assert combined["search_error_rate"] == pytest.approx(4 / 6)
+    assert combined["search_errors"] == pytest.approx(1.0) and combined["search_calls"] == pytest.approx(0.5)
 
 
 class FixedShares:
