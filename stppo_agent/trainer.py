@@ -168,6 +168,9 @@ class Trainer:
                    disable=not (self.config.progress and distributed.is_main()))
         self._bar = bar
         metrics: dict[str, Any] = {}
+        if self.iteration >= self.config.iterations:  # a resumed run that is already as long as asked
+            self.report(f"nothing to train: {self.run_dir} is at iteration {self.iteration} and iterations="
+                        f"{self.config.iterations}; --iterations {self.iteration + 1} or more continues it")
         try:
             while self.iteration < self.config.iterations:
                 started = time.perf_counter()

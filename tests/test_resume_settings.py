@@ -62,6 +62,10 @@ def test_resume_applies_new_learning_rates_and_weight_decay_and_says_what_change
 def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tiny_model, tmp_path, capsys):
     out = tmp_path / "run"
     Trainer(small(tiny_model, out, 1)).train()
+    said = []  # a resume that asks for no more iterations than were done says so instead of nothing
+    assert Trainer(small(tiny_model, out, 1), resume=True, report=said.append).train() == {}
+    assert any(line.startswith("nothing to train:") and "iteration 1" in line and "--iterations 2" in line
+               for line in said), said
     refusals = {"seed=7": "seed", "env=stppo/NQ-v0": "env", "algorithm.use_critic=false": "algorithm.use_critic",
                 "dtype=bfloat16": "dtype", "save_rollouts=true": "save_rollouts"}
     for setting, field in refusals.items():
