@@ -30,7 +30,13 @@ def gather_global_batch(batch: RolloutBatch, pad_id: int) -> RolloutBatch:
     and responses right-padded to the widest share. ``stats`` stay this rank's (combined by
     :mod:`stppo_agent.reduced_metrics`)."""
     device = batch.response_ids.device
-    shares = distributed.all_gather_objects(batch.to("cpu"))
+    return merge_shares(distributed.all_gather_objects(batch.to("cpu")), pad_id, dict(batch.stats)).to(device)
+
+
+def merge_shares(shares: list[RolloutBatch], pad_id: int, stats: dict) -> RolloutBatch:
+    """``shares`` concatenated into one batch with ``stats``, rows in single-process order (by ``group_ids``,
+    stably), prompts left-padded and responses right-padded to the widest share (also replay's merge of the
+    shares an iteration was recorded in)."""
     prompt_width = max(share.prompt_width for share in shares)
     response_width = max(share.response_ids.shape[1] for share in shares)
     fields = {}
@@ -39,7 +45,7 @@ def gather_global_batch(batch: RolloutBatch, pad_id: int) -> RolloutBatch:
         if name == "prompt_width":
             fields[name] = prompt_width
         elif name == "stats":
-            fields[name] = dict(batch.stats)
+            fields[name] = stats
         elif all(value is None for value in values):
             fields[name] = None
         elif any(value is None for value in values):
@@ -56,8 +62,7 @@ def gather_global_batch(batch: RolloutBatch, pad_id: int) -> RolloutBatch:
         else:
             fields[name] = torch.cat(values)
     merged = RolloutBatch(**fields)
-    order = torch.sort(merged.group_ids, stable=True).indices
-    return merged.select(order).to(device)
+    return merged.select(torch.sort(merged.group_ids, stable=True).indices)
 
 
 def _pad_right(value: torch.Tensor, width: int, fill) -> torch.Tensor:

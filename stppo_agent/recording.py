@@ -28,6 +28,7 @@ rank files.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -158,10 +159,6 @@ def _rank_of(path: Path) -> int | None:
     return int(rank) if rank.isdigit() else None
 
 
-def _filled(like: torch.Tensor, width: int, fill) -> torch.Tensor:
-    return torch.full((like.shape[0], width), fill, dtype=like.dtype)
-
-
 def recorded_world_size(folder: Path, iteration: int) -> int:
     """How many processes recorded ``iteration``: rank 0's metadata, or (version 1) the number of rank files."""
     from safetensors import safe_open
@@ -194,34 +191,17 @@ def load_iteration(folder: Path, iteration: int, pad_id: int):
     """Every rank's recorded share of ``iteration`` as one batch, rows in single-process order (by prompt group,
     stably), prompts left-padded and responses right-padded to the widest share; ``stats`` are the whole batch's,
     combined from the shares' as sums and counts."""
+    from .global_batch import merge_shares
     from .reduced_metrics import combine_rollout_statistics, rollout_parts
-    from .rollout import RolloutBatch
 
     world = check_iteration_files(folder, iteration)
     shares = [load_batch(folder, iteration, rank) for rank in range(world)]
     if world == 1:
         return shares[0]
-    prompt = max(share.prompt_width for share in shares)
-    response = max(share.response_ids.shape[1] for share in shares)
-    fills = {"input_ids": pad_id, "response_ids": pad_id, "turn_ids": -1}  # everything else pads with 0 / False
-    tensors = {}
-    for name in TENSOR_FIELDS:
-        parts = []
-        for share in shares:
-            value = getattr(share, name)
-            if value.dim() == 2:  # (B, P + T): prompt left-padded, response right-padded; (B, T): right-padded
-                left = prompt - share.prompt_width if name in ("input_ids", "attention_mask") else 0
-                used = value.shape[1] - share.prompt_width if name in ("input_ids", "attention_mask") \
-                    else value.shape[1]
-                value = torch.cat([_filled(value, left, fills.get(name, 0)), value,
-                                   _filled(value, response - used, fills.get(name, 0))], dim=1)
-            parts.append(value)
-        tensors[name] = torch.cat(parts)
-    infos = [info for share in shares for info in share.episode_info] \
-        if all(share.episode_info is not None for share in shares) else None
+    if any(share.episode_info is None for share in shares):  # kept only where every share recorded it
+        shares = [dataclasses.replace(share, episode_info=None) for share in shares]
     stats = combine_rollout_statistics([rollout_parts(share, None) for share in shares])
-    merged = RolloutBatch(prompt_width=prompt, stats=stats, episode_info=infos, **tensors)
-    return merged.select(torch.sort(merged.group_ids, stable=True).indices)
+    return merge_shares(shares, pad_id, stats)
 
 
 def recorded_iterations(folder: Path, rank: int) -> list[int]:
