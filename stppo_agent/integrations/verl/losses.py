@@ -1,0 +1,156 @@
+"""Every algorithm preset of :data:`stppo_agent.algorithms.ALGORITHMS` as a verl policy loss ``stppo_<preset>``.
+
+verl looks a policy loss up by ``actor_rollout_ref.actor.policy_loss.loss_mode`` on every call of
+``verl/workers/utils/losses.py::ppo_loss``, which passes ``old_log_prob, log_prob, advantages, response_mask (bool),
+loss_agg_mode, config (ActorConfig), rollout_is_weights`` and adds verl's own entropy and KL terms afterwards. So a
+preset contributes its policy-loss part only -- the ratio level (token, turn, sequence) and whether it needs the
+clip-bias correction; the advantage estimator, the KL and entropy terms and the clip range are verl's settings
+(``algorithm.adv_estimator``, ``actor.use_kl_loss``, ``actor.entropy_coeff``, ``actor.clip_ratio_low/high``).
+
+No turn ids reach a verl loss. verl's agent loops give tool and observation tokens ``response_mask`` 0, so each
+maximal run of 1s in a row is one assistant turn (:func:`turn_ids_from_mask`).
+
+Presets whose policy loss is ``ppo_clip`` (all built-in ones) follow ``compute_policy_loss_vanilla``'s arithmetic
+op for op, with the log-ratio taken at the preset's level and without dual clipping: ``stppo_ppo`` is verl's
+``vanilla`` with ``clip_ratio_c`` out of reach, to the bit. Other policy losses (registered by a user) are called
+through this project's own interface. S-PPO / ST-PPO / SO-GRPO need the clip-bias correction, which lives in a
+training engine (not in a loss): until that engine exists, selecting them raises
+:class:`ClipBiasEngineMissingError` at the first actor update instead of silently training Turn-PPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
+from verl.utils.torch_functional import masked_mean
+
+from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, get_policy_loss, log_ratio_at_level
+
+LOSS_PREFIX = "stppo_"
+LOG_RATIO_CLAMP = 20.0  # verl's clamp of log(pi / pi_old) before exp
+OUR_AGG_MODES = ("token-mean", "seq-mean-token-mean")  # the aggregations this project's own losses know
+EXTRA_METRICS = ("turn_clip_frac", "ratio/mean", "ratio/max", "ratio/min", "approx_kl")
+
+
+class ClipBiasEngineMissingError(RuntimeError):
+    """A preset with the clip-bias correction was selected, but no verl training engine applies it."""
+
+
+def turn_ids_from_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """Turn id of every response token: the k-th maximal run of 1s in a row is turn k; -1 where the mask is 0.
+
+    >>> turn_ids_from_mask(torch.tensor([[0, 1, 1, 0, 0, 1, 0, 1], [1, 1, 1, 1, 0, 0, 0, 0]])).tolist()
+    [[-1, 0, 0, -1, -1, 1, -1, 2], [0, 0, 0, 0, -1, -1, -1, -1]]
+    """
+    mask = response_mask.bool()
+    starts = mask & ~F.pad(mask[:, :-1], (1, 0), value=False)
+    ids = starts.long().cumsum(1) - 1
+    return torch.where(mask, ids, torch.full_like(ids, -1))
+
+
+def clip_range(config) -> tuple[float, float]:
+    """(eps_low, eps_high) as verl's vanilla loss reads them from the actor config."""
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return low, high
+
+
+def verl_policy_loss(preset: AlgorithmConfig):
+    """A function with verl's policy-loss signature that applies ``preset``'s policy loss."""
+    if preset.clip_bias_correction:
+        return functools.partial(_needs_correction_engine, preset.name)
+    return functools.partial(_policy_loss, preset)
+
+
+def register_verl_losses(presets=ALGORITHMS) -> list[str]:
+    """Register ``stppo_<name>`` for every preset not registered yet; returns the names added. Idempotent: a
+    plugin that registers presets of its own calls it again afterwards."""
+    added = []
+    for name, preset in presets.items():
+        loss_name = LOSS_PREFIX + name
+        if loss_name not in POLICY_LOSS_REGISTRY:
+            register_policy_loss(loss_name)(verl_policy_loss(preset))
+            added.append(loss_name)
+    return added
+
+
+def _needs_correction_engine(name: str, *args, **kwargs):
+    raise ClipBiasEngineMissingError(
+        f"policy loss stppo_{name}: the {name} preset divides the policy gradient by its clip-bias norm, a step "
+        "that needs the whole micro-batch gradient and so lives in a training engine, not in a loss; this bridge "
+        "has no such verl engine yet (docs/verl.md). Use stppo_turn_ppo (stppo_grpo for so_grpo's update without "
+        "the correction) for the same ratio without it, or train with this project's own trainer.")
+
+
+def _policy_loss(preset: AlgorithmConfig, old_log_prob, log_prob, advantages, response_mask,
+                 loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None):
+    if config is None:
+        raise ValueError(f"stppo_{preset.name} needs verl's actor config (clip range, global batch info)")
+    mask = response_mask.bool()
+    turn_ids = turn_ids_from_mask(mask)
+    low, high = clip_range(config)
+    if preset.policy_loss == "ppo_clip":
+        pg_loss, metrics = _clipped_surrogate(preset.ratio_level, old_log_prob, log_prob, advantages, mask, turn_ids,
+                                              low, high, loss_agg_mode, config.global_batch_info, rollout_is_weights)
+        ours = _our_loss(preset, old_log_prob, log_prob.detach(), advantages, mask, turn_ids, low, high,
+                         loss_agg_mode if loss_agg_mode in OUR_AGG_MODES else "token-mean")[1]
+    else:
+        pg_loss, ours = _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high,
+                                         loss_agg_mode, config.global_batch_info, rollout_is_weights)
+        metrics = {"actor/pg_clipfrac": float(ours["clip_frac"]),
+                   "actor/ppo_kl": float(masked_mean(-_clamped(log_prob - old_log_prob), mask).detach())}
+    metrics.update({f"actor/stppo/{key}": float(ours[key]) for key in EXTRA_METRICS if key in ours})
+    return pg_loss, metrics
+
+
+def _clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
+def _clipped_surrogate(level, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode,
+                       global_batch_info, rollout_is_weights):
+    """``compute_policy_loss_vanilla`` without dual clipping, its log-ratio at ``level`` (same ops, same order)."""
+    token_log_ratio = _clamped(log_prob - old_log_prob)
+    if level == "token":
+        negative_approx_kl = token_log_ratio
+    else:
+        negative_approx_kl = _clamped(log_ratio_at_level(log_prob, old_log_prob, mask, turn_ids, level))
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
+    ppo_kl = masked_mean(-token_log_ratio, mask)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
+    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
+
+
+def _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, agg, **global_counts):
+    config = dataclasses.replace(preset, clip_low=low, clip_high=high, loss_agg=agg)
+    loss, _, metrics = get_policy_loss(preset.policy_loss)(
+        logprobs=log_prob, old_logprobs=old_log_prob, advantages=advantages, loss_mask=mask, turn_ids=turn_ids,
+        config=config, **global_counts)
+    return loss, metrics
+
+
+def _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode,
+                     global_batch_info, rollout_is_weights):
+    """A user-registered policy loss, with verl's global normalisation translated to this project's: verl divides a
+    micro-batch's sum by the global count and multiplies by dp_size (DDP then averages over ranks); ours divides by
+    the count per rank. Rollout weights scale the advantages, as this project's trainer applies them."""
+    if loss_agg_mode not in OUR_AGG_MODES:
+        raise ValueError(f"policy loss stppo_{preset.name} ({preset.policy_loss}) supports loss_agg_mode "
+                         f"{' or '.join(OUR_AGG_MODES)}, not {loss_agg_mode!r}")
+    dp_size = global_batch_info.get("dp_size", 1) or 1
+    tokens, seqs = global_batch_info.get("batch_num_tokens"), global_batch_info.get("global_batch_size")
+    counts = {"global_num_tokens": None if tokens is None else tokens / dp_size,
+              "global_num_seqs": None if seqs is None else seqs / dp_size}
+    if rollout_is_weights is not None:
+        advantages = advantages * rollout_is_weights
+    return _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode, **counts)
