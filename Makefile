@@ -31,7 +31,7 @@ test: $(STAMP)
 # The scope of issue 14: scoring, action parsing, the algorithms' math, the rollout limits (MUTANTS= for all).
 MUTANTS ?= "stppo_envs.*" "stppo_agent.algorithms.losses.*" "stppo_agent.algorithms.advantages.*" \
 	"stppo_agent.algorithms.segments.*" "stppo_agent.algorithms.clip_bias.*" "stppo_agent.algorithms.rollout_correction.*" \
-	"stppo_agent.rollout.xǁRolloutLimitsǁvalidate*" "stppo_agent.rollout.x__run_turn*" "stppo_agent.rollout.x_collect_rollouts*"
+	"stppo_agent.rollouts.turn_loop.xǁRolloutLimitsǁvalidate*" "stppo_agent.rollouts.turn_loop.x__run_turn*" "stppo_agent.rollouts.turn_loop.x_collect_rollouts*"
 mutants: $(STAMP)
 	$(PY) -m pip install -q -e ".[mutation]"
 	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from _common import cached_index, shared_data
 
-from stppo_agent.cli import format_table
-from stppo_agent.evaluate import EvalSettings, evaluate_benchmark
+from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
+from stppo_agent.evaluation.results import format_table
 from stppo_envs.retrieval.indexing import iter_corpus
 
 

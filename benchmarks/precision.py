@@ -3,7 +3,7 @@
     python benchmarks/precision.py [--model PATH] [--batch 8] [--length 512] [--repeats 3]
 
 - speed: forward+backward of a causal LM (loss on the last 100 positions, as a trainer's response span) in float32
-  and under bfloat16 autocast with float32 weights and output head (stppo_agent/mixed_precision.py), alternated;
+  and under bfloat16 autocast with float32 weights and output head (stppo_agent/models/precision.py), alternated;
   prints the median seconds of each and the median and range of the repeats' ratios. A CPU without AMX measured
   below 1 (0.85x on an AVX512-BF16 CPU), which is why ``autocast_dtype=auto`` picks bfloat16 on a CPU only with
   AMX; the first line says what auto picks here.
@@ -29,13 +29,13 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-from stppo_agent.mixed_precision import autocast_forward, cpu_has_amx_bf16, resolve_autocast_dtype
-from stppo_agent.models import load_actor
+from stppo_agent.models.loading import load_actor
+from stppo_agent.models.precision import autocast_forward, cpu_has_amx_bf16, resolve_autocast_dtype
 
 
 def default_model() -> Path:
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
     from tests.tiny_models import tiny_llama
 
     return tiny_llama(Path(tempfile.mkdtemp()) / "model", load_tokenizer(str(smollm2_path())), hidden=576, layers=30)
@@ -45,7 +45,7 @@ def demo_text_ids(model_path, batch: int, length: int) -> torch.Tensor:
     """Real text (the bundled demo corpus, tokenised by the model's tokenizer), cut into batch rows."""
     import json
 
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.loading import load_tokenizer
 
     corpus = Path(__file__).resolve().parents[1] / "stppo_envs" / "data" / "demo" / "corpus.jsonl"
     text = "\n".join(json.loads(line)["contents"] for line in corpus.read_text().splitlines() if line.strip())

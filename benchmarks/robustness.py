@@ -202,9 +202,9 @@ def attack_server(clients: int, requests_per_client: int) -> tuple[bool, list[st
 
 # -- 3. checkpoints -----------------------------------------------------------------------------------------------
 def attack_checkpoints(trials: int) -> tuple[bool, list[str]]:
-    from stppo_agent.checkpoint import CorruptCheckpointError, list_checkpoints
-    from stppo_agent.config import TrainConfig
-    from stppo_agent.trainer import Trainer
+    from stppo_agent.runs.checkpoint import CorruptCheckpointError, list_checkpoints
+    from stppo_agent.training.config import TrainConfig
+    from stppo_agent.training.trainer import Trainer
     from tests.tiny_models import tiny_llama, word_tokenizer
 
     scratch = Path(tempfile.mkdtemp())
@@ -318,7 +318,7 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
     import torch
     from safetensors.torch import load_file
 
-    from stppo_agent.checkpoint import load_trainer_state
+    from stppo_agent.runs.checkpoint import load_trainer_state
     from tests.tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
     scratch = Path(tempfile.mkdtemp())

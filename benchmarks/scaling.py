@@ -21,7 +21,7 @@ from pathlib import Path
 
 from _common import REPO, cached_index, shared_data
 
-from stppo_agent.shared_retrieval import free_port  # noqa: E402
+from stppo_agent.distributed.shared_retrieval import free_port  # noqa: E402
 from tests.tiny_models import tiny_llama  # noqa: E402
 
 
@@ -77,8 +77,8 @@ def server_qps(index: Path, queries: list[str]) -> None:
 
 
 def main() -> None:
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     # a random 4-layer model over SmolLM2's vocabulary, on the demo NQ env (prompts of a few hundred tokens)
     model = tiny_llama(Path(tempfile.mkdtemp()) / "model", load_tokenizer(str(smollm2_path())), hidden=256, layers=4)

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repository on sys.path)
 
-from stppo_agent.trainer import read_metrics
+from stppo_agent.runs.metrics_log import read_metrics
 
 BENCHMARKS = {"general": "nq", "multi-hop": "hotpotqa", "medical": "medqa"}
 COLLAPSE = ("a run collapsed if, after its first iteration, its reward fell below half of its running best "
@@ -254,7 +254,7 @@ def table(header: list[str], rows: list[list]) -> str:
 
 
 def plot(runs: list[Path], out: Path) -> list[str]:
-    from stppo_agent.reports import plot_runs
+    from stppo_agent.runs.plots import plot_runs
 
     return [str(p) for p in plot_runs([str(r) for r in runs], out)]
 

@@ -18,7 +18,7 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
   Also printed: the same ratio against a plain ``generate`` given the rollout's in-place cache (what the rollout
   adds beyond the cache: the observation tokens are context a plain call does not hold).
 - cache: ``generate`` after a long context (--long-context) with the rollout's in-place key/value cache
-  (stppo_agent/append_cache.py) against transformers' default DynamicCache.
+  (stppo_agent/rollouts/append_cache.py) against transformers' default DynamicCache.
 - mismatch: mean |old - sample| log-prob per policy token between the trainer's scoring forward and the
   sampler (transformers generate), in float32, bfloat16 weights and bfloat16 autocast, and the k3 KL estimate of
   rollout_correction.
@@ -39,17 +39,19 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-from stppo_agent.append_cache import new_cache
-from stppo_agent.config import TrainConfig
-from stppo_agent.forward import position_ids
-from stppo_agent.rollout import CACHE_ARGUMENT, RolloutBatch, encode_prompt
-from stppo_agent.trainer import Trainer
+from stppo_agent.rollouts.append_cache import new_cache
+from stppo_agent.rollouts.batch import RolloutBatch
+from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT
+from stppo_agent.rollouts.turn_loop import encode_prompt
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.log_probs import position_ids
+from stppo_agent.training.trainer import Trainer
 from tests.tiny_models import tiny_llama
 
 
 def make_model(hidden: int, layers: int, tokenizer_path: str | None) -> Path:
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path or str(smollm2_path()))
     return tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=hidden, layers=layers)
@@ -115,7 +117,7 @@ def main() -> None:
     per_trajectory = max(1, generated // batch.batch_size)
     prompts = [encode_prompt(trainer.tokenizer, env.transcript[0].text)
                for env in list(trainer.source.env_pool.values())[: batch.batch_size]]
-    from stppo_agent.rollout import left_pad
+    from stppo_agent.rollouts.batch import left_pad
 
     input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, get_policy_loss, register_algorithm, register_policy_loss
-from stppo_agent.config import TrainConfig
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.trainer import Trainer
 
 
 @register_policy_loss("dual_clip")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stppo_agent.cli import format_table
-from stppo_agent.evaluate import EvalSettings, evaluate_benchmark
+from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
+from stppo_agent.evaluation.results import format_table
 
 FILES = {"nq": "qa/nq_open_dev.jsonl", "hotpotqa": "qa/hotpotqa_dev.json", "bamboogle": "qa/bamboogle_test.csv",
          "musique": "qa/musique_100.json", "medqa": "medical/medqa_us_4opt_test.jsonl",

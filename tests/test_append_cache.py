@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from stppo_agent import append_cache
-from stppo_agent.append_cache import AppendLayer, new_cache
-from stppo_agent.models import load_actor
-from stppo_agent.rollout import CACHE_ARGUMENT, left_pad
+from stppo_agent.models.loading import load_actor
+from stppo_agent.rollouts import append_cache
+from stppo_agent.rollouts.append_cache import AppendLayer, new_cache
+from stppo_agent.rollouts.batch import left_pad
+from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT
 
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -97,7 +98,8 @@ def test_generate_with_the_cache_is_bit_identical(tmp_path, greedy, autocast):
 
 
 def test_the_rollout_backend_generates_with_the_in_place_cache(tmp_path):
-    from stppo_agent.rollout import HFGenerationBackend, SamplingSettings
+    from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+    from stppo_agent.rollouts.sampling import SamplingSettings
 
     tokenizer = word_tokenizer()
     model = load_actor(tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3))

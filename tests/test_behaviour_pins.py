@@ -9,7 +9,8 @@ import torch
 
 from stppo_agent.algorithms import ALGORITHMS, kl_reward_penalty
 from stppo_agent.algorithms.losses import explained_variance, value_loss
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.trainer import Trainer
 from stppo_envs.actions import ActionType, parse_action
 from stppo_envs.scoring import exact_match, f1_score, normalize_answer
 
@@ -161,7 +162,7 @@ def test_a_search_on_the_last_turn_is_not_served():
 # --- rates by definition -------------------------------------------------------------------------------------
 
 def test_rates_are_per_turn_and_per_search_not_per_episode():
-    from stppo_agent.episode_stats import episode_rates
+    from stppo_agent.rollouts.episode_stats import episode_rates
 
     episodes = [{"turns": 4, "invalid_actions": 2, "search_calls": 1, "search_errors": 1, "answered": True},
                 {"turns": 1, "invalid_actions": 0, "search_calls": 0, "search_errors": 0, "answered": False}]

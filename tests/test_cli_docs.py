@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stppo_agent.cli import _parser, main
+from stppo_agent.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_the_readme_shows_commands():
 def test_every_documented_flag_exists(command):
     tokens = shlex.split(command.replace("[", " ").replace("]", " ").replace("...", " "))
     assert tokens[0] == "stppo"
-    parser = _subparsers(_parser())[tokens[1]]
+    parser = _subparsers(build_parser())[tokens[1]]
     if tokens[1] == "index":
         parser = _subparsers(parser)[tokens[2]]
     known = {option for action in parser._actions for option in action.option_strings}
@@ -106,7 +106,7 @@ def _benchmark(name: str):
 def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path):
     """Same micro-batches (length-sorted, trimmed), the same tokens through the body and the same positions (the
     response's only) through the LM head."""
-    from stppo_agent.trainer import Trainer
+    from stppo_agent.training.trainer import Trainer
 
     from .test_trainer import toy_config
     from .tiny_models import tiny_llama, word_tokenizer

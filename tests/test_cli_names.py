@@ -40,7 +40,7 @@ def test_a_misspelt_name_gets_the_closest_known_one(tmp_path, capsys, argv, sugg
 
 
 def test_replay_through_a_misspelt_algorithm(tmp_path, capsys):
-    from stppo_agent.config import TrainConfig
+    from stppo_agent.training.config import TrainConfig
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(TrainConfig(algo="ppo", model="m").to_yaml())
@@ -56,8 +56,8 @@ def test_nothing_is_suggested_when_nothing_is_close():
 
 
 def test_a_correct_name_passes_the_checks(tmp_path):
-    from stppo_agent.config import TrainConfig
-    from stppo_agent.name_checks import check_train_config
+    from stppo_agent.plugins.name_checks import check_train_config
+    from stppo_agent.training.config import TrainConfig
 
     model = Path(tmp_path)  # an existing folder is never taken for a misspelt alias
     check_train_config(TrainConfig(algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model=str(model),

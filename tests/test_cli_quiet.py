@@ -37,7 +37,7 @@ def test_the_third_party_loggers_follow_verbose(monkeypatch):
     import datasets
     import transformers
 
-    from stppo_agent.logging_utils import set_third_party_output
+    from stppo_agent.cli.verbosity import set_third_party_output
 
     set_third_party_output(verbose=False)
     assert transformers.logging.get_verbosity() == transformers.logging.ERROR

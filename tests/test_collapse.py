@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
-from stppo_agent.collapse import CollapseMonitor, MonitorSettings, best_step, checkpoint_reward, healthy_steps
-from stppo_agent.collapse_guard import CollapseStopped
-from stppo_agent.reports import collapse_events, plot_runs
-from stppo_agent.run_folder import pick_checkpoint
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.monitoring.collapse_guard import CollapseStopped
+from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings
+from stppo_agent.runs.checkpoint_health import best_step, checkpoint_reward, healthy_steps
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.runs.plots import collapse_events, plot_runs
+from stppo_agent.runs.run_folder import pick_checkpoint
+from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer
@@ -170,7 +172,7 @@ def test_rollback_restores_a_healthy_checkpoint_and_recovers(tiny_model, tmp_pat
     # the restored weights are the checkpoint's: a fresh trainer resuming there scores the same log-probs
     folder, why = pick_checkpoint(tmp_path, "best")
     assert "healthy" in why and int(folder.name.split("-")[1]) not in {int(n.rsplit("-", 1)[1]) for n in aside}
-    from stppo_agent.agent_specs import resolve_agent_spec
+    from stppo_agent.evaluation.agent_specs import resolve_agent_spec
 
     spec, note = resolve_agent_spec(f"hf:{tmp_path}@best")
     assert spec == f"hf:{folder / 'actor'}" and note.startswith(f"hf:{tmp_path}@best -> step-")
@@ -201,7 +203,7 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stppo_agent.rollback import restore_training_state
+    from stppo_agent.monitoring.rollback import restore_training_state
 
     trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}))
     trainer.train()
@@ -258,14 +260,14 @@ def test_warn_and_rollback_from_the_cli_then_plot_and_evaluate_the_best_checkpoi
 
 
 def test_config_rejects_bad_collapse_settings():
-    from stppo_agent.config import TrainConfig
+    from stppo_agent.training.config import TrainConfig
 
     for field, value, message in (("on_collapse", "panic", "on_collapse must be one of"),
                                   ("rollback_lr_factor", 1.5, "rollback_lr_factor"),
                                   ("collapse_warmup", 50, "collapse_warmup")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(model="m", **{field: value}).validate()
-    from stppo_agent.config import load_config
+    from stppo_agent.training.config import load_config
 
     config = load_config(None, ["collapse_thresholds.tail/ratio_max=50", "on_collapse=rollback"], model="m")
     assert config.collapse_thresholds == {"kl_to_reference": 1.0, "tail/ratio_max": 50}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stppo_agent.cli import main
-from stppo_agent.config import TrainConfig, load_config
+from stppo_agent.training.config import TrainConfig, load_config
 
 
 @pytest.mark.parametrize("raw, value", [("1e-6", 1e-6), ("1E-6", 1e-6), ("1e+3", 1000.0), ("2.5e-3", 2.5e-3),
@@ -65,7 +65,7 @@ register_algorithm(dataclasses.replace(ALGORITHMS["turn_ppo"], name="{name}", cl
 
 
 def test_a_user_algorithm_is_chosen_from_the_cli_and_the_run_reproduces_from_its_folder(tmp_path, monkeypatch):
-    from stppo_agent.trainer import read_metrics
+    from stppo_agent.runs.metrics_log import read_metrics
 
     from .tiny_models import tiny_llama, word_tokenizer
 

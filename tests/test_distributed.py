@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stppo_agent.config import TrainConfig
-from stppo_agent.shared_retrieval import free_port
-from stppo_agent.trainer import Trainer
+from stppo_agent.distributed.shared_retrieval import free_port
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.trainer import Trainer
 
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -39,7 +39,7 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
         batch = torch.load(batch_path, weights_only=False)
         local = batch.select(list(range(rank, batch.batch_size, 2)))
         metrics = trainer.actor_gradients(local)
-        from stppo_agent.distributed import distributed_whiten
+        from stppo_agent.distributed.process_group import distributed_whiten
 
         whitened = distributed_whiten(local.values, local.loss_mask)
         sharded = [isinstance(p, DTensor) for p in trainer.actor.parameters()]
@@ -107,8 +107,8 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
     import subprocess
     import sys
 
-    from stppo_agent.checkpoint import load_trainer_state
-    from stppo_agent.trainer import read_metrics
+    from stppo_agent.runs.checkpoint import load_trainer_state
+    from stppo_agent.runs.metrics_log import read_metrics
 
     model = tiny_llama(tmp_path / "model", word_tokenizer())
     out = tmp_path / "run"
@@ -143,8 +143,8 @@ def test_torchrun_ranks_share_one_retrieval_server(tmp_path):
 
     import requests
 
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     model = tiny_llama(tmp_path / "model", load_tokenizer(str(smollm2_path())), hidden=16, layers=1)
     out = tmp_path / "run"
@@ -168,7 +168,7 @@ def test_two_node_rendezvous_on_one_host(tmp_path):
     import subprocess
     import sys
 
-    from stppo_agent.checkpoint import load_trainer_state
+    from stppo_agent.runs.checkpoint import load_trainer_state
 
     model = tiny_llama(tmp_path / "model", word_tokenizer())
     out = tmp_path / "run"
@@ -198,7 +198,7 @@ def _uneven_generation_main(rank: int, port: int, model_path: str, result_path: 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from transformers import AutoModelForCausalLM
 
-    from stppo_agent.distributed import gathered, shard_fsdp2
+    from stppo_agent.distributed.process_group import gathered, shard_fsdp2
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -281,7 +281,7 @@ def test_a_finished_command_leaves_its_process_group(tmp_path):
 def _scoring_main(rank: int, port: int, model: str, out: str, result_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    from stppo_agent.forward import token_logprobs
+    from stppo_agent.training.log_probs import token_logprobs
 
     trainer = Trainer(config(Path(model), Path(out), "st_ppo", "fsdp2"), report=lambda _: None)
     batch = trainer.rollout()
@@ -311,7 +311,7 @@ def _mixed_precision_main(rank: int, port: int, model_path: str, result_path: st
     dist.init_process_group("gloo", rank=rank, world_size=1)
     from transformers import AutoModelForCausalLM
 
-    from stppo_agent.distributed import shard_fsdp2
+    from stppo_agent.distributed.process_group import shard_fsdp2
 
     model = shard_fsdp2(AutoModelForCausalLM.from_pretrained(model_path), torch.bfloat16)
     logits = model(input_ids=torch.tensor([[3, 4, 5]])).logits

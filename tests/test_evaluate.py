@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
-from stppo_agent.evaluate import EvalSettings, evaluate_benchmark
-from stppo_agent.reports import ProvenanceMismatchError, compare, load_results
+from stppo_agent.evaluation.comparison import ProvenanceMismatchError, compare, load_results
+from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
 
 REAL = {  # benchmark -> file of the fixture pack
     "nq": "qa/nq_open_dev.jsonl", "hotpotqa": "qa/hotpotqa_dev.json", "bamboogle": "qa/bamboogle_test.csv",
@@ -92,7 +92,7 @@ def test_plot_draws_step_diagnostics_per_optimizer_step(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from stppo_agent.reports import STEP_PLOT_KEYS, plot_runs
+    from stppo_agent.runs.plots import STEP_PLOT_KEYS, plot_runs
 
     for name, drift in (("ppo", 2.0), ("st_ppo", 1.0)):
         run = tmp_path / name
@@ -160,8 +160,8 @@ def test_openai_compatible_agent_against_a_stub_server(tmp_path):
 
 
 def test_hf_checkpoint_agent_is_deterministic_and_counts_tokens(tmp_path):
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     from .tiny_models import tiny_llama
 
@@ -261,7 +261,7 @@ def test_evaluation_never_silently_changes_the_data(tmp_path, capsys):
 
 
 def test_a_dead_retriever_fails_the_evaluation_loudly(tmp_path, capsys):
-    from stppo_agent.shared_retrieval import free_port
+    from stppo_agent.distributed.process_group import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     code = main(["eval", "--agent", "search-copy", "--benchmarks", "nq", "--limit", "3", "--retriever", dead,
@@ -308,7 +308,7 @@ def test_plot_keeps_each_runs_style_across_panels_and_integer_iterations(tmp_pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from stppo_agent.reports import plot_runs
+    from stppo_agent.runs.plots import plot_runs
 
     records = [{"step": i, "reward": 0.5, "clip_frac": 0.1, "turn_clip_frac": 0.2, "entropy": 1.0}
                for i in range(1, 4)]
@@ -347,8 +347,8 @@ def _keyword_envs(n: int, max_turns: int = 3):
 def test_hf_agent_keeps_two_episodes_of_one_example_apart(tmp_path):
     """Per-episode state (token context, KV cache, token count) is keyed by the episode, not the example id:
     two episodes of the same question in flight at once each equal that question's episode run alone."""
-    from stppo_agent.evaluate import run_episodes
-    from stppo_agent.hf_agent import HFAgent
+    from stppo_agent.evaluation.evaluate import run_episodes
+    from stppo_agent.evaluation.hf_agent import HFAgent
 
     from .tiny_models import tiny_llama, word_tokenizer
 
@@ -365,7 +365,7 @@ def test_hf_agent_keeps_two_episodes_of_one_example_apart(tmp_path):
 
 
 def test_scripted_agents_refuse_examples_that_share_an_id():
-    from stppo_agent.agent_specs import build_agent
+    from stppo_agent.evaluation.agent_specs import build_agent
     from stppo_envs import Example
 
     examples = [Example("q1", "Capital of France?", ("Paris",), "nq"),
@@ -376,8 +376,8 @@ def test_scripted_agents_refuse_examples_that_share_an_id():
 
 
 def test_the_oracle_scores_one_when_an_example_is_run_twice_at_once():
-    from stppo_agent.agents import OracleAgent
-    from stppo_agent.evaluate import run_episodes
+    from stppo_agent.evaluation.agents import OracleAgent
+    from stppo_agent.evaluation.evaluate import run_episodes
 
     envs = _keyword_envs(2)
     records = run_episodes(envs, OracleAgent(envs[0].examples), [1, 1])
@@ -390,7 +390,7 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_loaded_again(tmp_path):
     not only its path: a run overwritten in place must not be evaluated with the old weights."""
     import os
 
-    from stppo_agent.agent_specs import build_agent
+    from stppo_agent.evaluation.agent_specs import build_agent
 
     from .tiny_models import tiny_llama, word_tokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from stppo_agent.logging_utils import MetricsLogger
+from stppo_agent.runs.metrics_log import MetricsLogger
 
 
 def test_a_missing_tensorboard_is_silent_and_metrics_are_still_written(tmp_path, monkeypatch, capsys):

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stppo_agent.config import TrainConfig
-from stppo_agent.mixed_precision import autocast_forward, resolve_autocast_dtype
-from stppo_agent.models import load_actor, load_critic
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.models.loading import load_actor, load_critic
+from stppo_agent.models.precision import autocast_forward, resolve_autocast_dtype
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer
@@ -107,7 +108,7 @@ def test_float16_training_is_refused_with_the_alternatives(settings, name):
 
 @pytest.mark.parametrize("settings", [dict(dtype="float16"), dict(autocast_dtype="float16")])
 def test_sft_refuses_float16_before_any_work(settings, tmp_path):
-    from stppo_agent.sft import SFTConfig, train_sft
+    from stppo_agent.training.sft import SFTConfig, train_sft
 
     with pytest.raises(ValueError, match="float16 is refused for training"):  # before the model "m" is looked up
         train_sft(SFTConfig(model=str(tmp_path / "no-model"), output_dir=str(tmp_path / "out"), **settings))
@@ -116,7 +117,7 @@ def test_sft_refuses_float16_before_any_work(settings, tmp_path):
 
 def test_float16_weights_still_serve_evaluation(tiny_model):
     """No gradient is taken there, so float16 stays available to `hf:` agents."""
-    from stppo_agent.hf_agent import HFAgent
+    from stppo_agent.evaluation.hf_agent import HFAgent
 
     agent = HFAgent(str(tiny_model), device="cpu", dtype="float16")
     assert next(agent.model.parameters()).dtype == torch.float16
@@ -124,7 +125,7 @@ def test_float16_weights_still_serve_evaluation(tiny_model):
 
 def _mock_cpu(monkeypatch, flags):
     """A CPU with these /proc/cpuinfo flags, for both today's and torch's private probes."""
-    from stppo_agent import mixed_precision
+    from stppo_agent.models import precision as mixed_precision
 
     monkeypatch.setattr(mixed_precision, "cpu_flags", lambda: None if flags is None else set(flags), raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: "avx512_bf16" in (flags or ()))
@@ -146,7 +147,7 @@ def test_auto_picks_bfloat16_on_a_cpu_only_with_amx(monkeypatch, flags, expected
 
 
 def test_auto_without_proc_cpuinfo_asks_torch_for_amx(monkeypatch):
-    from stppo_agent import mixed_precision
+    from stppo_agent.models import precision as mixed_precision
 
     monkeypatch.setattr(mixed_precision, "cpu_flags", lambda: None)
     for amx, expected in ((True, "bfloat16"), (False, None)):
@@ -156,7 +157,7 @@ def test_auto_without_proc_cpuinfo_asks_torch_for_amx(monkeypatch):
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86 Linux")
 def test_cpu_flags_are_this_machines():
-    from stppo_agent.mixed_precision import cpu_flags
+    from stppo_agent.models.precision import cpu_flags
 
     assert {"fpu", "sse2"} <= cpu_flags()
 
@@ -170,7 +171,7 @@ def test_the_run_records_what_auto_chose(tiny_model, tmp_path, monkeypatch):
 
 def test_a_run_under_autocast_replays_exactly(tiny_model, tmp_path):
     """The stability study replays bfloat16-autocast recordings: same rule, same data -> the same update metrics."""
-    from stppo_agent.replay import replay
+    from stppo_agent.training.replay import replay
 
     from .test_replay import TIMING
 

@@ -17,12 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import get_policy_loss, value_loss
-from stppo_agent.config import TrainConfig
-from stppo_agent.episode_stats import episode_rates
-from stppo_agent.forward import critic_values, token_logprobs
-from stppo_agent.reduced_metrics import ROLLOUT_STAT_POPULATIONS
-from stppo_agent.shared_retrieval import free_port
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.distributed.process_group import free_port
+from stppo_agent.rollouts.episode_stats import episode_rates
+from stppo_agent.rollouts.statistics import ROLLOUT_STAT_POPULATIONS
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.log_probs import critic_values, token_logprobs
+from stppo_agent.training.trainer import Trainer
 
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -101,7 +102,7 @@ def test_the_search_error_rate_over_ranks_is_exact_when_one_rank_had_only_failur
     # searches failed. Derived from the rate alone, rank 0's attempts were only bounded (turns - answers = 5).
     from types import SimpleNamespace
 
-    from stppo_agent.reduced_metrics import combine_rollout_statistics, rollout_parts
+    from stppo_agent.rollouts.statistics import combine_rollout_statistics, rollout_parts
 
     def share(served: float, failed: float) -> SimpleNamespace:
         stats = {"turns": 3.0, "search_calls": served, "search_errors": failed, "answer_rate": 0.5,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from stppo_agent.distributed import rank_seed
+from stppo_agent.distributed.process_group import rank_seed
 
 from .tiny_models import tiny_llama, word_tokenizer
 

@@ -9,7 +9,7 @@ import matplotlib.axes
 import pytest
 
 from stppo_agent.cli import main
-from stppo_agent.reports import plot_runs
+from stppo_agent.runs.plots import plot_runs
 
 
 def _run(folder, rewards, steps=False):

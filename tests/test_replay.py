@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from stppo_agent.cli import main
-from stppo_agent.recording import load_batch, recorded_iterations, recorded_world_size
-from stppo_agent.replay import replay
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.runs.recording import load_batch, recorded_iterations, recorded_world_size
+from stppo_agent.training.replay import replay
+from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer
@@ -150,7 +151,7 @@ def test_replay_errors_are_clear(recorded_ppo, tiny_model, tmp_path):
 
 
 def test_step_means_separate_off_policy_steps():
-    from stppo_agent.diagnostics import StepMeans
+    from stppo_agent.monitoring.step_diagnostics import StepMeans
 
     means = StepMeans()
     means.add({"clip_frac": 0.0, "pg_loss": 1.0}, on_policy=True)
@@ -183,7 +184,7 @@ def as_if_recorded_with_vllm(run: Path, copy: Path) -> Path:
 
 def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recorded_ppo, tmp_path):
     # issue 30, item 3: the correction belongs to the data (which engine sampled it), not to the update rule
-    from stppo_agent.replay import replay_config
+    from stppo_agent.training.replay import replay_config
 
     run = as_if_recorded_with_vllm(recorded_ppo, tmp_path / "vllm-run")
     messages = []
@@ -212,7 +213,7 @@ def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recor
 def test_replay_refuses_other_sampling_settings_than_the_recorded_ones(recorded_ppo, tmp_path):
     # the recorded tokens were drawn at the recorded temperature / top-p / top-k, and scoring must use the same
     # distribution (issue 30, item 1): a replay that rescored them at another temperature would see ratios != 1
-    from stppo_agent.replay import replay_config
+    from stppo_agent.training.replay import replay_config
 
     recorded = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"))
     for override in ("temperature=0.7", "top_p=0.9", "top_k=20"):
@@ -239,7 +240,7 @@ def _record_with_world_sizes(source: Path, target: Path, worlds: dict[int, int])
     through the recorder in iteration order (as a run resumed with another process count writes it)."""
     import shutil
 
-    from stppo_agent.recording import RolloutRecorder
+    from stppo_agent.runs.recording import RolloutRecorder
 
     target.mkdir()
     shutil.copy(source / "config.yaml", target / "config.yaml")
@@ -255,7 +256,7 @@ def _record_with_world_sizes(source: Path, target: Path, worlds: dict[int, int])
 def test_replay_reads_every_ranks_files_of_iterations_recorded_by_another_process_count(recorded_ppo, tmp_path):
     # issue 33, item 7: iteration 1 recorded by 2 processes, then a resume with 1 process recorded 2 and 3 (and
     # re-recorded 3, which the 2-process attempt had written before it was killed)
-    from stppo_agent.recording import RolloutRecorder
+    from stppo_agent.runs.recording import RolloutRecorder
 
     run = _record_with_world_sizes(recorded_ppo, tmp_path / "mixed", {1: 2, 3: 2})
     resumed = RolloutRecorder(run, word_tokenizer(), 0, 1)
@@ -274,8 +275,8 @@ def test_replay_reads_every_ranks_files_of_iterations_recorded_by_another_proces
 def test_replay_shares_a_recorded_iteration_among_another_number_of_processes(recorded_ppo, tmp_path):
     from types import SimpleNamespace
 
-    from stppo_agent.recording import tensors_equal
-    from stppo_agent.replay import RecordedRollouts
+    from stppo_agent.runs.recording import tensors_equal
+    from stppo_agent.training.replay import RecordedRollouts
 
     run = _record_with_world_sizes(recorded_ppo, tmp_path / "two", {1: 2, 2: 1, 3: 1})
     whole = load_batch(recorded_ppo / "rollouts", 1, 0)

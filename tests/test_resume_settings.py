@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stppo_agent.checkpoint import load_trainer_state
 from stppo_agent.cli import main
-from stppo_agent.rollback import restore_training_state
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.monitoring.rollback import restore_training_state
+from stppo_agent.runs.checkpoint import load_trainer_state
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer

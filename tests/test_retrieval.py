@@ -18,7 +18,7 @@ import pytest
 import requests
 
 import stppo_envs  # noqa: F401
-from stppo_agent.shared_retrieval import free_port
+from stppo_agent.distributed.process_group import free_port
 from stppo_envs.retrieval import (
     CachedRetriever,
     Hit,

@@ -8,16 +8,9 @@ import pytest
 import torch
 
 import stppo_envs  # noqa: F401
-from stppo_agent.rollout import (
-    Generation,
-    HFGenerationBackend,
-    RolloutLimitError,
-    RolloutLimits,
-    StopOnStrings,
-    collect_rollouts,
-    generated_length,
-    stop_candidate_ids,
-)
+from stppo_agent.rollouts.generation import Generation, generated_length
+from stppo_agent.rollouts.hf_generation import HFGenerationBackend, StopOnStrings, stop_candidate_ids
+from stppo_agent.rollouts.turn_loop import RolloutLimitError, RolloutLimits, collect_rollouts
 
 from .conftest import KeywordRetriever
 
@@ -27,8 +20,8 @@ PASSAGES = [("München", "München liegt an der Isar. 東京は日本の首都�
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_path()))
 
@@ -86,7 +79,7 @@ def test_real_generation_keeps_sampled_ids(smollm2_tokenizer, tmp_path):
 
     tok = smollm2_tokenizer
     path = tiny_llama(tmp_path / "tiny", tok, hidden=16, layers=1, seed=3)
-    from stppo_agent.models import load_actor
+    from stppo_agent.models.loading import load_actor
 
     backend = HFGenerationBackend(load_actor(path), tok)
     recorded = []

@@ -17,8 +17,9 @@ from stppo_agent.algorithms import (
     resolve_rollout_correction,
     rollout_correction_weights,
 )
-from stppo_agent.config import TrainConfig
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.trainer import Trainer
 
 from . import algorithm_reference as ref
 from .test_trainer import toy_config

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stppo_agent.checkpoint import CorruptCheckpointError, list_checkpoints, verify_checkpoint
 from stppo_agent.cli import main
-from stppo_agent.trainer import Trainer, read_metrics
+from stppo_agent.runs.checkpoint import CorruptCheckpointError, list_checkpoints, verify_checkpoint
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stppo_agent.forward import batched_no_grad, token_logprobs
-from stppo_agent.rollout import SamplingSettings
-from stppo_agent.trainer import Trainer
+from stppo_agent.rollouts.sampling import SamplingSettings
+from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
+from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer
@@ -117,7 +117,7 @@ def test_plain_and_greedy_scoring_are_bit_identical_to_the_raw_logits(tiny_model
 
 
 def test_temperature_zero_means_greedy_and_bad_settings_are_named():
-    from stppo_agent.config import TrainConfig
+    from stppo_agent.training.config import TrainConfig
 
     assert TrainConfig(model="m", temperature=0.0).sampling().greedy
     assert TrainConfig(model="m", temperature=0.7, top_p=0.9, top_k=5).sampling() == \
@@ -137,7 +137,7 @@ def test_scoring_distribution_equals_transformers_warpers(settings, monkeypatch)
     samples from and reports), over many rows -- several sort chunks."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from stppo_agent import sampling as module
+    from stppo_agent.rollouts import sampling as module
 
     monkeypatch.setattr(module, "ROWS_PER_CHUNK", 7)
     sampling = SamplingSettings(**settings)
@@ -159,7 +159,7 @@ def test_scoring_distribution_equals_transformers_warpers(settings, monkeypatch)
 def test_a_sampled_token_outside_the_nucleus_keeps_a_finite_logprob_and_the_gradient_flows():
     """Scoring may find a slightly different nucleus than generate did (another batch shape, a cache, an update
     since): the sampled token stays in, so its log-prob is finite and no ratio is NaN."""
-    from stppo_agent.sampling import sampling_logits
+    from stppo_agent.rollouts.sampling import sampling_logits
 
     logits = torch.tensor([[[4.0, 3.0, 0.0, -1.0]]], requires_grad=True)
     sampling = SamplingSettings(top_p=0.5)  # the nucleus is token 0 alone

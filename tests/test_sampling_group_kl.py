@@ -48,7 +48,7 @@ def test_the_trainer_feeds_the_penalty_to_grpo(tmp_path):
     """``--algo grpo --set algorithm.kl_in_reward=...`` changes the advantages of a real batch."""
     import dataclasses
 
-    from stppo_agent.trainer import Trainer
+    from stppo_agent.training.trainer import Trainer
 
     from .test_trainer import toy_config
     from .tiny_models import tiny_llama, word_tokenizer

@@ -9,17 +9,18 @@ import math
 import pytest
 import torch
 
-from stppo_agent.cli import _evaluate_all, main
-from stppo_agent.rollout import encode_observation, encode_prompt
-from stppo_agent.sft import SFTConfig, demonstrations, train_sft, trajectory_from_transcript
+from stppo_agent.cli import main
+from stppo_agent.evaluation.results import evaluate_all
+from stppo_agent.rollouts.turn_loop import encode_observation, encode_prompt
+from stppo_agent.training.sft import SFTConfig, demonstrations, train_sft, trajectory_from_transcript
 
 from .tiny_models import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_path()))
 
@@ -33,7 +34,7 @@ def tiny_model(tmp_path_factory, smollm2_tokenizer):
 def test_gold_search_searches_each_hop_then_answers_correctly(max_turns):
     """One search for single-hop questions; both hops of multi-hop ones when there are turns for it; the answer
     on the last turn at the latest."""
-    for result in _evaluate_all("gold-search", ["nq", "hotpotqa", "medqa"], {}, None, 6, "demo", 3, max_turns, 6, 0):
+    for result in evaluate_all("gold-search", ["nq", "hotpotqa", "medqa"], {}, None, 6, "demo", 3, max_turns, 6, 0):
         metrics = result["metrics"]
         assert metrics.get("em", metrics.get("acc")) == 1.0, result["benchmark"]
         assert metrics["answer_rate"] == 1.0 and metrics["invalid_action_rate"] == 0.0
@@ -45,7 +46,7 @@ def test_gold_search_follows_real_hotpotqa_supporting_facts(shared_data):
     """With HotpotQA's supporting facts, the second query is a supporting title the first search did not bring
     back (the demo corpus here has none of them, so it is the first one)."""
     dataset = str(shared_data / "qa/hotpotqa_distractor_100.json")
-    results = _evaluate_all("gold-search", ["hotpotqa"], {"hotpotqa": dataset}, None, 4, "demo", 3, 3, 4, 0)
+    results = evaluate_all("gold-search", ["hotpotqa"], {"hotpotqa": dataset}, None, 4, "demo", 3, 3, 4, 0)
     first = results[0]["episodes"][0]
     actions = [s["text"] for s in first["transcript"] if s["role"] == "assistant"]
     assert "<search> Alû </search>" in actions[1] and first["em"] == 1.0  # supporting facts: Alû, Lilu (mythology)
@@ -102,7 +103,7 @@ def test_sft_command(tiny_model, tmp_path, capsys):
 
 def test_sft_cuts_observations_where_training_does(tiny_model, tmp_path):
     """One setting, one default: a demonstration never shows a cut observation that RL rollouts would not."""
-    from stppo_agent.config import TrainConfig
+    from stppo_agent.training.config import TrainConfig
 
     assert SFTConfig(model="m", output_dir="o").max_observation_tokens == TrainConfig().max_observation_tokens == 512
     assert SFTConfig(model="m", output_dir="o").max_total_tokens == TrainConfig().max_total_tokens
@@ -119,7 +120,7 @@ def test_sft_cuts_observations_where_training_does(tiny_model, tmp_path):
 
 
 def test_sft_under_autocast_records_the_precision_it_used(tiny_model, tmp_path, monkeypatch):
-    from stppo_agent import mixed_precision
+    from stppo_agent.models import precision as mixed_precision
 
     monkeypatch.setattr(mixed_precision, "cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
     assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "out"), "--benchmarks", "nq",

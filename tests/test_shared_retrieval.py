@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 PARENT = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
-from stppo_agent.shared_retrieval import spawn_tied_to_this_process, start_server
+from stppo_agent.distributed.shared_retrieval import spawn_tied_to_this_process, start_server
 if sys.argv[1] == "server":
     print(json.dumps({{"url": start_server("demo", __import__("pathlib").Path(sys.argv[2]))}}), flush=True)
 else:
@@ -44,7 +44,8 @@ def start_parent(*args: str) -> tuple[subprocess.Popen, dict]:
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_tied_child_stops_when_its_parent_is_killed(tied, tmp_path):
     ready = tmp_path / "ready"
-    body = ("from stppo_agent.shared_retrieval import stop_with_parent; stop_with_parent(); " if tied else "") + \
+    tie = "from stppo_agent.distributed.shared_retrieval import stop_with_parent; stop_with_parent(); "
+    body = (tie if tied else "") + \
         f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
     parent, started = start_parent("child", f"import sys; sys.path.insert(0, {str(REPO)!r}); {body}")
     try:

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import get_advantage_estimator, register_advantage_estimator
-from stppo_agent.checkpoint import CorruptCheckpointError, latest_valid_checkpoint, load_trainer_state
-from stppo_agent.config import TrainConfig, load_config
-from stppo_agent.trainer import Trainer, TrainingDivergedError, read_metrics
+from stppo_agent.runs.checkpoint import CorruptCheckpointError, latest_valid_checkpoint, load_trainer_state
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig, load_config
+from stppo_agent.training.ppo_update import TrainingDivergedError
+from stppo_agent.training.trainer import Trainer
 
 from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
@@ -203,7 +205,7 @@ def test_metrics_file_is_json_lines(tiny_model, tmp_path):
 def test_bfloat16_and_gradient_checkpointing_options_train(tiny_model, tmp_path):
     config = toy_config(tiny_model, tmp_path, "st_ppo", iterations=2, dtype="bfloat16", gradient_checkpointing=True)
     trainer = Trainer(config)
-    from stppo_agent.models import is_checkpointing
+    from stppo_agent.models.loading import is_checkpointing
 
     assert trainer.actor.dtype == torch.bfloat16 and is_checkpointing(trainer.actor)
     before = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
@@ -239,7 +241,7 @@ def test_entropy_bonus_changes_the_gradient(tiny_model, tmp_path):
 
 
 def test_training_stops_when_searches_fail(tiny_model, tmp_path, monkeypatch):
-    from stppo_agent import live_rollouts
+    from stppo_agent.training import live_rollouts
     from stppo_envs.retrieval import RetrievalError
 
     real = live_rollouts.collect_rollouts

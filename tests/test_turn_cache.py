@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import stppo_envs  # noqa: F401
-from stppo_agent.models import load_actor
-from stppo_agent.rollout import HFGenerationBackend, RolloutLimits, SamplingSettings, collect_rollouts
-from stppo_agent.turn_cache import ChunkCache
+from stppo_agent.models.loading import load_actor
+from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+from stppo_agent.rollouts.sampling import SamplingSettings
+from stppo_agent.rollouts.turn_cache import ChunkCache
+from stppo_agent.rollouts.turn_loop import RolloutLimits, collect_rollouts
 
 from .conftest import KeywordRetriever
 from .test_rollout import PASSAGES
@@ -18,8 +20,8 @@ from .tiny_models import tiny_llama, word_tokenizer
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from stppo_agent.assets import smollm2_path
-    from stppo_agent.models import load_tokenizer
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_path()))
 
@@ -123,8 +125,8 @@ def test_a_finished_chunk_frees_its_cache_at_once(tmp_path):
 
 
 def test_the_evaluation_agent_reuses_caches_with_the_same_episodes(tmp_path):
-    from stppo_agent.evaluate import run_episodes
-    from stppo_agent.hf_agent import HFAgent
+    from stppo_agent.evaluation.evaluate import run_episodes
+    from stppo_agent.evaluation.hf_agent import HFAgent
 
     from .conftest import KeywordRetriever
 

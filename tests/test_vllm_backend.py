@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stppo_agent.rollout import SamplingSettings
-from stppo_agent.vllm_backend import (
+from stppo_agent.rollouts.sampling import SamplingSettings
+from stppo_agent.rollouts.vllm_generation import (
     INSTALL_HINT,
     VLLMGenerationBackend,
     generations_from_outputs,
@@ -84,7 +84,7 @@ def test_sync_weights_goes_through_apply_model_when_vllm_has_it():
 def test_engine_defaults_ask_for_processed_logprobs_only_where_known():
     import dataclasses
 
-    from stppo_agent.vllm_backend import engine_defaults
+    from stppo_agent.rollouts.vllm_generation import engine_defaults
 
     @dataclasses.dataclass
     class NewArgs:

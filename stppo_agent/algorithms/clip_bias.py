@@ -27,7 +27,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..distributed import all_reduce_sum, global_norm, local_tensor
+from stppo_agent.distributed.process_group import all_reduce_sum, global_norm, local_tensor
 
 
 class ClipBiasCorrector:

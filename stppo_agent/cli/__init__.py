@@ -1,0 +1,52 @@
+"""The ``stppo`` command (``python -m stppo_agent.cli`` is the same). Each command's parser and handler live in a
+module of their own here; the work they dispatch to lives in the package it belongs to."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from stppo_agent.cli import compare, demo, evaluate, index, plot, replay, serve, sft, train
+from stppo_agent.cli.arguments import Parser
+
+COMMANDS = (demo, sft, train, replay, evaluate, index, serve, compare, plot)  # in `stppo --help` order
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="stppo", description="The ``stppo`` command (``python -m stppo_agent.cli`` is the same).")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show third-party logs and progress bars (Lucene, Anserini, transformers, "
+                             "datasets) at their libraries' default levels; without it only their errors show "
+                             "(STPPO_VERBOSE=1 does the same)")
+    commands = parser.add_subparsers(dest="command")
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from stppo_agent.cli.verbosity import set_third_party_output, verbose_requested
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    set_third_party_output(verbose_requested(args.verbose))
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    from stppo_agent.monitoring.collapse_guard import CollapseStopped
+    from stppo_agent.runs.checkpoint import CorruptCheckpointError
+    from stppo_agent.training.ppo_update import TrainingDivergedError
+    from stppo_envs.retrieval import RetrievalError
+
+    try:
+        return args.handler(args) or 0
+    except CollapseStopped as exc:  # not a failure of the program: its own exit code, so scripts can tell
+        print(f"stppo {args.command}: stopped: {exc}", file=sys.stderr)
+        return 3
+    except (OSError, ValueError, KeyError, RetrievalError, CorruptCheckpointError, TrainingDivergedError,
+            ConnectionError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        # one line, however many a library put in its message (transformers' hub errors span several)
+        print(f"stppo {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
+        return 1

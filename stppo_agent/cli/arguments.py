@@ -1,0 +1,38 @@
+"""What the commands' parsers share: the help format (defaults shown), argument types, BENCH=PATH pairs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def key_value(item: str) -> tuple[str, str]:
+    """``BENCH=PATH`` with the benchmark's canonical name (unknown names fail with a did-you-mean)."""
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise ValueError(f"expected BENCH=PATH, got {item!r}")
+    from stppo_envs import benchmark_info
+
+    return benchmark_info(key).name, value
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default unless its help already says it (or there is none to show)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)  # sub-commands get it too (they are built by this class)
+        super().__init__(*args, **kwargs)

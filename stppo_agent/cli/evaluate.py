@@ -1,0 +1,80 @@
+"""``stppo eval``: an agent evaluated per benchmark, with results files and a verdict on failing searches."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from stppo_agent.cli.arguments import key_value, positive_int
+
+
+def add_parser(commands) -> None:
+    from stppo_agent.evaluation.agent_specs import SPEC_HELP
+    from stppo_agent.plugins.loader import add_import_argument
+
+    ev = commands.add_parser("eval", help="evaluate an agent per benchmark")
+    ev.add_argument("--agent", required=True, help=SPEC_HELP)
+    ev.add_argument("--benchmarks", required=True, help="comma-separated, e.g. nq,hotpotqa,medqa")
+    ev.add_argument("--dataset", action="append", default=[], metavar="BENCH=PATH",
+                    help="data source per benchmark (file, folder or hub name); default: the demo set")
+    ev.add_argument("--split", default=None, help="split (default: each benchmark's evaluation split)")
+    ev.add_argument("--limit", type=positive_int, default=None, help="first N examples of each benchmark")
+    ev.add_argument("--retriever", default=None,
+                    help="demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only the demo set may "
+                         "use implicitly: real data needs its own index or an explicit --retriever demo)")
+    ev.add_argument("--topk", type=positive_int, default=3, help="passages per search")
+    ev.add_argument("--max-turns", type=positive_int, default=4,
+                    help="env steps per episode (Search-R1's max_turns + 1)")
+    ev.add_argument("--batch-size", type=positive_int, default=32, help="episodes in flight")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ev.add_argument("--max-new-tokens", type=positive_int, default=256, help="per turn, for LLM agents")
+    ev.add_argument("--max-search-error-rate", type=float, default=0.01,
+                    help="exit non-zero (results still written, flagged) when more than this share of searches "
+                         "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
+    ev.add_argument("--output-dir", required=True, help="results.json, results.csv, episodes.jsonl")
+    add_import_argument(ev)
+    ev.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
+    from stppo_agent.plugins.loader import load_plugins
+    from stppo_agent.plugins.name_checks import check_retriever
+    from stppo_envs import benchmark_info
+
+    load_plugins(args.imports)  # agents of your own (register_agent)
+    if args.retriever is not None:
+        check_retriever(args.retriever)
+    benchmarks = [benchmark_info(b.strip()).name for b in args.benchmarks.split(",") if b.strip()]
+    datasets = dict(key_value(item) for item in args.dataset)
+    stray = sorted(set(datasets) - set(benchmarks))
+    if stray:
+        raise ValueError(f"--dataset given for {', '.join(stray)}, which --benchmarks ({', '.join(benchmarks)}) does "
+                         "not include; add it to --benchmarks or drop the --dataset")
+    real = sorted(name for name, source in datasets.items() if source not in ("", "demo"))
+    if args.retriever is None and real:
+        raise ValueError(f"--dataset {real[0]}=... is real data, but no --retriever was given: the default demo corpus "
+                         "(a fictional encyclopedia) cannot answer it. Pass --retriever bm25:DIR, dense:DIR or "
+                         "http://HOST:PORT (stppo index bm25 --corpus ... builds one), or --retriever demo to "
+                         "search the demo corpus anyway")
+    retriever = args.retriever or "demo"
+    results = evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, retriever, args.topk,
+                           args.max_turns, args.batch_size, args.seed, args.max_new_tokens)
+    write_results(results, Path(args.output_dir))
+    print(format_table(results))
+    return search_error_verdict(results, args.max_search_error_rate)
+
+
+def search_error_verdict(results: Sequence[dict[str, Any]], limit: float) -> int:
+    """1 (and a message naming the benchmarks) when a benchmark's searches failed more often than ``limit``."""
+    failing = {r["benchmark"]: r["metrics"].get("search_error_rate", 0.0) for r in results
+               if r["metrics"].get("search_error_rate", 0.0) > limit}
+    if not failing:
+        return 0
+    detail = ", ".join(f"{name} {rate:.1%}" for name, rate in failing.items())
+    print(f"stppo eval: error: searches failed ({detail}; limit {limit:.1%}): these scores measure a failing "
+          "retriever, not the agent. Check the retriever (a server that is down?) and rerun; "
+          "--max-search-error-rate raises the limit.", file=sys.stderr)
+    return 1

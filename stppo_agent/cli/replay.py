@@ -1,0 +1,45 @@
+"""``stppo replay``: an algorithm's updates applied to a run's recorded rollouts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(commands) -> None:
+    from stppo_agent.plugins.loader import add_import_argument
+
+    rep = commands.add_parser("replay", help="apply an algorithm's updates to a run's recorded rollouts "
+                                              "(train it with --set save_rollouts=true)")
+    rep.add_argument("run", help="run folder with rollouts/ (recorded with --set save_rollouts=true)")
+    rep.add_argument("--algo", default=None, help="algorithm to replay with (default: the recorded run's own)")
+    rep.add_argument("--output-dir", required=True, help="the replay's run folder")
+    rep.add_argument("--iterations", type=int, default=None, help="replay the first N recorded iterations")
+    rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field of the recorded config, e.g. algorithm.clip_high=0.28")
+    add_import_argument(rep, recorded=True)
+    rep.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stppo_agent.cli.train import print_metrics
+    from stppo_agent.distributed import process_group
+    from stppo_agent.plugins.loader import load_plugins, portable_specs
+    from stppo_agent.plugins.name_checks import check_algorithm
+    from stppo_agent.training.replay import recorded_config, replay
+
+    overrides = list(args.overrides)
+    if args.imports:  # added to the recorded run's plugins (which the replay imports again); an explicit --set wins
+        merged = portable_specs([*recorded_config(args.run).plugins, *args.imports])
+        overrides.insert(0, f"plugins={json.dumps(merged)}")
+        load_plugins(merged)
+    if args.algo is not None:
+        load_plugins(recorded_config(args.run).plugins)
+        check_algorithm(args.algo)
+    with process_group.process_group_for_command():
+        metrics = replay(args.run, args.algo, args.output_dir, overrides, args.iterations)
+        main = process_group.is_main()
+    if main:
+        print_metrics(metrics)
+        print(f"replay written to {args.output_dir} (metrics.jsonl, steps.jsonl)")
+    return 0

@@ -1,0 +1,63 @@
+"""``stppo train``: train a policy with a PPO-family algorithm (``torchrun ... -m stppo_agent.cli train`` for
+several processes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from stppo_agent.cli.arguments import positive_int
+
+
+def add_parser(commands) -> None:
+    from stppo_agent.plugins.loader import add_import_argument
+
+    train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
+    train.add_argument("--algo", default=None, help="ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, ...")
+    train.add_argument("--env", default=None, help="comma-separated env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
+    train.add_argument("--model", default=None, help="Hugging Face folder or hub name; 'smollm2' for the default")
+    train.add_argument("--output-dir", default=None, help="run folder")
+    train.add_argument("--iterations", type=positive_int, default=None,
+                       help="iterations (default: the config's, else 100)")
+    train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
+    add_import_argument(train, recorded=True)
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the run folder's last valid checkpoint, with the run's own config.yaml "
+                            "unless --config is given")
+    train.add_argument("--overwrite", action="store_true", help="replace the run the output folder holds")
+    train.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stppo_agent.distributed import process_group
+
+    with process_group.process_group_for_command():  # under torchrun: gloo on CPU, NCCL on GPUs
+        metrics, main = _train(args), process_group.is_main()
+    if main:  # asked inside: once the group is left, every process is rank 0
+        print_metrics(metrics)
+    return 0
+
+
+def print_metrics(metrics: dict) -> None:
+    print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
+
+
+def _train(args: argparse.Namespace) -> dict:
+    from stppo_agent.models.default_model import resolve_model
+    from stppo_agent.plugins.loader import portable_specs
+    from stppo_agent.plugins.name_checks import check_train_config
+    from stppo_agent.training.config import load_config
+    from stppo_agent.training.trainer import Trainer
+
+    config_file = args.config
+    if args.resume and config_file is None and args.output_dir and (Path(args.output_dir) / "config.yaml").exists():
+        config_file = str(Path(args.output_dir) / "config.yaml")  # the run's own settings, resolved algorithm too
+    config = load_config(config_file, args.overrides, algo=args.algo, env=args.env, model=args.model,
+                         output_dir=args.output_dir, iterations=args.iterations)
+    config.plugins = portable_specs([*config.plugins, *args.imports])
+    check_train_config(config)  # plugins imported, then every name checked before a model loads
+    config.model = resolve_model(config.model) if config.model else config.model
+    return Trainer(config, resume=args.resume, overwrite=args.overwrite).train()

@@ -1,0 +1,1 @@
+"""Agents, benchmark evaluation, results files and their comparison."""

@@ -1,0 +1,92 @@
+"""Comparing evaluation records (refusing apples to oranges)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+# Provenance fields that may differ between records that are still comparable: they identify the contestant,
+# or only say where the data and index lived (their content is compared through dataset_sha256 and retriever_id:
+# the same index under two paths compares, a rebuilt index at the same path does not).
+CONTESTANT_FIELDS = ("agent", "dataset", "retriever")
+
+
+class ProvenanceMismatchError(ValueError):
+    """Two results were produced under different conditions (data, retriever, prompt, limits, ...)."""
+
+
+def load_results(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no results.json at {path}; produce one with `stppo eval ... --output-dir DIR`")
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable results.json ({exc})") from exc
+    if not isinstance(results, list) or not all(isinstance(r, dict) and {"benchmark", "metrics"} <= set(r)
+                                                for r in results):
+        raise ValueError(f"{path} is not a results.json of `stppo eval` (a list of benchmark records)")
+    return results
+
+
+def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Fields (other than the contestant's identity) whose values differ across records of one benchmark."""
+    keys = sorted({k for r in records for k in r["provenance"]} - set(CONTESTANT_FIELDS))
+    differences = {}
+    for key in keys:
+        values = [r["provenance"].get(key) for r in records]
+        if any(v != values[0] for v in values):
+            differences[key] = values
+    return differences
+
+
+SEARCH_ERROR_TOLERANCE = 0.005
+"""Search-error rates further apart than this make results incomparable: the scores then differ by retriever
+failures, not by agents."""
+
+
+def search_error_differences(records: Sequence[dict[str, Any]]) -> list[float] | None:
+    rates = [float(r["metrics"].get("search_error_rate", 0.0)) for r in records]
+    return rates if rates and max(rates) - min(rates) > SEARCH_ERROR_TOLERANCE else None
+
+
+COMPARED_METRICS = (("em", "EM"), ("acc", "acc"), ("f1", "F1"), ("answer_rate", "answer rate"),
+                    ("invalid_action_rate", "invalid rate"), ("search_error_rate", "search errors"),
+                    ("mean_turns", "turns"), ("mean_search_calls", "searches"), ("n", "n"))
+
+
+def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[str], force: bool = False) -> str:
+    """Every metric per benchmark, one column per result set; mismatched provenance raises unless ``force``."""
+    benchmarks = sorted({r["benchmark"] for results in result_sets for r in results})
+    warnings = []
+    header = ["benchmark", "metric", *labels]
+    rows = []
+    for benchmark in benchmarks:
+        records = [next((r for r in results if r["benchmark"] == benchmark), None) for results in result_sets]
+        present = [r for r in records if r is not None]
+        differences = provenance_differences(present)
+        error_rates = search_error_differences(present)
+        if error_rates:
+            differences["search_error_rate"] = [round(rate, 4) for rate in error_rates]
+        if differences:
+            detail = "; ".join(f"{k}: {v}" for k, v in differences.items())
+            if not force:
+                raise ProvenanceMismatchError(
+                    f"{benchmark}: results are not comparable ({detail}); rerun under the same settings or pass "
+                    "--force to print them flagged")
+            warnings.append(f"!! {benchmark} NOT COMPARABLE: {detail}")
+        name = benchmark + (" (!)" if differences else "")
+        for key, title in COMPARED_METRICS:
+            if not any(r is not None and key in r["metrics"] for r in records):
+                continue
+            cells = ["-" if r is None or key not in r["metrics"] else
+                     (str(r["metrics"][key]) if key == "n" else f"{r['metrics'][key]:.3f}") for r in records]
+            rows.append([name, title, *cells])
+            name = ""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+             for row in [header, ["-" * w for w in widths], *rows]]
+    return "\n".join(lines + warnings)

@@ -1,0 +1,1 @@
+"""Loading actors, critics and tokenizers; numeric precision; the default model."""

@@ -1,0 +1,1 @@
+"""Watching a training run: collapse rules, the guard that rolls back, per-step diagnostics."""

@@ -1,0 +1,144 @@
+"""What the trainer does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``on_collapse``):
+
+- ``warn``: a clear line (which signals, their values, their recent range) and the event in ``metrics.jsonl``;
+- ``stop``: also checkpoints and stops (:class:`CollapseStopped`) with advice;
+- ``rollback``: restores the newest *healthy* checkpoint taken before the collapse began, scales the actor's
+  learning rate by ``rollback_lr_factor`` and continues, at most ``max_rollbacks`` times (then it stops). The
+  factor compounds (x0.5 twice is x0.25, whichever checkpoint each rollback returns to) and survives ``--resume``;
+  ``collapse/lr_scale`` and ``collapse/actor_lr`` log the scale and the rate from then on.
+  Iterations keep counting (they are rollouts spent); the checkpoints written during the collapse are moved
+  aside to ``checkpoints/.collapsed-step-N`` (kept for inspection, never resumed from), and the restored state
+  is saved at once as the current iteration's checkpoint, so ``--resume`` continues the rolled-back run.
+
+A checkpoint is *healthy* when the iteration that made it and the next one (whose rollouts its weights sampled)
+tripped no signal (:func:`stppo_agent.runs.checkpoint_health.healthy_steps`). Pruning keeps the newest healthy
+checkpoint and the best one (by :func:`stppo_agent.runs.checkpoint_health.checkpoint_reward`) besides the
+``keep_checkpoints`` newest.
+
+The first process decides (it holds the run's metrics); every process carries out the decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from stppo_agent.distributed import process_group
+from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings, Verdict
+from stppo_agent.runs.checkpoint import list_checkpoints, set_aside, valid_checkpoints
+from stppo_agent.runs.checkpoint_health import best_step, healthy_steps
+
+
+class CollapseStopped(RuntimeError):
+    """The collapse monitor stopped the run (``on_collapse=stop``, or rollbacks exhausted)."""
+
+
+@dataclasses.dataclass
+class Decision:
+    action: str
+    """warn, stop or rollback."""
+    message: str
+    rollback_to: int | None = None
+
+    @property
+    def stops(self) -> bool:
+        return self.action == "stop"
+
+
+_KEPT_KEYS = ("step", "reward", "collapse/tripped", "collapse/alarm", "collapse/warmup")
+
+
+class CollapseGuard:
+    def __init__(self, trainer):
+        self.trainer, self.config = trainer, trainer.config
+        self.monitor = CollapseMonitor(MonitorSettings.from_config(self.config))
+        self.records: list[dict[str, Any]] = []  # what checkpoint health needs, per logged iteration
+        self.rollbacks = 0
+        if process_group.is_main():
+            from stppo_agent.runs.metrics_log import read_metrics
+
+            past = read_metrics(trainer.run_dir)  # already cut back to the resumed checkpoint
+            self.monitor.replay(past)
+            self.records = [_kept(r) for r in past]
+            self.rollbacks = sum("collapse/rollback_to" in r for r in past)
+
+    # -- every iteration -----------------------------------------------------------------------------------
+    def check(self, iteration: int, metrics: dict[str, Any]) -> Decision | None:
+        """Score the iteration; adds ``collapse/...`` keys to ``metrics``; carries out a rollback at once."""
+        decision = None
+        if process_group.is_main():
+            verdict = self.monitor.observe(iteration, metrics)
+            metrics.update(verdict.metrics())
+            self.records.append(_kept({**metrics, "step": iteration}))
+            if verdict.alarm:
+                decision = self._decide(verdict)
+        if process_group.world_size() > 1:
+            decision = process_group.all_gather_objects(decision)[0]
+        if decision is None:
+            return None
+        self.trainer.report(decision.message)
+        metrics["collapse/action"] = decision.action
+        if decision.action == "rollback":
+            lr_scale = self._roll_back(decision.rollback_to)
+            metrics.update({"collapse/rollback_to": decision.rollback_to, "collapse/lr_scale": lr_scale,
+                            "collapse/actor_lr": self.trainer.actor_scheduler.get_last_lr()[0]})
+        return decision
+
+    def _decide(self, verdict: Verdict) -> Decision:
+        config = self.config
+        head = f"collapse alarm at iteration {verdict.iteration} (signals since iteration {verdict.onset}): " \
+               f"{verdict.describe()}"
+        healthy = healthy_steps(self.records, valid_checkpoints(self.trainer.run_dir))
+        known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
+        if config.on_collapse == "warn":
+            return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
+                                    f"falls, lower actor_lr or use --set on_collapse=rollback.")
+        if config.on_collapse == "rollback":
+            if self.rollbacks >= config.max_rollbacks:
+                return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (max_rollbacks="
+                                        f"{config.max_rollbacks}): stopping; {known}. The collapse is not only "
+                                        "the learning rate: check the rewards and the data, or lower actor_lr "
+                                        "and clip_high further.")
+            if not healthy:
+                return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every save_every="
+                                        f"{config.save_every} iterations; a healthy one needs two quiet "
+                                        "iterations). Stopping; lower actor_lr, or save more often.")
+            factor = config.rollback_lr_factor
+            rate = config.actor_lr * self.trainer.actor_lr_scale * factor  # compounded over earlier rollbacks
+            return Decision("rollback", f"{head}. Rolling back to step-{healthy[-1]} with the actor learning "
+                                        f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
+                                        f"{config.max_rollbacks}).", rollback_to=healthy[-1])
+        return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
+                                f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
+
+    # -- rollback ----------------------------------------------------------------------------------------
+    def _roll_back(self, step: int) -> float:
+        from stppo_agent.monitoring.rollback import restore_training_state
+
+        run_dir = self.trainer.run_dir
+        folder = run_dir / "checkpoints" / f"step-{step}"
+        lr_scale = restore_training_state(self.trainer, folder, self.config.rollback_lr_factor)
+        if process_group.is_main():
+            for later in (s for s in list_checkpoints(run_dir) if s > step):
+                set_aside(run_dir / "checkpoints" / f"step-{later}", "collapsed")
+            self.monitor.forget_after(step)
+        process_group.barrier()
+        self.rollbacks += 1
+        return lr_scale
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def protected_steps(self) -> set[int]:
+        """Checkpoints pruning must keep: the newest healthy one and the best one."""
+        steps = list_checkpoints(self.trainer.run_dir)
+        healthy = healthy_steps(self.records, steps)
+        best = best_step(self.records, steps)
+        return {s for s in (healthy[-1] if healthy else None, best) if s is not None}
+
+
+def stop_advice(decision: Decision, checkpoint: Path) -> str:
+    return f"{decision.message} The state at the alarm is saved in {checkpoint}."
+
+
+def _kept(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: record[key] for key in _KEPT_KEYS if key in record}

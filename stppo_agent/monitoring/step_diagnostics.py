@@ -1,0 +1,168 @@
+"""Per-optimizer-step diagnostics of a PPO-family update, and the iteration means the trainer logs.
+
+Within one iteration the first mini-batch of the first epoch is *on-policy*: the actor has not moved since the
+old log-probs were taken, so every ratio is exactly 1 and nothing is clipped. Every later step is *off-policy*.
+That is where token- and turn-level clipping differ and where the clip-bias correction acts, so the iteration
+means are also given over the off-policy steps alone (``offpolicy/...``): averaged with the on-policy step they
+are diluted, and with one mini-batch per iteration they do not exist.
+
+:class:`StepDiagnostics` (``step_diagnostics=true``; on by default in ``stppo replay``) writes one record per
+optimizer step to ``steps.jsonl``:
+
+    iteration, step (optimizer steps so far), minibatch (0-based within the iteration), on_policy,
+    grad_cos_to_first   cosine between this step's actor gradient and the iteration's first (on-policy) one
+    ratio_max/p99/min   token ratios exp(logp - old_logp) over policy tokens
+    turn_ratio_max/p99/min  turn ratios: exp of the mean token log-ratio of each (trajectory, turn)
+    token_outside_frac, turn_outside_frac   share of policy tokens / of turns whose token / turn ratio left
+                        [1 - clip_low, 1 + clip_high], whatever the algorithm's ratio level: what token-level
+                        and turn-level PPO would clip here, up to the sign of the advantage
+    clip_frac, turn_clip_frac, clip_bias_norm (||C||, measured for every algorithm), clip_bias_scale
+    (ST-PPO / S-PPO only), grad_norm, pg_grad_norm
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from stppo_agent.algorithms.segments import quantile, segment_counts, segment_sum, turn_segment_ids
+from stppo_agent.distributed import process_group
+from stppo_agent.runs.metrics_log import json_value
+
+OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "clip_bias_scale", "clip_bias_norm", "grad_cos_to_first",
+                   "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99",
+                   "tail/token_outside_frac", "tail/turn_outside_frac")
+
+
+class StepMeans:
+    """Means over an iteration's optimizer steps of every metric, plus ``offpolicy/K`` for the keys that tell
+    whether clipping and the correction acted (means over the off-policy steps; absent when there were none)."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, float], on_policy: bool) -> None:
+        for key, value in metrics.items():
+            self._add(key, value)
+            if not on_policy and key in OFF_POLICY_KEYS:
+                self._add(f"offpolicy/{key}", value)
+        if not on_policy:
+            self._add("offpolicy/steps", 1.0)
+
+    def _add(self, key: str, value: float) -> None:
+        self.sums[key] += value
+        self.counts[key] += 1
+
+    def means(self) -> dict[str, float]:
+        out = {key: self.sums[key] / self.counts[key] for key in self.sums}
+        if "offpolicy/steps" in self.sums:
+            out["offpolicy/steps"] = self.sums["offpolicy/steps"]  # a count, not a mean
+        return out
+
+
+class StepDiagnostics:
+    """Collects what one optimizer step saw (``observe_micro`` for each micro-batch) and, before the optimizer
+    moves the weights, measures the gradient (``finish_step``). The tails are exact over the whole global
+    mini-batch: under data parallelism every rank's ratios are gathered (a collective in ``finish_step``), so
+    every rank logs, and the collapse monitor on every rank judges, the same values."""
+
+    def __init__(self, path: Path | None, sharded: bool = False, start_iteration: int = 0,
+                 clip_low: float = 0.2, clip_high: float = 0.2, gradients: bool = True):
+        """``path`` None: nothing is written (the tails still go into the iteration means, for the collapse
+        monitor); ``gradients`` False: no gradient cosine (it copies every gradient once per step)."""
+        self.path, self.sharded, self.gradients = path, sharded, gradients
+        self.log_low, self.log_high = math.log(1 - clip_low), math.log1p(clip_high)
+        self.iteration, self.minibatch, self.reference = 0, 0, None
+        self.token_log_ratios: list[torch.Tensor] = []
+        self.turn_log_ratios: list[torch.Tensor] = []
+        if path is not None and path.exists():  # on resume: drop the steps of iterations that will be redone
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and _iteration_of(line) <= start_iteration]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    @classmethod
+    def for_trainer(cls, trainer) -> "StepDiagnostics | None":
+        """Full diagnostics with ``step_diagnostics``; the ratio tails alone when only the collapse monitor needs
+        them; None when neither is on."""
+        config = trainer.config
+        if not config.step_diagnostics and config.on_collapse == "none":
+            return None
+        return cls(trainer.run_dir / "steps.jsonl" if config.step_diagnostics else None, trainer.sharded,
+                   trainer.iteration, trainer.algo.clip_low, trainer.algo.clip_high,
+                   gradients=config.step_diagnostics)
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration, self.minibatch, self.reference = iteration, 0, None
+
+    @torch.no_grad()
+    def observe_micro(self, micro, logprobs: torch.Tensor) -> None:
+        mask = micro.loss_mask
+        log_ratio = torch.where(mask, logprobs.detach().float() - micro.old_logprobs.float(),
+                                torch.zeros((), device=logprobs.device))
+        self.token_log_ratios.append(log_ratio[mask].cpu())
+        ids, segments = turn_segment_ids(micro.turn_ids, mask)
+        counts = segment_counts(ids, segments, mask, log_ratio.dtype)
+        sums = segment_sum(log_ratio, ids, segments)
+        present = counts > 0
+        self.turn_log_ratios.append((sums[present] / counts[present]).cpu())
+
+    @torch.no_grad()
+    def finish_step(self, parameters: list[torch.nn.Parameter], metrics: dict[str, float],
+                    optimizer_steps: int) -> dict[str, float]:
+        """Record this step; returns the diagnostics that also go into the iteration means."""
+        tails = self._tails()
+        out: dict[str, float] = {f"tail/{key}": value for key, value in tails.items()}
+        record = {"iteration": self.iteration, "step": optimizer_steps + 1, "minibatch": self.minibatch,
+                  "on_policy": self.minibatch == 0, **tails}
+        if self.gradients:
+            flat = torch.cat([process_group.local_tensor(p.grad).reshape(-1).float() if p.grad is not None
+                              else torch.zeros(process_group.local_tensor(p).numel(), device=p.device)
+                              for p in parameters])
+            if self.reference is None:
+                self.reference = flat.clone()
+            out["grad_cos_to_first"] = record["grad_cos_to_first"] = self._cosine(flat, self.reference)
+        for key in ("clip_frac", "turn_clip_frac", "clip_bias_norm", "clip_bias_scale", "grad_norm",
+                    "pg_grad_norm"):
+            if key in metrics:
+                record[key] = metrics[key]
+        if self.path is not None and process_group.is_main():
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({k: json_value(v) for k, v in record.items()}) + "\n")
+        self.minibatch += 1
+        self.token_log_ratios, self.turn_log_ratios = [], []
+        return out
+
+    def _cosine(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        sums = torch.stack([(a.double() * b.double()).sum(), (a.double() ** 2).sum(), (b.double() ** 2).sum()])
+        if self.sharded:  # each rank holds a disjoint shard of every gradient
+            sums = process_group.all_reduce_sum(sums)
+        dot, aa, bb = sums.tolist()
+        return dot / math.sqrt(aa * bb) if aa > 0 and bb > 0 else 0.0
+
+    def _tails(self) -> dict[str, float]:
+        out = {}
+        local = [torch.cat(parts) if parts else torch.zeros(0) for parts in (self.token_log_ratios,
+                                                                            self.turn_log_ratios)]
+        if process_group.world_size() > 1:  # quantiles and shares of the global mini-batch need every rank's values
+            everyone = process_group.all_gather_objects(local)
+            local = [torch.cat([rank_values[i] for rank_values in everyone]) for i in range(2)]
+        for name, values in zip(("ratio", "turn_ratio"), local):
+            if values.numel():
+                out[f"{name}_max"] = math.exp(float(values.max()))
+                out[f"{name}_p99"] = math.exp(quantile(values, 0.99))
+                out[f"{name}_min"] = math.exp(float(values.min()))
+                outside = (values > self.log_high) | (values < self.log_low)
+                out[f"{'token' if name == 'ratio' else 'turn'}_outside_frac"] = float(outside.double().mean())
+        return out
+
+
+def _iteration_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("iteration", 0))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return 1 << 62  # a torn line: dropped

@@ -1,0 +1,1 @@
+"""User extensions (--import) and did-you-mean checks of names."""

@@ -1,0 +1,196 @@
+"""Checkpoints as Hugging Face folders plus trainer state, written atomically and verified before loading.
+
+    checkpoints/step-N/
+      actor/              save_pretrained (safetensors) + tokenizer: AutoModelForCausalLM.from_pretrained works
+      critic/             AutoModelForTokenClassification folder (PPO family only)
+      trainer_state.pt    optimizer and scheduler state, torch RNG (torch.load(weights_only=True))
+      trainer_state.json  iteration, data position, python/numpy RNG, counters (human-readable)
+      manifest.json       sha256 and size of every file above, written last
+
+A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never leaves a
+half-written ``step-N``. On resume, the newest checkpoint whose manifest verifies is used; a corrupt one is
+reported and skipped, never loaded. Nothing is unpickled: weights are safetensors, state is weights_only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Collection
+
+import torch
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, mostly); nothing older was touched."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint's files do not match its manifest (or it has none)."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {str(p.relative_to(folder)): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    (folder / "manifest.json").write_text(json.dumps(files, indent=1, sort_keys=True))
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Raise :class:`CorruptCheckpointError` unless every file matches ``manifest.json``."""
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.exists():
+        raise CorruptCheckpointError(f"{folder} has no manifest.json (an interrupted or foreign write)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{folder}/manifest.json is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v)
+                                                 for v in manifest.values()):
+        raise CorruptCheckpointError(f"{folder}/manifest.json is not a mapping of file -> {{sha256, bytes}}")
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
+    unlisted = sorted(present - set(manifest))
+    if unlisted or not manifest:  # a manifest must vouch for every file, or truncated weights would load
+        raise CorruptCheckpointError(f"{folder}/manifest.json does not list {', '.join(unlisted) or 'any file'}")
+    for name, expected in manifest.items():
+        path = folder / name
+        if not path.exists():
+            raise CorruptCheckpointError(f"{folder}: {name} is missing")
+        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+            raise CorruptCheckpointError(f"{folder}: {name} does not match its checksum (corrupt or edited)")
+
+
+def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tensor_state: dict[str, Any],
+                    json_state: dict[str, Any], keep: int, actor_state: dict | None = None,
+                    critic_state: dict | None = None, protect: Collection[int] = ()) -> Path:
+    """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest, except the steps in
+    ``protect`` (a known-healthy and a best checkpoint). ``actor_state`` / ``critic_state``: full state dicts to
+    write instead of the modules' own (gathered from FSDP2 shards)."""
+    from stppo_agent.models.loading import save_critic
+
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    scratch = root / f".step-{step}.tmp"
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir()
+    try:
+        actor.save_pretrained(scratch / "actor", state_dict=actor_state, safe_serialization=True)
+        tokenizer.save_pretrained(scratch / "actor")
+        if critic is not None:
+            save_critic(critic, scratch / "critic", critic_state)
+        torch.save(tensor_state, scratch / "trainer_state.pt")
+        (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
+        _write_manifest(scratch)
+    except Exception as exc:  # a full disk surfaces as OSError, or as safetensors' / torch's own error types
+        shutil.rmtree(scratch, ignore_errors=True)  # the partial copy would only hold on to the space
+        latest = max(list_checkpoints(run_dir), default=None)
+        kept = f"the newest complete checkpoint, step-{latest}, is intact" if latest is not None else \
+            "no complete checkpoint exists yet"
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {' '.join(str(exc).split())}. The partial copy was removed and "
+            f"{kept}: free disk space (or lower keep_checkpoints), then rerun with --resume") from exc
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(scratch, final)
+    _fsync_dir(root)
+    for old in sorted(list_checkpoints(run_dir))[:-keep]:
+        if old in protect:
+            continue
+        shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+    return final
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's CPU (gathered from FSDP2 shards; empty on other ranks).
+    A collective under FSDP2: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name, with full (unsharded) tensors on rank 0's CPU: loadable under
+    DDP or FSDP2 with any number of processes. A collective under FSDP2: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load :func:`full_optimizer_state`'s output (every rank passes the whole state; FSDP2 keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def list_checkpoints(run_dir: Path) -> list[int]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+
+
+def valid_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints that verify, oldest first (corrupt ones are left out silently)."""
+    valid = []
+    for step in list_checkpoints(run_dir):
+        try:
+            verify_checkpoint(run_dir / "checkpoints" / f"step-{step}")
+            valid.append(step)
+        except CorruptCheckpointError:
+            continue
+    return valid
+
+
+def set_aside(folder: Path, prefix: str) -> Path:
+    """Rename ``checkpoints/step-N`` to ``checkpoints/.{prefix}-step-N`` (replacing an older one): kept for
+    inspection, invisible to resume and pruning."""
+    aside = folder.with_name(f".{prefix}-{folder.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    return aside
+
+
+def latest_valid_checkpoint(run_dir: Path, report=print) -> Path | None:
+    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+    for step in reversed(list_checkpoints(run_dir)):
+        folder = run_dir / "checkpoints" / f"step-{step}"
+        try:
+            verify_checkpoint(folder)
+            return folder
+        except CorruptCheckpointError as exc:
+            report(f"skipping corrupt checkpoint: {exc}")
+    return None
+
+
+def load_trainer_state(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    verify_checkpoint(folder)
+    tensors = torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=True)
+    return tensors, json.loads((folder / "trainer_state.json").read_text())

@@ -1,0 +1,181 @@
+"""The PPO update of one iteration: epochs over shuffled global mini-batches, gradient accumulation over
+micro-batches, the clip-bias correction, gradient clipping, optimizer steps, and skipping (then stopping on)
+non-finite steps. Counters that a checkpoint keeps (optimizer steps, NaN skips) stay on the trainer."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from stppo_agent.algorithms import ClipBiasCorrector, get_policy_loss, value_loss
+from stppo_agent.distributed import process_group
+from stppo_agent.monitoring.step_diagnostics import StepMeans
+from stppo_agent.rollouts.batch import RolloutBatch
+from stppo_agent.rollouts.global_batch import gather_global_batch, mini_batch_rows
+from stppo_agent.rollouts.statistics import StepMetrics
+from stppo_agent.training.log_probs import critic_values, length_sorted_micro_batches, token_logprobs
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many consecutive updates had NaN/inf losses or gradients."""
+
+
+class PPOUpdate:
+    """The update step of a :class:`~stppo_agent.training.trainer.Trainer`, reading its models, optimizers and
+    settings."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """PPO epochs over this rank's scored share of the batch. The mini-batches are global: with several
+        processes every rank gathers the global batch and takes its rows of each global mini-batch
+        (:mod:`stppo_agent.rollouts.global_batch`), so the steps are those of one process on the global batch."""
+        trainer = self.trainer
+        config = trainer.config
+        means = StepMeans()
+        tokens, started = 0, time.perf_counter()
+        generator = torch.Generator().manual_seed(config.seed + trainer.iteration)
+        if trainer.diagnostics is not None:
+            trainer.diagnostics.begin_iteration(trainer.iteration + 1)
+        if trainer.world > 1:
+            batch = gather_global_batch(batch, trainer.tokenizer.pad_token_id)
+        size = config.mini_batch_size
+        total_steps, step = config.ppo_epochs * math.ceil(batch.batch_size / size), 0
+        for epoch in range(config.ppo_epochs):
+            order = torch.randperm(batch.batch_size, generator=generator)
+            for start in range(0, batch.batch_size, size):
+                mini = batch.select(mini_batch_rows(order, start, size, trainer.rank, trainer.world))
+                step += 1
+                trainer.phase(f"update step {step}/{total_steps}")
+                step_metrics = self._optimizer_step(mini)
+                tokens += int(mini.loss_mask.sum())
+                means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet
+        metrics = means.means()
+        metrics["update_tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
+        metrics["nan_skips_total"] = trainer.nan_skips_total
+        metrics["actor_lr"] = trainer.actor_scheduler.get_last_lr()[0]
+        return metrics
+
+    def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
+        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation."""
+        trainer = self.trainer
+        metrics = self._actor_step(mini)
+        if trainer.critic is not None:
+            metrics.update(self._critic_step(mini))
+        return metrics
+
+    def _micro_batches(self, mini: RolloutBatch, ddp_module: torch.nn.Module | None = None):
+        """Length-grouped, trimmed micro-batches of ``mini``; under DDP, gradients are all-reduced only after
+        the last one."""
+        trainer = self.trainer
+        micros = [micro for _, micro in length_sorted_micro_batches(mini, trainer.config.micro_batch_size)]
+        for number, micro in enumerate(micros):
+            last = number == len(micros) - 1
+            if ddp_module is not None and hasattr(ddp_module, "no_sync") and not last:
+                with ddp_module.no_sync():
+                    yield micro
+            else:
+                yield micro
+
+    def _global_counts(self, mini: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy tokens and trajectories of the *global* mini-batch, divided by the number of ranks: DDP
+        averages gradients over ranks, so each rank normalises by global / world to get the global mean."""
+        trainer = self.trainer
+        counts = torch.stack([mini.loss_mask.sum(), mini.loss_mask.any(1).sum()]).float()
+        tokens, seqs = process_group.all_reduce_sum(counts) / trainer.world
+        return tokens.clamp(min=1 / trainer.world), seqs.clamp(min=1 / trainer.world)
+
+    def actor_gradients(self, mini: RolloutBatch) -> dict[str, float]:
+        """Fill the actor's ``.grad`` for one optimizer step over ``mini`` (clip-bias correction and gradient
+        clipping included) and return the step's metrics; ``grad_norm`` is NaN when the step must be skipped."""
+        trainer = self.trainer
+        algo, loss_fn = trainer.algo, get_policy_loss(trainer.algo.policy_loss)
+        params = [p for p in trainer.actor.parameters() if p.requires_grad]
+        # With step diagnostics, ||C|| is measured for every algorithm (only S-PPO / ST-PPO rescale by it).
+        corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=trainer.sharded,
+                                      rescale=algo.clip_bias_correction) \
+            if algo.clip_bias_correction or trainer.config.step_diagnostics else None
+        global_tokens, global_seqs = self._global_counts(mini)
+        trainer.actor_optimizer.zero_grad(set_to_none=True)
+        step_metrics = StepMetrics()
+        finite = torch.ones((), device=trainer.device)
+        for micro in self._micro_batches(mini, trainer.actor_train):
+            logprobs, entropy = token_logprobs(trainer.actor_train, micro, with_entropy=True,
+                                               entropy_grad=algo.entropy_coef > 0, sampling=trainer.config.sampling())
+            loss, bias, metrics = loss_fn(
+                logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
+                loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
+                ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy,
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+            finite = finite * torch.isfinite(loss)
+            if trainer.diagnostics is not None:
+                trainer.diagnostics.observe_micro(micro, logprobs)
+            if corrector is not None:
+                corrector.accumulate(bias, anchor=logprobs)
+            loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
+            step_metrics.add(metrics, micro.loss_mask.sum())
+        out = step_metrics.reduce()
+        if corrector is not None:
+            corrector.all_reduce()
+            out.update({k: float(v) for k, v in corrector.apply().items()})
+        grad_norm = process_group.clip_grad_norm(params, trainer.config.max_grad_norm)
+        ok = bool(process_group.all_reduce_sum(finite) == trainer.world) and bool(torch.isfinite(grad_norm))
+        out["grad_norm"] = float(grad_norm) if ok else math.nan
+        return out
+
+    def _actor_step(self, mini: RolloutBatch) -> dict[str, float]:
+        trainer = self.trainer
+        out = self.actor_gradients(mini)
+        if not math.isfinite(out["grad_norm"]):
+            return self._skip_step(out, "actor")
+        if trainer.diagnostics is not None:  # the gradient the optimizer is about to apply
+            params = [p for p in trainer.actor.parameters() if p.requires_grad]
+            out.update(trainer.diagnostics.finish_step(params, out, trainer.optimizer_steps))
+        trainer.nan_skips_in_a_row = 0
+        trainer.actor_optimizer.step()
+        trainer.actor_scheduler.step()
+        trainer.optimizer_steps += 1
+        return out
+
+    def _skip_step(self, metrics: dict[str, float], which: str) -> dict[str, float]:
+        trainer = self.trainer
+        trainer.actor_optimizer.zero_grad(set_to_none=True)
+        if trainer.critic_optimizer is not None:
+            trainer.critic_optimizer.zero_grad(set_to_none=True)
+        trainer.nan_skips_in_a_row += 1
+        trainer.nan_skips_total += 1
+        trainer.report(f"iteration {trainer.iteration + 1}: non-finite {which} loss or gradient; update skipped "
+                    f"({trainer.nan_skips_in_a_row} in a row)")
+        if trainer.nan_skips_in_a_row > trainer.config.max_nan_skips:
+            raise TrainingDivergedError(
+                f"{trainer.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
+                f"The last valid checkpoint is in {trainer.run_dir / 'checkpoints'}; lower the learning rate, "
+                "raise max_grad_norm headroom, or check the data and rewards, then --resume.")
+        metrics["skipped"] = 1.0
+        return metrics
+
+    def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
+        trainer = self.trainer
+        global_tokens, _ = self._global_counts(mini)
+        trainer.critic_optimizer.zero_grad(set_to_none=True)
+        step_metrics = StepMetrics()
+        finite = torch.ones((), device=trainer.device)
+        for micro in self._micro_batches(mini, trainer.critic_train):
+            values = critic_values(trainer.critic_train, micro)
+            loss, metrics = value_loss(values=values, old_values=micro.values, returns=micro.returns,
+                                       loss_mask=micro.loss_mask, config=trainer.algo, global_num_tokens=global_tokens)
+            finite = finite * torch.isfinite(loss)
+            loss.backward()
+            step_metrics.add(metrics, micro.loss_mask.sum())
+        totals = step_metrics.reduce()
+        grad_norm = process_group.clip_grad_norm(list(trainer.critic.parameters()), trainer.config.max_grad_norm)
+        totals["critic_grad_norm"] = float(grad_norm)
+        all_finite = bool(process_group.all_reduce_sum(finite) == trainer.world)
+        if not (all_finite and math.isfinite(totals["critic_grad_norm"])):
+            return self._skip_step(dict(totals), "critic")
+        trainer.critic_optimizer.step()
+        trainer.critic_scheduler.step()
+        return dict(totals)

@@ -1,0 +1,175 @@
+"""``stppo replay``: apply an algorithm's updates to the batches a run recorded (``save_rollouts=true``).
+
+The replay starts from the recorded run's initial weights (``rollouts/initial/``) and, iteration by iteration,
+scores and updates on the recorded batch instead of generating one: the same data under a different update
+rule, a comparison no live run can give (a live run's data depends on its own earlier updates). It logs the
+same ``metrics.jsonl`` as training and, by default, per-step diagnostics in ``steps.jsonl``
+(:mod:`stppo_agent.monitoring.step_diagnostics`). Replaying with the recorded run's own algorithm and config reproduces
+its logged update metrics exactly.
+
+Replaying iteration k through algorithm B means: the batch that A's policy sampled at iteration k, scored and
+updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
+recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
+(old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B.
+
+The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
+the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay through another
+algorithm therefore keeps the recorded run's resolved correction and cap; the level follows the replayed rule as
+``auto`` would have chosen it (turn level for turn-level rules) unless the recorded run set it explicitly. An
+explicit ``--set algorithm.rollout_correction...`` wins. The replay says which it used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from stppo_agent.algorithms import resolve_rollout_correction
+from stppo_agent.distributed import process_group
+from stppo_agent.rollouts.batch import RolloutBatch
+from stppo_agent.runs.recording import (
+    check_iteration_files,
+    load_batch,
+    load_iteration,
+    read_format,
+    recorded_iterations,
+    tokenizer_fingerprint,
+)
+from stppo_agent.training.config import TrainConfig, load_config
+
+# The distribution the recorded tokens were sampled from: a property of the data, never changed by a replay.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+# Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
+_REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retriever": False}
+
+
+class RecordedRollouts:
+    """A rollout source that serves a run's recorded batches, iteration by iteration, to any number of processes.
+
+    An iteration recorded by as many processes as replay it gives each rank the share that rank sampled. Otherwise
+    the iteration's shares are merged into the whole batch (:func:`~stppo_agent.runs.recording.load_iteration`) and
+    rank r takes prompts ``r::world``, as a live run with this many processes would have sampled them; every row
+    of every iteration is used either way."""
+
+    def __init__(self, trainer, run_dir: Path):
+        self.folder = Path(run_dir) / "rollouts"
+        meta = read_format(self.folder)
+        mine = tokenizer_fingerprint(trainer.tokenizer)
+        if mine != meta["tokenizer"]:
+            differing = sorted(k for k in mine if mine[k] != meta["tokenizer"].get(k))
+            raise ValueError(f"tokenizer mismatch: the model's tokenizer differs from the one that recorded {run_dir} "
+                             f"({', '.join(differing)}); recorded token ids would mean other text")
+        self.rank, self.world, self.pad_id = trainer.rank, trainer.world, trainer.tokenizer.pad_token_id
+        self.iterations = recorded_iterations(self.folder, 0)
+
+    def next_batch(self, iteration: int) -> RolloutBatch:
+        number = iteration + 1
+        if check_iteration_files(self.folder, number) == self.world:
+            return load_batch(self.folder, number, self.rank)
+        whole = load_iteration(self.folder, number, self.pad_id)
+        groups = torch.unique(whole.group_ids)
+        if self.world > 1 and len(groups) % self.world:
+            raise ValueError(f"recorded iteration {number} holds {len(groups)} prompts, which {self.world} processes "
+                             "cannot share evenly: replay it with a number of processes that divides that")
+        if self.world == 1:
+            return whole
+        return whole.select(torch.isin(whole.group_ids, groups[self.rank::self.world]).nonzero().flatten())
+
+    def state(self) -> dict:
+        return {}
+
+    def load(self, state: dict) -> None:
+        pass
+
+
+def recorded_config(run_dir: str | Path) -> TrainConfig:
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run folder ({path} is missing)")
+    return load_config(path)
+
+
+def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
+                  iterations: int | None = None) -> TrainConfig:
+    """The recorded run's config with ``algo``, the replay's own folder, the initial weights and ``overrides``.
+
+    Algorithm overrides recorded for the original algorithm are kept only when replaying that same algorithm.
+    """
+    run_dir = Path(run_dir)
+    original = recorded_config(run_dir)
+    folder = run_dir / "rollouts"
+    read_format(folder)  # a clear error for a run without recordings, before anything is loaded
+    available = recorded_iterations(folder, 0)
+    if not available:
+        raise FileNotFoundError(f"{folder} holds no recorded iteration")
+    if available != list(range(1, len(available) + 1)):
+        raise ValueError(f"{folder}: recorded iterations are not 1..N ({available[:5]}...); was the run resumed "
+                         "from a checkpoint after deleting recordings?")
+    for number in available:  # every rank's share of every iteration, or a clear refusal before any model loads
+        check_iteration_files(folder, number)
+    values = dataclasses.asdict(original)
+    same_algo = algo is None or algo == original.algo
+    values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,
+                  algorithm=values["algorithm"] if same_algo else recorded_correction(original),
+                  iterations=len(available),
+                  step_diagnostics=True, model=str(folder / "initial" / "actor"))
+    initial_critic = folder / "initial" / "critic"
+    values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
+    config = load_config(None, list(overrides), **values)
+    changed = [name for name in SAMPLING_FIELDS if getattr(config, name) != getattr(original, name)]
+    if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
+        raise ValueError(f"a replay scores the recorded tokens with the settings that sampled them; "
+                         f"{', '.join(f'{n}={getattr(original, n)}' for n in changed)} recorded, "
+                         f"{', '.join(f'{n}={getattr(config, n)}' for n in changed)} asked: drop that --set")
+    if iterations is not None:
+        config.iterations = iterations
+    if config.iterations > len(available):
+        raise ValueError(f"iterations={config.iterations}: {run_dir} recorded only {len(available)}")
+    return config
+
+
+def recorded_correction(original: TrainConfig) -> dict:
+    """The rollout-correction fields the recorded run's batches call for, as algorithm overrides for another rule
+    (``auto`` resolved against the backend that sampled them, not against the replay's)."""
+    recorded = original.algorithm_config()
+    kept = {"rollout_correction": recorded.rollout_correction,
+            "rollout_correction_cap": recorded.rollout_correction_cap}
+    automatic = resolve_rollout_correction(dataclasses.replace(recorded, rollout_correction_level="auto"),
+                                           original.generation_backend).rollout_correction_level
+    if recorded.rollout_correction_level != automatic:  # set by hand for that run: keep it
+        kept["rollout_correction_level"] = recorded.rollout_correction_level
+    return kept
+
+
+def describe_correction(config: TrainConfig, original: TrainConfig, overrides: Sequence[str]) -> str:
+    algo, recorded = config.algorithm_config(), original.algorithm_config()
+    used = (f"{algo.rollout_correction} at {algo.rollout_correction_level} level, cap {algo.rollout_correction_cap:g}"
+            if algo.rollout_correction != "none" else "none")
+    if any(item.startswith("algorithm.rollout_correction") for item in overrides):
+        return f"rollout correction: {used} (set here; the recorded run used {recorded.rollout_correction})"
+    return (f"rollout correction: {used}, kept from the recorded run (its batches were sampled by "
+            f"{original.generation_backend}); --set algorithm.rollout_correction=none|tis|mis to change it")
+
+
+def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
+           iterations: int | None = None, report: Callable[[str], None] = print) -> dict:
+    """Replay ``run_dir``'s recorded batches through ``algo``; returns the last iteration's metrics."""
+    from stppo_agent.training.trainer import Trainer
+
+    config = replay_config(run_dir, algo, output_dir, overrides, iterations)
+    if Path(output_dir).resolve() == Path(run_dir).resolve():
+        raise ValueError("the replay's --output-dir must differ from the recorded run's folder")
+    trainer = Trainer(config, report=report, rollout_source=lambda t: RecordedRollouts(t, Path(run_dir)))
+    if process_group.is_main():
+        original = recorded_config(run_dir)
+        report(describe_correction(config, original, overrides))
+        (Path(output_dir) / "replay.json").write_text(json.dumps(
+            {"replay_of": str(Path(run_dir).resolve()), "recorded_algo": original.algo,
+             "algo": config.algo, "iterations": config.iterations,
+             "rollout_correction": trainer.algo.rollout_correction}, indent=1) + "\n")
+    return trainer.train()
