@@ -29,7 +29,13 @@ from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from stppo_agent.algorithms import ALGORITHMS, get_policy_loss  # noqa: E402
+from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
+from stppo_agent.integrations.verl import reward as verl_reward  # noqa: E402
+from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
+from stppo_envs.retrieval import Hit  # noqa: E402
+
+from .tiny_models import word_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -225,3 +231,114 @@ def test_presets_with_the_clip_bias_correction_refuse_without_its_engine(preset)
     with pytest.raises(bridge.ClipBiasEngineMissingError, match="clip-bias norm.*stppo_turn_ppo"):
         call_ppo_loss(actor_config(f"stppo_{preset}"), mask, old, new, advantages)
     assert get_policy_loss_fn(f"stppo_{preset}") is not None
+
+
+# -- point 5: the parquet export through verl's RLHFDataset, and the reward function against the env ------------------
+PER_BENCHMARK = 6
+
+
+class OnePassage:
+    def search(self, query, k=3):
+        return [Hit("7", 1.0, "Title", f"a passage about {query}")][:k]
+
+    def batch_search(self, queries, k=3):
+        return [self.search(q, k) for q in queries]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl_data")
+    return export.export_verl(list(BENCHMARKS), "test", out, limit=PER_BENCHMARK, max_turns=3, format_reward=0.2)
+
+
+def test_every_benchmark_is_exported_to_its_own_parquet(exported):
+    assert [p.name for p in exported] == [f"{name}_test.parquet" for name in BENCHMARKS]
+
+
+def test_the_parquet_loads_through_verls_rlhf_dataset_with_the_envs_prompts(exported, tmp_path):
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    config = OmegaConf.create({"cache_dir": str(tmp_path), "max_prompt_length": 4096, "prompt_key": "prompt"})
+    dataset = RLHFDataset([str(p) for p in exported], tokenizer, config)  # QA and MCQ files concatenated
+    assert len(dataset) == PER_BENCHMARK * len(BENCHMARKS)  # nothing filtered out as unreadable
+    for position, name in ((0, "nq"), (PER_BENCHMARK * list(BENCHMARKS).index("medqa") + 1, "medqa")):
+        row = dataset[position]
+        env = SearchQAEnv(name, split="test", retriever=OnePassage(), limit=PER_BENCHMARK, max_turns=3)
+        prompt, info = env.reset(options={"index": row["index"]})
+        assert row["raw_prompt"] == [{"role": "user", "content": prompt}]
+        assert row["data_source"] == name and row["extra_info"]["example_id"] == info["example_id"]
+        assert row["agent_name"] == export.TOOL_AGENT and row["reward_model"]["style"] == "rule"
+    assert dataset[0]["reward_model"]["ground_truth"]["choices"] == []
+    assert len(dataset[PER_BENCHMARK * list(BENCHMARKS).index("medqa")]["reward_model"]["ground_truth"]["choices"]) >= 2
+
+
+def scripts_for(example) -> list[list[str]]:
+    """Episodes with right, wrong, invalid, late and missing answers (the letter, a lower-case letter and the
+    option's text for multiple choice)."""
+    gold = example.answer_letter if example.is_multiple_choice else example.golden_answers[0]
+    answers = [gold, "certainly not this"]
+    if example.is_multiple_choice:
+        answers += [f"({gold.lower()})", example.choices[gold]]
+    episodes = [[f"<think>t</think><search> {example.question} </search>", f"<answer> {a} </answer>"]
+                for a in answers]
+    episodes += [
+        ["I think it is", f"<answer>{gold}</answer>"],                              # an invalid turn, then right
+        ["<search> q1 </search>", "<search> q2 </search>", f"<answer>{gold}</answer>"],  # the last turn answers
+        ["<search> q1 </search>", "<search> q2 </search>", "<search> q3 </search>"],    # truncated
+        [f"<answer>{gold}</answer><search> more </search>"],                       # first block decides
+        ["<search>unclosed", "<search> q </search>", "nothing"],                  # two invalid turns, no answer
+    ]
+    return episodes
+
+
+def play(env: SearchQAEnv, index: int, actions: list[str]) -> tuple[str, float]:
+    """(the response as the agent loop returns it: every turn and observation after the prompt, the env's reward)."""
+    env.reset(options={"index": index})
+    text, total = "", 0.0
+    for action in actions:
+        observation, step_reward, terminated, truncated, _ = env.step(action)
+        text += action + observation
+        total += step_reward
+        if terminated or truncated:
+            break
+    return text, total
+
+
+@pytest.mark.parametrize("benchmark", list(BENCHMARKS))
+def test_the_reward_function_scores_every_episode_as_the_env_does(exported, benchmark):
+    path = next(p for p in exported if p.name.startswith(f"{benchmark}_"))
+    rows = datasets_rows(path)
+    env = SearchQAEnv(benchmark, split="test", retriever=OnePassage(), limit=PER_BENCHMARK, max_turns=3,
+                      format_reward=0.2)
+    seen = set()
+    for row in rows:
+        example = env.examples[row["extra_info"]["index"]]
+        for actions in scripts_for(example):
+            response, expected = play(env, row["extra_info"]["index"], actions)
+            got = verl_reward.compute_score(row["data_source"], response, row["reward_model"]["ground_truth"],
+                                            row["extra_info"])
+            assert got["score"] == expected, (actions, response)
+            seen.add(expected)
+    assert {0.0, 0.8, 1.0} <= seen  # wrong, right after an invalid turn, right
+
+
+def datasets_rows(path: Path) -> list[dict]:
+    import datasets
+
+    return list(datasets.load_dataset("parquet", data_files=str(path))["train"])
+
+
+def test_a_response_cut_after_an_observation_has_no_final_turn():
+    """verl's length limit can end a response on an observation: no answer, scored as truncated (0)."""
+    ground_truth = {"target": ["Paris"], "choices": [], "answer_letter": ""}
+    cut = "<search> q </search>\n\n<information>Doc 1(Title: \"x\") <answer> Paris </answer></information>\n\n"
+    assert verl_reward.compute_score("nq", cut, ground_truth, {"max_turns": 4})["score"] == 0.0
+    assert verl_reward.compute_score("nq", cut + "<answer> Paris </answer>", ground_truth, {})["score"] == 1.0
+    # an answer after max_turns never happened: the env had truncated the episode
+    assert verl_reward.compute_score("nq", cut + "<answer> Paris </answer>", ground_truth, {"max_turns": 1})[
+        "score"] == 0.0
+    tool_agent = "<tool_call>{\"name\": \"search\"}</tool_call>\n<information>x</information>\n<answer>Paris</answer>"
+    assert verl_reward.compute_score("nq", tool_agent, ground_truth, {"format_reward": 0.2})["score"] == 1.0
