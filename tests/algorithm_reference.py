@@ -131,3 +131,155 @@ def ref_value_loss(values, old_values, returns, mask, eps):
         total += 0.5 * max((v - r) ** 2, (v_clipped - r) ** 2)
         count += 1
     return total / max(1, count)
+
+
+# --- the 2025-26 stabilisers (tests/test_stabilizer_rules.py) ------------------------------------------------------
+# Each builds its loss from scalar tensor ops, one token at a time, so autograd through the loop gives an
+# independent reference gradient.
+
+def ref_members(mask, turns, level, b, t):
+    """Positions of (b, t)'s segment at ``level``."""
+    if level == "token":
+        return [t]
+    positions = [s for s in range(mask.shape[1]) if mask[b, s]]
+    return [s for s in positions if turns[b, s] == turns[b, t]] if level == "turn" else positions
+
+
+def ref_segment_mean(x, mask, turns, level, b, t):
+    members = ref_members(mask, turns, level, b, t)
+    return sum(x[b, s] for s in members) / len(members)
+
+
+def ref_aggregate_scaled(per_token: dict, agg, scale=1.0):
+    if agg != "seq-mean-token-sum-norm":
+        return ref_aggregate(per_token, None, agg)
+    rows = {}
+    for (b, _), value in per_token.items():
+        rows.setdefault(b, []).append(value)
+    return sum(sum(v) / scale for v in rows.values()) / max(1, len(rows))
+
+
+def _policy_tokens(mask):
+    return [(int(b), int(t)) for b, t in zip(*torch.nonzero(mask, as_tuple=True))]
+
+
+def _level_log_ratio(logprobs, old, mask, turns, level, b, t):
+    value = ref_segment_mean(logprobs - old, mask, turns, level, b, t)
+    return value.clamp(-20.0, 20.0)
+
+
+def ref_cispo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="token-mean"):
+    losses = {}
+    for b, t in _policy_tokens(mask):
+        rho = float(torch.exp(_level_log_ratio(logprobs.detach(), old, mask, turns, level, b, t)))
+        weight = min(max(rho, 1 - eps_low), 1 + eps_high)
+        losses[b, t] = -weight * float(advantages[b, t]) * logprobs[b, t]
+    return ref_aggregate_scaled(losses, agg)
+
+
+def ref_sapo(logprobs, old, advantages, mask, turns, level, tau_pos, tau_neg, agg="seq-mean-token-mean"):
+    losses = {}
+    for b, t in _policy_tokens(mask):
+        rho = torch.exp(_level_log_ratio(logprobs, old, mask, turns, level, b, t))
+        a = float(advantages[b, t])
+        tau = tau_pos if a > 0 else tau_neg
+        losses[b, t] = -torch.sigmoid(tau * (rho - 1)) * 4 / tau * a
+    return ref_aggregate_scaled(losses, agg)
+
+
+def ref_gmpo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="seq-mean-token-mean"):
+    clipped = {}
+    for b, t in _policy_tokens(mask):
+        log_ratio, a = logprobs[b, t] - old[b, t], float(advantages[b, t])
+        if a > 0:
+            clipped[b, t] = log_ratio if float(log_ratio.detach()) <= eps_high else torch.tensor(eps_high, dtype=old.dtype)
+        elif a < 0:
+            clipped[b, t] = log_ratio if float(log_ratio.detach()) >= -eps_low else torch.tensor(-eps_low, dtype=old.dtype)
+        else:
+            clipped[b, t] = torch.zeros((), dtype=old.dtype)
+    losses = {}
+    for b, t in _policy_tokens(mask):
+        members = ref_members(mask, turns, level, b, t)
+        ratio = torch.exp(sum(clipped[b, s] for s in members) / len(members))
+        losses[b, t] = -float(advantages[b, t]) * ratio
+    return ref_aggregate_scaled(losses, agg)
+
+
+def ref_dppo(kind, logprobs, old, advantages, mask, turns, level, eps_low, eps_high, cap, agg="token-mean"):
+    losses = {}
+    for b, t in _policy_tokens(mask):
+        new_log = float(ref_segment_mean(logprobs.detach(), mask, turns, level, b, t))
+        old_log = float(ref_segment_mean(old, mask, turns, level, b, t))
+        p, p_old = math.exp(new_log), math.exp(old_log)
+        rho = math.exp(min(max(new_log - old_log, -20.0), 20.0))
+        a = float(advantages[b, t])
+        if kind == "tv":
+            valid = p - p_old <= eps_high if a > 0 else p - p_old >= -eps_low
+        else:
+            binary_kl = p_old * (old_log - new_log) + (1 - p_old) * math.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            valid = (binary_kl <= eps_high or p <= p_old) if a > 0 else (binary_kl <= eps_low or p >= p_old)
+        losses[b, t] = -a * min(rho, cap) * float(valid) * logprobs[b, t]
+    return ref_aggregate_scaled(losses, agg)
+
+
+def ref_m2po_keep(logprobs, old, mask, turns, level, threshold):
+    """{(b, t): kept} by the greedy of the M2PO paper over segments weighted by their tokens."""
+    segments = {}
+    for b, t in _policy_tokens(mask):
+        key = (b, t) if level == "token" else (b, int(turns[b, t])) if level == "turn" else (b,)
+        segments.setdefault(key, []).append((b, t))
+    items = []
+    for key, tokens in segments.items():
+        b, t = tokens[0]
+        value = float(_level_log_ratio(logprobs, old, mask, turns, level, b, t)) ** 2
+        items.append((value, len(tokens), key))
+    items.sort(key=lambda item: -item[0])
+    dropped = len(items) - 1
+    for k in range(len(items)):
+        rest = items[k:]
+        if sum(v * n for v, n, _ in rest) / sum(n for _, n, _ in rest) < threshold:
+            dropped = k
+            break
+    dropped_keys = {key for _, _, key in items[:dropped]}
+    return {token: key not in dropped_keys for key, tokens in segments.items() for token in tokens}
+
+
+def ref_m2po(logprobs, old, advantages, mask, turns, level, threshold, agg="token-mean"):
+    keep = ref_m2po_keep(logprobs.detach(), old, mask, turns, level, threshold)
+    losses = {}
+    for b, t in _policy_tokens(mask):
+        rho = torch.exp(_level_log_ratio(logprobs, old, mask, turns, level, b, t))
+        losses[b, t] = -float(keep[b, t]) * rho * float(advantages[b, t])
+    return ref_aggregate_scaled(losses, agg)
+
+
+def ref_turn_gae(rewards, values, mask, turns, gamma, lam, kl_penalty=None):
+    advantages = torch.zeros_like(values)
+    returns = torch.zeros_like(values)
+    for b in range(mask.shape[0]):
+        by_turn = {}
+        for t in range(mask.shape[1]):
+            if mask[b, t]:
+                by_turn.setdefault(int(turns[b, t]), []).append(t)
+        order = sorted(by_turn)
+        next_advantage, next_value = 0.0, 0.0
+        for i in reversed(range(len(order))):
+            positions = by_turn[order[i]]
+            reward = float(rewards[b]) if i == len(order) - 1 else 0.0
+            if kl_penalty is not None:
+                reward -= sum(float(kl_penalty[b, t]) for t in positions)
+            value = float(values[b, positions[0]])
+            next_advantage = reward + gamma * next_value - value + gamma * lam * next_advantage
+            next_value = value
+            for t in positions:
+                advantages[b, t] = next_advantage
+                returns[b, t] = next_advantage + value
+    return advantages, returns
+
+
+def ref_informative_groups(rewards, group_ids):
+    keep = []
+    for b in range(len(rewards)):
+        members = [float(rewards[i]) for i in range(len(rewards)) if group_ids[i] == group_ids[b]]
+        keep.append(max(members) > min(members))
+    return torch.tensor(keep)

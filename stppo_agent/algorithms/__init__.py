@@ -11,14 +11,17 @@
     metrics.parts["turn_clip_frac"]   # Summed([turns outside the clip range, turns]): exact over micro-batches
 """
 
+from . import stabilizers  # noqa: F401  (registers cispo, sapo, gmpo, dppo_tv, dppo_kl, m2po)
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     compact_policy_positions,
+    estimate_advantages,
     get_advantage_estimator,
     register_advantage_estimator,
 )
 from .clip_bias import ClipBiasCorrector
 from .config import ALGORITHMS, AlgorithmConfig, register_algorithm
+from .dynamic_sampling import dropped_group_count, informative_groups
 from .losses import (
     POLICY_LOSSES,
     aggregate,
@@ -38,7 +41,7 @@ from .rollout_correction import resolve_rollout_correction, rollout_correction_w
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme", "LossMetrics",
     "POLICY_LOSSES", "Registry", "Summed", "aggregate", "aggregate_parts", "compact_policy_positions",
-    "explained_variance", "get_advantage_estimator", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
+    "dropped_group_count", "estimate_advantages", "explained_variance", "get_advantage_estimator", "informative_groups", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
     "log_ratio_at_level", "register_advantage_estimator", "register_algorithm", "register_policy_loss",
     "resolve_rollout_correction", "rollout_correction_weights", "value_loss",
 ]

@@ -1,20 +1,23 @@
 """Advantage estimators (docs/algorithms.md, "Advantage estimators"), registered by name.
 
 Every estimator has the signature
-``fn(*, rewards, values, loss_mask, group_ids, config, kl_penalty=None) -> (advantages, returns)`` with
-rewards (B,), values (B, T), loss_mask (B, T) bool, group_ids (B,) long, optional kl_penalty (B, T) (the
-per-token penalty already multiplied by its coefficient), and returns two (B, T) tensors that are 0 off
-``loss_mask``. ``returns`` is what the critic regresses to (for critic-free estimators it equals advantages).
+``fn(*, rewards, values, loss_mask, group_ids, config, kl_penalty=None, turn_ids=None) -> (advantages, returns)``
+with rewards (B,), values (B, T), loss_mask (B, T) bool, group_ids (B,) long, optional kl_penalty (B, T) (the
+per-token penalty already multiplied by its coefficient) and turn_ids (B, T) long (-1 off the mask; needed by
+``turn_gae``), and returns two (B, T) tensors that are 0 off ``loss_mask``. ``returns`` is what the critic
+regresses to (for critic-free estimators it equals advantages). Estimators registered before ``turn_ids`` existed
+keep working: :func:`estimate_advantages` passes it only to those that accept it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
 
 from .registry import Registry
-from .segments import discounted_reverse_cumsum, whiten
+from .segments import check_turn_ids, discounted_reverse_cumsum, whiten
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
@@ -37,6 +40,16 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS[name]
 
 
+def estimate_advantages(name: str, *, turn_ids: torch.Tensor | None = None, **kwargs):
+    """Run the estimator registered under ``name`` with ``kwargs``, adding ``turn_ids`` when it takes them (a
+    ``turn_ids`` parameter or ``**kwargs``): the trainer's one call for every estimator, old signatures included."""
+    estimator = get_advantage_estimator(name)
+    parameters = inspect.signature(estimator).parameters.values()
+    if any(p.name == "turn_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        kwargs["turn_ids"] = turn_ids
+    return estimator(**kwargs)
+
+
 def compact_policy_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """Per row, the column order that puts policy positions first (in order), then the rest.
 
@@ -46,7 +59,7 @@ def compact_policy_positions(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 @register_advantage_estimator("gae")
-def gae_advantages(*, rewards, values, loss_mask, group_ids=None, config, kl_penalty=None):
+def gae_advantages(*, rewards, values, loss_mask, group_ids=None, config, kl_penalty=None, turn_ids=None):
     """Multi-turn GAE over policy tokens only (observation tokens are skipped, not zero-reward steps).
 
     delta_j = r_j + gamma * V(t_{j+1}) - V(t_j), V(t_{n+1}) = 0;  A_j = delta_j + gamma * lambda * A_{j+1}
@@ -107,7 +120,7 @@ def _broadcast(per_trajectory: torch.Tensor, loss_mask: torch.Tensor, dtype: tor
 
 
 @register_advantage_estimator("grpo")
-def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None):
+def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None, turn_ids=None):
     """A_b = (S_b - mean_g S) / (std_g S + 1e-6), or without the division (Dr. GRPO); broadcast to tokens.
 
     S_b = R_b - sum of b's per-token KL penalties (:func:`outcome_scores`). A trajectory alone in its group has no
@@ -125,7 +138,7 @@ def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_pe
 
 
 @register_advantage_estimator("rloo")
-def rloo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None):
+def rloo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None, turn_ids=None):
     """A_b = S_b - mean of S over the other members of b's group (0 for a trajectory alone); broadcast.
     S_b as in :func:`grpo_advantages`."""
     scores = outcome_scores(rewards, loss_mask, kl_penalty)
@@ -135,3 +148,45 @@ def rloo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_pe
     dtype = values.dtype if values is not None else scores.dtype
     advantages = _broadcast(advantage, loss_mask, dtype)
     return advantages, advantages
+
+
+@register_advantage_estimator("turn_gae")
+def turn_gae_advantages(*, rewards, values, loss_mask, group_ids=None, config, kl_penalty=None, turn_ids=None):
+    """GAE over the turns of each trajectory (one env.step is one step), shared by every token of the turn.
+
+    For the turns k_1 < ... < k_m a trajectory has (by turn id), V_i = the critic's value at turn k_i's first
+    policy token (the state the turn starts from), r_i = -sum of kl_penalty over turn k_i + [i == m] * reward;
+    delta_i = r_i + gamma * V_{i+1} - V_i (V_{m+1} = 0), A_i = delta_i + gamma * lambda * A_{i+1}; every token of turn
+    k_i gets A_i and returns A_i + V_i; gamma and lambda are per turn. Whitened over policy tokens unless disabled.
+    """
+    if turn_ids is None:
+        raise ValueError("turn_gae needs turn_ids: call it through estimate_advantages(..., turn_ids=batch.turn_ids)")
+    check_turn_ids(turn_ids, loss_mask)
+    batch, length = loss_mask.shape
+    dtype, device = values.dtype, values.device
+    zero = torch.zeros((), dtype=dtype, device=device)
+    # (B, T) grids indexed by turn id: turn ids are < T, so no segment can be lost.
+    turns = torch.where(loss_mask, turn_ids, torch.zeros_like(turn_ids))
+    positions = torch.arange(length, device=device).expand(batch, length)
+    first = torch.full((batch, length), length, dtype=torch.long, device=device).scatter_reduce(
+        1, turns, torch.where(loss_mask, positions, length), "amin")
+    present = first < length
+    turn_values = torch.where(present, values.gather(1, first.clamp(max=length - 1)), zero)
+    penalties = torch.zeros((batch, length), dtype=dtype, device=device)
+    if kl_penalty is not None:
+        penalties = penalties.scatter_add(1, turns, torch.where(loss_mask, kl_penalty.to(dtype), zero))
+    order = compact_policy_positions(present)  # the present turns first, in turn order
+    present_c = present.gather(1, order)
+    values_c = turn_values.gather(1, order)
+    next_present = torch.nn.functional.pad(present_c[:, 1:], (0, 1), value=False)
+    next_values = torch.where(next_present, torch.nn.functional.pad(values_c[:, 1:], (0, 1)), zero)
+    is_last = present_c & ~next_present
+    turn_rewards = torch.where(is_last, rewards.to(dtype).unsqueeze(1), zero) - penalties.gather(1, order)
+    deltas = torch.where(present_c, turn_rewards + config.gamma * next_values - values_c, zero)
+    advantages_c = torch.where(present_c, discounted_reverse_cumsum(deltas, config.gamma * config.lam), zero)
+    turn_advantages = torch.zeros_like(values_c).scatter(1, order, advantages_c)
+    advantages = torch.where(loss_mask, turn_advantages.gather(1, turns), zero)
+    returns = torch.where(loss_mask, (turn_advantages + turn_values).gather(1, turns), zero)
+    if config.whiten_advantages:
+        advantages = whiten(advantages, loss_mask)
+    return advantages, returns

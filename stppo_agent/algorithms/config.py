@@ -11,7 +11,7 @@ import dataclasses
 from .registry import Registry
 
 RATIO_LEVEL_NAMES = ("token", "turn", "sequence")
-LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean")
+LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "low_var_kl")
 
 
@@ -32,11 +32,29 @@ class AlgorithmConfig:
     clip_bias_kappa: float = 1.0
     """kappa of the clip-bias normalisation: a bias norm up to kappa leaves the gradient unchanged."""
     clip_low: float = 0.2
-    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages."""
+    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages (1: no lower bound, CISPO).
+    GMPO reads it in log space, DPPO as its divergence threshold for negative advantages."""
     clip_high: float = 0.2
-    """Upper clip epsilon: ratios above 1 + clip_high are clipped for positive advantages."""
+    """Upper clip epsilon: ratios above 1 + clip_high are clipped for positive advantages (GMPO: log space; DPPO:
+    the divergence threshold for positive advantages)."""
     loss_agg: str = "token-mean"
-    """token-mean (sum over policy tokens / their number) or seq-mean-token-mean."""
+    """token-mean (sum over policy tokens / their number), seq-mean-token-mean, or seq-mean-token-sum-norm (each
+    trajectory's token sum / loss_scale_factor, averaged over trajectories: Dr. GRPO's constant normaliser)."""
+    loss_scale_factor: float = 1024.0
+    """The constant of seq-mean-token-sum-norm (Dr. GRPO: the generation budget in tokens)."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature for non-positive advantages."""
+    is_cap: float = 20.0
+    """DPPO's truncation cap of the stop-gradient importance weight."""
+    m2_threshold: float = 0.04
+    """M2PO's bound on the second moment of the log-ratio of the tokens left in the loss."""
+    dynamic_sampling: bool = False
+    """DAPO: drop the groups whose rewards are all equal (see ``informative_groups``) and sample more prompts until
+    the batch is full. Acted on by the rollout collection, not by the losses."""
+    max_resample_rounds: int = 10
+    """DAPO's cap on extra sampling rounds per iteration (verl's max_num_gen_batches); 0: no cap."""
     gamma: float = 1.0
     """GAE discount over policy tokens (Search-R1 uses 1)."""
     lam: float = 1.0
@@ -73,8 +91,13 @@ class AlgorithmConfig:
         _check_choice("rollout_correction_level", self.rollout_correction_level, ("auto", *RATIO_LEVEL_NAMES))
         if self.rollout_correction_cap < 1:
             raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if not (0 <= self.clip_low <= 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        for field in ("loss_scale_factor", "tau_pos", "tau_neg", "is_cap", "m2_threshold"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         if self.clip_bias_kappa <= 0:
             raise ValueError(f"clip_bias_kappa must be > 0, got {self.clip_bias_kappa}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
@@ -109,5 +132,21 @@ for _preset in (
     dataclasses.replace(_GRPO, name="gspo", ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
                         kl_loss_coef=0.0, loss_agg="seq-mean-token-mean"),
     dataclasses.replace(_GRPO, name="so_grpo", ratio_level="turn", clip_bias_correction=True),
+    dataclasses.replace(_PPO, name="turn_gae", advantage="turn_gae", ratio_level="turn"),
+    # The 2025-26 stabilisers (docs/algorithms.md, "Stabilisers": which default comes from the paper, which from
+    # verl). Critic-free with GRPO advantages and no KL term (verl's use_kl_loss=False) unless the paper says so.
+    dataclasses.replace(_GRPO, name="cispo", policy_loss="cispo", clip_low=1.0, clip_high=0.2, kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="sapo", policy_loss="sapo", loss_agg="seq-mean-token-mean", kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="gmpo", policy_loss="gmpo", ratio_level="sequence", clip_low=0.4,
+                        clip_high=0.4, loss_agg="seq-mean-token-mean", kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="dppo_tv", policy_loss="dppo_tv", clip_low=0.15, clip_high=0.15, is_cap=20.0,
+                        kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="dppo_kl", policy_loss="dppo_kl", clip_low=0.05, clip_high=0.05, is_cap=20.0,
+                        kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="m2po", policy_loss="m2po", m2_threshold=0.04, kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="dr_grpo", grpo_std_normalize=False, loss_agg="seq-mean-token-sum-norm",
+                        loss_scale_factor=1024.0, kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="dapo", clip_low=0.2, clip_high=0.28, kl_loss_coef=0.0, dynamic_sampling=True,
+                        max_resample_rounds=10),
 ):
     register_algorithm(_preset)

@@ -85,31 +85,35 @@ def _ratios(logprobs, old_logprobs, loss_mask, turn_ids, level: str):
 
 
 def aggregate(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str, global_num_tokens=None,
-              global_num_seqs=None) -> torch.Tensor:
-    """token-mean: sum / number of policy tokens; seq-mean-token-mean: mean over trajectories of token means."""
-    total, count = aggregate_parts(per_token, loss_mask, mode)
+              global_num_seqs=None, scale: float = 1.0) -> torch.Tensor:
+    """token-mean: sum / number of policy tokens; seq-mean-token-mean: mean over trajectories of token means;
+    seq-mean-token-sum-norm: mean over trajectories of token sums / ``scale`` (a constant, Dr. GRPO)."""
+    total, count = aggregate_parts(per_token, loss_mask, mode, scale)
     denominator = global_num_tokens if mode == "token-mean" else global_num_seqs
     return total / (denominator if denominator is not None else count.clamp(min=1))
 
 
-def aggregate_parts(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate_parts(per_token: torch.Tensor, loss_mask: torch.Tensor, mode: str,
+                    scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(numerator, this batch's own count) of :func:`aggregate`: the sum over policy tokens and their number
-    (token-mean), or the sum of per-trajectory token means and the number of trajectories with policy tokens
-    (seq-mean-token-mean). Both add over micro-batches and ranks, so their ratio is the whole batch's mean."""
+    (token-mean), or the sum of per-trajectory token means (seq-mean-token-mean) or token sums / ``scale``
+    (seq-mean-token-sum-norm) and the number of trajectories with policy tokens. Both add over micro-batches and
+    ranks, so their ratio is the whole batch's mean."""
     if mode == "token-mean":
         return masked_sum(per_token, loss_mask), loss_mask.sum()
-    if mode == "seq-mean-token-mean":
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
-        per_seq = torch.where(loss_mask, per_token, zero).sum(1) / loss_mask.sum(1).clamp(min=1)
+        sums = torch.where(loss_mask, per_token, zero).sum(1)
+        per_seq = sums / loss_mask.sum(1).clamp(min=1) if mode == "seq-mean-token-mean" else sums / scale
         has_tokens = loss_mask.any(1)
         return torch.where(has_tokens, per_seq, zero).sum(), has_tokens.sum()
-    raise ValueError(f"unknown loss_agg {mode!r}; known: token-mean, seq-mean-token-mean")
+    raise ValueError(f"unknown loss_agg {mode!r}; known: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
 
 
 def _aggregate_metric(metrics: LossMetrics, name: str, per_token: torch.Tensor, loss_mask: torch.Tensor,
-                      mode: str, global_num_tokens=None, global_num_seqs=None) -> torch.Tensor:
+                      mode: str, global_num_tokens=None, global_num_seqs=None, scale: float = 1.0) -> torch.Tensor:
     """:func:`aggregate`, recorded in ``metrics`` under ``name`` with its numerator and count as parts."""
-    total, count = aggregate_parts(per_token, loss_mask, mode)
+    total, count = aggregate_parts(per_token, loss_mask, mode, scale)
     denominator = global_num_tokens if mode == "token-mean" else global_num_seqs
     value = total / (denominator if denominator is not None else count.clamp(min=1))
     metrics.mean(name, total, count, value=value)
@@ -174,7 +178,7 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     Plus ``kl_loss_coef * agg(KL)`` when ``ref_logprobs`` is given and ``-entropy_coef * agg(entropy)`` when
     ``entropy`` is given. c_t = 1 where the clipped branch is strictly smaller.
     """
-    agg_kwargs = dict(mode=config.loss_agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs)
+    agg_kwargs = aggregation_kwargs(config, global_num_tokens, global_num_seqs)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
     log_ratio, (turn_sums, turn_counts) = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
@@ -188,10 +192,25 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
     if not bool(clipped.any()):  # C's share is exactly 0: spare the corrector a whole backward pass
         bias_surrogate = bias_surrogate.detach()
-    loss = pg_loss
 
     _ratio_metrics(metrics, logprobs.detach(), old_logprobs, ratio.detach(), clipped, loss_mask, turn_sums,
                    turn_counts, config)
+    loss = add_regularisers(pg_loss, metrics, logprobs, loss_mask, config, agg_kwargs, ref_logprobs, entropy)
+    return loss, bias_surrogate, metrics
+
+
+def aggregation_kwargs(config, global_num_tokens=None, global_num_seqs=None) -> dict:
+    """The keyword arguments of :func:`aggregate` a loss under ``config`` uses (a config of one's own without
+    ``loss_scale_factor`` gets 1)."""
+    return dict(mode=config.loss_agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                scale=getattr(config, "loss_scale_factor", 1.0))
+
+
+def add_regularisers(pg_loss, metrics: LossMetrics, logprobs, loss_mask, config, agg_kwargs: dict,
+                     ref_logprobs=None, entropy=None) -> torch.Tensor:
+    """``pg_loss + kl_loss_coef * agg(KL) - entropy_coef * agg(entropy)``, the terms recorded in ``metrics``:
+    what every policy loss adds to its surrogate."""
+    loss = pg_loss
     if ref_logprobs is not None and config.kl_loss_coef > 0:
         kl = _aggregate_metric(metrics, "kl_loss", kl_estimate(logprobs, ref_logprobs, config.kl_estimator),
                                loss_mask, **agg_kwargs)
@@ -199,7 +218,7 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     if entropy is not None:
         mean_entropy = _aggregate_metric(metrics, "entropy", entropy, loss_mask, **agg_kwargs)
         loss = loss - config.entropy_coef * mean_entropy
-    return loss, bias_surrogate, metrics
+    return loss
 
 
 def value_loss(*, values, old_values, returns, loss_mask, config, global_num_tokens=None):

@@ -1,0 +1,387 @@
+"""The 2025-26 stabilisers (CISPO, SAPO, GMPO, DPPO, M2PO, Dr. GRPO, DAPO) and per-turn GAE against plain loops,
+at token, turn and sequence level; M2PO's statistic over 2 gloo processes; DAPO's group filter; presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from stppo_agent.algorithms import (
+    ALGORITHMS,
+    AlgorithmConfig,
+    dropped_group_count,
+    estimate_advantages,
+    get_advantage_estimator,
+    get_policy_loss,
+    informative_groups,
+    register_advantage_estimator,
+)
+from stppo_agent.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from stppo_agent.algorithms.losses import aggregate
+from stppo_agent.algorithms.second_moment import m2po_keep_mask
+from stppo_agent.distributed.process_group import free_port
+
+from . import algorithm_reference as ref
+from .test_algorithms import LEVELS, _policy_grads
+from .test_algorithms import random_batch as any_batch
+
+SEEDS = range(6)
+RULES = {
+    "cispo": lambda c, lp, d: ref.ref_cispo(lp, d["old"], d["advantages"], d["mask"], d["turns"], c.ratio_level,
+                                            c.clip_low, c.clip_high, c.loss_agg),
+    "sapo": lambda c, lp, d: ref.ref_sapo(lp, d["old"], d["advantages"], d["mask"], d["turns"], c.ratio_level,
+                                          c.tau_pos, c.tau_neg, c.loss_agg),
+    "gmpo": lambda c, lp, d: ref.ref_gmpo(lp, d["old"], d["advantages"], d["mask"], d["turns"], c.ratio_level,
+                                          c.clip_low, c.clip_high, c.loss_agg),
+    "dppo_tv": lambda c, lp, d: ref.ref_dppo("tv", lp, d["old"], d["advantages"], d["mask"], d["turns"],
+                                             c.ratio_level, c.clip_low, c.clip_high, c.is_cap, c.loss_agg),
+    "dppo_kl": lambda c, lp, d: ref.ref_dppo("kl", lp, d["old"], d["advantages"], d["mask"], d["turns"],
+                                             c.ratio_level, c.clip_low, c.clip_high, c.is_cap, c.loss_agg),
+    "m2po": lambda c, lp, d: ref.ref_m2po(lp, d["old"], d["advantages"], d["mask"], d["turns"], c.ratio_level,
+                                          c.m2_threshold, c.loss_agg),
+}
+# Settings under which every rule's special branch is exercised on random_batch(spread=0.4): small DPPO thresholds
+# and an is_cap inside the ratio range, an M2 threshold below the batch's second moment.
+EXERCISE = dict(dppo_tv=dict(clip_low=0.05, clip_high=0.05, is_cap=1.5),
+                dppo_kl=dict(clip_low=0.01, clip_high=0.01, is_cap=1.5), m2po=dict(m2_threshold=0.05))
+
+
+def random_batch(seed, dtype, spread=0.3):
+    """test_algorithms' batches with behaviour log-probs that are log-probabilities (<= 0): DPPO reads the
+    probabilities themselves."""
+    data = any_batch(seed, dtype, spread)
+    data["old"] = data["old"].clamp(max=-1e-3)
+    return data
+
+
+def _run(config, data, logprobs=None):
+    theta = (data["logprobs"] if logprobs is None else logprobs).clone().requires_grad_(True)
+    loss, bias, metrics = get_policy_loss(config.policy_loss)(
+        logprobs=theta, old_logprobs=data["old"], advantages=data["advantages"], loss_mask=data["mask"],
+        turn_ids=data["turns"], config=config)
+    return theta, loss, bias, metrics
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rule_loss_and_gradient_match_a_plain_loop(seed, rule, level):
+    data = random_batch(seed, torch.float64, spread=0.4)
+    config = dataclasses.replace(ALGORITHMS[rule], ratio_level=level, **EXERCISE.get(rule, {}))
+    theta, loss, _, metrics = _run(config, data)
+    loss.backward()
+    reference_theta = data["logprobs"].clone().requires_grad_(True)
+    expected = RULES[rule](config, reference_theta, data)
+    if not torch.is_tensor(expected) or not expected.requires_grad:  # no policy tokens: nothing to compare
+        assert loss.item() == pytest.approx(float(expected)) and not theta.grad.any()
+        return
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(theta.grad, reference_theta.grad, rtol=1e-9, atol=1e-12)
+    assert all(not value.requires_grad for value in metrics.values())
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_each_rule_changes_something_on_the_reference_batches(rule):
+    """The reference comparison above means something: over its batches the rule clips, masks or gates tokens."""
+    changed = 0.0
+    for seed in SEEDS:
+        config = dataclasses.replace(ALGORITHMS[rule], **EXERCISE.get(rule, {}))
+        changed += float(_run(config, random_batch(seed, torch.float64, spread=0.4))[3]["clip_frac"])
+    assert changed > 0
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_bias_surrogate_is_what_the_rule_took_from_importance_sampling(seed, rule):
+    """At token level grad(bias) = grad agg(rho A) - grad(-pg_loss): C of docs/algorithms.md for every rule."""
+    data = random_batch(seed, torch.float64, spread=0.4)
+    if not data["mask"].any():
+        return
+    config = dataclasses.replace(ALGORITHMS[rule], ratio_level="token", **EXERCISE.get(rule, {}))
+    theta, _, bias, metrics = _run(config, data)
+    if not bias.requires_grad:
+        assert float(metrics["clip_frac"]) == 0.0
+        return
+    (bias_grad,) = torch.autograd.grad(bias, theta, retain_graph=True)
+    (rule_grad,) = torch.autograd.grad(metrics_loss(config, theta, data), theta)
+    ratio = torch.exp(theta - data["old"])
+    is_objective = aggregate(ratio * data["advantages"], data["mask"], config.loss_agg,
+                             scale=config.loss_scale_factor)
+    (is_grad,) = torch.autograd.grad(is_objective, theta)
+    torch.testing.assert_close(bias_grad, is_grad + rule_grad, rtol=1e-9, atol=1e-12)
+
+
+def metrics_loss(config, theta, data):
+    """The rule's pg_loss (no KL / entropy terms in these presets) as a function of theta."""
+    return get_policy_loss(config.policy_loss)(
+        logprobs=theta, old_logprobs=data["old"], advantages=data["advantages"], loss_mask=data["mask"],
+        turn_ids=data["turns"], config=config)[0]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_on_policy_every_rule_is_the_policy_gradient(rule):
+    """ratio 1: nothing is clipped, masked or gated, and the gradient is agg(A grad log pi) (SAPO's f'(1) = 1)."""
+    data = random_batch(4, torch.float64)
+    data["old"] = data["logprobs"].clone()
+    # one advantage per trajectory (GRPO's): a segment-level rule spreads a segment's advantages over its tokens
+    per_trajectory = torch.randn(data["mask"].shape[0], 1, dtype=torch.float64).expand_as(data["logprobs"])
+    data["advantages"] = torch.where(data["mask"], per_trajectory, 0.0)
+    config = ALGORITHMS[rule]
+    theta, loss, bias, metrics = _run(config, data)
+    loss.backward()
+    expected_theta = data["logprobs"].clone().requires_grad_(True)
+    aggregate(data["advantages"] * expected_theta, data["mask"], config.loss_agg).neg().backward()
+    torch.testing.assert_close(theta.grad, expected_theta.grad, rtol=1e-12, atol=1e-14)
+    assert not bias.requires_grad and float(metrics["clip_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("rule", ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("seed", range(4))
+def test_micro_batches_add_up_to_the_full_batch_gradient(seed, rule):
+    data = random_batch(seed + 100, torch.float64, spread=0.6)
+    config = dataclasses.replace(ALGORITHMS[rule], **EXERCISE.get(rule, {}))
+    full, _ = _policy_grads(config, data)
+    rows = list(range(data["mask"].shape[0]))
+    micro = [m for m in (rows[0::2], rows[1::2]) if m]
+    split, _ = _policy_grads(config, data, micro_batches=micro)
+    torch.testing.assert_close(split, full)
+
+
+# --- Dr. GRPO's constant normaliser, DAPO's loss --------------------------------------------------------------
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_dr_grpo_and_dapo_losses_match_a_plain_loop(seed, level):
+    data = random_batch(seed, torch.float64, spread=0.4)
+    for name in ("dr_grpo", "dapo"):
+        config = dataclasses.replace(ALGORITHMS[name], ratio_level=level)
+        theta, loss, _, _ = _run(config, data)
+        expected_loss, _, _ = ref.ref_ppo_clip(data["logprobs"], data["old"], data["advantages"], data["mask"],
+                                               data["turns"], level, config.clip_low, config.clip_high, "token-mean")
+        if name == "dapo":
+            assert loss.item() == pytest.approx(expected_loss, rel=1e-9, abs=1e-12)
+            continue
+        per_token = {}
+        log_ratio = ref.ref_log_ratio(data["logprobs"], data["old"], data["mask"], data["turns"], level)
+        for b, t in zip(*torch.nonzero(data["mask"], as_tuple=True)):
+            rho, a = float(torch.exp(log_ratio[b, t])), float(data["advantages"][b, t])
+            per_token[int(b), int(t)] = -min(rho * a, min(max(rho, 0.8), 1.2) * a)
+        expected = ref.ref_aggregate_scaled(per_token, "seq-mean-token-sum-norm", config.loss_scale_factor)
+        assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_dr_grpo_does_not_divide_by_the_group_std_nor_by_the_length():
+    mask = torch.tensor([[True, False, False, False], [True, True, True, True]])
+    turns = torch.where(mask, 0, -1)
+    rewards, groups = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0, 0])
+    config = ALGORITHMS["dr_grpo"]
+    advantages, _ = get_advantage_estimator(config.advantage)(rewards=rewards, values=None, loss_mask=mask,
+                                                              group_ids=groups, config=config)
+    assert advantages[0, 0].item() == 0.5 and advantages[1, 0].item() == -0.5  # R - mean, no std
+    logprobs = torch.full((2, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    loss, _, _ = get_policy_loss(config.policy_loss)(logprobs=logprobs, old_logprobs=logprobs.detach(),
+                                                     advantages=advantages, loss_mask=mask, turn_ids=turns,
+                                                     config=config)
+    loss.backward()
+    # every token's gradient is -A / (2 trajectories * 1024): the 4-token trajectory is not divided by 4
+    assert logprobs.grad[1, 0].item() == pytest.approx(0.5 / (2 * 1024))
+    assert logprobs.grad[0, 0].item() == pytest.approx(-0.5 / (2 * 1024))
+
+
+# --- M2PO's statistic: the whole batch of every rank ------------------------------------------------------------
+
+def _m2po_batch():
+    """Rank 0's rows (0, 1) drift far, rank 1's (2, 3) barely: a per-rank statistic would mask differently."""
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    turns = torch.where(mask, torch.tensor([0, 0, 1, 1, 2, 2]).expand(4, 6), -1)
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 2
+    drift = torch.tensor([0.6, 0.5, 0.08, 0.05], dtype=torch.float64).unsqueeze(1)
+    logprobs = old + drift * torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    advantages = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    return dict(logprobs=logprobs, old=old, advantages=advantages, mask=mask, turns=turns)
+
+
+# per level, a threshold where the whole batch's cut differs from the drifting rank's own
+M2_THRESHOLDS = {"token": 0.08, "turn": 0.08, "sequence": 0.03}
+
+
+def _m2po_two_process_main(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        data, rows = _m2po_batch(), [2 * rank, 2 * rank + 1]
+        results = {}
+        for level in LEVELS:
+            config = dataclasses.replace(ALGORITHMS["m2po"], ratio_level=level, m2_threshold=M2_THRESHOLDS[level])
+            theta = data["logprobs"][rows].clone().requires_grad_(True)
+            loss, _, metrics = get_policy_loss("m2po")(
+                logprobs=theta, old_logprobs=data["old"][rows], advantages=data["advantages"][rows],
+                loss_mask=data["mask"][rows], turn_ids=data["turns"][rows], config=config,
+                global_num_tokens=data["mask"].sum().double())
+            loss.backward()
+            results[level] = dict(grad=theta.grad, clip_frac=metrics.parts["clip_frac"].sums,
+                                  second_moment=metrics["m2po/second_moment"])
+        torch.save(results, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
+
+
+def test_m2po_masks_by_the_second_moment_of_every_ranks_tokens(tmp_path):
+    mp.start_processes(_m2po_two_process_main, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    shares = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    data = _m2po_batch()
+    for level in LEVELS:
+        threshold = M2_THRESHOLDS[level]
+        config = dataclasses.replace(ALGORITHMS["m2po"], ratio_level=level, m2_threshold=threshold)
+        theta, loss, _, metrics = _run(config, data)
+        loss.backward()
+        torch.testing.assert_close(torch.cat([shares[0][level]["grad"], shares[1][level]["grad"]]), theta.grad)
+        masked = shares[0][level]["clip_frac"] + shares[1][level]["clip_frac"]
+        assert masked[0].item() == pytest.approx(float(metrics.parts["clip_frac"].sums[0]))
+        assert shares[1][level]["second_moment"].item() == pytest.approx(float(metrics["m2po/second_moment"]))
+        # the cut of the whole batch is the plain loop's, and one a rank alone would not make: the drifting rank
+        # alone keeps fewer of its tokens (the quiet rank's tokens lower the global second moment)
+        keep = ref.ref_m2po_keep(data["logprobs"], data["old"], data["mask"], data["turns"], level, threshold)
+        assert masked[0].item() == sum(not kept for kept in keep.values()) < len(keep)
+        assert masked[0].item() > 0 or level == "sequence"  # there the whole batch is under it, rank 0 is not
+        log_ratio = ref.ref_log_ratio(data["logprobs"], data["old"], data["mask"], data["turns"], level)
+        alone, _ = m2po_keep_mask(log_ratio[:2], data["mask"][:2], data["turns"][:2], level, threshold)
+        assert alone.sum() < sum(kept for (b, _), kept in keep.items() if b < 2)
+
+
+def test_m2po_keeps_one_segment_when_no_cut_reaches_the_threshold():
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    log_ratio = torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+    keep, second_moment = m2po_keep_mask(log_ratio, mask, torch.zeros(1, 3, dtype=torch.long), "token", 0.5)
+    assert keep.tolist() == [[True, False, False]] and second_moment.item() == pytest.approx(14 / 3)
+
+
+# --- per-turn GAE -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+def test_turn_gae_matches_a_per_turn_loop(seed):
+    data = random_batch(seed, torch.float64)
+    gamma, lam = data["rng"].choice([1.0, 0.99, 0.9]), data["rng"].choice([1.0, 0.95, 0.5, 0.0])
+    kl_penalty = 0.01 * torch.randn(data["mask"].shape, dtype=torch.float64) if seed % 2 else None
+    config = AlgorithmConfig(advantage="turn_gae", gamma=gamma, lam=lam, whiten_advantages=False)
+    noise = 100 * torch.randn_like(data["values"])  # observation positions must not matter
+    advantages, returns = estimate_advantages(
+        "turn_gae", rewards=data["rewards"], values=torch.where(data["mask"], data["values"], noise),
+        loss_mask=data["mask"], group_ids=data["groups"], config=config, kl_penalty=kl_penalty,
+        turn_ids=data["turns"])
+    expected_adv, expected_ret = ref.ref_turn_gae(data["rewards"], data["values"], data["mask"], data["turns"],
+                                                  gamma, lam, kl_penalty)
+    torch.testing.assert_close(advantages, expected_adv, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, expected_ret, rtol=1e-12, atol=1e-12)
+    whitened, _ = estimate_advantages(
+        "turn_gae", rewards=data["rewards"], values=data["values"], loss_mask=data["mask"],
+        group_ids=data["groups"], config=dataclasses.replace(config, whiten_advantages=True), kl_penalty=kl_penalty,
+        turn_ids=data["turns"])
+    if data["mask"].sum() > 1:
+        torch.testing.assert_close(whitened, ref.ref_whiten(expected_adv, data["mask"]), rtol=1e-9, atol=1e-12)
+
+
+def test_turn_gae_reads_the_value_at_each_turns_first_token_and_discounts_per_turn():
+    # one trajectory, turns 0 and 2 (turn 1 empty), 2 tokens each, observation tokens between
+    mask = torch.tensor([[True, True, False, True, True]])
+    turns = torch.tensor([[0, 0, -1, 2, 2]])
+    values = torch.tensor([[0.5, 9.0, 7.0, 0.25, 9.0]], dtype=torch.float64)
+    config = AlgorithmConfig(gamma=0.5, lam=1.0, whiten_advantages=False)
+    advantages, returns = estimate_advantages("turn_gae", rewards=torch.tensor([1.0], dtype=torch.float64),
+                                              values=values, loss_mask=mask, group_ids=torch.tensor([0]),
+                                              config=config, turn_ids=turns)
+    last = 1.0 - 0.25  # r - V(turn 2)
+    first = 0.0 + 0.5 * 0.25 - 0.5 + 0.5 * last  # delta_0 + gamma * lambda * A_1, one discount per turn
+    assert advantages.tolist() == [[first, first, 0.0, last, last]]
+    assert returns.tolist() == [[first + 0.5, first + 0.5, 0.0, 1.0, 1.0]]
+
+
+def test_estimate_advantages_passes_turn_ids_only_to_estimators_that_take_them():
+    seen = {}
+
+    def old_style(*, rewards, values, loss_mask, group_ids, config, kl_penalty=None):
+        seen["old"] = True
+        return get_advantage_estimator("grpo")(rewards=rewards, values=values, loss_mask=loss_mask,
+                                               group_ids=group_ids, config=config)
+
+    ADVANTAGE_ESTIMATORS._items.pop("test_old_style", None)
+    register_advantage_estimator("test_old_style", old_style)
+    data = random_batch(1, torch.float64)
+    kwargs = dict(rewards=data["rewards"], values=data["values"], loss_mask=data["mask"], group_ids=data["groups"],
+                  config=AlgorithmConfig())
+    estimate_advantages("test_old_style", turn_ids=data["turns"], **kwargs)
+    assert seen == {"old": True}
+    for name in ("gae", "grpo", "rloo"):  # the built-in ones take turn_ids and ignore them
+        estimate_advantages(name, turn_ids=data["turns"], **kwargs)
+    with pytest.raises(ValueError, match="turn_gae needs turn_ids"):
+        get_advantage_estimator("turn_gae")(**kwargs)
+
+
+# --- DAPO's dynamic sampling filter -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_informative_groups_keeps_the_groups_with_a_reward_spread(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (12,), generator=gen).float()
+    groups = torch.randint(0, 5, (12,), generator=gen)
+    keep = informative_groups(rewards, groups)
+    assert torch.equal(keep, ref.ref_informative_groups(rewards, groups))
+    assert dropped_group_count(keep, groups) == len({int(g) for g, k in zip(groups, keep) if not k})
+
+
+def test_informative_groups_drops_all_equal_and_single_member_groups():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.2])
+    groups = torch.tensor([0, 0, 1, 1, 2, 3])
+    keep = informative_groups(rewards, groups)
+    assert keep.tolist() == [False, False, True, True, False, False]
+    assert dropped_group_count(keep, groups) == 3
+
+
+# --- presets -----------------------------------------------------------------------------------------------------
+
+def test_presets_carry_the_papers_and_verls_defaults():
+    table = {  # name: (policy loss, advantage, ratio level, loss_agg, clip_low, clip_high)
+        "cispo": ("cispo", "grpo", "token", "token-mean", 1.0, 0.2),
+        "sapo": ("sapo", "grpo", "token", "seq-mean-token-mean", 0.2, 0.2),
+        "gmpo": ("gmpo", "grpo", "sequence", "seq-mean-token-mean", 0.4, 0.4),
+        "dppo_tv": ("dppo_tv", "grpo", "token", "token-mean", 0.15, 0.15),
+        "dppo_kl": ("dppo_kl", "grpo", "token", "token-mean", 0.05, 0.05),
+        "m2po": ("m2po", "grpo", "token", "token-mean", 0.2, 0.2),
+        "dr_grpo": ("ppo_clip", "grpo", "token", "seq-mean-token-sum-norm", 0.2, 0.2),
+        "dapo": ("ppo_clip", "grpo", "token", "token-mean", 0.2, 0.28),
+        "turn_gae": ("ppo_clip", "turn_gae", "turn", "token-mean", 0.2, 0.2),
+    }
+    for name, row in table.items():
+        preset = ALGORITHMS[name]
+        assert (preset.policy_loss, preset.advantage, preset.ratio_level, preset.loss_agg, preset.clip_low,
+                preset.clip_high) == row, name
+        assert preset.use_critic == (name == "turn_gae") and preset.clip_bias_correction is False
+    assert (ALGORITHMS["sapo"].tau_pos, ALGORITHMS["sapo"].tau_neg) == (1.0, 1.05)
+    assert ALGORITHMS["dppo_tv"].is_cap == ALGORITHMS["dppo_kl"].is_cap == 20.0
+    assert ALGORITHMS["m2po"].m2_threshold == 0.04
+    assert ALGORITHMS["dr_grpo"].grpo_std_normalize is False and ALGORITHMS["dr_grpo"].loss_scale_factor == 1024.0
+    assert ALGORITHMS["dapo"].dynamic_sampling and not ALGORITHMS["grpo"].dynamic_sampling
+    assert all(ALGORITHMS[name].kl_loss_coef == 0.0 for name in table if name != "turn_gae")
+
+
+def test_new_fields_refuse_bad_values():
+    for field in ("tau_pos", "tau_neg", "is_cap", "m2_threshold", "loss_scale_factor"):
+        with pytest.raises(ValueError, match=f"{field} must be > 0"):
+            AlgorithmConfig(**{field: 0.0})
+    with pytest.raises(ValueError, match="max_resample_rounds"):
+        AlgorithmConfig(max_resample_rounds=-1)
+    with pytest.raises(ValueError, match="clip_low <= 1"):
+        AlgorithmConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
+        AlgorithmConfig(loss_agg="seq-sum")
