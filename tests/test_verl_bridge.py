@@ -342,3 +342,81 @@ def test_a_response_cut_after_an_observation_has_no_final_turn():
         "score"] == 0.0
     tool_agent = "<tool_call>{\"name\": \"search\"}</tool_call>\n<information>x</information>\n<answer>Paris</answer>"
     assert verl_reward.compute_score("nq", tool_agent, ground_truth, {"format_reward": 0.2})["score"] == 1.0
+
+
+# -- point 4: the search tool against a live `stppo serve` ------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory):
+    import time
+
+    import requests
+
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", "demo", "--port",
+                               str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if requests.get(url + "/health", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"stppo serve did not start; see {log.name}")
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def load_tool(url: str):
+    from omegaconf import OmegaConf
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    config = OmegaConf.load(REPO / "examples" / "verl" / "search_tool_config.yaml")
+    config.tools[0].config.retrieval_service_url = url
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"stppo_tool_{os.getpid()}.yaml"
+    OmegaConf.save(config, path)
+    try:
+        (tool,) = initialize_tools_from_config(str(path))
+    finally:
+        path.unlink()
+    return tool
+
+
+def test_the_search_tool_observes_what_the_env_observes_through_stppo_serve(live_server):
+    import asyncio
+
+    tool = load_tool(live_server + "/retrieve")
+    assert tool.name == "search"
+    env = SearchQAEnv("nq", split="test", retriever=live_server, max_turns=3, topk=3)
+    _, info = env.reset(options={"index": 0})
+    observation = env.step(f"<search> {info['question']} </search>")[0]
+    instance, _ = asyncio.run(tool.create())
+    response, step_reward, metrics = asyncio.run(tool.execute(instance, {"query_list": [info["question"]]}))
+    assert response.text == observation and "<information>Doc 1(Title: " in observation
+    assert metrics == {"queries": 1, "search_errors": 0} and step_reward == 0.0
+    # what the reward function reads as one turn boundary
+    assert verl_reward.split_turns("<search> q </search>" + response.text + "<answer> x </answer>")[1].strip() == \
+        "<answer> x </answer>"
+
+
+def test_a_dead_server_is_a_failed_search_observation_not_an_exception():
+    import asyncio
+
+    tool = load_tool(f"http://127.0.0.1:{_free_port()}/retrieve")
+    tool.retriever.retries = 0
+    response, _, metrics = asyncio.run(tool.execute("i", {"query": "anything"}))
+    assert response.text.startswith("\n\n<information>Search failed: retrieval server")
+    assert metrics["search_errors"] == 1
