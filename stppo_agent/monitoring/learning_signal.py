@@ -1,0 +1,79 @@
+"""A rollout batch that cannot teach anything: said once per run, with the likely cause and what to try.
+
+An update learns from differences between trajectories. When every trajectory of a group earned the same reward,
+a group-relative estimator (GRPO, RLOO) gives every token advantage 0; when every trajectory of the whole batch
+earned the same reward, a critic can only learn that constant, and the policy's "advantages" are its own noise.
+Either way the run spends minutes per iteration and the curves stay flat; the usual cause is a model that never
+produces a rewarded action at the run's settings (a base model on a search env, two new tokens per turn).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from stppo_agent.distributed import process_group
+
+TOLERANCE = 1e-6  # rewards closer than this are the same reward (float noise of shaped rewards)
+
+
+def no_signal_reason(rewards: torch.Tensor, group_ids: torch.Tensor, advantages: torch.Tensor | None,
+                     loss_mask: torch.Tensor, group_relative: bool) -> str | None:
+    """Why this batch has no learning signal, or None if it has one. ``group_relative``: the advantage estimator
+    compares a trajectory with its group only (so equal rewards within every group are enough to learn nothing)."""
+    rewards = rewards.detach().float().cpu()
+    if rewards.numel() and float(rewards.max() - rewards.min()) <= TOLERANCE:
+        value = float(rewards[0])
+        if value <= TOLERANCE:
+            return "every trajectory's reward is 0"
+        return f"every trajectory earned the same reward ({value:.3f})"
+    if group_relative:
+        groups = group_ids.detach().cpu()
+        spreads = [float(rewards[groups == g].max() - rewards[groups == g].min()) for g in groups.unique()]
+        if all(spread <= TOLERANCE for spread in spreads):
+            return "within every group the trajectories earned the same reward (each prompt always or never paid)"
+    if advantages is not None:
+        mask = loss_mask.detach().cpu()
+        if not mask.any() or bool((advantages.detach().cpu()[mask].abs() <= 1e-12).all()):
+            return "every token's advantage is 0"
+    return None
+
+
+def advice(reason: str, config) -> str:
+    """The notice: what was seen, the likely cause at the run's settings, and what to try."""
+    settings = (f"max_turns={config.max_turns}, max_new_tokens_per_turn={config.max_new_tokens_per_turn}, "
+                f"temperature={config.temperature}, samples_per_prompt={config.samples_per_prompt}")
+    if reason.startswith("every trajectory earned the same reward"):
+        cause = "the task is already solved (or always paid the same) at these settings"
+        tries = "a harder dataset or split, a reward that tells answers apart (reward=f1)"
+    else:
+        cause = "the model never (or always) produces a rewarded action at these settings"
+        tries = ("longer turns (--set max_new_tokens_per_turn=...), more samples (--set samples_per_prompt=...), a "
+                 "shaped reward (--set env_kwargs.format_reward=0.2), a warm start (stppo sft), or on "
+                 "stppo/Toy-v0 the built-in --model tiny")
+    return (f"no learning signal: {reason}, so this update cannot learn the task. Likely cause: {cause} "
+            f"({settings}). Try {tries}. (Said once; metrics.jsonl keeps the per-iteration figures.)")
+
+
+_reported: "weakref.WeakSet" = weakref.WeakSet()  # the trainers that said it: one notice per run, not per iteration
+
+
+def notice_no_learning_signal(trainer, batch) -> None:
+    """Call after scoring (advantages set): report the first batch without learning signal through
+    ``trainer.report``. With several processes every rank calls it (one all-reduce) and rank 0 reports."""
+    if trainer in _reported:
+        return
+    from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
+
+    reason = no_signal_reason(batch.rewards, batch.group_ids, batch.advantages, batch.loss_mask,
+                              trainer.algo.advantage in GROUP_ESTIMATORS)
+    if trainer.world > 1:  # a signal on any rank is a signal of the global batch
+        with_signal = process_group.all_reduce_sum(torch.tensor(float(reason is None), device=trainer.device))
+        if float(with_signal) > 0:
+            return
+    if reason is None:
+        return
+    _reported.add(trainer)
+    if process_group.is_main():
+        trainer.report(f"iteration {trainer.iteration + 1}: {advice(reason, trainer.config)}")
