@@ -29,10 +29,11 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register
 from verl.utils.torch_functional import masked_mean
 
 from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, get_policy_loss, log_ratio_at_level
+from stppo_agent.algorithms.config import LOSS_AGG_NAMES
 
 LOSS_PREFIX = "stppo_"
 LOG_RATIO_CLAMP = 20.0  # verl's clamp of log(pi / pi_old) before exp
-OUR_AGG_MODES = ("token-mean", "seq-mean-token-mean")  # the aggregations this project's own losses know
+OUR_AGG_MODES = LOSS_AGG_NAMES  # the aggregations this project's own losses know
 EXTRA_METRICS = ("turn_clip_frac", "ratio/mean", "ratio/max", "ratio/min", "approx_kl")
 
 
@@ -97,7 +98,8 @@ def _policy_loss(preset: AlgorithmConfig, old_log_prob, log_prob, advantages, re
         pg_loss, metrics = _clipped_surrogate(preset.ratio_level, old_log_prob, log_prob, advantages, mask, turn_ids,
                                               low, high, loss_agg_mode, config.global_batch_info, rollout_is_weights)
         ours = _our_loss(preset, old_log_prob, log_prob.detach(), advantages, mask, turn_ids, low, high,
-                         loss_agg_mode if loss_agg_mode in OUR_AGG_MODES else "token-mean")[1]
+                         loss_agg_mode if loss_agg_mode in OUR_AGG_MODES else "token-mean",
+                         _scale(config.global_batch_info, mask))[1]
     else:
         pg_loss, ours = _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high,
                                          loss_agg_mode, config.global_batch_info, rollout_is_weights)
@@ -131,8 +133,14 @@ def _clipped_surrogate(level, old_log_prob, log_prob, advantages, mask, turn_ids
     return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
 
 
-def _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, agg, **global_counts):
-    config = dataclasses.replace(preset, clip_low=low, clip_high=high, loss_agg=agg)
+def _scale(global_batch_info, mask) -> float:
+    """verl's seq-mean-token-sum-norm divisor: ``loss_scale_factor``, else the padded response length."""
+    factor = global_batch_info.get("loss_scale_factor")
+    return float(factor if factor is not None else mask.shape[-1])
+
+
+def _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, agg, scale, **global_counts):
+    config = dataclasses.replace(preset, clip_low=low, clip_high=high, loss_agg=agg, loss_scale_factor=scale)
     loss, _, metrics = get_policy_loss(preset.policy_loss)(
         logprobs=log_prob, old_logprobs=old_log_prob, advantages=advantages, loss_mask=mask, turn_ids=turn_ids,
         config=config, **global_counts)
@@ -146,11 +154,12 @@ def _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids,
     the count per rank. Rollout weights scale the advantages, as this project's trainer applies them."""
     if loss_agg_mode not in OUR_AGG_MODES:
         raise ValueError(f"policy loss stppo_{preset.name} ({preset.policy_loss}) supports loss_agg_mode "
-                         f"{' or '.join(OUR_AGG_MODES)}, not {loss_agg_mode!r}")
+                         f"{', '.join(OUR_AGG_MODES)}, not {loss_agg_mode!r}")
     dp_size = global_batch_info.get("dp_size", 1) or 1
     tokens, seqs = global_batch_info.get("batch_num_tokens"), global_batch_info.get("global_batch_size")
     counts = {"global_num_tokens": None if tokens is None else tokens / dp_size,
               "global_num_seqs": None if seqs is None else seqs / dp_size}
     if rollout_is_weights is not None:
         advantages = advantages * rollout_is_weights
-    return _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode, **counts)
+    return _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode,
+                     _scale(global_batch_info, mask), **counts)

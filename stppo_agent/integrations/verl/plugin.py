@@ -1,7 +1,8 @@
 """What verl loads in every process at ``import verl`` (entry point group ``verl.plugins``; also usable as
 ``actor_rollout_ref.model.external_lib=stppo_agent.integrations.verl.plugin``): registers the ``stppo_<preset>``
-policy losses and the ``stppo_search`` tool's module. Presets registered after this ran are added by calling
-:func:`stppo_agent.integrations.verl.losses.register_verl_losses` again."""
+policy losses. verl loads tools by class path from the tool config, so the search tool needs nothing here. Presets
+registered after this ran are added by calling :func:`stppo_agent.integrations.verl.losses.register_verl_losses`
+again."""
 
 from .losses import register_verl_losses
 
