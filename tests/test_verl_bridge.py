@@ -423,3 +423,26 @@ def test_a_dead_server_is_a_failed_search_observation_not_an_exception():
     response, _, metrics = asyncio.run(tool.execute("i", {"query": "anything"}))
     assert response.text.startswith("\n\n<information>Search failed: retrieval server")
     assert metrics["search_errors"] == 1
+
+
+# -- a preset's other settings as verl overrides -----------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
+    from omegaconf import OmegaConf
+    from verl.trainer import config as verl_config
+
+    from stppo_agent.integrations.verl.settings import NotInVerlError, verl_overrides
+
+    preset = ALGORITHMS[name]
+    if preset.advantage == "turn_gae" or preset.dynamic_sampling:
+        with pytest.raises(NotInVerlError):
+            verl_overrides(name)
+        return
+    base = OmegaConf.load(Path(verl_config.__file__).parent / "_generated_ppo_trainer.yaml")
+    OmegaConf.set_struct(base, True)  # an override naming a key verl does not have fails here
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(verl_overrides(name)))
+    actor = merged.actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == f"stppo_{name}" and f"stppo_{name}" in POLICY_LOSS_REGISTRY
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (preset.clip_low, preset.clip_high)
+    assert actor.loss_agg_mode == preset.loss_agg and actor.use_kl_loss == (preset.kl_loss_coef > 0)
+    assert merged.algorithm.adv_estimator == preset.advantage
