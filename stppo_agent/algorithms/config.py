@@ -32,7 +32,7 @@ class AlgorithmConfig:
     clip_bias_kappa: float = 1.0
     """kappa of the clip-bias normalisation: a bias norm up to kappa leaves the gradient unchanged."""
     clip_low: float = 0.2
-    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages (1: no lower bound, CISPO).
+    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages.
     GMPO reads it in log space, DPPO as its divergence threshold for negative advantages."""
     clip_high: float = 0.2
     """Upper clip epsilon: ratios above 1 + clip_high are clipped for positive advantages (GMPO: log space; DPPO:
@@ -91,8 +91,8 @@ class AlgorithmConfig:
         _check_choice("rollout_correction_level", self.rollout_correction_level, ("auto", *RATIO_LEVEL_NAMES))
         if self.rollout_correction_cap < 1:
             raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
-        if not (0 <= self.clip_low <= 1 and self.clip_high >= 0):
-            raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         for field in ("loss_scale_factor", "tau_pos", "tau_neg", "is_cap", "m2_threshold"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
@@ -135,7 +135,7 @@ for _preset in (
     dataclasses.replace(_PPO, name="turn_gae", advantage="turn_gae", ratio_level="turn"),
     # The 2025-26 stabilisers (docs/algorithms.md, "Stabilisers": which default comes from the paper, which from
     # verl). Critic-free with GRPO advantages and no KL term (verl's use_kl_loss=False) unless the paper says so.
-    dataclasses.replace(_GRPO, name="cispo", policy_loss="cispo", clip_low=1.0, clip_high=0.2, kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="cispo", policy_loss="cispo", clip_low=0.99, clip_high=0.2, kl_loss_coef=0.0),
     dataclasses.replace(_GRPO, name="sapo", policy_loss="sapo", loss_agg="seq-mean-token-mean", kl_loss_coef=0.0),
     dataclasses.replace(_GRPO, name="gmpo", policy_loss="gmpo", ratio_level="sequence", clip_low=0.4,
                         clip_high=0.4, loss_agg="seq-mean-token-mean", kl_loss_coef=0.0),
