@@ -138,6 +138,8 @@ def test_import_verl_registers_the_losses_through_the_entry_point(tmp_path):
         "import verl\n"
         "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"
         "assert 'stppo_turn_ppo' in R and 'stppo_early_user_preset' in R, sorted(R)\n"
+        "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry\n"
+        "assert 'stppo_env' in _agent_loop_registry\n"
         "register_algorithm(dataclasses.replace(ALGORITHMS['turn_ppo'], name='late_user_preset'))\n"
         "assert 'stppo_late_user_preset' not in R\n"
         "from stppo_agent.integrations.verl.losses import register_verl_losses\n"
@@ -273,7 +275,7 @@ def test_the_parquet_loads_through_verls_rlhf_dataset_with_the_envs_prompts(expo
         prompt, info = env.reset(options={"index": row["index"]})
         assert row["raw_prompt"] == [{"role": "user", "content": prompt}]
         assert row["data_source"] == name and row["extra_info"]["example_id"] == info["example_id"]
-        assert row["agent_name"] == export.TOOL_AGENT and row["reward_model"]["style"] == "rule"
+        assert row["agent_name"] == export.ENV_AGENT and row["reward_model"]["style"] == "rule"
     assert dataset[0]["reward_model"]["ground_truth"]["choices"] == []
     assert len(dataset[PER_BENCHMARK * list(BENCHMARKS).index("medqa")]["reward_model"]["ground_truth"]["choices"]) >= 2
 
@@ -446,3 +448,94 @@ def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (preset.clip_low, preset.clip_high)
     assert actor.loss_agg_mode == preset.loss_agg and actor.use_kl_loss == (preset.kl_loss_coef > 0)
     assert merged.algorithm.adv_estimator == preset.advantage
+
+
+# -- point 4: the env as a verl agent loop, against this project's own rollout of the same episode --------------------
+def char_by_char(tokenizer, text: str) -> list[int]:
+    """A valid but non-canonical tokenisation: decoding and re-encoding it would give other ids."""
+    return [i for ch in text for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
+
+    return load_tokenizer(str(smollm2_path()))
+
+
+class ScriptedServer:
+    """A stand-in for verl's server_manager: scripted turns, each followed by tokens past its stop string (what a
+    sampler returns when it does not cut at stop strings), with log-probs; records every request."""
+
+    def __init__(self, turns: list[list[int]], tail: list[int]):
+        self.turns, self.tail, self.requests = turns, tail, []
+
+    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.requests.append((list(prompt_ids), dict(sampling_params)))
+        ids = (self.turns[len(self.requests) - 1] + self.tail)[:sampling_params["max_tokens"]]
+        return TokenOutput(token_ids=ids, log_probs=[-0.25 - 0.01 * i for i in range(len(ids))])
+
+
+class OurBackend:
+    """The same script for this project's rollout, cut at stop strings as its generation backends cut."""
+
+    def __init__(self, server: ScriptedServer, tokenizer):
+        self.server, self.tokenizer, self.calls = server, tokenizer, 0
+
+    def generate(self, contexts, max_new_tokens, keys=None):
+        from stppo_agent.rollouts.generation import STOP_STRINGS, Generation, generated_length
+
+        ids = (self.server.turns[self.calls] + self.server.tail)[:max_new_tokens]
+        ids = ids[:generated_length(ids, self.tokenizer, STOP_STRINGS, [self.tokenizer.eos_token_id])]
+        self.calls += 1
+        return [Generation(ids, [-0.25 - 0.01 * i for i in range(len(ids))]) for _ in contexts]
+
+
+@pytest.mark.parametrize("answer", ["linguist", "chemist"])
+def test_the_stppo_env_agent_loop_plays_the_episode_our_rollout_plays(smollm2_tokenizer, monkeypatch, answer):
+    import asyncio
+
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from stppo_agent.integrations.verl import agent_loop
+    from stppo_agent.rollouts.turn_loop import RolloutLimits, collect_rollouts
+
+    from .conftest import KeywordRetriever
+
+    tok = smollm2_tokenizer
+    monkeypatch.setitem(agent_loop._RETRIEVERS, "keyword", KeywordRetriever((("Penda", "Penda is a linguist."),)))
+    turns = [char_by_char(tok, "<think>who?</think><search> Zaeththeiv Penda </search>"),
+             char_by_char(tok, f"<answer> {answer} </answer>")]
+    tail = tok(" and more text", add_special_tokens=False)["input_ids"]
+    row = export.export_verl(["nq"], "test", Path(os.environ.get("TMPDIR", "/tmp")) / f"verl_agent_{os.getpid()}",
+                             limit=1, max_turns=3, agent_name=agent_loop.AGENT_NAME)[0]
+    extra_info = datasets_rows(row)[0]["extra_info"]
+    assert _agent_loop_registry["stppo_env"]["_target_"].endswith("StppoEnvAgentLoop")
+
+    server = ScriptedServer(turns, tail)
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": 300}}})
+    loop = agent_loop.StppoEnvAgentLoop(trainer_config=DictConfigWrap(config), server_manager=server, tokenizer=tok,
+                                        processor=None, dataset_cls=RLHFDataset,
+                                        data_config=DictConfigWrap(OmegaConf.create({})), retriever="keyword")
+    output = asyncio.run(loop.run({"temperature": 1.0, "logprobs": True}, extra_info=extra_info))
+
+    env = SearchQAEnv("nq", split="test", retriever=agent_loop._RETRIEVERS["keyword"], max_turns=3, limit=1)
+    prompt_len = len(output.prompt_ids)
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=300, max_observation_tokens=512,
+                           max_prompt_tokens=prompt_len, max_total_tokens=prompt_len + 300)
+    ours = collect_rollouts(OurBackend(server, tok), tok, [env], [{"index": 0}], [0], limits)
+    n = int(ours.attention_mask[0, ours.prompt_width:].sum())
+    assert output.response_ids == ours.response_ids[0, :n].tolist()
+    assert output.response_mask == ours.loss_mask[0, :n].long().tolist()
+    assert output.response_logprobs == pytest.approx(ours.sample_logprobs[0, :n].tolist())
+    assert output.reward_score == float(ours.rewards[0]) == (1.0 if answer == "linguist" else 0.0)
+    assert output.prompt_ids == server.requests[0][0]
+    # token in, token out: turn 2 was generated from the sampled ids of turn 1 (cut at </search>), not re-encoded
+    assert server.requests[1][0][prompt_len:prompt_len + len(turns[0])] == turns[0]
+    assert output.response_mask.count(1) == len(turns[0]) + len(turns[1]) and output.num_turns == 4
+    assert server.requests[0][1]["stop"] == ["</search>", "</answer>"]

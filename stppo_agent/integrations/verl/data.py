@@ -3,7 +3,8 @@
 Each row holds the env's own prompt for the example (Search-R1's template, ``?`` added as the env adds it) as one
 user message, the answers in ``reward_model.ground_truth`` (``target`` = golden answers, as Search-R1's data
 scripts write them, plus the options and the letter for multiple choice), and in ``extra_info`` what the reward
-function (:mod:`.reward`) needs to score like the env: benchmark, ``max_turns``, ``reward``, ``format_reward``.
+function (:mod:`.reward`) and the ``stppo_env`` agent loop (:mod:`.agent_loop`) need to score and rebuild the env:
+benchmark, ``dataset`` ('' for the bundled demo set), split, index, ``max_turns``, ``reward``, ``format_reward``.
 Every file has one schema, so verl's ``RLHFDataset`` concatenates QA and multiple-choice files.
 
 Works without verl (it writes files with ``datasets``).
@@ -18,8 +19,8 @@ import datasets
 
 from stppo_envs import SearchQAEnv, benchmark_info
 
-TOOL_AGENT = "tool_agent"  # verl's own tool agent loop, with the stppo_search tool (examples/verl/)
-ENV_AGENT = "stppo_env"  # this project's env as a verl agent loop: not written yet (docs/verl.md)
+ENV_AGENT = "stppo_env"  # this project's env as a verl agent loop (agent_loop.py)
+TOOL_AGENT = "tool_agent"  # verl's own tool agent loop, with the search tool of tool.py (examples/verl/)
 
 _STRING_LIST = datasets.Sequence(datasets.Value("string"))
 FEATURES = datasets.Features({
@@ -35,6 +36,7 @@ FEATURES = datasets.Features({
     "extra_info": {
         "split": datasets.Value("string"), "index": datasets.Value("int64"), "example_id": datasets.Value("string"),
         "benchmark": datasets.Value("string"), "question": datasets.Value("string"),
+        "dataset": datasets.Value("string"),
         "max_turns": datasets.Value("int64"), "reward": datasets.Value("string"),
         "format_reward": datasets.Value("float64"), "need_tools_kwargs": datasets.Value("bool"),
     },
@@ -53,7 +55,7 @@ class _NoSearch:
 
 def export_verl(benchmarks: Sequence[str], split: str, out: str | Path, *, dataset: str | None = None,
                 limit: int | None = None, max_turns: int = 4, reward: str = "auto", format_reward: float = 0.0,
-                question_mark: bool = True, agent_name: str = TOOL_AGENT) -> list[Path]:
+                question_mark: bool = True, agent_name: str = ENV_AGENT) -> list[Path]:
     """Write ``out/<benchmark>_<split>.parquet`` for each benchmark; returns the paths written.
 
     ``dataset`` is the env's ``dataset`` argument for every benchmark (None: the bundled demo set; ``"hub"``: each
@@ -74,6 +76,14 @@ def export_verl(benchmarks: Sequence[str], split: str, out: str | Path, *, datas
     return written
 
 
+def _portable(dataset) -> str:
+    """The dataset as a worker on another machine must name it: a local path made absolute, '' for the demo set."""
+    if not dataset:
+        return ""
+    path = Path(dataset).expanduser()
+    return str(path.resolve()) if path.exists() else str(dataset)
+
+
 def _row(env: SearchQAEnv, index: int, example, split: str, agent_name: str) -> dict:
     mcq = example.is_multiple_choice
     return {
@@ -86,7 +96,7 @@ def _row(env: SearchQAEnv, index: int, example, split: str, agent_name: str) -> 
             "answer_letter": example.answer_letter or "",
         }},
         "extra_info": {"split": split, "index": index, "example_id": example.id, "benchmark": env.benchmark,
-                       "question": example.question, "max_turns": env.max_turns, "reward": env.reward_name,
-                       "format_reward": env.format_reward, "need_tools_kwargs": False},
+                       "question": example.question, "dataset": _portable(env.dataset), "max_turns": env.max_turns,
+                       "reward": env.reward_name, "format_reward": env.format_reward, "need_tools_kwargs": False},
         "agent_name": agent_name,
     }
