@@ -498,8 +498,9 @@ class OurBackend:
 def test_the_stppo_env_agent_loop_plays_the_episode_our_rollout_plays(smollm2_tokenizer, monkeypatch, answer):
     import asyncio
 
+    import hydra
     from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     from stppo_agent.integrations.verl import agent_loop
@@ -519,10 +520,14 @@ def test_the_stppo_env_agent_loop_plays_the_episode_our_rollout_plays(smollm2_to
 
     server = ScriptedServer(turns, tail)
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": 300}}})
-    loop = agent_loop.StppoEnvAgentLoop(trainer_config=DictConfigWrap(config), server_manager=server, tokenizer=tok,
-                                        processor=None, dataset_cls=RLHFDataset,
-                                        data_config=DictConfigWrap(OmegaConf.create({})), retriever="keyword")
-    output = asyncio.run(loop.run({"temperature": 1.0, "logprobs": True}, extra_info=extra_info))
+    # as verl's AgentLoopWorker builds it from an agent_loop_config_path entry (examples/verl/run_search_r1.sh)
+    entry = OmegaConf.create({"name": "stppo_env", "_target_": _agent_loop_registry["stppo_env"]["_target_"],
+                              "retriever": "keyword", "topk": 3, "max_observation_tokens": 512})
+    loop = hydra.utils.instantiate(config=entry, trainer_config=DictConfigWrap(config), server_manager=server,
+                                   tokenizer=tok, processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
+                                   data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([]))
+    output = asyncio.run(loop.run({"temperature": 1.0, "logprobs": True}, extra_info=extra_info, data_source="nq",
+                                  raw_prompt=[], tools_kwargs={}))
 
     env = SearchQAEnv("nq", split="test", retriever=agent_loop._RETRIEVERS["keyword"], max_turns=3, limit=1)
     prompt_len = len(output.prompt_ids)
