@@ -38,9 +38,10 @@ def tiny_llama(path: Path, tokenizer, hidden: int = 32, layers: int = 2, seed: i
     return path
 
 
-def toy_train_command(model: Path, out: Path, iterations: int, resume: bool = False) -> list[str]:
+def toy_train_command(model: Path, out: Path, iterations: int, resume: bool = False,
+                      extra: tuple[str, ...] = ()) -> list[str]:
     """``stppo train`` (as a subprocess command) of ST-PPO on ``stppo/Toy-v0``, checkpointing every iteration: what
-    kill -9 tests interrupt and resume."""
+    kill -9 tests interrupt and resume. ``extra``: more ``--set`` items."""
     import sys
 
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
@@ -48,6 +49,6 @@ def toy_train_command(model: Path, out: Path, iterations: int, resume: bool = Fa
     for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
                  "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
                  "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
-                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0"):
+                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0", *extra):
         command += ["--set", item]
     return command + (["--resume"] if resume else [])

@@ -18,6 +18,7 @@ on-policy ratios would leave 1 by noise alone). The head is a small share of the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -108,6 +109,16 @@ def autocast_forward(model: torch.nn.Module, dtype_name: str | None) -> torch.nn
     if head is not None:
         _run_in_float32(head)
     return model
+
+
+def independent_copy(model: torch.nn.Module, dtype_name: str | None) -> torch.nn.Module:
+    """A deep copy of ``model`` whose forward runs on the copy's own weights, with the same autocast. A plain
+    ``copy.deepcopy`` would not do: the wrappers :func:`autocast_forward` puts on the instance close over the
+    original's bound forward, so the copy would silently compute with the original's weights."""
+    clone = copy.deepcopy(model)
+    for module in clone.modules():
+        module.__dict__.pop("forward", None)  # back to the class's forward, bound to the copy
+    return autocast_forward(clone, dtype_name)
 
 
 def _device_type(model: torch.nn.Module) -> str:

@@ -27,6 +27,7 @@ FIXED = {
     "env": "the checkpoint's prompt position indexes these envs' examples",
     "dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays share it",
     "autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
+    "rollout_staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
 }
 # env_kwargs that decide which examples an env holds: the prompt sampler's saved position indexes them
 EXAMPLE_KWARGS = ("dataset", "split", "limit", "shuffle_seed", "benchmark", "family")

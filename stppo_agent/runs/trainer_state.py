@@ -38,6 +38,8 @@ def checkpoint_states(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         tensors["critic_scheduler"] = trainer.critic_scheduler.state_dict()
     if torch.cuda.is_available():
         tensors["cuda_rng"] = torch.cuda.get_rng_state_all()
+    if trainer.config.rollout_staleness:
+        tensors["stale_policy"] = trainer.stale_policy.state()
     json_state = {"iteration": trainer.iteration, "optimizer_steps": trainer.optimizer_steps,
                   "nan_skips_total": trainer.nan_skips_total, "sampler": trainer.source.state(),
                   "python_rng": rank_streams.jsonable(random.getstate()),
@@ -105,6 +107,7 @@ def resume(trainer, checkpoint: Path) -> None:
     """Everything but the weights (the models were built from ``checkpoint``)."""
     tensors, state = load_trainer_state(checkpoint)
     restore_optimizers(trainer, tensors)
+    trainer.stale_policy.load(tensors.get("stale_policy"))
     torch.set_rng_state(tensors["torch_rng"])
     if "cuda_rng" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(tensors["cuda_rng"])

@@ -42,7 +42,8 @@ class TrainConfig:
     env_kwargs: dict = dataclasses.field(default_factory=dict)
     """Keyword arguments for gymnasium.make (dataset, split, retriever, topk, ...), shared by every env id."""
     share_retriever: bool = True
-    """With several processes and a local retriever spec, rank 0 serves the index to all ranks over HTTP."""
+    """With several processes and a local retriever spec, one process per node serves the index to that node's ranks
+    over HTTP (stppo_agent/distributed/shared_retrieval.py)."""
     model: str = ""
     """Actor: a local Hugging Face folder or hub name."""
     critic_model: str | None = None
@@ -87,6 +88,14 @@ class TrainConfig:
     """Nucleus sampling: sample from the most likely tokens whose probability exceeds top_p (1: off)."""
     top_k: int = 0
     """Sample from the k most likely tokens (0: off); applied before top_p, as transformers and vLLM do."""
+    rollout_staleness: int = 0
+    """Off-policy stressor: iteration i's rollouts are sampled by the policy as it was K iterations earlier (after
+    max(0, i - K) updates), the data an asynchronous trainer's learner receives; the lag is logged as `staleness`
+    and kept in checkpoints (stppo_agent/training/stale_policy.py). 0: generation by the current policy."""
+    stale_objective: str = "coupled"
+    """With rollout_staleness > 0: coupled (the PPO ratio is taken against the lagged behaviour policy) or
+    decoupled (AReaL's decoupled PPO: the ratio against the current weights before the update, the lag as a capped,
+    stop-gradient importance weight: rollout_correction, mis unless set, capped at rollout_correction_cap)."""
     strategy: str = "ddp"
     """Data-parallel strategy under torchrun: ddp (whole model per rank) or fsdp2 (parameters, gradients and
     optimizer state sharded over the ranks by torch.distributed.fsdp.fully_shard; also runs in one process)."""
@@ -165,7 +174,10 @@ class TrainConfig:
                 AlgorithmConfig)]))
         hints = typing.get_type_hints(AlgorithmConfig)
         values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in self.algorithm.items()}
-        return resolve_rollout_correction(dataclasses.replace(preset, **values), self.generation_backend)
+        algo = dataclasses.replace(preset, **values)
+        if self.rollout_staleness > 0 and self.stale_objective == "decoupled" and algo.rollout_correction == "auto":
+            algo = dataclasses.replace(algo, rollout_correction="mis")  # the behaviour weight of decoupled PPO
+        return resolve_rollout_correction(algo, self.generation_backend)
 
     def rollout_limits(self) -> RolloutLimits:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
@@ -204,6 +216,7 @@ class TrainConfig:
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()
+        self.validate_staleness()
         from stppo_agent.rollouts.envs import is_search_env
 
         load_plugins(self.plugins)  # a plugin may register envs as well as algorithms
@@ -215,6 +228,22 @@ class TrainConfig:
                              f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
                              f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
+
+    def validate_staleness(self) -> None:
+        from stppo_agent.training.stale_policy import OBJECTIVES
+
+        if self.rollout_staleness < 0:
+            raise ValueError(f"rollout_staleness must be >= 0, got {self.rollout_staleness}")
+        if self.stale_objective not in OBJECTIVES:
+            raise ValueError(f"stale_objective must be {' or '.join(OBJECTIVES)}, got {self.stale_objective!r}")
+        if self.rollout_staleness == 0:
+            return
+        if self.strategy == "fsdp2" or self.generation_backend == "vllm":
+            raise ValueError("rollout_staleness > 0 needs strategy=ddp and generation_backend=hf (the lagged copy of "
+                             "the weights is a whole module; sharded and vLLM copies are not implemented)")
+        if self.stale_objective == "decoupled" and self.algorithm_config().rollout_correction == "none":
+            raise ValueError("stale_objective=decoupled weights each token by pi_prox / pi_behav: set "
+                             "algorithm.rollout_correction to mis or tis (auto picks mis), not none")
 
     def validate_collapse_settings(self) -> None:
         from stppo_agent.monitoring.collapse_rules import ACTIONS, MonitorSettings

@@ -13,6 +13,7 @@ from stppo_agent.distributed import process_group
 from stppo_agent.models.loading import load_policy_models
 from stppo_agent.models.precision import DTYPES
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+from stppo_agent.training.stale_policy import StalePolicy
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -60,15 +61,18 @@ def build_models(trainer, checkpoint: Path | None) -> None:
         trainer.critic_train = process_group.wrap_ddp(trainer.critic, trainer.device) \
             if trainer.critic is not None else None
     trainer.actor_optimizer = torch.optim.AdamW(trainer.actor.parameters(), lr=config.actor_lr,
-                                             weight_decay=config.weight_decay)
+                                                weight_decay=config.weight_decay)
     trainer.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.actor_optimizer, warmup(config.warmup_steps))
     trainer.critic_optimizer = trainer.critic_scheduler = None
     if trainer.critic is not None:
         trainer.critic_optimizer = torch.optim.AdamW(trainer.critic.parameters(), lr=config.critic_lr,
-                                                  weight_decay=config.weight_decay)
+                                                     weight_decay=config.weight_decay)
         trainer.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.critic_optimizer,
-                                                                  warmup(config.warmup_steps))
+                                                                     warmup(config.warmup_steps))
+    # the weights that generate: the actor's own, or with rollout_staleness an independent lagged copy
+    trainer.stale_policy = StalePolicy(trainer.actor, config.rollout_staleness, config.autocast_dtype)
     trainer.backend = generation_backend(trainer, checkpoint)
+
 
 def generation_backend(trainer, checkpoint: Path | None):
     if trainer.config.generation_backend == "vllm":
@@ -80,6 +84,6 @@ def generation_backend(trainer, checkpoint: Path | None):
         return VLLMGenerationBackend(path, trainer.config.sampling(), dtype=dtype,
                                      seed=process_group.rank_seed(trainer.config.seed, trainer.rank),
                                      gpu_memory_utilization=trainer.config.vllm_gpu_memory_utilization)
-    return HFGenerationBackend(trainer.actor, trainer.tokenizer, trainer.config.sampling(),
+    return HFGenerationBackend(trainer.stale_policy.model, trainer.tokenizer, trainer.config.sampling(),
                                batch_size=trainer.config.generation_batch_size,
                                reuse_cache=trainer.config.reuse_kv_cache)

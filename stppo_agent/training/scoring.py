@@ -24,8 +24,11 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
 
     # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
     # micro-batch), and one model at a time, so at most one full copy of weights is held.
-    with process_group.gathered(trainer.actor):
-        batch.old_logprobs = batched_no_grad(sampled_logprobs, trainer.actor, batch, micro)
+    # The PPO ratio's denominator: the policy that sampled the batch (the actor itself unless rollout_staleness lags
+    # the generator), or for decoupled PPO the proximal policy, the actor before this update.
+    behaviour = trainer.stale_policy.model if trainer.config.stale_objective == "coupled" else trainer.actor
+    with process_group.gathered(behaviour):
+        batch.old_logprobs = batched_no_grad(sampled_logprobs, behaviour, batch, micro)
     if trainer.reference is not None:
         with process_group.gathered(trainer.reference):
             batch.ref_logprobs = batched_no_grad(sampled_logprobs, trainer.reference, batch, micro)

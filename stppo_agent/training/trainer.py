@@ -98,16 +98,20 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
                 batch = self.rollout()
+                lag = self.stale_policy.lag  # updates between the weights that sampled the batch and the actor's
                 rollout_seconds = time.perf_counter() - started
                 self.phase("scoring")
                 self.score(batch)
                 metrics = self.update(batch)
+                self.stale_policy.advance(self.actor)
                 if hasattr(self.backend, "sync_weights"):  # an engine with its own copy of the weights
                     self.backend.sync_weights(self.actor)
                 self.iteration += 1
                 metrics.update(rollout_statistics(batch, self.algo), rollout_seconds=rollout_seconds,
                                iteration_seconds=time.perf_counter() - started,
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
+                if self.config.rollout_staleness:
+                    metrics["staleness"] = lag
                 if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
                     metrics["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 decision = self.guard.check(self.iteration, metrics) if self.guard is not None else None
@@ -144,6 +148,8 @@ class Trainer:
 
     def score(self, batch: RolloutBatch) -> None:
         score_batch(self, batch)
+        from stppo_agent.monitoring.learning_signal import notice_no_learning_signal  # said once per run
+        notice_no_learning_signal(self, batch)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         return self.updater.update(batch)

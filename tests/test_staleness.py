@@ -1,0 +1,176 @@
+"""rollout_staleness (issue 24): rollouts sampled by the policy of K iterations earlier, the coupled and decoupled
+objectives, the lag in checkpoints (resume, kill -9), replay, and K = 0 unchanged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stppo_agent.models.loading import load_actor
+from stppo_agent.models.precision import autocast_forward, independent_copy
+from stppo_agent.runs.checkpoint import load_trainer_state
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.log_probs import token_logprobs
+from stppo_agent.training.replay import replay
+from stppo_agent.training.trainer import Trainer
+
+from .test_replay import TIMING
+from .test_trainer import REPO, toy_config
+from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
+
+def stale_config(model: Path, out: Path, staleness: int, **overrides) -> TrainConfig:
+    values = dict(iterations=5, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=8, micro_batch_size=4,
+                  ppo_epochs=1, actor_lr=2e-2, rollout_staleness=staleness, on_collapse="none")
+    values.update(overrides)
+    return toy_config(model, out, "ppo", **values)
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_independent_copy_computes_with_its_own_weights_under_autocast(tiny_model):
+    original = autocast_forward(load_actor(str(tiny_model)), "bfloat16")
+    clone = independent_copy(original, "bfloat16")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before = original(input_ids=ids).logits
+    assert torch.equal(clone(input_ids=ids).logits, before)
+    with torch.no_grad():
+        for parameter in clone.parameters():
+            parameter.mul_(0.5)
+    # a plain deepcopy's forward closes over the original's: it would still return `before` here
+    assert not torch.equal(clone(input_ids=ids).logits, before)
+    assert torch.equal(original(input_ids=ids).logits, before)
+    assert clone(input_ids=ids).logits.dtype == torch.float32  # the head still runs in float32
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_iteration_i_samples_with_the_weights_after_i_minus_k_updates(tiny_model, tmp_path, staleness):
+    seen = []  # per iteration, at rollout time: (the generating weights, the actor's weights)
+    trainer = Trainer(stale_config(tiny_model, tmp_path, staleness), report=lambda _: None)
+    trainer.batch_hook = lambda batch: seen.append((weights(trainer.backend.model), weights(trainer.actor)))
+    trainer.train()
+    assert len(seen) == 5
+    for i, (generator, _) in enumerate(seen):
+        assert same(generator, seen[max(0, i - staleness)][1]), i
+        if i >= 1:
+            assert not same(generator, seen[i][1]), i  # the actor has moved on: the data is stale
+    assert [r["staleness"] for r in read_metrics(tmp_path)] == [min(i, staleness) for i in range(5)]
+
+
+def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_the_current(tiny_model, tmp_path):
+    for objective, expected in (("coupled", "stale"), ("decoupled", "actor")):
+        trainer = Trainer(stale_config(tiny_model, tmp_path / objective, 1, iterations=2, stale_objective=objective),
+                          report=lambda _: None)
+        trainer.train()
+        batch = trainer.rollout()
+        trainer.score(batch)
+        sampling = trainer.config.sampling()
+        with torch.no_grad():
+            stale = token_logprobs(trainer.stale_policy.model, batch, sampling=sampling)[0]
+            current = token_logprobs(trainer.actor, batch, sampling=sampling)[0]
+        mask = batch.loss_mask
+        assert (stale[mask] - current[mask]).abs().max() > 1e-3  # a lag of one update at lr 2e-2 shows
+        chosen, other = (stale, current) if expected == "stale" else (current, stale)
+        # scored in micro-batches, trimmed per micro-batch: equal up to float rounding, far from the other policy
+        assert torch.allclose(batch.old_logprobs[mask], chosen[mask], atol=1e-5), objective
+        assert not torch.allclose(batch.old_logprobs[mask], other[mask], atol=1e-5), objective
+        if objective == "decoupled":  # the lag enters as the capped behaviour weight pi_prox / pi_behav
+            assert trainer.algo.rollout_correction == "mis"
+            assert batch.stats["rollout_correction/kl"] > 0
+            assert "rollout_correction/masked_frac" in batch.stats
+
+
+def test_staleness_zero_is_the_trainer_of_before(tiny_model, tmp_path):
+    trainer = Trainer(stale_config(tiny_model, tmp_path, 0, iterations=2, save_every=1), report=lambda _: None)
+    assert trainer.stale_policy.model is trainer.actor and trainer.backend.model is trainer.actor
+    trainer.train()
+    assert "staleness" not in read_metrics(tmp_path)[-1]
+    tensors, _ = load_trainer_state(tmp_path / "checkpoints" / "step-2")
+    assert "stale_policy" not in tensors
+
+
+def test_bad_settings_are_refused(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="rollout_staleness must be >= 0"):
+        stale_config(tiny_model, tmp_path, -1).validate()
+    with pytest.raises(ValueError, match="stale_objective must be coupled or decoupled"):
+        stale_config(tiny_model, tmp_path, 1, stale_objective="async").validate()
+    with pytest.raises(ValueError, match="needs strategy=ddp and generation_backend=hf"):
+        stale_config(tiny_model, tmp_path, 1, strategy="fsdp2").validate()
+    with pytest.raises(ValueError, match="set algorithm.rollout_correction to mis or tis"):
+        stale_config(tiny_model, tmp_path, 1, stale_objective="decoupled",
+                     algorithm={"rollout_correction": "none"}).validate()
+    stale_config(tiny_model, tmp_path, 0, stale_objective="decoupled", algorithm={"rollout_correction": "none"}) \
+        .validate()  # without staleness the objective has nothing to decouple
+
+
+def test_a_resume_continues_the_lag_and_refuses_another_k(tiny_model, tmp_path):
+    straight = tmp_path / "straight"
+    Trainer(stale_config(tiny_model, straight, 2), report=lambda _: None).train()
+    stopped = tmp_path / "stopped"
+    Trainer(stale_config(tiny_model, stopped, 2, iterations=3, save_every=1), report=lambda _: None).train()
+    tensors, _ = load_trainer_state(stopped / "checkpoints" / "step-3")
+    assert len(tensors["stale_policy"]["pending"]) == 2
+    with pytest.raises(ValueError, match="rollout_staleness"):
+        Trainer(stale_config(tiny_model, stopped, 1), resume=True, report=lambda _: None)
+    Trainer(stale_config(tiny_model, stopped, 2), resume=True, report=lambda _: None).train()
+    a, b = read_metrics(straight), read_metrics(stopped)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for key in sorted(set(x) - TIMING):
+            assert x[key] == y[key], (x["step"], key)
+
+
+def test_kill_9_then_resume_with_staleness_matches_an_uninterrupted_run(tiny_model, tmp_path):
+    iterations, extra = 8, ("rollout_staleness=2",)
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(toy_train_command(tiny_model, interrupted, iterations, extra=extra), env=env, cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (interrupted / "checkpoints" / "step-3").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert max(int(p.name.split("-")[1]) for p in (interrupted / "checkpoints").glob("step-*")) < iterations
+    subprocess.run(toy_train_command(tiny_model, interrupted, iterations, resume=True, extra=extra), env=env,
+                   cwd=REPO, check=True, capture_output=True)
+    subprocess.run(toy_train_command(tiny_model, reference, iterations, extra=extra), env=env, cwd=REPO, check=True,
+                   capture_output=True)
+    final = f"checkpoints/step-{iterations}"
+    resumed, uninterrupted = load_trainer_state(interrupted / final)[0], load_trainer_state(reference / final)[0]
+    for a, b in zip([resumed["stale_policy"]["model"], *resumed["stale_policy"]["pending"]],
+                    [uninterrupted["stale_policy"]["model"], *uninterrupted["stale_policy"]["pending"]]):
+        assert same(a, b)
+    assert [r["staleness"] for r in read_metrics(interrupted)] == [0, 1] + [2] * (iterations - 2)
+    assert [r["reward"] for r in read_metrics(interrupted)] == [r["reward"] for r in read_metrics(reference)]
+
+
+def test_a_stale_run_replays_exactly(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    Trainer(stale_config(tiny_model, run, 1, iterations=3, save_rollouts=True), report=lambda _: None).train()
+    replay(run, None, str(tmp_path / "again"), report=lambda _: None)
+    original, again = read_metrics(run), read_metrics(tmp_path / "again")
+    assert len(original) == len(again) == 3
+    for a, b in zip(original, again):
+        for key in sorted(set(a) - TIMING):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
