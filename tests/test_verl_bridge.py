@@ -436,7 +436,7 @@ def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
     from stppo_agent.integrations.verl.settings import NotInVerlError, verl_overrides
 
     preset = ALGORITHMS[name]
-    if preset.advantage == "turn_gae" or preset.dynamic_sampling:
+    if preset.advantage == "turn_gae" or preset.dynamic_sampling or preset.clip_bias_correction:
         with pytest.raises(NotInVerlError):
             verl_overrides(name)
         return

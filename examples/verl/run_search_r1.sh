@@ -4,7 +4,7 @@
 # reward, gamma = lam = 1, top-3 passages, max_turns 2 of Search-R1 = 3 env steps here). docs/verl.md.
 #
 # ALGO=turn_ppo by default: ST-PPO's turn-level ratio. st_ppo / s_ppo also need the clip-bias correction, which
-# needs a training engine this bridge does not have yet; selecting them stops the run at the first actor update.
+# needs a training engine this bridge does not have yet: the settings step below refuses them.
 #
 # Needs: a GPU node with vLLM, `pip install -e ".[verl]"` (the verl.plugins entry point registers the stppo_*
 # losses and the stppo_env agent loop in every Ray worker), and a retrieval server per node:

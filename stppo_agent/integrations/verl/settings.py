@@ -25,6 +25,10 @@ class NotInVerlError(ValueError):
 def verl_overrides(name: str) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo`` that select preset ``name`` with its defaults."""
     preset = ALGORITHMS[name]
+    if preset.clip_bias_correction:  # the launch script stops here, before Ray starts
+        raise NotInVerlError(
+            f"preset {name}: the clip-bias correction needs a verl training engine this bridge does not have yet "
+            "(docs/verl.md); stppo_turn_ppo has the same turn-level ratio without it")
     if preset.advantage not in VERL_ESTIMATORS:
         raise NotInVerlError(
             f"preset {name}: advantage estimator {preset.advantage!r} has no verl counterpart; verl passes the "
