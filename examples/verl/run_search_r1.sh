@@ -16,6 +16,7 @@ DATA=${DATA:-$HOME/data/stppo_verl}
 RETRIEVER=${RETRIEVER:-http://127.0.0.1:8000}
 GPUS=${GPUS:-8}
 MAX_TURNS=3
+OVERRIDES=$(python -m stppo_agent.integrations.verl.settings "$ALGO")  # fails here for a preset verl cannot run
 
 python - <<PY
 from stppo_agent.integrations.verl.data import export_verl
@@ -31,9 +32,9 @@ cat > "$DATA/agent_loops.yaml" <<YAML
   max_observation_tokens: 500
 YAML
 
-# shellcheck disable=SC2046  # one override per word
+# shellcheck disable=SC2086  # one override per word
 python -m verl.trainer.main_ppo \
-  $(python -m stppo_agent.integrations.verl.settings "$ALGO") \
+  $OVERRIDES \
   data.train_files="[$DATA/nq_train.parquet,$DATA/hotpotqa_train.parquet]" \
   data.val_files="[$DATA/nq_test.parquet,$DATA/hotpotqa_test.parquet]" \
   data.train_batch_size=512 data.val_batch_size=256 \
