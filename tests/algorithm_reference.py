@@ -192,9 +192,11 @@ def ref_gmpo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, a
     for b, t in _policy_tokens(mask):
         log_ratio, a = logprobs[b, t] - old[b, t], float(advantages[b, t])
         if a > 0:
-            clipped[b, t] = log_ratio if float(log_ratio.detach()) <= eps_high else torch.tensor(eps_high, dtype=old.dtype)
+            bound = torch.tensor(eps_high, dtype=old.dtype)
+            clipped[b, t] = log_ratio if float(log_ratio.detach()) <= eps_high else bound
         elif a < 0:
-            clipped[b, t] = log_ratio if float(log_ratio.detach()) >= -eps_low else torch.tensor(-eps_low, dtype=old.dtype)
+            bound = torch.tensor(-eps_low, dtype=old.dtype)
+            clipped[b, t] = log_ratio if float(log_ratio.detach()) >= -eps_low else bound
         else:
             clipped[b, t] = torch.zeros((), dtype=old.dtype)
     losses = {}

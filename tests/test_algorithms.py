@@ -341,7 +341,8 @@ def test_user_registered_loss_and_estimator_are_selectable_by_name():
         get_policy_loss("ppo_clipp")
     with pytest.raises(KeyError, match="known: gae, grpo, rloo"):
         get_advantage_estimator("gea")
-    with pytest.raises(KeyError, match="known: grpo, gspo, ppo, s_ppo, so_grpo, st_ppo, turn_ppo"):
+    with pytest.raises(KeyError, match="known: cispo, dapo, dppo_kl, dppo_tv, dr_grpo, gmpo, grpo, gspo, m2po, ppo, "
+                                       "s_ppo, sapo, so_grpo, st_ppo, turn_gae, turn_ppo"):
         ALGORITHMS["stppo"]
 
 

@@ -41,7 +41,8 @@ from .rollout_correction import resolve_rollout_correction, rollout_correction_w
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme", "LossMetrics",
     "POLICY_LOSSES", "Registry", "Summed", "aggregate", "aggregate_parts", "compact_policy_positions",
-    "dropped_group_count", "estimate_advantages", "explained_variance", "get_advantage_estimator", "informative_groups", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
+    "dropped_group_count", "estimate_advantages", "explained_variance", "get_advantage_estimator",
+    "informative_groups", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
     "log_ratio_at_level", "register_advantage_estimator", "register_algorithm", "register_policy_loss",
     "resolve_rollout_correction", "rollout_correction_weights", "value_loss",
 ]

@@ -76,7 +76,9 @@ class StepDiagnostics:
         """``path`` None: nothing is written (the tails still go into the iteration means, for the collapse
         monitor); ``gradients`` False: no gradient cosine (it copies every gradient once per step)."""
         self.path, self.sharded, self.gradients = path, sharded, gradients
-        self.log_low, self.log_high = math.log(1 - clip_low), math.log1p(clip_high)
+        # CISPO's clip_low may be 1 (no lower bound): its log is -inf, which no ratio falls below
+        self.log_low = math.log(1 - clip_low) if clip_low < 1 else -math.inf
+        self.log_high = math.log1p(clip_high)
         self.iteration, self.minibatch, self.reference = 0, 0, None
         self.token_log_ratios: list[torch.Tensor] = []
         self.turn_log_ratios: list[torch.Tensor] = []

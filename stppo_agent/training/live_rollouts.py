@@ -21,7 +21,11 @@ from stppo_agent.rollouts.envs import is_search_env, make_env
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.rollouts.statistics import rollout_statistics
 from stppo_agent.rollouts.turn_loop import collect_rollouts
+from stppo_agent.training.resampling import keep_informative_groups
 from stppo_envs.retrieval import RetrievalError
+
+RESAMPLED_GROUP_OFFSET = 10**9  # group ids of DAPO's extra rounds: apart from every iteration's own
+RESAMPLED_SEED_OFFSET = 7_919_993
 
 
 class PromptSampler:
@@ -83,22 +87,10 @@ class LiveRollouts:
     def next_batch(self, iteration: int) -> RolloutBatch:
         """The episodes of iteration ``iteration`` (0-based), this rank's share of the global batch."""
         trainer, config = self.trainer, self.trainer.config
-        prompts = list(enumerate(self.sampler.take(config.prompts_per_iteration)))  # the same on every rank
-        envs, options, groups, seeds = [], [], [], []
-        for prompt_number, (env_index, example) in prompts[trainer.rank::trainer.world]:  # this rank's share
-            for sample in range(config.samples_per_prompt):
-                slot = prompt_number * config.samples_per_prompt + sample
-                envs.append(self._env(slot, env_index))
-                options.append({"index": example})
-                groups.append(iteration * config.prompts_per_iteration + prompt_number)
-                seeds.append(config.seed + 1_000_003 * iteration + slot)
-        gathered = process_group.gathered(trainer.actor) if isinstance(trainer.backend, HFGenerationBackend) \
-            else contextlib.nullcontext()
-        with gathered:
-            batch = collect_rollouts(trainer.backend, trainer.tokenizer, envs, options, groups,
-                                     config.rollout_limits(), seeds,
-                                     on_turn=lambda turn, active: trainer.phase(
-                                         f"rollout turn {turn + 1}/{config.max_turns} done ({active} active)"))
+        batch = self._play(iteration, 0)
+        if trainer.algo.dynamic_sampling:
+            batch = keep_informative_groups(batch, lambda round: self._play(iteration, round),
+                                            trainer.algo.max_resample_rounds, trainer.tokenizer.pad_token_id)
         # the global rate (a collective): every rank stops together instead of one rank leaving the others waiting
         rate = rollout_statistics(batch, trainer.algo).get("search_error_rate", 0.0)
         if rate > config.max_search_error_rate:
@@ -107,6 +99,28 @@ class LiveRollouts:
                 f"{config.max_search_error_rate}); the policy would learn from error messages. Check the retriever "
                 f"({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
         return batch
+
+    def _play(self, iteration: int, round: int) -> RolloutBatch:
+        """One round of ``prompts_per_iteration`` prompts (round 0: the iteration's own; later rounds: DAPO's
+        resampling, with group ids of their own)."""
+        trainer, config = self.trainer, self.trainer.config
+        prompts = list(enumerate(self.sampler.take(config.prompts_per_iteration)))  # the same on every rank
+        first_group = iteration * config.prompts_per_iteration + round * RESAMPLED_GROUP_OFFSET
+        envs, options, groups, seeds = [], [], [], []
+        for prompt_number, (env_index, example) in prompts[trainer.rank::trainer.world]:  # this rank's share
+            for sample in range(config.samples_per_prompt):
+                slot = prompt_number * config.samples_per_prompt + sample
+                envs.append(self._env(slot, env_index))
+                options.append({"index": example})
+                groups.append(first_group + prompt_number)
+                seeds.append(config.seed + 1_000_003 * iteration + slot + round * RESAMPLED_SEED_OFFSET)
+        gathered = process_group.gathered(trainer.actor) if isinstance(trainer.backend, HFGenerationBackend) \
+            else contextlib.nullcontext()
+        with gathered:
+            return collect_rollouts(trainer.backend, trainer.tokenizer, envs, options, groups,
+                                    config.rollout_limits(), seeds,
+                                    on_turn=lambda turn, active: trainer.phase(
+                                        f"rollout turn {turn + 1}/{config.max_turns} done ({active} active)"))
 
     def state(self) -> dict[str, int]:
         return self.sampler.state()

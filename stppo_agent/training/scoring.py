@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from stppo_agent.algorithms import get_advantage_estimator, kl_reward_penalty, rollout_correction_weights
+from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty, rollout_correction_weights
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.training.log_probs import batched_no_grad, critic_values, token_logprobs
@@ -42,9 +42,9 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     # Whitening must use the statistics of the whole global batch, so with several ranks it happens here.
     whiten_globally = trainer.world > 1 and trainer.algo.whiten_advantages
     estimator_config = dataclasses.replace(trainer.algo, whiten_advantages=False) if whiten_globally else trainer.algo
-    batch.advantages, batch.returns = get_advantage_estimator(trainer.algo.advantage)(
-        rewards=batch.rewards.to(trainer.device), values=values, loss_mask=batch.loss_mask,
-        group_ids=batch.group_ids, config=estimator_config, kl_penalty=kl_penalty)
+    batch.advantages, batch.returns = estimate_advantages(
+        trainer.algo.advantage, rewards=batch.rewards.to(trainer.device), values=values, loss_mask=batch.loss_mask,
+        group_ids=batch.group_ids, config=estimator_config, kl_penalty=kl_penalty, turn_ids=batch.turn_ids)
     if whiten_globally:
         batch.advantages = process_group.distributed_whiten(batch.advantages, batch.loss_mask)
     mask = batch.loss_mask

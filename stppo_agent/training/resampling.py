@@ -1,0 +1,58 @@
+"""DAPO's dynamic sampling in the live rollouts (``dynamic_sampling`` of the algorithm, on in the ``dapo`` preset).
+
+A group whose trajectories all earned the same reward teaches a group-relative rule nothing. Such groups are
+dropped and this iteration's prompts are followed by more, one full round of ``prompts_per_iteration`` at a time,
+until every rank holds as many informative groups as it had groups, or ``max_resample_rounds`` extra rounds are
+spent; then the batch is filled up with dropped groups (zero advantage, no gradient) so that every iteration has
+the same shape. Ranks take their rounds together (the prompt sampler is shared), so one short rank makes all of them
+sample another round.
+
+Logged: ``dynamic_sampling/rounds`` (extra rounds taken) and ``dynamic_sampling/dropped_frac`` (share of the sampled
+groups that were uninformative). The iteration's other rollout statistics (reward, ...) stay those of its first
+round: the policy's own performance on the iteration's prompts, comparable with runs of other rules.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from stppo_agent.algorithms import informative_groups
+from stppo_agent.distributed import process_group
+from stppo_agent.rollouts.batch import RolloutBatch
+from stppo_agent.rollouts.global_batch import merge_shares
+
+
+def keep_informative_groups(first: RolloutBatch, play_round: Callable[[int], RolloutBatch], max_rounds: int,
+                            pad_id: int) -> RolloutBatch:
+    """``first`` with its uninformative groups replaced by informative ones from ``play_round(r)``, r = 1, 2, ..."""
+    shares, rounds = [first], 0
+    groups_needed = int(torch.unique(first.group_ids).numel())
+    while True:
+        merged = merge_shares(shares, pad_id, dict(first.stats)) if len(shares) > 1 else first
+        keep = informative_groups(merged.rewards, merged.group_ids)
+        short = groups_needed - int(torch.unique(merged.group_ids[keep]).numel())
+        shortest = process_group.all_reduce_sum(torch.tensor([float(max(short, 0) > 0)]))  # ranks still short
+        if rounds >= max_rounds or float(shortest) == 0:
+            break
+        rounds += 1
+        shares.append(play_round(rounds))
+    sampled = int(torch.unique(merged.group_ids).numel())
+    dropped = sampled - int(torch.unique(merged.group_ids[keep]).numel())
+    order = _groups_in_order(merged.group_ids, keep)[:groups_needed]
+    rows = torch.cat([torch.nonzero(merged.group_ids == group).flatten() for group in order])
+    batch = merged.select(rows)
+    batch.stats = {**first.stats, "dynamic_sampling/rounds": float(rounds),
+                   "dynamic_sampling/dropped_frac": dropped / max(sampled, 1)}
+    return batch
+
+
+def _groups_in_order(group_ids: torch.Tensor, keep: torch.Tensor) -> list[int]:
+    """Informative groups first, then the dropped ones, each in sampling order."""
+    seen: list[int] = []
+    for wanted in (True, False):
+        for group, kept in zip(group_ids.tolist(), keep.tolist()):
+            if kept == wanted and group not in seen:
+                seen.append(group)
+    return seen

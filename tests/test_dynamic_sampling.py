@@ -1,0 +1,84 @@
+"""DAPO's dynamic sampling in the live rollouts (issue 25): uninformative groups are replaced by resampled ones, up
+to a cap, the batch keeps its shape, and what was dropped is logged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stppo_agent.algorithms import informative_groups
+from stppo_agent.rollouts.batch import Trajectory, to_batch
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.resampling import keep_informative_groups
+from stppo_agent.training.trainer import Trainer
+
+from .test_trainer import toy_config
+from .tiny_models import tiny_llama, word_tokenizer
+
+
+def groups_batch(rewards_by_group: dict[int, list[float]]):
+    trajectories = []
+    for group, rewards in rewards_by_group.items():
+        for reward in rewards:
+            t = Trajectory(env=None, group_id=group, prompt_ids=[1, 2], reward=reward)
+            t.append([3, 4], policy=True, turn=0, logprobs=[-1.0, -1.0])
+            trajectories.append(t)
+    return to_batch(trajectories, pad_id=0)
+
+
+def test_uninformative_groups_are_replaced_by_resampled_ones_in_sampling_order():
+    first = groups_batch({0: [1.0, 1.0], 1: [0.0, 1.0]})
+    rounds = {1: groups_batch({10: [0.0, 0.0], 11: [1.0, 0.0]})}
+    batch = keep_informative_groups(first, rounds.__getitem__, max_rounds=3, pad_id=0)
+    assert batch.group_ids.tolist() == [1, 1, 11, 11]
+    assert bool(informative_groups(batch.rewards, batch.group_ids).all())
+    assert batch.stats["dynamic_sampling/rounds"] == 1.0
+    assert batch.stats["dynamic_sampling/dropped_frac"] == 2 / 4
+    assert batch.stats["reward"] == first.stats["reward"]  # the iteration's own prompts, unfiltered
+
+
+def test_the_cap_stops_resampling_and_dropped_groups_fill_the_batch():
+    played = []
+
+    def play(round_number):
+        played.append(round_number)
+        return groups_batch({100 + round_number: [1.0, 1.0]})
+
+    first = groups_batch({0: [0.0, 0.0], 1: [1.0, 0.0]})
+    batch = keep_informative_groups(first, play, max_rounds=2, pad_id=0)
+    assert played == [1, 2]
+    assert batch.batch_size == first.batch_size and batch.group_ids.tolist() == [1, 1, 0, 0]
+    assert batch.stats["dynamic_sampling/rounds"] == 2.0
+    assert batch.stats["dynamic_sampling/dropped_frac"] == 3 / 4
+
+
+def test_a_full_first_round_samples_nothing_more():
+    first = groups_batch({0: [0.0, 1.0], 1: [1.0, 0.0]})
+    batch = keep_informative_groups(first, lambda r: pytest.fail("resampled"), max_rounds=5, pad_id=0)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1] and batch.stats["dynamic_sampling/rounds"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
+
+def test_dapo_trains_on_informative_groups_and_logs_what_it_dropped(tiny_model, tmp_path):
+    seen = []
+    config = toy_config(tiny_model, tmp_path, "dapo", iterations=3, prompts_per_iteration=4, samples_per_prompt=2,
+                        mini_batch_size=8, micro_batch_size=4, ppo_epochs=1, on_collapse="none")
+    trainer = Trainer(config, report=lambda _: None, batch_hook=seen.append)
+    assert trainer.algo.dynamic_sampling
+    trainer.train()
+    records = read_metrics(tmp_path)
+    assert all("dynamic_sampling/rounds" in r and "dynamic_sampling/dropped_frac" in r for r in records)
+    assert any(r["dynamic_sampling/dropped_frac"] > 0 for r in records)  # pairs of 2 often agree on a toy reward
+    for batch, record in zip(seen, records):
+        assert batch.batch_size == 8
+        informative = informative_groups(batch.rewards, batch.group_ids)
+        if record["dynamic_sampling/rounds"] < trainer.algo.max_resample_rounds:
+            assert bool(informative.all())  # enough were found: only informative groups are trained on
+        rows = torch.argsort(informative.float(), descending=True, stable=True)
+        assert torch.equal(rows, torch.arange(8))  # informative groups first, fillers last
