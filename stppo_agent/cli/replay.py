@@ -18,11 +18,13 @@ def add_parser(commands) -> None:
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field of the recorded config, e.g. algorithm.clip_high=0.28")
     add_import_argument(rep, recorded=True)
+    rep.add_argument("--json", action="store_true",
+                     help="end with the last iteration's metrics as JSON instead of the summary (for scripts)")
     rep.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from stppo_agent.cli.train import print_metrics
+    from stppo_agent.cli.train import print_outcome
     from stppo_agent.distributed import process_group
     from stppo_agent.plugins.loader import load_plugins, portable_specs
     from stppo_agent.plugins.name_checks import check_algorithm
@@ -40,6 +42,5 @@ def run(args: argparse.Namespace) -> int:
         metrics = replay(args.run, args.algo, args.output_dir, overrides, args.iterations)
         main = process_group.is_main()
     if main:
-        print_metrics(metrics)
-        print(f"replay written to {args.output_dir} (metrics.jsonl, steps.jsonl)")
+        print_outcome(args, metrics, args.output_dir, f"replay of {args.run} written to")
     return 0

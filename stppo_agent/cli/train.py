@@ -14,9 +14,13 @@ def add_parser(commands) -> None:
     from stppo_agent.plugins.loader import add_import_argument
 
     train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
-    train.add_argument("--algo", default=None, help="ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, ...")
+    from stppo_agent.algorithms import ALGORITHMS
+
+    train.add_argument("--algo", default=None,
+                       help=f"algorithm preset: {', '.join(sorted(ALGORITHMS))}, or one a plugin registers")
     train.add_argument("--env", default=None, help="comma-separated env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
-    train.add_argument("--model", default=None, help="Hugging Face folder or hub name; 'smollm2' for the default")
+    train.add_argument("--model", default=None, help="Hugging Face folder or hub name; 'smollm2' for the default "
+                                                      "model, 'tiny' for a random Llama that learns stppo/Toy-v0")
     train.add_argument("--output-dir", default=None, help="run folder")
     train.add_argument("--iterations", type=positive_int, default=None,
                        help="iterations (default: the config's, else 100)")
@@ -28,6 +32,8 @@ def add_parser(commands) -> None:
                        help="continue from the run folder's last valid checkpoint, with the run's own config.yaml "
                             "unless --config is given")
     train.add_argument("--overwrite", action="store_true", help="replace the run the output folder holds")
+    train.add_argument("--json", action="store_true",
+                       help="end with the last iteration's metrics as JSON instead of the summary (for scripts)")
     train.set_defaults(handler=run)
 
 
@@ -35,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.distributed import process_group
 
     with process_group.process_group_for_command():  # under torchrun: gloo on CPU, NCCL on GPUs
-        metrics, main = _train(args), process_group.is_main()
+        (metrics, run_dir), main = _train(args), process_group.is_main()
     if main:  # asked inside: once the group is left, every process is rank 0
-        print_metrics(metrics)
+        print_outcome(args, metrics, run_dir, "trained")
     return 0
 
 
@@ -45,7 +51,17 @@ def print_metrics(metrics: dict) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, indent=1))
 
 
-def _train(args: argparse.Namespace) -> dict:
+def print_outcome(args: argparse.Namespace, metrics: dict, run_dir: str, title: str) -> None:
+    """The run's summary (metrics.jsonl keeps every figure), or with --json the last iteration's metrics."""
+    from stppo_agent.runs.run_summary import run_summary
+
+    if args.json:
+        print_metrics(metrics)
+    else:
+        print(run_summary(run_dir, title))
+
+
+def _train(args: argparse.Namespace) -> tuple[dict, str]:
     from stppo_agent.models.default_model import resolve_model
     from stppo_agent.plugins.loader import portable_specs
     from stppo_agent.plugins.name_checks import check_train_config
@@ -60,4 +76,4 @@ def _train(args: argparse.Namespace) -> dict:
     config.plugins = portable_specs([*config.plugins, *args.imports])
     check_train_config(config)  # plugins imported, then every name checked before a model loads
     config.model = resolve_model(config.model) if config.model else config.model
-    return Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
+    return Trainer(config, resume=args.resume, overwrite=args.overwrite).train(), config.output_dir
