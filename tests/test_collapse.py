@@ -112,7 +112,7 @@ def test_replay_of_records_rebuilds_the_monitor_and_forgets_rolled_back_iteratio
             live.forget_after(6)
             records[-1]["collapse/rollback_to"] = 6
     rebuilt = CollapseMonitor()
-    rebuilt.replay(records)
+    rebuilt.reobserve(records)
     probe = healthy_metrics(rng) | {"grad_norm": 3.0}
     assert rebuilt.history == live.history
     assert [t.z for t in rebuilt.observe(13, probe).trips] == [t.z for t in live.observe(13, probe).trips]

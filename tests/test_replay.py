@@ -275,7 +275,11 @@ def test_replay_reads_every_ranks_files_of_iterations_recorded_by_another_proces
 def test_replay_shares_a_recorded_iteration_among_another_number_of_processes(recorded_ppo, tmp_path):
     from types import SimpleNamespace
 
-    from stppo_agent.runs.recording import tensors_equal
+    from stppo_agent.runs.recording import TENSOR_FIELDS
+
+    def tensors_equal(a, b) -> bool:
+        return a.prompt_width == b.prompt_width and all(
+            torch.equal(getattr(a, n).cpu(), getattr(b, n).cpu()) for n in TENSOR_FIELDS)
     from stppo_agent.training.replay import RecordedRollouts
 
     run = _record_with_world_sizes(recorded_ppo, tmp_path / "two", {1: 2, 2: 1, 3: 1})

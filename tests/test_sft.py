@@ -1,4 +1,4 @@
-"""Supervised warm start: demonstrations from a teacher agent, tokenised exactly as rollouts are, and a loss on
+"""Supervised warm start: demonstrations from a teacher agent, laid out in tokens as rollouts are, and a loss on
 the teacher's action tokens only."""
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Pure tensor math of the PPO family (docs/algorithms.md): advantage estimators, policy/critic losses, presets.
+"""The math of the PPO family (docs/algorithms.md): advantage estimators, policy/critic losses, presets. Tensor
+functions; the clip-bias correction and M2PO's second moment also reduce over data-parallel ranks when there are
+several.
 
     from stppo_agent.algorithms import ALGORITHMS, get_advantage_estimator, get_policy_loss
 

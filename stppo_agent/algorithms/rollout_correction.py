@@ -27,10 +27,6 @@ import torch
 from .losses import KL_LOG_RATIO_CLAMP, log_ratio_at_level
 from .segments import masked_mean, quantile
 
-CORRECTION_NAMES = ("none", "tis", "mis")
-CORRECTION_LEVELS = ("token", "turn", "sequence")
-VERL_DEFAULT_CAP = 2.0  # verl's rollout_is_threshold
-
 
 def resolve_rollout_correction(algo, generation_backend: str):
     """``auto`` settings for a backend: on with vLLM (TIS at the cap of 2, at turn level for turn-level

@@ -56,19 +56,6 @@ def segment_counts(ids: torch.Tensor, num_segments: int, mask: torch.Tensor, dty
         0, ids.reshape(-1), mask.reshape(-1).to(dtype))
 
 
-def segment_mean(x: torch.Tensor, ids: torch.Tensor, num_segments: int, mask: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean of ``x`` over each segment's masked positions, broadcast back to positions; and segment counts.
-
-    Differentiable: the gradient reaches every position of a segment.
-    x (B, T), ids (B, T) long, mask (B, T) bool -> (B, T) means, (num_segments,) counts.
-    """
-    counts = segment_counts(ids, num_segments, mask, x.dtype)
-    masked = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    means = segment_sum(masked, ids, num_segments) / counts.clamp(min=1)
-    return broadcast_segments(means, ids), counts
-
-
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked entries (unbiased variance); masked-out entries become 0."""
     mean = masked_mean(x, mask)

@@ -59,7 +59,7 @@ class CollapseGuard:
             from stppo_agent.runs.metrics_log import read_metrics
 
             past = read_metrics(trainer.run_dir)  # already cut back to the resumed checkpoint
-            self.monitor.replay(past)
+            self.monitor.reobserve(past)
             self.records = [_kept(r) for r in past]
             self.rollbacks = sum("collapse/rollback_to" in r for r in past)
 

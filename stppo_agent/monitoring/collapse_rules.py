@@ -248,7 +248,7 @@ class CollapseMonitor:
         self.reward_history = [entry for entry in self.reward_history if entry[0] <= iteration]
         self.streaks, self.streak_start = {}, None
 
-    def replay(self, records: Iterable[Mapping[str, Any]]) -> None:
+    def reobserve(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Rebuild the state from a run's ``metrics.jsonl`` records (on resume), rollbacks included."""
         for record in records:
             step = int(record.get("step", 0))

@@ -36,8 +36,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 FORMAT_NAME = "stppo-rollouts"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -234,9 +232,3 @@ def load_batch(folder: Path, iteration: int, rank: int):
                  for line in transcripts.read_text(encoding="utf-8").splitlines() if line.strip()]
     return RolloutBatch(prompt_width=int(metadata["prompt_width"]), stats=json.loads(metadata.get("stats", "{}")),
                         episode_info=infos, **{k: v for k, v in tensors.items()})
-
-
-def tensors_equal(a, b) -> bool:
-    """Two batches hold the same recorded tensors (a test and debugging aid)."""
-    return all(torch.equal(getattr(a, n).cpu(), getattr(b, n).cpu()) for n in TENSOR_FIELDS) \
-        and a.prompt_width == b.prompt_width

@@ -5,10 +5,11 @@ to learn from. A teacher -- the ``gold-search`` script (search the question, ans
 agent spec such as ``hf:BIG_MODEL`` or ``openai:URL#MODEL`` (rejection-sampling fine-tuning) -- plays the
 benchmark envs; its episodes that earned the reward become the training data.
 
-Episodes are tokenised exactly as rollouts are (the prompt through the chat template, each observation alone and
+Episodes are laid out in tokens as rollouts are (the prompt through the chat template, each observation alone and
 cut to ``max_observation_tokens``, whose default is training's: a demonstration never shows a cut that RL would
-not), and the loss is the mean negative log-likelihood of the teacher's action
-tokens only: observations and the prompt are masked, as in the PPO loss.
+not); the teacher's actions are encoded from their text (a rollout keeps the ids it sampled), and the loss is the
+mean negative log-likelihood of those action tokens only: observations and the prompt are masked, as in the PPO
+loss.
 """
 
 from __future__ import annotations
