@@ -7,9 +7,27 @@ from pathlib import Path
 from typing import Any, Sequence
 
 # Provenance fields that may differ between records that are still comparable: they identify the contestant,
-# or only say where the data and index lived (their content is compared through dataset_sha256 and retriever_id:
-# the same index under two paths compares, a rebuilt index at the same path does not).
+# or only say where the data and index lived and how the index was reached (their content is compared through
+# dataset_sha256 and retriever_id: the same index under two paths, or local and served, compares; a rebuilt index
+# at the same path does not).
 CONTESTANT_FIELDS = ("agent", "dataset", "retriever")
+
+
+def searched_index_id(index_id: str) -> str:
+    """What a retriever searches, not how it is reached: a ``stppo serve`` client's id is ``remote:`` + the served
+    index's own id (from /health), which names the same index as a local run of it; a server that does not say
+    what it serves stays ``remote:URL``, known by its address only (never equal to a local index).
+
+    >>> searched_index_id("remote:bm25:corpus-sha256:ab12"), searched_index_id("remote:http://h:8000/retrieve")
+    ('bm25:corpus-sha256:ab12', 'remote:http://h:8000/retrieve')
+    """
+    while index_id.startswith("remote:") and not index_id.removeprefix("remote:").startswith(("http://", "https://")):
+        index_id = index_id.removeprefix("remote:")  # a server in front of a server: still the same index
+    return index_id
+
+
+def _comparable(key: str, value: Any) -> Any:
+    return searched_index_id(value) if key == "retriever_id" and isinstance(value, str) else value
 
 
 class ProvenanceMismatchError(ValueError):
@@ -37,7 +55,7 @@ def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[
     keys = sorted({k for r in records for k in r["provenance"]} - set(CONTESTANT_FIELDS))
     differences = {}
     for key in keys:
-        values = [r["provenance"].get(key) for r in records]
+        values = [_comparable(key, r["provenance"].get(key)) for r in records]
         if any(v != values[0] for v in values):
             differences[key] = values
     return differences

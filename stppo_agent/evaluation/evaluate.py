@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import stppo_envs
 from stppo_agent.evaluation.agents import Agent, EpisodeView
+from stppo_agent.evaluation.comparison import searched_index_id
 from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_envs import SearchQAEnv
 from stppo_envs.prompts import template_hash
@@ -171,7 +172,7 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "dataset_sha256": examples_hash(env.examples),
         "limit": settings.limit,
         "retriever": portable_spec(settings.retriever),
-        "retriever_id": getattr(env.retriever, "index_id", repr(env.retriever)),
+        "retriever_id": searched_index_id(getattr(env.retriever, "index_id", repr(env.retriever))),
         "topk": settings.topk,
         "max_turns": settings.max_turns,
         "prompt_template": template_hash(env.template, env.mcq_template, "question_mark" * env.question_mark),
