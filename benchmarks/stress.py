@@ -50,8 +50,10 @@ CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "gspo", "so_grpo"]
 LADDER = {
     "none": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1},
     "mild": {"ppo_epochs": 2, "mini_batches": 4, "lr_scale": 1},
-    "strong": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 3},
-    "extreme": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10},
+    "strong": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10},
+    "extreme": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 100},
+    # a control, not on the default ladder: extreme's lr with one on-policy step per iteration
+    "lr_only": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 100},
 }
 DEFAULT_LEVELS = ["none", "mild", "strong", "extreme"]
 Z95 = 1.959963984540054
@@ -287,7 +289,7 @@ def render(summary: dict) -> str:
     t = summary["timing"]
     out += [f"Time: runs done so far took {t['runs_wall_s'] / 60:.1f} min of wall time in all ({t['runs']} runs, "
             f"median {t['run_median_s']:.0f} s); this invocation {t['invocation_s'] / 60:.1f} min; machine: "
-            f"{os.cpu_count()} CPUs, load average {t['load_start']:.1f} at start, {t['load_end']:.1f} at end."
+            f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={summary['omp_num_threads']}, load average {t['load_start']:.1f} at start, {t['load_end']:.1f} at end."
             + ("" if summary["complete"] else " **Incomplete: the grid is still running or was stopped.**"), ""]
     return "\n".join(out)
 
@@ -358,6 +360,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     stability.REPORT_ONLY = args.report_only
     tier = TOY if args.tier == "toy" else DEMO
+    if tier is TOY:  # a tiny model gains nothing from 2 threads, and on a loaded CPU their barriers cost seconds a step
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     iterations = args.iterations or (3 if args.quick else tier.iterations)
     rules = resolve_rules(args)
     levels = {name: dict(LADDER[name]) for name in LADDER}
@@ -408,7 +412,7 @@ def write(args, tier, model, rules, levels, order, seeds, iterations, runs, star
     walls = [r["wall_s"] for lv in runs.values() for rl in lv.values() for r in rl.values() if r.get("wall_s")]
     summary = {
         "tier": tier.name, "tier_description": tier.describe, "quick": args.quick, "warm_start": model,
-        "held_out_before": getattr(args, "before", None),
+        "held_out_before": getattr(args, "before", None), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "command": " ".join(["python", "benchmarks/stress.py", *(sys.argv[1:] if sys.argv[1:] else [])]),
         "rules": rules, "levels_order": order, "levels": {n: levels[n] for n in order},
         "level_sets": {n: level_overrides(tier, levels[n]) for n in order}, "seeds": seeds, "iterations": iterations,

@@ -34,7 +34,7 @@ def test_levels_resolve_to_training_options_and_extra_knobs_pass_through():
     sets = stress.level_overrides(stress.TOY, knobs)
     assert sets == ["ppo_epochs=1", "mini_batch_size=8", "micro_batch_size=8", "actor_lr=0.003", "rollout_staleness=4"]
     assert stress.level_overrides(stress.TOY, stress.LADDER["extreme"])[:4] == [
-        "ppo_epochs=4", "mini_batch_size=8", "micro_batch_size=8", "actor_lr=0.03"]
+        "ppo_epochs=4", "mini_batch_size=8", "micro_batch_size=8", "actor_lr=0.3"]
     with pytest.raises(SystemExit, match="does not divide"):
         stress.level_overrides(stress.TOY, {"ppo_epochs": 1, "mini_batches": 5, "lr_scale": 1})
 
@@ -81,7 +81,7 @@ def test_quick_grid_ranks_a_plugin_rule_resumes_and_reports(tmp_path):
     assert "tier toy (--quick: plumbing" in report and stress.COLLAPSE in report
     assert "| toy | extreme | narrow_ppo | 1 |" in report
     assert ("[0.00, 0.79]" in report) or ("[0.21, 1.00]" in report)
-    assert "ppo_epochs=4 mini_batch_size=8 micro_batch_size=8 actor_lr=0.03" in report
+    assert "ppo_epochs=4 mini_batch_size=8 micro_batch_size=8 actor_lr=0.3" in report
     assert (out / "figures" / "stress-collapse.png").stat().st_size > 0
 
     # a rerun finds every run done and trains nothing
