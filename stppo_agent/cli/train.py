@@ -65,6 +65,7 @@ def _train(args: argparse.Namespace) -> tuple[dict, str]:
     from stppo_agent.models.default_model import resolve_model
     from stppo_agent.plugins.loader import portable_specs
     from stppo_agent.plugins.name_checks import check_train_config
+    from stppo_agent.runs.checkpoint import check_checkpoint_settings
     from stppo_agent.training.config import load_config
     from stppo_agent.training.trainer import Trainer
 
@@ -75,5 +76,6 @@ def _train(args: argparse.Namespace) -> tuple[dict, str]:
                          output_dir=args.output_dir, iterations=args.iterations)
     config.plugins = portable_specs([*config.plugins, *args.imports])
     check_train_config(config)  # plugins imported, then every name checked before a model loads
+    check_checkpoint_settings(config.checkpoint_dtype, config.checkpoint_optimizer, config.on_collapse)
     config.model = resolve_model(config.model) if config.model else config.model
     return Trainer(config, resume=args.resume, overwrite=args.overwrite).train(), config.output_dir

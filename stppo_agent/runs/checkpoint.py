@@ -3,13 +3,21 @@
     checkpoints/step-N/
       actor/              save_pretrained (safetensors) + tokenizer: AutoModelForCausalLM.from_pretrained works
       critic/             AutoModelForTokenClassification folder (PPO family only)
-      trainer_state.pt    optimizer and scheduler state, torch RNG (torch.load(weights_only=True))
+      optimizer_state.pt  the actor's and critic's AdamW moments (8 bytes per parameter in float32)
+      trainer_state.pt    scheduler state, torch RNG (torch.load(weights_only=True))
       trainer_state.json  iteration, data position, python/numpy RNG, counters (human-readable)
       manifest.json       sha256 and size of every file above, written last
 
 A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never leaves a
 half-written ``step-N``. On resume, the newest checkpoint whose manifest verifies is used; a corrupt one is
 reported and skipped, never loaded. Nothing is unpickled: weights are safetensors, state is weights_only.
+
+Disk (the run's config, read from the checkpoint's own record of it): ``checkpoint_dtype=bfloat16`` writes the
+weights in bfloat16 (half of float32; resume continues from the rounded weights), and
+``checkpoint_optimizer=newest`` keeps the optimizer state only in the newest checkpoint, which is all a resume
+needs: an older one drops it (manifest entry first, then the file) once a newer one is complete, so a kill -9 at
+any moment leaves the newest checkpoint whole and the older ones verifying. (on_collapse=rollback restores an
+older checkpoint's optimizer state, so it needs checkpoint_optimizer=all.)
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ from typing import Any, Collection
 import torch
 
 _STEP = re.compile(r"^step-(\d+)$")
+OPTIMIZER_FILE = "optimizer_state.pt"
+OPTIMIZER_KEYS = ("actor_optimizer", "critic_optimizer")  # the tensor-state entries that go to OPTIMIZER_FILE
+CHECKPOINT_OPTIMIZER = ("all", "newest")
+CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class CheckpointWriteError(OSError):
@@ -62,7 +74,7 @@ def verify_checkpoint(folder: Path) -> None:
                                                  for v in manifest.values()):
         raise CorruptCheckpointError(f"{folder}/manifest.json is not a mapping of file -> {{sha256, bytes}}")
     present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
-    unlisted = sorted(present - set(manifest))
+    unlisted = sorted(present - set(manifest) - {OPTIMIZER_FILE})  # an unlisted one: a drop cut short, never read
     if unlisted or not manifest:  # a manifest must vouch for every file, or truncated weights would load
         raise CorruptCheckpointError(f"{folder}/manifest.json does not list {', '.join(unlisted) or 'any file'}")
     for name, expected in manifest.items():
@@ -81,6 +93,15 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     write instead of the modules' own (gathered from FSDP2 shards)."""
     from stppo_agent.models.loading import save_critic
 
+    settings = json_state.get("config") or {}  # the run's config as the checkpoint records it
+    dtype, optimizer_policy = settings.get("checkpoint_dtype"), settings.get("checkpoint_optimizer") or "all"
+    check_checkpoint_settings(dtype, optimizer_policy, settings.get("on_collapse"))
+    if dtype is not None:
+        actor_state = in_dtype(actor_state if actor_state is not None else actor.state_dict(), dtype)
+        if critic is not None:
+            critic_state = in_dtype(critic_state if critic_state is not None else critic.state_dict(), dtype)
+    optimizer_state = {k: v for k, v in tensor_state.items() if k in OPTIMIZER_KEYS}
+    tensor_state = {k: v for k, v in tensor_state.items() if k not in OPTIMIZER_KEYS}
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
@@ -94,6 +115,8 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
         if critic is not None:
             save_critic(critic, scratch / "critic", critic_state)
         torch.save(tensor_state, scratch / "trainer_state.pt")
+        if optimizer_state:
+            torch.save(optimizer_state, scratch / OPTIMIZER_FILE)
         (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
         _write_manifest(scratch)
     except Exception as exc:  # a full disk surfaces as OSError, or as safetensors' / torch's own error types
@@ -112,7 +135,58 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
         if old in protect:
             continue
         shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+    if optimizer_policy == "newest":  # protected ones too: they serve evaluation (@best, @healthy), not rollback
+        for old in list_checkpoints(run_dir):
+            if old != step:
+                drop_optimizer_state(root / f"step-{old}")
     return final
+
+
+def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_collapse: str | None = None) -> None:
+    """``checkpoint_dtype`` and ``checkpoint_optimizer`` as :func:`save_checkpoint` reads them (ValueError, one
+    line)."""
+    if dtype is not None and dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"checkpoint_dtype must be {', '.join(CHECKPOINT_DTYPES)} or null, got {dtype!r}")
+    if optimizer_policy not in CHECKPOINT_OPTIMIZER:
+        raise ValueError(f"checkpoint_optimizer must be {' or '.join(CHECKPOINT_OPTIMIZER)}, got {optimizer_policy!r}")
+    if optimizer_policy == "newest" and on_collapse == "rollback":
+        raise ValueError("checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback restores "
+                         "from an older checkpoint: use checkpoint_optimizer=all with rollback")
+
+
+def in_dtype(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Floating-point tensors of ``state`` in ``dtype``; tensors that shared storage (tied embeddings) still do,
+    so save_pretrained writes them once."""
+    target, converted = getattr(torch, dtype), {}
+    out = {}
+    for key, tensor in state.items():
+        if not tensor.is_floating_point():
+            out[key] = tensor
+            continue
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if storage not in converted:
+            converted[storage] = tensor.detach().to(target)
+        out[key] = converted[storage]
+    return out
+
+
+def drop_optimizer_state(folder: Path) -> None:
+    """Remove an older checkpoint's optimizer state: its manifest entry first (atomically), then the file. A kill
+    between the two leaves an unlisted file, which verification tolerates and loading ignores (a later drop
+    removes it)."""
+    path = folder / OPTIMIZER_FILE
+    manifest_path = folder / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return  # not ours to repair: verify_checkpoint reports it
+    if not isinstance(manifest, dict) or OPTIMIZER_FILE not in manifest and not path.exists():
+        return
+    if manifest.pop(OPTIMIZER_FILE, None) is not None:
+        scratch = folder.parent / f".{folder.name}.manifest.tmp"
+        scratch.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(scratch, manifest_path)
+    path.unlink(missing_ok=True)
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -190,7 +264,20 @@ def latest_valid_checkpoint(run_dir: Path, report=print) -> Path | None:
     return None
 
 
-def load_trainer_state(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+class NoOptimizerStateError(CorruptCheckpointError):
+    """A checkpoint without optimizer state (``checkpoint_optimizer=newest`` kept it in a newer one only)."""
+
+
+def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's tensor state (optimizer state included: ``optimizer=False`` reads a checkpoint that dropped
+    it) and its JSON state, after verifying it."""
     verify_checkpoint(folder)
     tensors = torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=True)
+    listed = OPTIMIZER_FILE in json.loads((folder / "manifest.json").read_text())
+    if listed:  # an unlisted one is the leftover of an interrupted drop: unverified, never read
+        tensors.update(torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    if optimizer and "actor_optimizer" not in tensors:
+        raise NoOptimizerStateError(
+            f"{folder} holds no optimizer state (checkpoint_optimizer=newest keeps it in the newest checkpoint only), "
+            f"so it cannot be resumed or rolled back to; its weights start a new run: --model {folder / 'actor'}")
     return tensors, json.loads((folder / "trainer_state.json").read_text())

@@ -1,0 +1,130 @@
+"""What a checkpoint holds per parameter, and a run that keeps checkpoints small: weights in bfloat16, optimizer
+state only in the newest checkpoint, still resumable after kill -9 (issue 31.4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stppo_agent.runs.checkpoint import (OPTIMIZER_FILE, NoOptimizerStateError, load_trainer_state,
+                                         verify_checkpoint)
+from stppo_agent.runs.metrics_log import read_metrics
+
+from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--set", "checkpoint_dtype=bfloat16", "--set", "checkpoint_optimizer=newest"]
+
+
+def train(out: Path, iterations: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
+               "--model", "tiny", "--output-dir", str(out), "--iterations", str(iterations), "--set", "save_every=1",
+               "--set", "keep_checkpoints=2", "--set", "tensorboard=false", "--set", "progress=false", *extra]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert not check or done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def parameters(folder: Path) -> tuple[int, torch.dtype]:
+    tensors = load_file(folder / "model.safetensors")
+    return sum(t.numel() for t in tensors.values()), next(iter(tensors.values())).dtype
+
+
+def test_a_default_checkpoint_holds_4_bytes_per_weight_and_8_per_parameter_of_optimizer_state(tmp_path):
+    train(tmp_path / "run", 2)
+    for step in (1, 2):  # checkpoint_optimizer=all: every kept checkpoint resumes
+        folder = tmp_path / "run" / "checkpoints" / f"step-{step}"
+        actor, dtype = parameters(folder / "actor")
+        critic, _ = parameters(folder / "critic")
+        assert dtype == torch.float32
+        weights = (folder / "actor" / "model.safetensors").stat().st_size
+        assert 4 * actor <= weights <= 4 * actor * 1.05 + 4096  # safetensors' header is the rest
+        optimizer = (folder / OPTIMIZER_FILE).stat().st_size  # AdamW: two float32 moments per parameter
+        assert 8 * (actor + critic) <= optimizer <= 8 * (actor + critic) * 1.25 + 65536
+        assert (folder / "trainer_state.pt").stat().st_size < optimizer / 4  # schedules and random streams
+        tensors, _ = load_trainer_state(folder)
+        assert {"actor_optimizer", "critic_optimizer", "actor_scheduler"} <= set(tensors)
+
+
+def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_newest(tmp_path):
+    run = tmp_path / "run"
+    said = train(run, 3, *SMALL).stdout
+    older, newest = (run / "checkpoints" / f"step-{s}" for s in (2, 3))
+    assert not (run / "checkpoints" / "step-1").exists()
+    assert (newest / OPTIMIZER_FILE).exists() and not (older / OPTIMIZER_FILE).exists()
+    verify_checkpoint(older)  # its manifest no longer lists what was dropped
+    assert OPTIMIZER_FILE not in json.loads((older / "manifest.json").read_text())
+    actor, dtype = parameters(newest / "actor")
+    assert dtype == torch.bfloat16 and (newest / "actor" / "model.safetensors").stat().st_size <= 2 * actor + 4096
+    with pytest.raises(NoOptimizerStateError, match="holds no optimizer state"):
+        load_trainer_state(older)
+    assert load_trainer_state(older, optimizer=False)[1]["iteration"] == 2
+    assert "checkpoints/step-3 (" in said  # the summary names the newest
+
+    # a drop cut short by kill -9 (manifest rewritten, file not yet removed): still verifies, never read
+    shutil.copy(newest / OPTIMIZER_FILE, older / OPTIMIZER_FILE)
+    verify_checkpoint(older)
+    with pytest.raises(NoOptimizerStateError):
+        load_trainer_state(older)
+
+    train(run, 4, *SMALL, "--resume")  # resumes from the newest (bfloat16 weights back into float32)
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    assert not (run / "checkpoints" / "step-3" / OPTIMIZER_FILE).exists()  # dropped once step-4 was complete
+
+    # the newest corrupt: the older one cannot resume, and the error says why and what its weights can do
+    data = bytearray((run / "checkpoints" / "step-4" / OPTIMIZER_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (run / "checkpoints" / "step-4" / OPTIMIZER_FILE).write_bytes(bytes(data))
+    refused = train(run, 5, *SMALL, "--resume", check=False)
+    assert refused.returncode == 1 and "step-3 holds no optimizer state" in refused.stderr
+    assert "--model" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--set", "checkpoint_dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
+    (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all or newest"),
+    (["--set", "checkpoint_optimizer=newest", "--set", "on_collapse=rollback"], "use checkpoint_optimizer=all"),
+])
+def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, message):
+    done = train(tmp_path / "run", 1, *bad, check=False)
+    assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_kill_9_then_resume_with_the_optimizer_state_in_the_newest_only_matches_an_uninterrupted_run(tmp_path):
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    iterations, newest = 8, ["--set", "checkpoint_optimizer=newest"]
+    interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(toy_train_command(model, interrupted, iterations) + newest, env=env, cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (interrupted / "checkpoints" / "step-3").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    killed_at = max(int(p.name.split("-")[1]) for p in (interrupted / "checkpoints").glob("step-*"))
+    assert killed_at < iterations, "the run finished before it could be killed; the test needs a longer run"
+    for command in (toy_train_command(model, interrupted, iterations, resume=True) + newest,
+                    toy_train_command(model, reference, iterations) + newest):
+        subprocess.run(command, env=env, cwd=REPO, check=True, capture_output=True)
+    assert [r["step"] for r in read_metrics(interrupted)] == list(range(1, iterations + 1))
+    final = f"checkpoints/step-{iterations}"
+    resumed, uninterrupted = (load_file(run / final / "actor" / "model.safetensors") for run in (interrupted, reference))
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+    (tensors, _), (reference_tensors, _) = (load_trainer_state(run / final) for run in (interrupted, reference))
+    state, expected = tensors["actor_optimizer"]["state"], reference_tensors["actor_optimizer"]["state"]
+    assert all(torch.equal(state[n]["exp_avg_sq"], expected[n]["exp_avg_sq"]) for n in expected)
+    assert not (interrupted / f"checkpoints/step-{iterations - 1}" / OPTIMIZER_FILE).exists()
