@@ -372,8 +372,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small sizes, about a minute")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick:  # in temporary folders, like the full run: nothing of it stays to be reused
         args.actions, args.requests, args.corruptions, args.kills = 2000, 20, 6, 1
+        print("quick: checks the plumbing, not a result (small sizes; the figures below are not the at-scale ones)",
+              flush=True)
     held = True
     for name, attack in (("actions", lambda: attack_actions(args.actions)),
                          ("server", lambda: attack_server(args.clients, args.requests)),

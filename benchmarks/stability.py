@@ -32,7 +32,9 @@ study runs in another process.
 and the evaluations on the demo set (plumbing: the model scores 0 there), and 1 iteration of training and the
 replays on stppo/Toy-v0 (16 trajectories of 2 turns of up to 3 tokens, 4 mini-batches x 2 epochs, actor lr 2e-2),
 where a random policy earns reward and the off-policy steps clip: real gradients, so the replay-exactness check can
-fail. 3.7 min of CPU in 12 min on this 2-core machine under a load of 11; the `stppo` commands' start-up
+fail. It writes to its own folder (default runs/stability-quick; a folder holding the other kind of run is refused,
+so nothing of a quick run is ever reused by a full one) and its report opens with "quick: checks the plumbing, not
+a result". 3.7 min of CPU in 12 min on this 2-core machine under a load of 11; the `stppo` commands' start-up
 dominates. Run the full study alone on the machine: it is CPU-bound and timings scale
 with load.
 """
@@ -79,6 +81,7 @@ class Settings:
     keep_checkpoints: bool = False
 
 
+QUICK_BANNER = "quick: checks the plumbing, not a result (a tiny random model, 1 iteration on stppo/Toy-v0)"
 QUICK_ENV = "stppo/Toy-v0"  # a tiny random policy earns reward here (a search env gives it none: no gradient)
 STUDY_ENV = "stppo/NQ-v0,stppo/HotpotQA-v0,stppo/MedQA-v0"
 WARM_START_LIMITS = ("--max-observation-tokens", "160", "--max-total-tokens", "1024")  # as the RL runs cut them
@@ -124,11 +127,10 @@ def warm_start(settings: Settings) -> str:
     if (target / "sft.json").exists():  # reuse an earlier run's warm start
         return str(target)
     if settings.quick:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.tiny_models import tiny_llama, word_tokenizer
+        from stppo_agent.models.tiny import build_tiny_llama
 
         # the toy env's words are the whole vocabulary: a random policy says the target often enough to be paid
-        base = tiny_llama(settings.out / "tiny", word_tokenizer(), hidden=32, layers=2)
+        base = build_tiny_llama(settings.out / "tiny")
         stppo("sft", "--model", str(base), "--output-dir", str(target), "--benchmarks", "nq,hotpotqa,medqa",
               "--steps", "2", "--limit", "4", *WARM_START_LIMITS)
     else:
@@ -175,6 +177,28 @@ def replay(recorded: Path, algo: str, out: Path, iterations: int | None = None) 
     stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false",
           *(["--iterations", str(iterations)] if iterations else []))
     (out / "done").write_text("")
+
+
+def claim_folder(out: Path, quick: bool) -> None:
+    """A quick run and a full study never share a folder, so neither reads the other's warm start, runs or report
+    (a quick run's tiny warm start once became a full study's). ``mode.json`` says which a folder holds; a folder
+    from before it says so in summary.json."""
+    held = None
+    if (out / "mode.json").exists():
+        held = json.loads((out / "mode.json").read_text())["quick"]
+    elif (out / "summary.json").exists():
+        held = json.loads((out / "summary.json").read_text()).get("settings", {}).get("quick")
+    if held is not None and bool(held) != quick:
+        kind = "a --quick run (plumbing, not a result)" if held else "a full study"
+        raise SystemExit(f"{out} holds {kind}; give this {'--quick run' if quick else 'study'} another --out "
+                         f"(default {default_out(quick)})")
+    out.mkdir(parents=True, exist_ok=True)
+    if not REPORT_ONLY:
+        (out / "mode.json").write_text(json.dumps({"quick": quick}) + "\n")
+
+
+def default_out(quick: bool) -> str:
+    return "runs/stability-quick" if quick else "runs/stability"
 
 
 def drop_checkpoints(settings: Settings, run: Path) -> None:
@@ -272,7 +296,7 @@ def stop_on_sigterm() -> None:
 def main() -> None:
     stop_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/stability")
+    parser.add_argument("--out", default=None, help=f"default {default_out(False)}; --quick: {default_out(True)}")
     parser.add_argument("--model", default=None, help="a warm-started checkpoint (default: stppo sft on smollm2)")
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--seeds", default="0,1")
@@ -301,7 +325,7 @@ def main() -> None:
     args = parser.parse_args()
     global REPORT_ONLY
     REPORT_ONLY = args.report_only
-    settings = Settings(Path(args.out), args.model, 1 if args.quick else args.iterations,
+    settings = Settings(Path(args.out or default_out(args.quick)), args.model, 1 if args.quick else args.iterations,
                         [int(s) for s in args.seeds.split(",") if s.strip()][: 1 if args.quick else None],
                         [a.strip() for a in args.live.split(",") if a.strip()],
                         args.lr if args.lr is not None else 2e-2 if args.quick else 1e-5,
@@ -311,7 +335,7 @@ def main() -> None:
                         None if args.autocast_dtype == "none" else args.autocast_dtype, args.keep_checkpoints)
     if args.quick:
         settings.live = [a for a in settings.live if a in ("ppo", "st_ppo")]
-    settings.out.mkdir(parents=True, exist_ok=True)
+    claim_folder(settings.out, args.quick)
     started = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -391,11 +415,13 @@ def main() -> None:
     write_report(final=not REPORT_ONLY or all(
         (settings.out / "live" / f"{a}-s{s}" / "done").exists() for s in settings.seeds for a in settings.live))
     print((settings.out / "report.md").read_text())
-    print(f"total {(time.perf_counter() - started) / 60:.1f} min; report {settings.out / 'report.md'}")
+    print(f"total {(time.perf_counter() - started) / 60:.1f} min; report {settings.out / 'report.md'}"
+          + (f" ({QUICK_BANNER.split(' (')[0]})" if settings.quick else ""))
 
 
 def render(summary: dict) -> str:
-    out = ["## Warm start (before RL)", "",
+    out = [f"**{QUICK_BANNER}**", ""] if summary["settings"].get("quick") else []
+    out += ["## Warm start (before RL)", "",
            table(list(BENCHMARKS), [[summary["before"][f] for f in BENCHMARKS]]), "",
            "## Replays of one recorded token-level PPO run through the PPO family", "",
            "Replaying with ppo reproduces the recorded run's update metrics exactly: "
