@@ -41,10 +41,13 @@ def test_zero_advantages_are_no_signal_even_with_varied_rewards():
 
 
 def test_the_advice_names_the_settings_and_what_to_try():
-    config = TrainConfig(model="m", max_new_tokens_per_turn=2, samples_per_prompt=2)
+    config = TrainConfig(model="m", env="stppo/NQ-v0", max_new_tokens_per_turn=2, samples_per_prompt=2)
     text = advice("every trajectory's reward is 0", config)
     assert "never (or always) produces a rewarded action" in text
-    assert "max_new_tokens_per_turn=2" in text and "samples_per_prompt=2" in text and "--model tiny" in text
+    assert "max_new_tokens_per_turn=2" in text and "samples_per_prompt=2" in text
+    assert "env_kwargs.format_reward" in text and "--model tiny" not in text
+    toy = advice("every trajectory's reward is 0", TrainConfig(model="m", env="stppo/Toy-v0"))
+    assert "--model tiny" in toy and "format_reward" not in toy  # the toy env takes no format reward
 
 
 def small_toy(out: Path, **overrides) -> TrainConfig:

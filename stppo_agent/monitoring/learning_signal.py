@@ -46,12 +46,17 @@ def advice(reason: str, config) -> str:
                 f"temperature={config.temperature}, samples_per_prompt={config.samples_per_prompt}")
     if reason.startswith("every trajectory earned the same reward"):
         cause = "the task is already solved (or always paid the same) at these settings"
-        tries = "a harder dataset or split, a reward that tells answers apart (reward=f1)"
+        tries = "a harder dataset or split, or a reward that tells answers apart (--set env_kwargs.reward=f1)"
     else:
+        from stppo_agent.rollouts.envs import is_search_env
+
         cause = "the model never (or always) produces a rewarded action at these settings"
-        tries = ("longer turns (--set max_new_tokens_per_turn=...), more samples (--set samples_per_prompt=...), a "
-                 "shaped reward (--set env_kwargs.format_reward=0.2), a warm start (stppo sft), or on "
-                 "stppo/Toy-v0 the built-in --model tiny")
+        search = any(is_search_env(e.strip()) for e in config.env.split(",") if e.strip())
+        tries = ", ".join(["longer turns (--set max_new_tokens_per_turn=...)",
+                           "more samples (--set samples_per_prompt=...)",
+                           *(["a shaped reward (--set env_kwargs.format_reward=0.2)", "a warm start (stppo sft)"]
+                             if search else ["a model whose vocabulary holds the env's words (--model tiny on "
+                                             "stppo/Toy-v0)"])])
     return (f"no learning signal: {reason}, so this update cannot learn the task. Likely cause: {cause} "
             f"({settings}). Try {tries}. (Said once; metrics.jsonl keeps the per-iteration figures.)")
 
