@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "stppo_agent"
 
 # Lowest first: a module may import its own subpackage and the ones listed before it, never one after it.
 LAYERS = ("distributed", "algorithms", "models", "rollouts", "runs", "monitoring", "plugins", "evaluation",
-          "training", "cli", "integrations")
+          "training", "integrations", "cli")
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250
 

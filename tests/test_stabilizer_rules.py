@@ -399,20 +399,6 @@ def tiny_model(tmp_path_factory):
 NEW_PRESETS = ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po", "dr_grpo", "dapo", "turn_gae"]
 
 
-def _turn_gae_through_the_batch_hook():
-    """turn_gae with the turn ids of the batch being scored, handed over by the trainer's batch_hook: the trainer
-    passes no turn ids to estimators yet (the lead wires estimate_advantages(..., turn_ids=batch.turn_ids))."""
-    seen = {}
-
-    def estimator(**kwargs):
-        kwargs.pop("turn_ids", None)
-        return get_advantage_estimator("turn_gae")(turn_ids=seen["turn_ids"], **kwargs)
-
-    ADVANTAGE_ESTIMATORS._items.pop("test_turn_gae_via_hook", None)
-    register_advantage_estimator("test_turn_gae_via_hook", estimator)
-    return lambda batch: seen.update(turn_ids=batch.turn_ids)
-
-
 @pytest.mark.parametrize("algo", NEW_PRESETS)
 def test_every_new_preset_learns_the_toy_env(tiny_model, tmp_path, algo):
     from stppo_agent.runs.metrics_log import read_metrics
@@ -420,11 +406,7 @@ def test_every_new_preset_learns_the_toy_env(tiny_model, tmp_path, algo):
 
     from .test_trainer import toy_config
 
-    config, hook = toy_config(tiny_model, tmp_path, algo), None
-    if algo == "turn_gae":
-        hook = _turn_gae_through_the_batch_hook()
-        config.algorithm = dict(config.algorithm, advantage="test_turn_gae_via_hook")
-    Trainer(config, batch_hook=hook).train()
+    Trainer(toy_config(tiny_model, tmp_path, algo)).train()
     curve = [record["reward"] for record in read_metrics(tmp_path)]
     assert curve[0] < 0.4, curve  # chance: 1/9 per turn for the untrained model
     assert sum(curve[-3:]) / 3 > 0.8, curve

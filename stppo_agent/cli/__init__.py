@@ -7,10 +7,10 @@ import argparse
 import sys
 from typing import Sequence
 
-from stppo_agent.cli import compare, demo, evaluate, index, plot, replay, serve, sft, train
+from stppo_agent.cli import compare, demo, evaluate, export, index, plot, replay, serve, sft, train
 from stppo_agent.cli.arguments import Parser
 
-COMMANDS = (demo, sft, train, replay, evaluate, index, serve, compare, plot)  # in `stppo --help` order
+COMMANDS = (demo, sft, train, replay, evaluate, index, serve, compare, plot, export)  # in `stppo --help` order
 
 
 def build_parser() -> argparse.ArgumentParser:

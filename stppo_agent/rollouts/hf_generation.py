@@ -3,6 +3,7 @@ and KV caches kept across a trajectory's turns."""
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Hashable, Sequence
 
@@ -21,8 +22,10 @@ from stppo_agent.rollouts.sampling import (
 )
 from stppo_agent.rollouts.turn_cache import TurnCaches, after_generate, extend_inputs
 
-# transformers 5 renamed generate's past_key_values argument (and output field) to cache
-CACHE_ARGUMENT = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+# transformers renamed generate's past_key_values argument (and output field) to cache during the 5.x series (5.10,
+# which verl 0.9 pins, still has past_key_values): ask the models' signature, not the version number
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
 CACHE_OUTPUT = CACHE_ARGUMENT
 
 

@@ -1,0 +1,35 @@
+"""``stppo export verl``: the benchmarks as verl's parquet (prompt, ground truth, the env's settings per row) for
+``verl.trainer.main_ppo`` with the ``stppo_env`` agent loop (docs/verl.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from stppo_agent.cli.arguments import positive_int
+
+
+def add_parser(commands) -> None:
+    export = commands.add_parser("export", help="write the benchmarks in another framework's data format")
+    formats = export.add_subparsers(dest="format", required=True)
+    verl = formats.add_parser("verl", help="verl's parquet, one file per benchmark: DIR/<benchmark>_<split>.parquet")
+    verl.add_argument("--benchmarks", required=True, help="comma-separated, e.g. nq,hotpotqa")
+    verl.add_argument("--split", required=True, help="split to export, e.g. train or test")
+    verl.add_argument("--out", required=True, help="folder for the parquet files")
+    verl.add_argument("--dataset", default=None,
+                      help="the env's dataset for every benchmark: a FlashRAG-style folder, 'hub', or the bundled demo "
+                           "set when unset")
+    verl.add_argument("--limit", type=positive_int, default=None, help="first N examples of each benchmark")
+    verl.add_argument("--max-turns", type=positive_int, default=4,
+                      help="env steps per episode, recorded per row for the agent loop and the reward function")
+    verl.add_argument("--format-reward", type=float, default=0.0, help="reward of a well-formed wrong answer")
+    verl.set_defaults(handler=run_verl)
+
+
+def run_verl(args: argparse.Namespace) -> int:
+    from stppo_agent.integrations.verl.data import export_verl
+
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    for path in export_verl(benchmarks, args.split, args.out, dataset=args.dataset, limit=args.limit,
+                            max_turns=args.max_turns, format_reward=args.format_reward):
+        print(path)
+    return 0
