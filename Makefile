@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stppo-installed
 
+VERL_VENV ?= .venv-verl
+VERL_STAMP := $(VERL_VENV)/.stppo-installed
+
 .PHONY: demo test install mutants
 
 install: $(STAMP)
@@ -22,9 +25,21 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/stppo demo
 
-test: $(STAMP)
+test: $(STAMP) $(VERL_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+	STPPO_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_bridge.py \
+		stppo_agent/integrations tests/test_rollout.py tests/test_turn_cache.py
+
+# The verl bridge's tests run against verl itself, in a virtual environment of its own: verl 0.9 pins
+# transformers<5.11, which the project's own environment does not have to follow. The rollout tests run there too,
+# so the project is checked under verl's pins as well.
+$(VERL_STAMP): pyproject.toml Makefile
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -c "import torch" 2>/dev/null || $(VERL_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(VERL_VENV)/bin/python -m pip install -q -e ".[dev,verl]"
+	touch $(VERL_STAMP)
 
 # Mutation testing (not in CI: about an hour on 2 cores). Settings in pyproject.toml [tool.mutmut]; results in
 # mutants/ (`.venv/bin/mutmut browse` to read the survivors; `.venv/bin/mutmut results`).
