@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stppo_agent.runs.checkpoint import (OPTIMIZER_FILE, NoOptimizerStateError, load_trainer_state,
-                                         verify_checkpoint)
+from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, NoOptimizerStateError, load_trainer_state, verify_checkpoint
 from stppo_agent.runs.metrics_log import read_metrics
 
 from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
@@ -122,7 +121,8 @@ def test_kill_9_then_resume_with_the_optimizer_state_in_the_newest_only_matches_
         subprocess.run(command, env=env, cwd=REPO, check=True, capture_output=True)
     assert [r["step"] for r in read_metrics(interrupted)] == list(range(1, iterations + 1))
     final = f"checkpoints/step-{iterations}"
-    resumed, uninterrupted = (load_file(run / final / "actor" / "model.safetensors") for run in (interrupted, reference))
+    resumed, uninterrupted = (load_file(run / final / "actor" / "model.safetensors")
+                              for run in (interrupted, reference))
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
     (tensors, _), (reference_tensors, _) = (load_trainer_state(run / final) for run in (interrupted, reference))
     state, expected = tensors["actor_optimizer"]["state"], reference_tensors["actor_optimizer"]["state"]

@@ -23,7 +23,8 @@ def fake_run(folder: Path, algorithm: dict, records: list[dict], checkpoint_byte
     (folder / "config.yaml").write_text(yaml.safe_dump({"algo": "st_ppo", "env": "stppo/NQ-v0,stppo/HotpotQA-v0",
                                                         "env_kwargs": {"retriever": "bm25:idx"}, "max_turns": 3,
                                                         "max_new_tokens_per_turn": 64, "algorithm": algorithm}))
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(records)))
+    lines = (json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(records))
+    (folder / "metrics.jsonl").write_text("".join(lines))
     if checkpoint_bytes:
         step = folder / "checkpoints" / f"step-{len(records)}"
         step.mkdir(parents=True)
