@@ -35,7 +35,13 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path):
     assert [r["metrics"]["em" if "em" in r["metrics"] else "acc"] for r in oracle] == [1.0, 1.0, 1.0]
     header = outputs[3].splitlines()[0].split()
     assert len(copy) == 3 and header[-2:] == ["copy", "oracle"]  # compare printed both columns, refused nothing
-    assert (tmp_path / "toy" / "checkpoints" / "step-2" / "manifest.json").exists()
+    assert (tmp_path / "toy" / "checkpoints" / "step-5" / "manifest.json").exists()
+    rewards = [json.loads(line)["reward"] for line in (tmp_path / "toy" / "metrics.jsonl").read_text().splitlines()]
+    assert rewards[-1] > rewards[0] + 0.3, rewards  # the walk-through shows the reward moving
+    trained = outputs[4].splitlines()
+    summary = trained[next(i for i, line in enumerate(trained) if line.startswith("trained ")):]
+    assert len(summary) <= 10 and f"{rewards[0]:.3f} (iteration 1) -> best" in summary[1], outputs[4]
+    assert "no learning signal" not in outputs[4]
     assert (tmp_path / "plots" / "reward.png").exists()
     trained = json.loads((tmp_path / "trained" / "results.json").read_text())
-    assert trained[0]["provenance"]["agent"].endswith("step-2/actor")  # @latest named the checkpoint it used
+    assert trained[0]["provenance"]["agent"].endswith("step-5/actor")  # @latest named the checkpoint it used
