@@ -34,9 +34,9 @@ replays on stppo/Toy-v0 (16 trajectories of 2 turns of up to 3 tokens, 4 mini-ba
 where a random policy earns reward and the off-policy steps clip: real gradients, so the replay-exactness check can
 fail. It writes to its own folder (default runs/stability-quick; a folder holding the other kind of run is refused,
 so nothing of a quick run is ever reused by a full one) and its report opens with "quick: checks the plumbing, not
-a result". 3.7 min of CPU in 12 min on this 2-core machine under a load of 11; the `stppo` commands' start-up
-dominates. Run the full study alone on the machine: it is CPU-bound and timings scale
-with load.
+a result". 2.5 min on this 2-core machine (2.4 min of CPU, shared with other work; earlier 3.7 min of CPU in
+12 min under a load of 11); the `stppo` commands' start-up dominates. Run the full study alone on the machine:
+it is CPU-bound and timings scale with load.
 """
 
 from __future__ import annotations
