@@ -39,10 +39,10 @@ import time
 import types
 from pathlib import Path
 
-import yaml
-
 import stability  # noqa: F401  (its import puts the repository on sys.path)
-from stability import COLLAPSE, NotDone, drop_checkpoints, fmt, needs_run, stop_on_sigterm, stppo, summarize, table
+import yaml
+from stability import COLLAPSE, NotDone, drop_checkpoints, fmt, needs_run, stop_on_sigterm, stppo, summarize
+from stress_report import plot, render
 
 CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "gspo", "so_grpo"]
 # Levels, least stress first. Optimizer steps per iteration = ppo_epochs x mini_batches, of which all but the first
@@ -51,11 +51,13 @@ LADDER = {
     "none": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1},
     "mild": {"ppo_epochs": 2, "mini_batches": 4, "lr_scale": 1},
     "strong": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10},
+    # strong's knobs on rollouts sampled by the policy of 4 iterations earlier (an asynchronous trainer's data)
+    "stale": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "rollout_staleness": 4},
     "extreme": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 100},
     # a control, not on the default ladder: extreme's lr with one on-policy step per iteration
     "lr_only": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 100},
 }
-DEFAULT_LEVELS = ["none", "mild", "strong", "extreme"]
+DEFAULT_LEVELS = ["none", "mild", "strong", "stale", "extreme"]
 Z95 = 1.959963984540054
 
 
@@ -75,7 +77,8 @@ class Tier:
 TOY = Tier("toy", "stppo/Toy-v0", 3e-3, 32, 16, 10,
            ["env_kwargs.fixed_target=null", "prompts_per_iteration=8", "samples_per_prompt=4", "critic_lr=3e-3",
             "max_turns=2", "max_new_tokens_per_turn=3", "max_prompt_tokens=8", "max_total_tokens=32"],
-           "stppo/Toy-v0 (the target drawn per episode from 4 words, 2 turns, 3 new tokens per turn), tiny random Llama (hidden 32, 2 layers, 9-token "
+           "stppo/Toy-v0 (the target drawn per episode from 4 words, 2 turns, 3 new tokens per turn), tiny random "
+           "Llama (hidden 32, 2 layers, 9-token "
            "vocabulary), warm start: ppo at level none for 20 iterations from the random model, 8 prompts x 4 "
            "samples = 32 trajectories per iteration, critic lr 3e-3, presets' own KL settings, float32 forwards")
 DEMO = Tier("demo", stability.STUDY_ENV, 1e-5, 32, 4, 4, [],
@@ -210,88 +213,10 @@ def cell_summary(runs: dict[int, dict]) -> dict:
             "median_collapse_iteration": median(list(collapsed.values())),
             "reward_last_mean": mean("reward_last"), "reward_first_mean": mean("reward_first"),
             "clip_frac_mean": mean("clip_frac_mean"), "turn_clip_frac_mean": mean("turn_clip_frac_mean"),
+            "clip_bias_scale_mean": mean("clip_bias_scale_mean"),
             "ratio_max_median": median([r["ratio_max"] for r in runs.values() if r["ratio_max"] is not None]),
             "ratio_p99_mean": mean("ratio_p99_mean"), "turn_ratio_max_mean": mean("turn_ratio_max"),
             "after": {f: statistics.fmean(a[f] for a in after) for f in after[0]} if after else None}
-
-
-def plot(summary: dict, path: Path) -> str:
-    """Collapse rate against stress level, one line per rule, 95% Wilson interval bars (rules side by side)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels, rules = summary["levels_order"], summary["rules"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for i, rule in enumerate(rules):
-        xs, ys, errs = [], [], [[], []]
-        for j, level in enumerate(levels):
-            cell = summary["cells"].get(level, {}).get(rule)
-            if cell and cell["n"]:
-                xs.append(j + (i - (len(rules) - 1) / 2) * 0.06)
-                ys.append(cell["rate"])
-                errs[0].append(max(0.0, cell["rate"] - cell["wilson95"][0]))  # rounding at 0/n and n/n
-                errs[1].append(max(0.0, cell["wilson95"][1] - cell["rate"]))
-        if xs:
-            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=rule)
-    ax.set_xticks(range(len(levels)), levels)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("stress level")
-    ax.set_ylabel("collapse rate (95% Wilson interval)")
-    seeds = sorted({n for lv in summary["cells"].values() for c in lv.values() for n in [c["n"]]})
-    ax.set_title(f"tier {summary['tier']}{' (--quick)' if summary['quick'] else ''}: seeds per cell {seeds}")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
-
-
-def render(summary: dict) -> str:
-    quick = " (--quick: plumbing on a random tiny model, 3 iterations, 1 seed; not a measurement)" \
-        if summary["quick"] else ""
-    out = [f"## Stress grid, tier {summary['tier']}{quick}", "",
-           f"Tier: {summary['tier_description']}.", "",
-           f"Command: `{summary['command']}`", "",
-           f"Warm start: `{summary['warm_start']}`; {summary['iterations']} iterations per run; seeds "
-           f"{summary['seeds']}.", "",
-           *([f"Held-out score of the warm start: {summary['held_out_before']}.", ""] if summary["held_out_before"]
-             else []),
-           f"Collapse criterion (benchmarks/stability.py, `COLLAPSE`): {summary['collapse_criterion']}.", "",
-           "### Stress levels", "",
-           table(["level", "knobs", "stppo train options"],
-                 [[name, ", ".join(f"{k}={v}" for k, v in knobs.items()), " ".join(summary["level_sets"][name])]
-                  for name, knobs in summary["levels"].items()]), "",
-           f"Options of every run: `{' '.join(summary['common_sets'])}`.", "", "### Cells", ""]
-    header = ["tier", "level", "rule", "seeds", "collapsed", "rate [95% Wilson]", "median collapse iter",
-              "collapsed seeds @ iter", "reward first -> last (mean)", "clip_frac", "turn_clip_frac",
-              "token ratio max (median)", "ratio p99 (mean)", "turn ratio max (mean)"]
-    families = sorted({f for lv in summary["cells"].values() for c in lv.values() if c["after"] for f in c["after"]})
-    header += [f"{f} held-out" for f in families]
-    rows = []
-    for level in summary["levels_order"]:
-        for rule in summary["rules"]:
-            c = summary["cells"].get(level, {}).get(rule)
-            if not c:
-                continue
-            rows.append([summary["tier"], level, rule, c["n"], f"{c['collapsed']}/{c['n']}",
-                         f"{c['rate']:.2f} [{c['wilson95'][0]:.2f}, {c['wilson95'][1]:.2f}]",
-                         c["median_collapse_iteration"],
-                         ", ".join(f"s{s}@{i}" for s, i in c["collapsed_at"].items()) or "-",
-                         f"{fmt(c['reward_first_mean'])} -> {fmt(c['reward_last_mean'])}", c["clip_frac_mean"],
-                         c["turn_clip_frac_mean"], c["ratio_max_median"], c["ratio_p99_mean"],
-                         c["turn_ratio_max_mean"], *[(c["after"] or {}).get(f) for f in families]])
-    out += [table(header, rows), ""]
-    if summary.get("figure"):
-        out += [f"Figure: {summary['figure']}", ""]
-    t = summary["timing"]
-    out += [f"Time: runs done so far took {t['runs_wall_s'] / 60:.1f} min of wall time in all ({t['runs']} runs, "
-            f"median {t['run_median_s']:.0f} s); this invocation {t['invocation_s'] / 60:.1f} min; machine: "
-            f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={summary['omp_num_threads']}, load average {t['load_start']:.1f} at start, {t['load_end']:.1f} at end."
-            + ("" if summary["complete"] else " **Incomplete: the grid is still running or was stopped.**"), ""]
-    return "\n".join(out)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -312,7 +237,8 @@ def parse_args(argv=None):
     parser.add_argument("--rules", default=None,
                         help=f"update rules (default: {','.join(CORE_RULES)}, then every other registered preset, "
                              "plugins' included)")
-    parser.add_argument("--levels", default=None, help=f"stress levels, least first (default {','.join(DEFAULT_LEVELS)})")
+    parser.add_argument("--levels", default=None,
+                        help=f"stress levels, least first (default {','.join(DEFAULT_LEVELS)})")
     parser.add_argument("--level", action="append", default=[], metavar="NAME:knob=value,...",
                         help="add or redefine a level: knobs ppo_epochs, mini_batches, lr_scale, or any training "
                              "option (rollout_staleness=4); unnamed knobs keep the level's (or none's) values")
@@ -421,7 +347,8 @@ def write(args, tier, model, rules, levels, order, seeds, iterations, runs, star
         "collapse_criterion": COLLAPSE, "complete": complete,
         "cells": {level: {rule: cell_summary(r) for rule, r in by_rule.items()} for level, by_rule in runs.items()},
         "runs": runs,
-        "timing": {"runs_wall_s": sum(walls), "runs": len(walls), "run_median_s": median(walls) or 0.0, "invocation_s": time.perf_counter() - started, "load_start": load_start,
+        "timing": {"runs_wall_s": sum(walls), "runs": len(walls), "run_median_s": median(walls) or 0.0,
+                   "invocation_s": time.perf_counter() - started, "load_start": load_start,
                    "load_end": os.getloadavg()[0]},
     }
     if summary["cells"]:
