@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -27,3 +29,14 @@ def gone_within(pid: int, seconds: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def kill_9_once_written(process: subprocess.Popen, path: Path, within: float = 300) -> None:
+    """SIGKILL ``process`` as soon as ``path`` exists (a checkpoint it writes); fails if it dies or takes too long."""
+    deadline = time.time() + within
+    while not path.exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:] if process.stderr else "it exited"
+        assert time.time() < deadline, f"{path} was not written within {within} s"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)

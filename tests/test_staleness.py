@@ -4,9 +4,7 @@ objectives, the lag in checkpoints (resume, kill -9), replay, and K = 0 unchange
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
 
+from .processes import kill_9_once_written
 from .test_replay import TIMING
 from .test_trainer import REPO, toy_config
 from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
@@ -144,13 +143,7 @@ def test_kill_9_then_resume_with_staleness_matches_an_uninterrupted_run(tiny_mod
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(toy_train_command(tiny_model, interrupted, iterations, extra=extra), env=env, cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not (interrupted / "checkpoints" / "step-3").exists():
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
-        assert time.time() < deadline
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=30)
+    kill_9_once_written(process, interrupted / "checkpoints" / "step-3")
     assert max(int(p.name.split("-")[1]) for p in (interrupted / "checkpoints").glob("step-*")) < iterations
     subprocess.run(toy_train_command(tiny_model, interrupted, iterations, resume=True, extra=extra), env=env,
                    cwd=REPO, check=True, capture_output=True)

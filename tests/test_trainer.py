@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from stppo_agent.training.config import TrainConfig, load_config
 from stppo_agent.training.ppo_update import TrainingDivergedError
 from stppo_agent.training.trainer import Trainer
 
+from .processes import kill_9_once_written
 from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,13 +125,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(toy_train_command(tiny_model, interrupted, iterations), env=env, cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not (interrupted / "checkpoints" / "step-3").exists():
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
-        assert time.time() < deadline
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=30)
+    kill_9_once_written(process, interrupted / "checkpoints" / "step-3")
     killed_at = max(int(p.name.split("-")[1]) for p in (interrupted / "checkpoints").glob("step-*"))
     assert killed_at < iterations, "the run finished before it could be killed; the test needs a longer run"
 

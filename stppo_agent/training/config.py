@@ -126,6 +126,12 @@ class TrainConfig:
     """Checkpoint every N iterations (and always at the end)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
+    checkpoint_dtype: str | None = None
+    """bfloat16 (or float16): write checkpoint weights (actor, critic) in that dtype, half of float32's disk; resume
+    loads them back into `dtype` and continues from the rounded weights. None: the weights' own dtype."""
+    checkpoint_optimizer: str = "all"
+    """all: every kept checkpoint holds the optimizer state (any of them resumes exactly); newest: only the newest
+    does (resume needs no other), older ones drop it, two thirds of their size with AdamW (not with rollback)."""
     max_nan_skips: int = 3
     """Consecutive skipped updates (NaN/inf loss or gradient) before the run stops."""
     max_search_error_rate: float = 0.05
@@ -217,6 +223,9 @@ class TrainConfig:
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()
         self.validate_staleness()
+        from stppo_agent.runs.checkpoint import check_checkpoint_settings
+
+        check_checkpoint_settings(self.checkpoint_dtype, self.checkpoint_optimizer, self.on_collapse)
         from stppo_agent.rollouts.envs import is_search_env
 
         load_plugins(self.plugins)  # a plugin may register envs as well as algorithms
