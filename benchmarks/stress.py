@@ -339,6 +339,7 @@ def write(args, tier, model, rules, levels, order, seeds, iterations, runs, star
     summary = {
         "tier": tier.name, "tier_description": tier.describe, "quick": args.quick, "warm_start": model,
         "held_out_before": getattr(args, "before", None), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "sets": args.sets,
         "command": " ".join(["python", "benchmarks/stress.py", *(sys.argv[1:] if sys.argv[1:] else [])]),
         "rules": rules, "levels_order": order, "levels": {n: levels[n] for n in order},
         "level_sets": {n: level_overrides(tier, levels[n]) for n in order}, "seeds": seeds, "iterations": iterations,

@@ -46,7 +46,9 @@ def render(summary: dict) -> str:
     quick = " (--quick: plumbing on a random tiny model, 3 iterations, 1 seed; not a measurement)" \
         if summary["quick"] else ""
     out = [f"## Stress grid, tier {summary['tier']}{quick}", "",
-           f"Tier: {summary['tier_description']}.", "",
+           f"Tier: {summary['tier_description']}"
+           + (f"; every run changed by `--set {' --set '.join(summary['sets'])}`" if summary.get("sets") else "")
+           + ".", "",
            f"Command: `{summary['command']}`", "",
            f"Warm start: `{summary['warm_start']}`; {summary['iterations']} iterations per run; seeds "
            f"{summary['seeds']}.", "",
