@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import get_advantage_estimator, register_advantage_estimator
-from stppo_agent.runs.checkpoint import CorruptCheckpointError, latest_valid_checkpoint, load_trainer_state
+from stppo_agent.runs.checkpoint import CorruptCheckpointError, load_trainer_state, valid_checkpoints
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.runs.run_folder import pick_checkpoint
 from stppo_agent.training.config import TrainConfig, load_config
 from stppo_agent.training.ppo_update import TrainingDivergedError
 from stppo_agent.training.trainer import Trainer
@@ -114,9 +115,9 @@ def test_checkpoint_is_a_plain_hf_folder_and_corruption_is_reported(tiny_model, 
     weights.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match="does not match its checksum"):
         load_trainer_state(step4)
-    reports = []
-    assert latest_valid_checkpoint(tmp_path, reports.append).name == "step-2"
-    assert "skipping corrupt checkpoint" in reports[0]
+    assert valid_checkpoints(tmp_path) == [2]  # step-4 no longer verifies
+    folder, why = pick_checkpoint(tmp_path, "latest")
+    assert folder.name == "step-2", why
 
 
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):

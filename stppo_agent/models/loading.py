@@ -110,6 +110,17 @@ def save_critic(critic, path: Path, state_dict: dict | None = None) -> None:
     (path / "critic.json").write_text('{"kind": "value-head", "num_labels": 1}\n')
 
 
+def save_policy(folder: Path, actor, tokenizer, critic=None, actor_state: dict | None = None,
+                critic_state: dict | None = None) -> None:
+    """``folder/actor`` (a Hugging Face folder with the tokenizer) and ``folder/critic``: how checkpoints and recorded
+    initial weights store a policy. ``*_state``: full state dicts to write instead of the modules' own (gathered
+    from FSDP2 shards, or cast for the disk)."""
+    actor.save_pretrained(folder / "actor", state_dict=actor_state, safe_serialization=True)
+    tokenizer.save_pretrained(folder / "actor")
+    if critic is not None:
+        save_critic(critic, folder / "critic", critic_state)
+
+
 def load_reference(path: str | os.PathLike, dtype: str = "float32"):
     model = load_actor(path, dtype)
     model.eval()

@@ -91,7 +91,7 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     """Write ``checkpoints/step-{step}`` atomically; prune to the ``keep`` newest, except the steps in
     ``protect`` (a known-healthy and a best checkpoint). ``actor_state`` / ``critic_state``: full state dicts to
     write instead of the modules' own (gathered from FSDP2 shards)."""
-    from stppo_agent.models.loading import save_critic
+    from stppo_agent.models.loading import save_policy
 
     settings = json_state.get("config") or {}  # the run's config as the checkpoint records it
     dtype, optimizer_policy = settings.get("checkpoint_dtype"), settings.get("checkpoint_optimizer") or "all"
@@ -110,10 +110,7 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
         shutil.rmtree(scratch)
     scratch.mkdir()
     try:
-        actor.save_pretrained(scratch / "actor", state_dict=actor_state, safe_serialization=True)
-        tokenizer.save_pretrained(scratch / "actor")
-        if critic is not None:
-            save_critic(critic, scratch / "critic", critic_state)
+        save_policy(scratch, actor, tokenizer, critic, actor_state, critic_state)
         torch.save(tensor_state, scratch / "trainer_state.pt")
         if optimizer_state:
             torch.save(optimizer_state, scratch / OPTIMIZER_FILE)
@@ -250,18 +247,6 @@ def set_aside(folder: Path, prefix: str) -> Path:
     shutil.rmtree(aside, ignore_errors=True)
     os.replace(folder, aside)
     return aside
-
-
-def latest_valid_checkpoint(run_dir: Path, report=print) -> Path | None:
-    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
-    for step in reversed(list_checkpoints(run_dir)):
-        folder = run_dir / "checkpoints" / f"step-{step}"
-        try:
-            verify_checkpoint(folder)
-            return folder
-        except CorruptCheckpointError as exc:
-            report(f"skipping corrupt checkpoint: {exc}")
-    return None
 
 
 class NoOptimizerStateError(CorruptCheckpointError):

@@ -82,16 +82,13 @@ class RolloutRecorder:
     def save_initial(self, actor, critic, actor_state: dict | None = None, critic_state: dict | None = None) -> None:
         """The weights every recorded batch's first update starts from (call before the first update; rank 0
         writes; ``*_state``: full state dicts gathered from FSDP2 shards)."""
-        from stppo_agent.models.loading import save_critic
+        from stppo_agent.models.loading import save_policy
 
         if self.rank != 0:
             return
         scratch, final = self.folder / ".initial.tmp", self.folder / "initial"
         shutil.rmtree(scratch, ignore_errors=True)
-        actor.save_pretrained(scratch / "actor", state_dict=actor_state, safe_serialization=True)
-        self.tokenizer.save_pretrained(scratch / "actor")
-        if critic is not None:
-            save_critic(critic, scratch / "critic", critic_state)
+        save_policy(scratch, actor, self.tokenizer, critic, actor_state, critic_state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(scratch, final)
 
