@@ -202,13 +202,13 @@ def attack_server(clients: int, requests_per_client: int) -> tuple[bool, list[st
 
 # -- 3. checkpoints -----------------------------------------------------------------------------------------------
 def attack_checkpoints(trials: int) -> tuple[bool, list[str]]:
+    from stppo_agent.models.tiny import build_tiny_llama
     from stppo_agent.runs.checkpoint import CorruptCheckpointError, list_checkpoints
     from stppo_agent.training.config import TrainConfig
     from stppo_agent.training.trainer import Trainer
-    from tests.tiny_models import tiny_llama, word_tokenizer
 
     scratch = Path(tempfile.mkdtemp())
-    model = tiny_llama(scratch / "model", word_tokenizer())
+    model = build_tiny_llama(scratch / "model")
     config = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), iterations=3, prompts_per_iteration=2,
                   samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, max_turns=2,
                   max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32, progress=False,
@@ -318,11 +318,12 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
     import torch
     from safetensors.torch import load_file
 
+    from stppo_agent.models.tiny import build_tiny_llama
     from stppo_agent.runs.checkpoint import load_trainer_state
-    from tests.tiny_models import tiny_llama, toy_train_command, word_tokenizer
+    from tests.tiny_models import toy_train_command
 
     scratch = Path(tempfile.mkdtemp())
-    model = tiny_llama(scratch / "model", word_tokenizer())
+    model = build_tiny_llama(scratch / "model")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     interrupted, reference = scratch / "interrupted", scratch / "reference"
     rng, done_kills, runs = random.Random(0), 0, 0

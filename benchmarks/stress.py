@@ -156,13 +156,13 @@ def warm_start(args, tier: Tier) -> str:
         return args.model
     if tier is DEMO:
         return stability.warm_start(stability_settings(args))
-    from tests.tiny_models import tiny_llama, word_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama
 
     base = args.out / "tiny"
     if not (base / "config.json").exists():
         if args.report_only:
             raise NotDone(str(base))
-        tiny_llama(base, word_tokenizer(), hidden=32, layers=2)
+        build_tiny_llama(base, hidden=32, layers=2)
     if args.quick:  # plumbing only: the random model is the warm start
         return str(base)
     out, iterations = args.out / "warm-start", 20

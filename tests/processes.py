@@ -40,3 +40,17 @@ def kill_9_once_written(process: subprocess.Popen, path: Path, within: float = 3
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
+
+
+def wait_until_serving(url: str, process: subprocess.Popen | None = None, within: float = 120) -> bool:
+    """Poll ``url``/health until it answers (True), ``process`` exits or ``within`` seconds pass (False)."""
+    import requests
+
+    deadline = time.time() + within
+    while time.time() < deadline and (process is None or process.poll() is None):
+        try:
+            if requests.get(f"{url}/health", timeout=1).ok:
+                return True
+        except requests.RequestException:
+            time.sleep(0.3)
+    return False

