@@ -102,3 +102,20 @@ def test_quick_grid_ranks_a_plugin_rule_resumes_and_reports(tmp_path):
     cut = json.loads((out / "summary.json").read_text())
     assert cut["complete"] is False and "ppo" not in cut["cells"]["extreme"]
     assert "Incomplete" in (out / "report.md").read_text()
+
+
+NEW_RULES = ("cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po", "dr_grpo", "dapo", "turn_gae")
+
+
+def test_every_stabilizer_of_issue_25_runs_in_the_quick_grid(tmp_path):
+    out = tmp_path / "new"
+    result = run_stress("--quick", "--out", str(out), "--rules", ",".join(NEW_RULES), "--levels", "extreme",
+                        "--iterations", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is True and summary["rules"] == list(NEW_RULES)
+    for rule in NEW_RULES:
+        cell = summary["cells"]["extreme"][rule]
+        assert cell["n"] == 1 and cell["reward_last_mean"] is not None, rule
+        config = (out / "runs" / "extreme" / rule / "s0" / "config.yaml").read_text()
+        assert f"algo: {rule}" in config
