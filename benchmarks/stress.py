@@ -41,7 +41,8 @@ from pathlib import Path
 
 import stability  # noqa: F401  (its import puts the repository on sys.path)
 import yaml
-from stability import COLLAPSE, NotDone, drop_checkpoints, fmt, needs_run, stop_on_sigterm, stppo, summarize
+from stability import COLLAPSE, NotDone, drop_checkpoints, needs_run, stop_on_sigterm, stppo, summarize
+from stability_report import fmt
 from stress_report import plot, render
 
 CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "gspo", "so_grpo"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stability import fmt, table
+from stability_report import fmt, table
 
 
 def plot(summary: dict, path: Path) -> str:
