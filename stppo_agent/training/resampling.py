@@ -32,14 +32,15 @@ def keep_informative_groups(first: RolloutBatch, play_round: Callable[[int], Rol
     while True:
         merged = merge_shares(shares, pad_id, dict(first.stats)) if len(shares) > 1 else first
         keep = informative_groups(merged.rewards, merged.group_ids)
-        short = groups_needed - int(torch.unique(merged.group_ids[keep]).numel())
-        shortest = process_group.all_reduce_sum(torch.tensor([float(max(short, 0) > 0)]))  # ranks still short
-        if rounds >= max_rounds or float(shortest) == 0:
+        informative = int(torch.unique(merged.group_ids[keep]).numel())
+        # any rank still short makes every rank play another round (a gathered object: rewards live on the CPU,
+        # which an NCCL all-reduce would refuse)
+        if rounds >= max_rounds or not any(process_group.all_gather_objects(informative < groups_needed)):
             break
         rounds += 1
         shares.append(play_round(rounds))
     sampled = int(torch.unique(merged.group_ids).numel())
-    dropped = sampled - int(torch.unique(merged.group_ids[keep]).numel())
+    dropped = sampled - informative
     order = _groups_in_order(merged.group_ids, keep)[:groups_needed]
     rows = torch.cat([torch.nonzero(merged.group_ids == group).flatten() for group in order])
     batch = merged.select(rows)
