@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 
-def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: True for the trajectories of groups whose rewards are not all equal. A group of one has no
-    spread either and is dropped too (its advantage is 0 under every group estimator here)."""
+def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor, tolerance: float = 0.0) -> torch.Tensor:
+    """(B,) bool: True for the trajectories of groups whose rewards are not all equal (spread above ``tolerance``).
+    A group of one has no spread either and is dropped too (its advantage is 0 under every group estimator here)."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     groups = int(inverse.max()) + 1 if inverse.numel() else 0
     rewards = rewards.to(torch.float64)
@@ -22,7 +22,7 @@ def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
         0, inverse, rewards, "amax")
     lowest = torch.full((groups,), torch.inf, dtype=torch.float64, device=rewards.device).scatter_reduce(
         0, inverse, rewards, "amin")
-    return (highest > lowest)[inverse]
+    return (highest - lowest > tolerance)[inverse]
 
 
 def dropped_group_count(keep: torch.Tensor, group_ids: torch.Tensor) -> int:

@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from stppo_agent.algorithms import informative_groups
 from stppo_agent.distributed import process_group
 
 TOLERANCE = 1e-6  # rewards closer than this are the same reward (float noise of shaped rewards)
@@ -29,9 +30,7 @@ def no_signal_reason(rewards: torch.Tensor, group_ids: torch.Tensor, advantages:
             return "every trajectory's reward is 0"
         return f"every trajectory earned the same reward ({value:.3f})"
     if group_relative:
-        groups = group_ids.detach().cpu()
-        spreads = [float(rewards[groups == g].max() - rewards[groups == g].min()) for g in groups.unique()]
-        if all(spread <= TOLERANCE for spread in spreads):
+        if not bool(informative_groups(rewards, group_ids.detach().cpu(), tolerance=TOLERANCE).any()):
             return "within every group the trajectories earned the same reward (each prompt always or never paid)"
     if advantages is not None:
         mask = loss_mask.detach().cpu()

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from stppo_agent.algorithms import informative_groups
+from stppo_agent.algorithms import dropped_group_count, informative_groups
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.global_batch import merge_shares
@@ -39,8 +39,7 @@ def keep_informative_groups(first: RolloutBatch, play_round: Callable[[int], Rol
             break
         rounds += 1
         shares.append(play_round(rounds))
-    sampled = int(torch.unique(merged.group_ids).numel())
-    dropped = sampled - informative
+    sampled, dropped = int(torch.unique(merged.group_ids).numel()), dropped_group_count(keep, merged.group_ids)
     order = _groups_in_order(merged.group_ids, keep)[:groups_needed]
     rows = torch.cat([torch.nonzero(merged.group_ids == group).flatten() for group in order])
     batch = merged.select(rows)
