@@ -26,6 +26,7 @@ from .config import ALGORITHMS, AlgorithmConfig, register_algorithm
 from .dynamic_sampling import dropped_group_count, informative_groups
 from .losses import (
     POLICY_LOSSES,
+    WHOLE_BATCH_STATISTICS,
     aggregate,
     aggregate_parts,
     explained_variance,
@@ -34,6 +35,7 @@ from .losses import (
     kl_reward_penalty,
     log_ratio_at_level,
     register_policy_loss,
+    register_whole_batch_statistic,
     value_loss,
 )
 from .metrics import Extreme, LossMetrics, Summed
@@ -42,9 +44,10 @@ from .rollout_correction import resolve_rollout_correction, rollout_correction_w
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme", "LossMetrics",
-    "POLICY_LOSSES", "Registry", "Summed", "aggregate", "aggregate_parts", "compact_policy_positions",
+    "POLICY_LOSSES", "Registry", "Summed", "WHOLE_BATCH_STATISTICS", "aggregate", "aggregate_parts",
+    "compact_policy_positions",
     "dropped_group_count", "estimate_advantages", "explained_variance", "get_advantage_estimator",
     "informative_groups", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
     "log_ratio_at_level", "register_advantage_estimator", "register_algorithm", "register_policy_loss",
-    "resolve_rollout_correction", "rollout_correction_weights", "value_loss",
+    "register_whole_batch_statistic", "resolve_rollout_correction", "rollout_correction_weights", "value_loss",
 ]

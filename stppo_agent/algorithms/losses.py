@@ -47,6 +47,21 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return POLICY_LOSSES[name]
 
 
+# A loss whose mask is a statistic of the whole optimizer batch (M2PO's cut) cannot take it from the one
+# micro-batch it is given: the current policy's log-probs of the other micro-batches do not exist yet when one is
+# back-propagated. Such a loss registers a statistic here; the trainer then runs a no-grad forward over every
+# micro-batch first and hands each micro-batch's loss call the keywords the statistic returns for it.
+# statistic(logprobs=[...], old_logprobs=[...], loss_mask=[...], turn_ids=[...], config) -> [kwargs per micro-batch]
+WHOLE_BATCH_STATISTICS: Registry[Callable[..., list[dict]]] = Registry("whole-batch statistic")
+
+
+def register_whole_batch_statistic(loss_name: str, fn: Callable[..., list[dict]] | None = None):
+    """Register the whole-batch statistic of the policy loss ``loss_name`` (usable as a decorator)."""
+    if fn is None:
+        return WHOLE_BATCH_STATISTICS.decorator(loss_name)
+    return WHOLE_BATCH_STATISTICS.register(loss_name, fn)
+
+
 def log_ratio_at_level(logprobs, old_logprobs, loss_mask, turn_ids, level: str) -> torch.Tensor:
     """log rho at the requested level, per token: l_t, or the mean of l_t over the token's turn / sequence.
 

@@ -82,3 +82,23 @@ def m2po_keep_mask(log_ratio: torch.Tensor, loss_mask: torch.Tensor, turn_ids: t
     keep_segments[present] = keep
     second_moment = (everything[:, 0] * everything[:, 1]).sum() / everything[:, 1].sum().clamp(min=1)
     return loss_mask & keep_segments.index_select(0, ids.reshape(-1)).view_as(loss_mask), second_moment
+
+
+@torch.no_grad()
+def m2po_keep_masks(log_ratios: list[torch.Tensor], loss_masks: list[torch.Tensor], turn_ids: list[torch.Tensor],
+                    level: str, threshold: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`m2po_keep_mask` over several micro-batches of different lengths at once (the whole optimizer batch
+    of this rank, every rank's taken together as there): one keep mask per micro-batch, and the second moment."""
+    length = max(mask.shape[1] for mask in loss_masks)
+
+    def padded(tensors: list[torch.Tensor], value) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value) for t in tensors])
+
+    keep, second_moment = m2po_keep_mask(padded(log_ratios, 0.0), padded(loss_masks, False),
+                                         padded(turn_ids, -1), level, threshold)
+    masks, start = [], 0
+    for mask in loss_masks:
+        rows, width = mask.shape
+        masks.append(keep[start:start + rows, :width])
+        start += rows
+    return masks, second_moment

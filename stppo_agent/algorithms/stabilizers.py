@@ -25,9 +25,10 @@ from .losses import (
     aggregation_kwargs,
     log_ratio_at_level,
     register_policy_loss,
+    register_whole_batch_statistic,
 )
 from .metrics import LossMetrics
-from .second_moment import m2po_keep_mask
+from .second_moment import m2po_keep_mask, m2po_keep_masks
 from .segments import masked_sum, segment_sum, turn_segment_ids
 
 
@@ -183,15 +184,33 @@ def dppo_kl_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, con
 
 @register_policy_loss("m2po")
 def m2po_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
-              global_num_tokens=None, global_num_seqs=None):
+              global_num_tokens=None, global_num_seqs=None, keep=None, second_moment=None):
     """M2PO: L_t = -M_t rho_t A_t, no clipping; M drops the segments with the largest squared log-ratio until the
-    second moment of the rest, over the batch of every rank, is below m2_threshold (second_moment.py)."""
+    second moment of the rest, over the batch of every rank, is below m2_threshold (second_moment.py).
+
+    ``keep`` / ``second_moment``: M and the statistic already taken over a larger batch than the one given (the
+    trainer's whole optimizer batch, :func:`m2po_whole_batch`); without them, over the batch given."""
     b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs)
-    keep, second_moment = m2po_keep_mask(b.log_ratio.detach(), loss_mask, turn_ids, config.ratio_level,
-                                         config.m2_threshold)
+    if keep is None:
+        keep, second_moment = m2po_keep_mask(b.log_ratio.detach(), loss_mask, turn_ids, config.ratio_level,
+                                             config.m2_threshold)
+    keep = keep & loss_mask
     per_token = -keep.to(b.ratio.dtype) * b.ratio * b.advantages
     changed = loss_mask & ~keep
     bias = aggregate(changed.to(b.ratio.dtype) * b.ratio * b.advantages, loss_mask, **b.agg)
     loss, bias, metrics = _finish(b, per_token, changed, bias, ref_logprobs, entropy)
     metrics.extreme("m2po/second_moment", second_moment.to(b.ratio.dtype), "max")  # the same on every rank
     return loss, bias, metrics
+
+
+@register_whole_batch_statistic("m2po")
+def m2po_whole_batch(*, logprobs, old_logprobs, loss_mask, turn_ids, config) -> list[dict]:
+    """M2PO's mask over every micro-batch of the optimizer batch (and every rank): the ``keep`` and
+    ``second_moment`` keywords of each micro-batch's :func:`m2po_loss` call. The log-ratio is the loss's own
+    (level mean, clamped), from the same weights, so the cut is the one the loss would make on the whole batch."""
+    ratios = []
+    for current, old, mask, turns in zip(logprobs, old_logprobs, loss_mask, turn_ids):
+        ratios.append(_batch(current.detach(), old, torch.zeros_like(current), mask, turns, config, None,
+                             None).log_ratio)
+    masks, second_moment = m2po_keep_masks(ratios, loss_mask, turn_ids, config.ratio_level, config.m2_threshold)
+    return [{"keep": keep, "second_moment": second_moment} for keep in masks]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 
 import torch
 
-from stppo_agent.algorithms import ClipBiasCorrector, get_policy_loss, value_loss
+from stppo_agent.algorithms import WHOLE_BATCH_STATISTICS, ClipBiasCorrector, get_policy_loss, value_loss
 from stppo_agent.distributed import process_group
 from stppo_agent.monitoring.step_diagnostics import StepMeans
 from stppo_agent.rollouts.batch import RolloutBatch
@@ -100,16 +101,17 @@ class PPOUpdate:
             if algo.clip_bias_correction or trainer.config.step_diagnostics else None
         global_tokens, global_seqs = self._global_counts(mini)
         trainer.actor_optimizer.zero_grad(set_to_none=True)
+        whole_batch = self._whole_batch_keywords(mini)
         step_metrics = StepMetrics()
         finite = torch.ones((), device=trainer.device)
-        for micro in self._micro_batches(mini, trainer.actor_train):
+        for number, micro in enumerate(self._micro_batches(mini, trainer.actor_train)):
             logprobs, entropy = token_logprobs(trainer.actor_train, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef > 0, sampling=trainer.config.sampling())
             loss, bias, metrics = loss_fn(
                 logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
                 loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
                 ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy,
-                global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs, **whole_batch[number])
             finite = finite * torch.isfinite(loss)
             if trainer.diagnostics is not None:
                 trainer.diagnostics.observe_micro(micro, logprobs)
@@ -125,6 +127,23 @@ class PPOUpdate:
         ok = bool(process_group.all_reduce_sum(finite) == trainer.world) and bool(torch.isfinite(grad_norm))
         out["grad_norm"] = float(grad_norm) if ok else math.nan
         return out
+
+    def _whole_batch_keywords(self, mini: RolloutBatch) -> list[dict] | defaultdict:
+        """Per micro-batch, the extra keywords of a loss whose mask is a statistic of the whole optimizer batch
+        (M2PO), from a no-grad forward over every micro-batch with the weights the step starts from; none for the
+        other losses, or when this rank's share is one micro-batch (the loss's own statistic spans it then).
+        Ranks hold equally many micro-batches, so they agree on whether to take the collective inside."""
+        trainer = self.trainer
+        statistic = WHOLE_BATCH_STATISTICS.get(trainer.algo.policy_loss)
+        micros = [micro for _, micro in length_sorted_micro_batches(mini, trainer.config.micro_batch_size)]
+        if statistic is None or len(micros) == 1:
+            return defaultdict(dict)
+        with torch.no_grad():
+            logprobs = [token_logprobs(trainer.actor_train, micro, sampling=trainer.config.sampling())[0]
+                        for micro in micros]
+        return statistic(logprobs=logprobs, old_logprobs=[micro.old_logprobs for micro in micros],
+                         loss_mask=[micro.loss_mask for micro in micros],
+                         turn_ids=[micro.turn_ids for micro in micros], config=trainer.algo)
 
     def _actor_step(self, mini: RolloutBatch) -> dict[str, float]:
         trainer = self.trainer

@@ -1,0 +1,112 @@
+"""M2PO's cut is a statistic of the whole optimizer batch across ranks (issue 25.5), whatever the micro-batch size
+and the number of processes: the trainer takes it from a no-grad forward over every micro-batch before the
+backward passes (``WHOLE_BATCH_STATISTICS``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from stppo_agent.algorithms import get_policy_loss
+from stppo_agent.algorithms.second_moment import m2po_keep_masks
+from stppo_agent.distributed.process_group import free_port
+from stppo_agent.training.log_probs import token_logprobs
+from stppo_agent.training.trainer import Trainer
+
+from .test_multiprocess_metrics import TIMING, toy_config
+from .tiny_models import tiny_llama, word_tokenizer
+
+M2PO = {"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "m2_threshold": 0.02}
+
+
+def _off_policy_batch(trainer: Trainer):
+    batch = trainer.rollout()
+    trainer.score(batch)
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(0))
+    batch.old_logprobs = batch.old_logprobs + 0.3 * noise  # squared log-ratios around 0.09: M2PO must cut
+    return batch
+
+
+def _whole_batch_loss(trainer: Trainer, batch):
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(trainer.actor, batch, sampling=trainer.config.sampling())
+        _, _, metrics = get_policy_loss("m2po")(
+            logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+            loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, config=trainer.algo)
+    return metrics
+
+
+def test_keep_masks_of_micro_batches_of_different_lengths_are_the_cut_of_their_concatenation():
+    # two micro-batches, 3 and 4 positions wide (each padded by one masked position)
+    ratios = [torch.tensor([[0.3, 0.3, 0.0]]), torch.tensor([[0.01, 0.01, 0.0, 0.2], [0.01, 0.0, 0.0, 0.0]])]
+    masks = [torch.tensor([[True, True, False]]),
+             torch.tensor([[True, True, False, True], [True, False, False, False]])]
+    turns = [torch.tensor([[0, 0, -1]]), torch.tensor([[0, 0, -1, 1], [0, -1, -1, -1]])]
+    kept, second_moment = m2po_keep_masks(ratios, masks, turns, "token", 0.02)
+    squares = torch.cat([(r[m] ** 2) for r, m in zip(ratios, masks)])
+    assert second_moment.item() == pytest.approx(float(squares.mean()))
+    # squares 0.09 0.09 0.04 1e-4 x3: the mean without the largest is 0.026, without the two largest 0.0101 < 0.02,
+    # so both 0.3s go and 0.2 stays. The first micro-batch alone would keep one 0.3 (no cut gets it below 0.02)
+    assert [k.tolist() for k in kept] == [[[False, False, False]],
+                                          [[True, True, False, True], [True, False, False, False]]]
+    alone, _ = m2po_keep_masks(ratios[:1], masks[:1], turns[:1], "token", 0.02)
+    assert alone[0].tolist() == [[False, True, False]]
+
+
+def test_m2po_update_does_not_depend_on_the_micro_batch_size(tmp_path):
+    """Same batch, same weights (lr 0): micro-batch 1 / 2 / 4 / 8 log the same loss, masked share, second moment
+    and gradient norm as the whole batch in one call -- with a per-micro-batch cut they differ."""
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    trainer = Trainer(toy_config(model, tmp_path / "run", algo="m2po", actor_lr=0.0, critic_lr=0.0, algorithm=M2PO),
+                      report=lambda _: None)
+    batch = _off_policy_batch(trainer)
+    whole = _whole_batch_loss(trainer, batch)
+    assert 0 < float(whole["clip_frac"]) < 1, "the cut must drop some tokens and keep others"
+    logged = {}
+    for micro in (1, 2, 4, 8):
+        trainer.config.micro_batch_size = micro
+        logged[micro] = {k: v for k, v in trainer.update(batch).items() if k not in TIMING}
+    for key in ("pg_loss", "clip_frac", "turn_clip_frac", "m2po/second_moment"):
+        for micro, metrics in logged.items():
+            assert metrics[key] == pytest.approx(float(whole[key]), rel=1e-5, abs=1e-7), (key, micro)
+    for micro in (1, 2, 4):
+        assert logged[micro]["grad_norm"] == pytest.approx(logged[8]["grad_norm"], rel=1e-5), micro
+
+
+def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        trainer = Trainer(toy_config(model, out, algo="m2po", actor_lr=0.0, critic_lr=0.0, micro_batch_size=1,
+                                     algorithm=M2PO), report=lambda _: None)
+        batch = torch.load(batch_path, weights_only=False)
+        rows = [r for r in range(batch.batch_size) if r % 2 == rank]  # 4 rows each: 4 micro-batches of 1
+        metrics = trainer.update(batch.select(rows))
+        torch.save({"metrics": metrics}, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
+
+
+def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_path):
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    trainer = Trainer(toy_config(model, tmp_path / "one", algo="m2po", actor_lr=0.0, critic_lr=0.0,
+                                 micro_batch_size=1, algorithm=M2PO), report=lambda _: None)
+    batch = _off_policy_batch(trainer)
+    torch.save(batch, tmp_path / "batch.pt")
+    whole = _whole_batch_loss(trainer, batch)
+    single = trainer.update(batch)
+    (tmp_path / "two").mkdir()
+    mp.start_processes(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
+                                                str(tmp_path / "batch.pt")), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        two = torch.load(tmp_path / "two" / f"rank{rank}.pt", weights_only=False)["metrics"]
+        for key in ("pg_loss", "clip_frac", "m2po/second_moment"):
+            assert two[key] == pytest.approx(float(whole[key]), rel=1e-5, abs=1e-7), (rank, key)
+        assert two["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5), rank
