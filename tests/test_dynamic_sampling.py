@@ -3,12 +3,17 @@ to a cap, the batch keeps its shape, and what was dropped is logged."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import informative_groups
+from stppo_agent.distributed.process_group import free_port
 from stppo_agent.rollouts.batch import Trajectory, to_batch
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.resampling import keep_informative_groups
@@ -58,6 +63,45 @@ def test_a_full_first_round_samples_nothing_more():
     first = groups_batch({0: [0.0, 1.0], 1: [1.0, 0.0]})
     batch = keep_informative_groups(first, lambda r: pytest.fail("resampled"), max_rounds=5, pad_id=0)
     assert batch.group_ids.tolist() == [0, 0, 1, 1] and batch.stats["dynamic_sampling/rounds"] == 0.0
+
+
+# per rank: the first round, then what each extra round plays. Rank 0 is full at once, rank 1 finds its second
+# informative group only in the second extra round.
+RANK_ROUNDS = {0: [{0: [0.0, 1.0], 1: [1.0, 0.0]}, {10: [1.0, 0.0]}, {11: [0.0, 1.0]}, {12: [0.0, 1.0]}],
+               1: [{2: [1.0, 1.0], 3: [0.0, 1.0]}, {20: [1.0, 1.0]}, {21: [0.0, 1.0]}, {22: [1.0, 0.0]}]}
+
+
+def _two_rank_main(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        played = []
+
+        def play(round_number):
+            played.append(round_number)
+            return groups_batch(RANK_ROUNDS[rank][round_number])
+
+        batch = keep_informative_groups(groups_batch(RANK_ROUNDS[rank][0]), play, max_rounds=3, pad_id=0)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {"played": played, "groups": batch.group_ids.tolist(), "stats": batch.stats}))
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
+
+
+def test_ranks_take_extra_rounds_together_until_every_rank_is_full(tmp_path):
+    """Rank 0 is full after its first round, rank 1 after two extra rounds: both play exactly two (the prompt
+    sampler is shared, so a rank that plays alone would desynchronise it) and stop together, before the cap."""
+    mp.start_processes(_two_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero["played"] == one["played"] == [1, 2]
+    assert zero["groups"] == [0, 0, 1, 1]  # its own first round: informative already
+    assert one["groups"] == [3, 3, 21, 21]  # 2 and 20 all-equal: dropped
+    assert zero["stats"]["dynamic_sampling/rounds"] == one["stats"]["dynamic_sampling/rounds"] == 2.0
+    assert zero["stats"]["dynamic_sampling/dropped_frac"] == 0.0
+    assert one["stats"]["dynamic_sampling/dropped_frac"] == 2 / 4
 
 
 @pytest.fixture(scope="module")
