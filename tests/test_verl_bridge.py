@@ -233,9 +233,33 @@ def test_rollout_is_weights_scale_the_turn_level_loss():
 @pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items() if p.clip_bias_correction])
 def test_presets_with_the_clip_bias_correction_refuse_without_its_engine(preset):
     mask, _, old, new, advantages = random_batch()
-    with pytest.raises(bridge.ClipBiasEngineMissingError, match="clip-bias norm.*stppo_turn_ppo"):
+    expected = "clip-bias norm.*VERL_ENGINE_VENDOR=stppo.*stppo_turn_ppo"
+    with pytest.raises(bridge.ClipBiasEngineMissingError, match=expected):
         call_ppo_loss(actor_config(f"stppo_{preset}"), mask, old, new, advantages)
     assert get_policy_loss_fn(f"stppo_{preset}") is not None
+
+
+@pytest.mark.parametrize("preset,plain", [("st_ppo", "turn_ppo"), ("s_ppo", "ppo"), ("so_grpo", "turn_ppo")])
+def test_with_the_engine_collecting_the_loss_hands_over_this_projects_bias_surrogate(preset, plain):
+    """Inside the stppo engine's collector, a correction preset's loss is the plain one at its ratio level, and it
+    hands the engine agg(c_t rho_t A_t) equal to this project's ppo_clip bias surrogate: verl's dp_size 2 times the
+    sum over twice this rank's tokens is ours over this rank's tokens."""
+    from stppo_agent.integrations.verl import correction
+
+    mask, turn_ids, old, new, advantages = random_batch(spread=0.6)
+    sink = []
+    with correction.collecting(sink):
+        loss, _, grad = call_ppo_loss(actor_config(f"stppo_{preset}"), mask, old, new, advantages, dp_size=2,
+                                      batch_num_tokens=2 * int(mask.sum()))
+    plain_loss, _, plain_grad = call_ppo_loss(actor_config(f"stppo_{plain}"), mask, old, new, advantages, dp_size=2,
+                                              batch_num_tokens=2 * int(mask.sum()))
+    assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+    (bias, log_prob), = sink
+    config = dataclasses.replace(ALGORITHMS[preset], clip_low=0.2, clip_high=0.28)
+    _, ours, _ = get_policy_loss("ppo_clip")(logprobs=new, old_logprobs=old, advantages=advantages, loss_mask=mask,
+                                             turn_ids=turn_ids, config=config, global_num_tokens=int(mask.sum()))
+    assert bias.requires_grad and log_prob.requires_grad
+    torch.testing.assert_close(bias.detach(), ours, rtol=1e-6, atol=0)
 
 
 # -- point 5: the parquet export through verl's RLHFDataset, and the reward function against the env ------------------
@@ -430,19 +454,25 @@ def test_a_dead_server_is_a_failed_search_observation_not_an_exception():
 # -- a preset's other settings as verl overrides -----------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
     from verl.trainer import config as verl_config
 
     from stppo_agent.integrations.verl.settings import NotInVerlError, verl_overrides
 
     preset = ALGORITHMS[name]
-    if preset.advantage == "turn_gae" or preset.dynamic_sampling or preset.clip_bias_correction:
+    if preset.advantage == "turn_gae" or preset.dynamic_sampling:
         with pytest.raises(NotInVerlError):
             verl_overrides(name)
         return
     base = OmegaConf.load(Path(verl_config.__file__).parent / "_generated_ppo_trainer.yaml")
     OmegaConf.set_struct(base, True)  # an override naming a key verl does not have fails here
-    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(verl_overrides(name)))
+    overrides = verl_overrides(name)
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist([o for o in overrides if not o.startswith("+")]))
+    with open_dict(merged):  # Hydra's "+key=value" adds a key verl's config does not declare
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o[1:] for o in overrides if o.startswith("+")]))
+    engine_selected = merged.ray_kwargs.ray_init.runtime_env.get("env_vars", {}).get("VERL_ENGINE_VENDOR")
+    assert engine_selected == ("stppo" if preset.clip_bias_correction else None)
+    assert (merged.actor_rollout_ref.actor.strategy == "fsdp2") == preset.clip_bias_correction
     actor = merged.actor_rollout_ref.actor
     assert actor.policy_loss.loss_mode == f"stppo_{name}" and f"stppo_{name}" in POLICY_LOSS_REGISTRY
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (preset.clip_low, preset.clip_high)

@@ -14,8 +14,9 @@ Presets whose policy loss is ``ppo_clip`` (all built-in ones) follow ``compute_p
 op for op, with the log-ratio taken at the preset's level and without dual clipping: ``stppo_ppo`` is verl's
 ``vanilla`` with ``clip_ratio_c`` out of reach, to the bit. Other policy losses (registered by a user) are called
 through this project's own interface. S-PPO / ST-PPO / SO-GRPO need the clip-bias correction, which lives in a
-training engine (not in a loss): until that engine exists, selecting them raises
-:class:`ClipBiasEngineMissingError` at the first actor update instead of silently training Turn-PPO.
+training engine (not in a loss): their loss is the same clipped surrogate, and it hands its bias surrogate
+``agg(c_t * rho_t * A_t)`` to the ``stppo`` engine (:mod:`.engine`, :mod:`.correction`); without that engine it
+raises :class:`ClipBiasEngineMissingError` at the first actor update instead of silently training Turn-PPO.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from verl.utils.torch_functional import masked_mean
 from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, get_policy_loss, log_ratio_at_level
 from stppo_agent.algorithms.config import LOSS_AGG_NAMES
 
+from . import correction
+from .correction import ClipBiasEngineMissingError  # noqa: F401  (part of this module's interface)
+
 LOSS_PREFIX = "stppo_"
 LOG_RATIO_CLAMP = 20.0  # verl's clamp of log(pi / pi_old) before exp
 OUR_AGG_MODES = LOSS_AGG_NAMES  # the aggregations this project's own losses know
 EXTRA_METRICS = ("turn_clip_frac", "ratio/mean", "ratio/max", "ratio/min", "approx_kl")
-
-
-class ClipBiasEngineMissingError(RuntimeError):
-    """A preset with the clip-bias correction was selected, but no verl training engine applies it."""
 
 
 def turn_ids_from_mask(response_mask: torch.Tensor) -> torch.Tensor:
@@ -62,8 +62,6 @@ def clip_range(config) -> tuple[float, float]:
 
 def verl_policy_loss(preset: AlgorithmConfig):
     """A function with verl's policy-loss signature that applies ``preset``'s policy loss."""
-    if preset.clip_bias_correction:
-        return functools.partial(_needs_correction_engine, preset.name)
     return functools.partial(_policy_loss, preset)
 
 
@@ -79,14 +77,6 @@ def register_verl_losses(presets=ALGORITHMS) -> list[str]:
     return added
 
 
-def _needs_correction_engine(name: str, *args, **kwargs):
-    raise ClipBiasEngineMissingError(
-        f"policy loss stppo_{name}: the {name} preset divides the policy gradient by its clip-bias norm, a step "
-        "that needs the whole micro-batch gradient and so lives in a training engine, not in a loss; this bridge "
-        "has no such verl engine yet (docs/verl.md). Use stppo_turn_ppo (stppo_grpo for so_grpo's update without "
-        "the correction) for the same ratio without it, or train with this project's own trainer.")
-
-
 def _policy_loss(preset: AlgorithmConfig, old_log_prob, log_prob, advantages, response_mask,
                  loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None):
     if config is None:
@@ -95,17 +85,20 @@ def _policy_loss(preset: AlgorithmConfig, old_log_prob, log_prob, advantages, re
     turn_ids = turn_ids_from_mask(mask)
     low, high = clip_range(config)
     if preset.policy_loss == "ppo_clip":
-        pg_loss, metrics = _clipped_surrogate(preset.ratio_level, old_log_prob, log_prob, advantages, mask, turn_ids,
-                                              low, high, loss_agg_mode, config.global_batch_info, rollout_is_weights)
+        pg_loss, bias, metrics = _clipped_surrogate(preset.ratio_level, old_log_prob, log_prob, advantages, mask,
+                                                    turn_ids, low, high, loss_agg_mode, config.global_batch_info,
+                                                    rollout_is_weights)
         ours = _our_loss(preset, old_log_prob, log_prob.detach(), advantages, mask, turn_ids, low, high,
                          loss_agg_mode if loss_agg_mode in OUR_AGG_MODES else "token-mean",
-                         _scale(config.global_batch_info, mask))[1]
+                         _scale(config.global_batch_info, mask))[2]
     else:
-        pg_loss, ours = _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high,
+        pg_loss, bias, ours = _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high,
                                          loss_agg_mode, config.global_batch_info, rollout_is_weights)
         metrics = {"actor/pg_clipfrac": float(ours["clip_frac"]),
                    "actor/ppo_kl": float(masked_mean(-_clamped(log_prob - old_log_prob), mask).detach())}
     metrics.update({f"actor/stppo/{key}": float(ours[key]) for key in EXTRA_METRICS if key in ours})
+    if preset.clip_bias_correction:
+        correction.offer(preset.name, bias, log_prob)
     return pg_loss, metrics
 
 
@@ -115,7 +108,9 @@ def _clamped(log_ratio: torch.Tensor) -> torch.Tensor:
 
 def _clipped_surrogate(level, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode,
                        global_batch_info, rollout_is_weights):
-    """``compute_policy_loss_vanilla`` without dual clipping, its log-ratio at ``level`` (same ops, same order)."""
+    """``compute_policy_loss_vanilla`` without dual clipping, its log-ratio at ``level`` (same ops, same order), and
+    the bias surrogate ``agg(c_t * rho_t * A_t)`` (c_t: the clipped branch is strictly smaller; rollout weights carry
+    over), detached when nothing is clipped, as this project's ``ppo_clip`` returns it."""
     token_log_ratio = _clamped(log_prob - old_log_prob)
     if level == "token":
         negative_approx_kl = token_log_ratio
@@ -127,10 +122,16 @@ def _clipped_surrogate(level, old_log_prob, log_prob, advantages, mask, turn_ids
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
     ppo_kl = masked_mean(-token_log_ratio, mask)
+    clipped = mask & (((advantages > 0) & (ratio > 1 + high)) | ((advantages < 0) & (ratio < 1 - low)))
+    bias_terms = torch.where(clipped, ratio * advantages, torch.zeros_like(ratio))
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
+        bias_terms = bias_terms * rollout_is_weights
     pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
+    bias = agg_loss(loss_mat=bias_terms, loss_mask=mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
+    if not bool(clipped.any()):
+        bias = bias.detach()
+    return pg_loss, bias, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
 
 
 def _scale(global_batch_info, mask) -> float:
@@ -141,10 +142,9 @@ def _scale(global_batch_info, mask) -> float:
 
 def _our_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, agg, scale, **global_counts):
     config = dataclasses.replace(preset, clip_low=low, clip_high=high, loss_agg=agg, loss_scale_factor=scale)
-    loss, _, metrics = get_policy_loss(preset.policy_loss)(
+    return get_policy_loss(preset.policy_loss)(
         logprobs=log_prob, old_logprobs=old_log_prob, advantages=advantages, loss_mask=mask, turn_ids=turn_ids,
         config=config, **global_counts)
-    return loss, metrics
 
 
 def _registered_loss(preset, old_log_prob, log_prob, advantages, mask, turn_ids, low, high, loss_agg_mode,

@@ -4,6 +4,10 @@ advantage estimator are verl settings, which :func:`verl_overrides` fills from t
 
     python -m verl.trainer.main_ppo $(python -m stppo_agent.integrations.verl.settings turn_ppo) ...
 
+Presets with the clip-bias correction (S-PPO, ST-PPO, SO-GRPO) also select the ``stppo`` training engine: verl
+picks engines by ``VERL_ENGINE_VENDOR`` in each worker's environment, which Ray's runtime environment carries to
+every worker on every node, and the engine is registered for FSDP2 (docs/verl.md, "The clip-bias engine").
+
 Works without verl.
 """
 
@@ -14,6 +18,10 @@ import sys
 from stppo_agent.algorithms import ALGORITHMS
 
 ACTOR = "actor_rollout_ref.actor"
+ENGINE_OVERRIDES = [  # what selects the stppo engine (stppo_agent/integrations/verl/engine.py) in every worker
+    "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR=stppo",
+    f"{ACTOR}.strategy=fsdp2",  # the reference model follows the actor's strategy
+]
 VERL_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo"}  # ours -> verl's (same definitions)
 VERL_KL = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl"}  # verl's k3 is clamped like low_var_kl
 
@@ -25,10 +33,6 @@ class NotInVerlError(ValueError):
 def verl_overrides(name: str) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo`` that select preset ``name`` with its defaults."""
     preset = ALGORITHMS[name]
-    if preset.clip_bias_correction:  # the launch script stops here, before Ray starts
-        raise NotInVerlError(
-            f"preset {name}: the clip-bias correction needs a verl training engine this bridge does not have yet "
-            "(docs/verl.md); stppo_turn_ppo has the same turn-level ratio without it")
     if preset.advantage not in VERL_ESTIMATORS:
         raise NotInVerlError(
             f"preset {name}: advantage estimator {preset.advantage!r} has no verl counterpart; verl passes the "
@@ -54,6 +58,8 @@ def verl_overrides(name: str) -> list[str]:
     ]
     if preset.loss_agg == "seq-mean-token-sum-norm":
         overrides.append(f"{ACTOR}.loss_scale_factor={int(preset.loss_scale_factor)}")
+    if preset.clip_bias_correction:
+        overrides += ENGINE_OVERRIDES
     return overrides
 
 

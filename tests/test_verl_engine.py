@@ -1,0 +1,413 @@
+"""The ``stppo`` verl training engine (stppo_agent/integrations/verl/engine.py): one update step of ST-PPO through
+verl's own FSDP2 engine on CPU (gloo, a tiny Llama built from a config, ``attn_implementation=sdpa``,
+``use_remove_padding=False``, a CPU platform registered through verl's platform plugin API) gives the gradient and
+||C|| that this project's own loss and clip-bias corrector give on the same batch, with 2 micro-batches (FSDP2's
+no-sync accumulation on and off) and with 2 gloo processes.
+
+verl's engine runs in subprocesses (``python tests/test_verl_engine.py worker ...``): verl fixes its platform at
+the first import of its engine module, and the CPU platform must be registered before that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("STPPO_REQUIRE_VERL") == "1":
+    import verl  # noqa: F401  (a CI that installs verl must fail here, not skip)
+else:
+    pytest.importorskip("verl", reason="the verl bridge needs verl 0.9 (docs/verl.md)")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PLATFORM = "stppo_test_cpu"
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+# float32 everywhere; verl's engine and this project's computation differ in summation order (FSDP2 reduce-scatter
+# and gloo averaging across ranks, padded vs. unpadded forward), so equal up to float32 rounding.
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+NORM_REL = 1e-4
+
+
+# -- the batch: prompts + multi-turn responses (observation runs with mask 0), old log-probs off the current ones ----
+RESPONSES = [  # per row: (assistant tokens, observation tokens) per turn
+    [(3, 2), (4, 3), (2, 0)],
+    [(5, 0)],
+    [(1, 1), (2, 2), (1, 1), (3, 0)],
+    [(2, 4), (6, 0)],
+]
+PROMPT_LENS = [3, 2, 4, 3]
+
+
+def make_batch(model_dir: Path, seed: int = 0, spread: float = 0.6) -> dict:
+    """Left-padded prompts, right-padded responses, verl's field names; old log-probs = current + noise, so that
+    some tokens (and whole turns) clip. Also the current log-probs (this project's forward)."""
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
+    vocab = model.config.vocab_size
+    batch = len(RESPONSES)
+    prompt_len = max(PROMPT_LENS)
+    response_len = max(sum(a + o for a, o in row) for row in RESPONSES) + 1
+    prompts = torch.zeros(batch, prompt_len, dtype=torch.long)
+    responses = torch.zeros(batch, response_len, dtype=torch.long)
+    attention = torch.zeros(batch, prompt_len + response_len, dtype=torch.long)
+    response_mask = torch.zeros(batch, response_len, dtype=torch.long)
+    for b, row in enumerate(RESPONSES):
+        length = PROMPT_LENS[b]
+        prompts[b, prompt_len - length:] = torch.randint(3, vocab, (length,), generator=generator)
+        attention[b, prompt_len - length:prompt_len] = 1
+        position = 0
+        for assistant, observation in row:
+            response_mask[b, position:position + assistant] = 1
+            position += assistant + observation
+        responses[b, :position] = torch.randint(3, vocab, (position,), generator=generator)
+        attention[b, prompt_len:prompt_len + position] = 1
+    input_ids = torch.cat([prompts, responses], 1)
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        current = response_log_probs(model, input_ids, attention, position_ids, response_len)
+    old = current + spread * torch.randn(current.shape, generator=generator)
+    advantages = 4 * torch.randn(current.shape, generator=generator)  # ||C|| > kappa = 1: the correction rescales
+    return {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention,
+            "position_ids": position_ids, "response_mask": response_mask, "old_log_probs": old * response_mask,
+            "advantages": advantages * response_mask}
+
+
+def response_log_probs(model, input_ids, attention, position_ids, response_len) -> torch.Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
+    logits = logits[:, -response_len - 1:-1].float()
+    targets = input_ids[:, -response_len:]
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def reference_step(model_dir: Path, batch: dict, preset: str) -> tuple[dict[str, torch.Tensor], float]:
+    """This project's own computation: ``ppo_clip`` at the preset's ratio level on the whole batch (turn ids from the
+    response-mask runs), C through :class:`ClipBiasCorrector`, the gradient divided by max(1, ||C|| / kappa)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_policy_loss
+    from stppo_agent.integrations.verl.losses import turn_ids_from_mask
+
+    config = dataclasses.replace(ALGORITHMS[preset], clip_low=CLIP_LOW, clip_high=CLIP_HIGH, loss_agg="token-mean")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
+    mask = batch["response_mask"].bool()
+    logprobs = response_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                  mask.shape[1])
+    loss, bias, _ = get_policy_loss(config.policy_loss)(
+        logprobs=logprobs, old_logprobs=batch["old_log_probs"], advantages=batch["advantages"], loss_mask=mask,
+        turn_ids=turn_ids_from_mask(mask), config=config)
+    assert bias.requires_grad, "the test batch must clip something"
+    corrector = ClipBiasCorrector(model.parameters(), config.clip_bias_kappa)
+    corrector.accumulate(bias)
+    loss.backward()
+    metrics = corrector.apply()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}, float(metrics["clip_bias_norm"])
+
+
+# -- the verl side, in worker processes -------------------------------------------------------------------------------
+def register_cpu_platform():
+    """A CPU platform for verl (it has none): registered through verl's platform plugin API and made current."""
+    import contextlib
+    import types
+
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
+
+    @PlatformRegistry.register(platform=PLATFORM)
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = types.SimpleNamespace(is_available=lambda: True, empty_cache=lambda: None,
+                                              synchronize=lambda *a: None, manual_seed=lambda s: None,
+                                              manual_seed_all=lambda s: None, current_device=lambda: "cpu",
+                                              device_count=lambda: 1, set_device=lambda d: None,
+                                              memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0,
+                                              max_memory_allocated=lambda *a: 0, max_memory_reserved=lambda *a: 0,
+                                              mem_get_info=lambda *a: (0, 0), reset_peak_memory_stats=lambda *a: None)
+
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            pass
+
+        def empty_cache(self):
+            pass
+
+        def get_device_capability(self, device_index=0):
+            return None, None
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextlib.contextmanager
+        def nvtx_range(self, msg):
+            yield
+
+        def profiler_start(self):
+            pass
+
+        def profiler_stop(self):
+            pass
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
+
+    set_platform(CPUPlatform())
+
+
+def worker(args: dict) -> None:
+    """One rank: verl's engine registry (VERL_ENGINE_VENDOR=stppo) builds the actor engine on the CPU platform, runs
+    ``forward_backward_batch`` with verl's ``ppo_loss`` on this rank's rows, and rank 0 saves the full gradient."""
+    import functools
+
+    import torch.distributed as dist
+    import verl  # noqa: F401  (with VERL_USE_EXTERNAL_PLUGINS=none: the platform comes first)
+
+    register_cpu_platform()
+    from tensordict import TensorDict
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        PolicyLossConfig,
+    )
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    import stppo_agent.integrations.verl.plugin  # noqa: F401  (as actor_rollout_ref.model.external_lib would)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = torch.load(args["batch"])
+    rows = len(batch["prompts"])
+    per_rank = rows // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    model = HFModelConfig(path=args["model"], use_remove_padding=False, load_tokenizer=True,
+                          override_config={"attn_implementation": "sdpa"})
+    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
+                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                                      "buffer_dtype": "fp32"},
+                                     use_no_sync_for_gradient_accumulation=args["no_sync"], seed=0)
+    optimizer = FSDPOptimizerConfig(lr=1e-3, total_training_steps=1, clip_grad=1e9)
+    engine_kwargs = dict(model_config=model, engine_config=engine_config, optimizer_config=optimizer,
+                         checkpoint_config=CheckpointConfig())
+    if args["engine"] == "registry":
+        engine = EngineRegistry.new("language_model", "fsdp2", **engine_kwargs)
+    else:  # verl's own FSDP2 engine, as verl builds it without VERL_ENGINE_VENDOR=stppo
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+        engine = FSDPEngineWithLMHead(**engine_kwargs)
+    engine.initialize()
+    actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows,
+                            ppo_micro_batch_size_per_gpu=per_rank // args["micro_batches"],
+                            clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=1e9,
+                            loss_agg_mode="token-mean", policy_loss=PolicyLossConfig(loss_mode=args["loss_mode"]),
+                            use_dynamic_bsz=False)
+    data = TensorDict({key: value[mine] for key, value in batch.items()}, batch_size=[per_rank])
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, use_remove_padding=False, use_dynamic_bsz=False, use_fused_kernels=False,
+                         micro_batch_size_per_gpu=per_rank // args["micro_batches"], temperature=1.0,
+                         global_batch_size=rows, calculate_entropy=False)
+    engine.module.train()
+    engine.optimizer_zero_grad()
+    output = engine.forward_backward_batch(data, functools.partial(ppo_loss, config=actor))
+    grads = {}
+    for name, param in engine.module.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grads[name] = grad.detach().clone()
+    if rank == 0:
+        metrics = {key: value for key, value in output["metrics"].items() if key.startswith("actor/stppo/clip_bias")}
+        torch.save({"grads": grads, "metrics": metrics, "engine": type(engine).__name__, "world": world,
+                    "micro_batches": len(output["loss"]), "sharded": type(engine.module).__name__}, args["out"])
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(tmp_path: Path, model_dir: Path, batch: dict, world: int, micro_batches: int, no_sync: bool,
+           loss_mode: str = "stppo_st_ppo", engine: str = "registry") -> tuple[Path, list[int], list[str]]:
+    """Run ``world`` worker processes (gloo on a free port); (their result file, exit codes, logs)."""
+    torch.save(batch, tmp_path / "batch.pt")
+    out = tmp_path / f"verl-{world}-{micro_batches}-{no_sync}-{loss_mode}-{engine}.pt"
+    args = {"model": str(model_dir), "batch": str(tmp_path / "batch.pt"), "out": str(out), "no_sync": no_sync,
+            "micro_batches": micro_batches, "loss_mode": loss_mode, "engine": engine}
+    port = free_port()
+    processes = []
+    for rank in range(world):
+        process_env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_ENGINE_VENDOR": "stppo",
+                       "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "PYTHONPATH": str(REPO)}
+        processes.append(subprocess.Popen([sys.executable, __file__, "worker", json.dumps(args)], env=process_env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [process.communicate(timeout=600)[0] for process in processes]
+    return out, [process.returncode for process in processes], logs
+
+
+def run_verl(*args, **kwargs) -> dict:
+    out, codes, logs = launch(*args, **kwargs)
+    failed = [log for code, log in zip(codes, logs) if code != 0]
+    if failed:
+        raise AssertionError(f"verl worker failed:\n{failed[0][-6000:]}")
+    return torch.load(out)
+
+
+# -- the correction's buffers, in process (no verl engine) -------------------------------------------------------------
+def test_graph_leaves_are_the_parameters_the_forward_used_in_one_order(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.integrations.verl.correction import graph_leaves
+    from stppo_agent.models.tiny import build_tiny_llama
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_llama(tmp_path / "m", seed=1), dtype=torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5))
+    first = graph_leaves(model(input_ids=ids).logits)
+    second = graph_leaves(model(input_ids=ids[:1, :3]).logits.log_softmax(-1))
+    assert {id(p) for p in first} == {id(p) for p in model.parameters()}
+    assert [id(p) for p in first] == [id(p) for p in second]
+
+
+def test_buffers_take_c_beside_grad_over_micro_batches_as_this_projects_corrector(tmp_path):
+    """Two micro-batches: ||C|| and the scaled gradient equal ClipBiasCorrector's (float32, rtol 1e-5); taking C leaves
+    .grad exactly as the loss backward made it (C never enters it)."""
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_policy_loss
+    from stppo_agent.integrations.verl.correction import ClipBiasBuffers
+    from stppo_agent.integrations.verl.losses import turn_ids_from_mask
+    from stppo_agent.models.tiny import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path / "m", seed=2)
+    batch = make_batch(model_dir, seed=1)
+    tokens = int(batch["response_mask"].sum())
+
+    def step(ours: bool):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        corrector = ClipBiasBuffers(1.0) if ours else ClipBiasCorrector(model.parameters(), 1.0)
+        for rows in (slice(0, 2), slice(2, 4)):
+            mask = batch["response_mask"][rows].bool()
+            logprobs = response_log_probs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                          batch["position_ids"][rows], mask.shape[1])
+            loss, bias, _ = get_policy_loss("ppo_clip")(
+                logprobs=logprobs, old_logprobs=batch["old_log_probs"][rows], advantages=batch["advantages"][rows],
+                loss_mask=mask, turn_ids=turn_ids_from_mask(mask), config=ALGORITHMS["st_ppo"],
+                global_num_tokens=tokens)
+            before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            corrector.accumulate(bias, logprobs) if ours else corrector.accumulate(bias)
+            for old, param in zip(before, model.parameters()):
+                assert (old is None and param.grad is None) or torch.equal(old, param.grad)
+            loss.backward()
+        norm = corrector.scale_gradients(model.parameters())["clip_bias_norm"] if ours else \
+            float(corrector.apply()["clip_bias_norm"])
+        return norm, [p.grad for p in model.parameters()]
+
+    (norm, grads), (reference_norm, reference_grads) = step(ours=True), step(ours=False)
+    assert reference_norm > 1.0  # the correction rescales on this batch
+    assert norm == pytest.approx(reference_norm, rel=1e-5)
+    for grad, reference in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-8)
+
+
+# -- the tests ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from stppo_agent.models.tiny import build_tiny_llama
+
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", hidden=32, layers=2, seed=3)
+    batch = make_batch(model_dir)
+    grads, bias_norm = reference_step(model_dir, batch, "st_ppo")
+    return model_dir, batch, grads, bias_norm
+
+
+def assert_same_step(result: dict, grads: dict, bias_norm: float, world: int = 1) -> None:
+    assert (result["engine"], result["sharded"]) == ("ClipBiasFSDPEngine", "FSDPLlamaForCausalLM")
+    assert (result["world"], result["micro_batches"]) == (world, 2)
+    verl_norm = result["metrics"]["actor/stppo/clip_bias_norm"]
+    assert verl_norm == pytest.approx(bias_norm, rel=NORM_REL)
+    assert bias_norm > 1.0, "the batch must make the correction rescale (||C|| > kappa)"
+    assert set(result["grads"]) == set(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result["grads"][name], grad, **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync_on", "no_sync_off"])
+def test_two_micro_batches_give_this_projects_corrected_gradient(setup, tmp_path, no_sync):
+    model_dir, batch, grads, bias_norm = setup
+    assert_same_step(run_verl(tmp_path, model_dir, batch, world=1, micro_batches=2, no_sync=no_sync), grads,
+                     bias_norm)
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync_on", "no_sync_off"])
+def test_two_gloo_processes_give_this_projects_corrected_gradient(setup, tmp_path, no_sync):
+    """Each rank holds half the batch in 2 micro-batches; C is averaged over the ranks like the gradient."""
+    model_dir, batch, grads, bias_norm = setup
+    assert_same_step(run_verl(tmp_path, model_dir, batch, world=2, micro_batches=2, no_sync=no_sync), grads,
+                     bias_norm, world=2)
+
+
+def test_s_ppo_takes_c_at_the_token_level(setup, tmp_path):
+    model_dir, batch, st_grads, st_norm = setup
+    grads, bias_norm = reference_step(model_dir, batch, "s_ppo")
+    assert abs(bias_norm - st_norm) > 1e-3 * st_norm  # the level matters on this batch
+    result = run_verl(tmp_path, model_dir, batch, world=1, micro_batches=2, no_sync=True, loss_mode="stppo_s_ppo")
+    assert_same_step(result, grads, bias_norm)
+
+
+def test_verls_own_engine_refuses_st_ppo_instead_of_training_turn_ppo(setup, tmp_path):
+    model_dir, batch, _, _ = setup
+    out, codes, logs = launch(tmp_path, model_dir, batch, world=1, micro_batches=2, no_sync=True, engine="verl")
+    assert codes == [1] and not out.exists()
+    assert "ClipBiasEngineMissingError: policy loss stppo_st_ppo" in logs[0] and "VERL_ENGINE_VENDOR=stppo" in logs[0]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    worker(json.loads(sys.argv[2]))
