@@ -3,20 +3,26 @@
 # Search-R1's PPO recipe (train_batch_size 512, mini-batch 256, actor lr 1e-6, critic lr 1e-5, KL 0.001 in the
 # reward, gamma = lam = 1, top-3 passages, max_turns 2 of Search-R1 = 3 env steps here). docs/verl.md.
 #
-# ALGO=turn_ppo by default: ST-PPO's turn-level ratio. st_ppo / s_ppo also need the clip-bias correction, which
-# needs a training engine this bridge does not have yet: the settings step below refuses them.
+# ALGO=st_ppo by default: the turn-level ratio and the clip-bias correction, which the stppo training engine applies
+# on verl's FSDP2 engine; the settings step selects it (VERL_ENGINE_VENDOR=stppo in every Ray worker, actor strategy
+# fsdp2) and the run logs actor/stppo/clip_bias_norm and clip_bias_scale every step. ALGO=turn_ppo: the same ratio
+# without the correction.
 #
 # Needs: a GPU node with vLLM, `pip install -e ".[verl]"` (the verl.plugins entry point registers the stppo_*
-# losses and the stppo_env agent loop in every Ray worker), and a retrieval server per node:
+# losses, the stppo_env agent loop and the stppo engine in every Ray worker), and a retrieval server per node:
 #   stppo serve --retriever bm25:INDEX_DIR --port 8000
 set -euo pipefail
-ALGO=${ALGO:-turn_ppo}
+ALGO=${ALGO:-st_ppo}
 MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
 DATA=${DATA:-$HOME/data/stppo_verl}
 RETRIEVER=${RETRIEVER:-http://127.0.0.1:8000}
 GPUS=${GPUS:-8}
 MAX_TURNS=3
 OVERRIDES=$(python -m stppo_agent.integrations.verl.settings "$ALGO")  # fails here for a preset verl cannot run
+case " $OVERRIDES " in  # the correction presets set the actor's strategy themselves (the engine is FSDP2's)
+  *" actor_rollout_ref.actor.strategy="*) ;;
+  *) OVERRIDES="$OVERRIDES actor_rollout_ref.actor.strategy=fsdp2" ;;
+esac
 
 python - <<PY
 from stppo_agent.integrations.verl.data import export_verl
@@ -40,7 +46,6 @@ python -m verl.trainer.main_ppo \
   data.train_batch_size=512 data.val_batch_size=256 \
   data.max_prompt_length=4096 data.max_response_length=2048 \
   actor_rollout_ref.model.path="$MODEL" \
-  actor_rollout_ref.actor.strategy=fsdp2 \
   actor_rollout_ref.actor.optim.lr=1e-6 \
   actor_rollout_ref.actor.ppo_mini_batch_size=256 \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
