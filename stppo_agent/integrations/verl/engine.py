@@ -52,6 +52,9 @@ class ClipBiasEngineMixin:
         preset = preset_of(loss_function)
         if forward_only or preset is None or not preset.clip_bias_correction:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if getattr(self, "ulysses_sequence_parallel_size", 1) > 1:  # C's average would have to skip the SP ranks
+            raise NotImplementedError("the stppo engine's clip-bias correction is not implemented for Ulysses "
+                                      "sequence parallelism (ulysses_sequence_parallel_size > 1); docs/verl.md")
         self._clip_bias = correction.ClipBiasBuffers(preset.clip_bias_kappa, group=self.get_data_parallel_group())
         try:
             output = super().forward_backward_batch(data, loss_function, forward_only=False)
