@@ -45,9 +45,9 @@ RESPONSES = [  # per row: (assistant tokens, observation tokens) per turn
 PROMPT_LENS = [3, 2, 4, 3]
 
 
-def make_batch(model_dir: Path, seed: int = 0, spread: float = 0.6) -> dict:
+def make_batch(model_dir: Path, seed: int = 0, spread: float = 0.6, on_policy_rows: tuple[int, ...] = ()) -> dict:
     """Left-padded prompts, right-padded responses, verl's field names; old log-probs = current + noise, so that
-    some tokens (and whole turns) clip. Also the current log-probs (this project's forward)."""
+    some tokens (and whole turns) clip, except on ``on_policy_rows`` (old = current: nothing clips there)."""
     from transformers import AutoModelForCausalLM
 
     generator = torch.Generator().manual_seed(seed)
@@ -74,7 +74,9 @@ def make_batch(model_dir: Path, seed: int = 0, spread: float = 0.6) -> dict:
     position_ids = (attention.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         current = response_log_probs(model, input_ids, attention, position_ids, response_len)
-    old = current + spread * torch.randn(current.shape, generator=generator)
+    noise = spread * torch.randn(current.shape, generator=generator)
+    noise[list(on_policy_rows)] = 0.0
+    old = current + noise
     advantages = 4 * torch.randn(current.shape, generator=generator)  # ||C|| > kappa = 1: the correction rescales
     return {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention,
             "position_ids": position_ids, "response_mask": response_mask, "old_log_probs": old * response_mask,
@@ -199,6 +201,7 @@ def register_cpu_platform():
 def worker(args: dict) -> None:
     """One rank: verl's engine registry (VERL_ENGINE_VENDOR=stppo) builds the actor engine on the CPU platform, runs
     ``forward_backward_batch`` with verl's ``ppo_loss`` on this rank's rows, and rank 0 saves the full gradient."""
+    import datetime
     import functools
 
     import torch.distributed as dist
@@ -221,7 +224,7 @@ def worker(args: dict) -> None:
 
     import stppo_agent.integrations.verl.plugin  # noqa: F401  (as actor_rollout_ref.model.external_lib would)
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # a mismatched collective fails
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = torch.load(args["batch"])
     rows = len(batch["prompts"])
@@ -368,12 +371,12 @@ def setup(tmp_path_factory):
     return model_dir, batch, grads, bias_norm
 
 
-def assert_same_step(result: dict, grads: dict, bias_norm: float, world: int = 1) -> None:
+def assert_same_step(result: dict, grads: dict, bias_norm: float, world: int = 1, rescaled: bool = True) -> None:
     assert (result["engine"], result["sharded"]) == ("ClipBiasFSDPEngine", "FSDPLlamaForCausalLM")
     assert (result["world"], result["micro_batches"]) == (world, 2)
     verl_norm = result["metrics"]["actor/stppo/clip_bias_norm"]
     assert verl_norm == pytest.approx(bias_norm, rel=NORM_REL)
-    assert bias_norm > 1.0, "the batch must make the correction rescale (||C|| > kappa)"
+    assert bias_norm > 0 and (bias_norm > 1.0) == rescaled  # kappa = 1: the correction rescales iff ||C|| > 1
     assert set(result["grads"]) == set(grads)
     for name, grad in grads.items():
         torch.testing.assert_close(result["grads"][name], grad, **GRAD_TOL, msg=lambda m: f"{name}: {m}")
@@ -392,6 +395,16 @@ def test_two_gloo_processes_give_this_projects_corrected_gradient(setup, tmp_pat
     model_dir, batch, grads, bias_norm = setup
     assert_same_step(run_verl(tmp_path, model_dir, batch, world=2, micro_batches=2, no_sync=no_sync), grads,
                      bias_norm, world=2)
+
+
+def test_a_rank_with_nothing_clipped_joins_the_correction_backward(setup, tmp_path):
+    """Rank 1's rows are on-policy (nothing clips there): it back-propagates zero so that FSDP2's all-gathers in
+    rank 0's C backward have a partner, and C is still the global batch's."""
+    model_dir = setup[0]
+    batch = make_batch(model_dir, on_policy_rows=(2, 3))
+    grads, bias_norm = reference_step(model_dir, batch, "st_ppo")
+    result = run_verl(tmp_path, model_dir, batch, world=2, micro_batches=2, no_sync=True)
+    assert_same_step(result, grads, bias_norm, world=2, rescaled=False)
 
 
 def test_s_ppo_takes_c_at_the_token_level(setup, tmp_path):
