@@ -1,7 +1,7 @@
-"""The verl bridge (docs/verl.md): this project's algorithm presets as verl policy losses, its env as the verl agent
-loop ``stppo_env``, its benchmarks as verl parquet with a reward function that scores like the env, and a Search-R1
-search tool for verl's tool agent.
+"""The verl bridge (docs/verl.md): this project's algorithm presets as verl policy losses, ST-PPO's clip-bias
+correction as the verl training engine ``stppo``, its env as the verl agent loop ``stppo_env``, its benchmarks as
+verl parquet with a reward function that scores like the env, and a Search-R1 search tool for verl's tool agent.
 
-Importing this package imports nothing from verl; ``losses``, ``agent_loop``, ``tool`` and ``plugin`` do, while
-``data``, ``reward`` and ``settings`` work without verl. Nothing else in the project imports it.
+Importing this package imports nothing from verl; ``losses``, ``engine``, ``agent_loop``, ``tool`` and ``plugin``
+do, while ``correction``, ``data``, ``reward`` and ``settings`` work without verl. Nothing else in the project imports it.
 """
