@@ -246,19 +246,22 @@ def test_gmpo_differs_from_verl_geo_mean_on_rows_without_response_tokens():
 
 
 # -- pinned differences of the PPO family (stppo_agent/algorithms/losses.py) ----------------------------------------
-def test_ppo_clip_and_gspo_differ_from_verl_beyond_its_clamps():
+def test_ppo_clip_clamps_like_verl_and_gspo_differs_beyond_its_clamp():
     """verl clamps the token log-ratio to [-20, 20] in ``vanilla`` and the sequence log-ratio to <= 10 in ``gspo``
-    before exp; our ppo_clip clamps neither (the stabilisers clamp at 20 as verl does). Only the unclipped branch
-    sees it: A < 0 with a ratio above the bound. Pinned: the loss differs by exactly that branch."""
+    before exp. Our ppo_clip clamps at 20 as verl does (an unclamped float32 log-ratio above 88 made the loss
+    infinite), so it equals vanilla there too; our gspo does not clamp at 10. Only the unclipped branch sees a
+    clamp: A < 0 with a ratio above the bound. Pinned: gspo's loss differs by exactly that branch."""
     old, new, adv, mask, turns = make_batch(0, 0.02, extreme=True)  # token (0, 2): log-ratio +26, A = -0.7 < 0
     adv[0, 2] = -0.7
     config = dataclasses.replace(ALGORITHMS["grpo"], kl_loss_coef=0.0)
     ours = our_loss(config, old, new, adv, mask, turns)
     theirs = verl_loss("vanilla", verl_config("vanilla", "token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2),
                        old, new, adv, mask)
-    tokens = mask.sum()
-    gap = -adv[0, 2] * (torch.exp(new[0, 2] - old[0, 2]) - torch.exp(torch.tensor(20.0, dtype=old.dtype))) / tokens
-    torch.testing.assert_close(ours[0] - theirs[0], gap, rtol=1e-9, atol=0.0)
+    assert_same(ours, theirs)
+    assert ours[1][0, 2] == 0  # past the clamp: no gradient, as in verl
+    far = new.clone().float()
+    far[0, 2] = old[0, 2].float() + 100.0  # exp(100) overflows float32: the clamp keeps the loss finite
+    assert torch.isfinite(our_loss(config, old.float(), far, adv.float(), mask, turns)[0])
 
     config = ALGORITHMS["gspo"]
     old, new, adv, mask, turns = make_batch(0, 0.02, advantages="sequence", extreme=False)

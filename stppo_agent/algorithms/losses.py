@@ -197,7 +197,8 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
     log_ratio, (turn_sums, turn_counts) = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
-    ratio = torch.exp(log_ratio)
+    # verl's bound before exp: a float32 log-ratio past 88 would make the unclipped branch (A < 0) infinite
+    ratio = torch.exp(log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP))
     clipped_ratio = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
     surrogate = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
     clipped = loss_mask & (((advantages > 0) & (ratio > 1 + config.clip_high))
