@@ -368,7 +368,7 @@ def test_presets_carry_the_papers_and_verls_defaults():
                 preset.clip_high) == row, name
         assert preset.use_critic == (name == "turn_gae") and preset.clip_bias_correction is False
     assert (ALGORITHMS["sapo"].tau_pos, ALGORITHMS["sapo"].tau_neg) == (1.0, 1.05)
-    assert ALGORITHMS["dppo_tv"].is_cap == ALGORITHMS["dppo_kl"].is_cap == 20.0
+    assert ALGORITHMS["dppo_tv"].is_cap == ALGORITHMS["dppo_kl"].is_cap == 1e4  # the authors' script: no truncation
     assert ALGORITHMS["m2po"].m2_threshold == 0.04
     assert ALGORITHMS["dr_grpo"].grpo_std_normalize is False and ALGORITHMS["dr_grpo"].loss_scale_factor == 1024.0
     assert ALGORITHMS["dapo"].dynamic_sampling and not ALGORITHMS["grpo"].dynamic_sampling
