@@ -360,6 +360,28 @@ def test_buffers_take_c_beside_grad_over_micro_batches_as_this_projects_correcto
         torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-8)
 
 
+def test_a_step_with_nothing_clipped_anywhere_reduces_nothing(monkeypatch):
+    """On-policy mini-batches (the first of every iteration) clip nothing on any rank: ||C|| = 0, scale 1, and no
+    collective on CPU tensors, which NCCL would refuse."""
+    import torch.distributed as dist
+
+    from stppo_agent.integrations.verl.correction import ClipBiasBuffers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective without anything clipped")
+
+    for shard in (False, True):
+        buffers = ClipBiasBuffers(1.0, shard=shard)
+        buffers.world, buffers.shard = 2, shard  # as on a rank of 2
+        monkeypatch.setattr(dist, "all_reduce", refuse)
+        monkeypatch.setattr(dist, "reduce_scatter_tensor", refuse)
+        grad = torch.ones(3)
+        param = torch.nn.Parameter(torch.zeros(3))
+        param.grad = grad.clone()
+        assert buffers.scale_gradients([param]) == {"clip_bias_norm": 0.0, "clip_bias_scale": 1.0}
+        assert torch.equal(param.grad, grad)
+
+
 # -- the tests ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

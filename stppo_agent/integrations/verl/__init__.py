@@ -3,5 +3,6 @@ correction as the verl training engine ``stppo``, its env as the verl agent loop
 verl parquet with a reward function that scores like the env, and a Search-R1 search tool for verl's tool agent.
 
 Importing this package imports nothing from verl; ``losses``, ``engine``, ``agent_loop``, ``tool`` and ``plugin``
-do, while ``correction``, ``data``, ``reward`` and ``settings`` work without verl. Nothing else in the project imports it.
+do, while ``correction``, ``data``, ``reward`` and ``settings`` work without verl. Nothing else in the project
+imports it.
 """

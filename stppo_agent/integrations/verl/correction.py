@@ -76,56 +76,87 @@ def graph_leaves(root: torch.Tensor) -> list[torch.Tensor]:
 
 
 class ClipBiasBuffers:
-    """C of one optimizer step: accumulated over micro-batches in float32 buffers of its own, then all-reduced."""
+    """C of one optimizer step, accumulated over micro-batches in float32 buffers of its own and averaged over the
+    data-parallel ranks like the gradient. ``shard``: like verl's accumulation without no-sync, each micro-batch's C
+    is reduce-scattered at once and each rank keeps 1/world of it (one flat shard); otherwise each rank keeps its
+    whole, unsharded C until one all-reduce at the end of the step (the memory FSDP2 holds under no-sync)."""
 
-    def __init__(self, kappa: float, group=None):
+    def __init__(self, kappa: float, group=None, shard: bool = False):
         if kappa <= 0:
             raise ValueError(f"kappa must be > 0, got {kappa}")
         self.kappa = kappa
         self.group = group
-        self.buffers: list[torch.Tensor] | None = None
+        self.world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        self.shard = shard and self.world > 1
+        self.shapes: list[torch.Size] | None = None
+        self.buffers: list[torch.Tensor] = []  # unsharded: one per leaf; sharded: one flat shard
 
     def accumulate(self, bias_surrogate: torch.Tensor, log_prob: torch.Tensor) -> None:
         """Add this micro-batch's C. Every rank calls it for every micro-batch: under FSDP the backward all-gathers
         parameters, a collective, so a rank with nothing clipped back-propagates zero through its log-probs."""
         clipped = torch.tensor(float(bias_surrogate.requires_grad), device=log_prob.device)
-        if self._distributed():
+        if self.world > 1:
             dist.all_reduce(clipped, group=self.group)
         if clipped.item() == 0:
             return
         if not bias_surrogate.requires_grad:
             bias_surrogate = log_prob.sum() * 0.0
         leaves = graph_leaves(log_prob)
+        self._check_shapes([leaf.shape for leaf in leaves], log_prob.device)
         grads = torch.autograd.grad(bias_surrogate, leaves, retain_graph=True, allow_unused=True)
-        if self.buffers is None:
-            self.buffers = [torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device) for leaf in leaves]
-        if [b.shape for b in self.buffers] != [leaf.shape for leaf in leaves]:
-            raise RuntimeError("clip-bias correction: the policy's parameters differ between micro-batches")
-        for total, grad in zip(self.buffers, grads):
+        if self.shard:
+            grads = [self._scatter(leaves, grads)]
+        else:
+            grads = [torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device) if grad is None
+                     else grad.to(torch.float32) for leaf, grad in zip(leaves, grads)]
+        if not self.buffers:
+            self.buffers = grads
+        else:
+            for total, grad in zip(self.buffers, grads):
+                total.add_(grad)
+
+    def _scatter(self, leaves, grads) -> torch.Tensor:
+        """This rank's part of the micro-batch's C summed over ranks: one flat float32 reduce-scatter."""
+        total = sum(leaf.numel() for leaf in leaves)
+        flat = torch.zeros(total + (-total % self.world), dtype=torch.float32, device=leaves[0].device)
+        offset = 0
+        for leaf, grad in zip(leaves, grads):
             if grad is not None:
-                total.add_(grad.to(torch.float32))
+                flat[offset:offset + leaf.numel()].copy_(grad.reshape(-1))
+            offset += leaf.numel()
+        part = flat.new_empty(flat.numel() // self.world)
+        dist.reduce_scatter_tensor(part, flat, op=dist.ReduceOp.SUM, group=self.group)
+        return part
 
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
-
-    def norm(self) -> torch.Tensor:
-        """||C|| of the global batch: the buffers averaged over ranks like the gradient (then reset)."""
-        buffers, self.buffers = self.buffers or [], None
-        if self._distributed():
-            world = dist.get_world_size(self.group)
-            sizes = torch.tensor([float(len(buffers)), float(sum(b.numel() for b in buffers))])
-            if buffers:
-                sizes = sizes.to(buffers[0].device)
+    def _check_shapes(self, shapes: list[torch.Size], device) -> None:
+        """The same leaves on every micro-batch, and (checked once) on every rank: C's entries must line up."""
+        if self.shapes is not None:
+            if shapes != self.shapes:
+                raise RuntimeError("clip-bias correction: the policy's parameters differ between micro-batches")
+            return
+        self.shapes = shapes
+        if self.world > 1:
+            sizes = torch.tensor([float(len(shapes)), float(sum(s.numel() for s in shapes))], device=device)
             low, high = sizes.clone(), sizes.clone()
             dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
             dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
             if not torch.equal(low, high):
                 raise RuntimeError("clip-bias correction: ranks disagree on the parameters C is taken over")
-            for total in buffers:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-                total.div_(world)
+
+    def norm(self) -> torch.Tensor:
+        """||C|| of the global batch, then reset. Zero without a collective when nothing clipped on any rank (the
+        decision to take C is the same on every rank, so either all ranks hold buffers or none does)."""
+        buffers, self.buffers, self.shapes = self.buffers, [], None
         if not buffers:
             return torch.zeros(())
+        if self.shard:  # each rank holds a disjoint part of the summed C
+            squares = (buffers[0] / self.world).square().sum()
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+            return torch.sqrt(squares)
+        if self.world > 1:
+            for total in buffers:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+                total.div_(self.world)
         return torch.sqrt(sum(total.square().sum() for total in buffers))
 
     def scale_gradients(self, parameters) -> dict[str, float]:

@@ -55,7 +55,9 @@ class ClipBiasEngineMixin:
         if getattr(self, "ulysses_sequence_parallel_size", 1) > 1:  # C's average would have to skip the SP ranks
             raise NotImplementedError("the stppo engine's clip-bias correction is not implemented for Ulysses "
                                       "sequence parallelism (ulysses_sequence_parallel_size > 1); docs/verl.md")
-        self._clip_bias = correction.ClipBiasBuffers(preset.clip_bias_kappa, group=self.get_data_parallel_group())
+        no_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+        self._clip_bias = correction.ClipBiasBuffers(preset.clip_bias_kappa, group=self.get_data_parallel_group(),
+                                                     shard=not no_sync)
         try:
             output = super().forward_backward_batch(data, loss_function, forward_only=False)
             step = self._clip_bias.scale_gradients(self.module.parameters())
