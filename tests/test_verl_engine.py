@@ -292,7 +292,12 @@ def launch(tmp_path: Path, model_dir: Path, batch: dict, world: int, micro_batch
                        "PYTHONPATH": str(REPO)}
         processes.append(subprocess.Popen([sys.executable, __file__, "worker", json.dumps(args)], env=process_env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [process.communicate(timeout=600)[0] for process in processes]
+    try:
+        logs = [process.communicate(timeout=600)[0] for process in processes]
+    finally:
+        for process in processes:  # a rank left waiting on a dead partner
+            if process.poll() is None:
+                process.kill()
     return out, [process.returncode for process in processes], logs
 
 
