@@ -186,3 +186,26 @@ def test_the_entropy_is_the_sampled_distributions(tiny_model, tmp_path):
     assert entropy(top_k=2).max() <= torch.log(torch.tensor(2.0)) + 1e-6
     assert entropy(temperature=0.5).mean() < entropy().mean()
     assert torch.isfinite(entropy(top_p=0.5)).all()
+
+
+def test_a_rollout_logs_no_transformers_warning(tiny_model, tmp_path):
+    """The project's GenerationConfig asks transformers for nothing it warns about: min_length and min_new_tokens
+    both set made ``generate`` log "Both `min_new_tokens` ... seem to have been set" on every call of a rollout."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    hf_logging.get_logger("transformers").addHandler(handler)
+    try:
+        trainer = Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=1))
+        trainer.rollout()
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(handler)
+    assert not records, records

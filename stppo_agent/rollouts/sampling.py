@@ -139,6 +139,8 @@ def generation_config(sampling: SamplingSettings, *, max_new_tokens: int, pad_to
                   eos_token_id=eos_token_id, output_scores=True, return_dict_in_generate=True, use_cache=True,
                   num_return_sequences=1)
     values.update({key: value for key, value in PROCESSOR_DEFAULTS.items() if value is not None})
+    # min_new_tokens=0 already means no minimum; transformers warns on every call where min_length is set too
+    values.pop("min_length")
     if sampling.greedy:  # sampling-only flags stay unset: greedy has no warpers (and transformers warns of them)
         for key in SAMPLING_ONLY:
             values.pop(key, None)
