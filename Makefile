@@ -30,7 +30,7 @@ demo: $(STAMP)
 test: $(STAMP) $(VERL_STAMP)
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
-	STPPO_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_bridge.py \
+	STPPO_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_bridge.py tests/test_verl_engine.py \
 		tests/test_stabilizers_reference.py stppo_agent/integrations tests/test_rollout.py tests/test_turn_cache.py
 
 # The verl bridge's tests run against verl itself, in a virtual environment of its own: verl 0.9 pins
