@@ -38,9 +38,15 @@ cat > "$DATA/agent_loops.yaml" <<YAML
   max_observation_tokens: 500
 YAML
 
+# verl's default (V1) trainer imports transfer_queue, which only `pip install "verl[verl-core]"` brings (with video
+# decoders this project does not need); without it, verl's classic trainer runs the same recipe
+USE_V1=False
+python -c "import transfer_queue" 2>/dev/null && USE_V1=True
+
 # shellcheck disable=SC2086  # one override per word
 python -m verl.trainer.main_ppo \
   $OVERRIDES \
+  trainer.use_v1="$USE_V1" \
   data.train_files="[$DATA/nq_train.parquet,$DATA/hotpotqa_train.parquet]" \
   data.val_files="[$DATA/nq_test.parquet,$DATA/hotpotqa_test.parquet]" \
   data.train_batch_size=512 data.val_batch_size=256 \
