@@ -131,15 +131,68 @@ def test_sft_under_autocast_records_the_precision_it_used(tiny_model, tmp_path, 
     assert saved.get("dtype", saved.get("torch_dtype")) == "float32"  # the weights stay float32
 
 
-def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_path, capsys):
-    """`stppo demo` on a tiny model: warm start, ST-PPO, evaluation of the trained checkpoint."""
+@pytest.mark.parametrize("autocast", [None, "bfloat16"])
+def test_the_loss_on_action_tokens_alone_is_the_full_forwards(tiny_model, smollm2_tokenizer, autocast):
+    """The warm start applies the output head only at the teacher's action tokens: the same log-probs as the
+    full forward (token_logprobs) there, with and without autocast."""
+    from stppo_agent.models.loading import load_actor
+    from stppo_agent.models.precision import autocast_forward
+    from stppo_agent.rollouts.batch import to_batch
+    from stppo_agent.training.log_probs import token_logprobs
+    from stppo_agent.training.sft import action_logprobs
+
+    transcripts = demonstrations(SFTConfig(model="unused", output_dir="unused", benchmarks=("nq", "hotpotqa"),
+                                           limit=2))
+    batch = to_batch([trajectory_from_transcript(smollm2_tokenizer, t, 64) for t in transcripts],
+                     smollm2_tokenizer.pad_token_id)
+    model = autocast_forward(load_actor(str(tiny_model), "float32"), autocast)
+    full, _ = token_logprobs(model, batch)
+    actions = action_logprobs(model, batch)
+    assert actions.shape == (int(batch.loss_mask.sum()),)
+    torch.testing.assert_close(actions, full[batch.loss_mask], rtol=0, atol=1e-5)
+
+
+def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_path, capsys, monkeypatch):
+    """`stppo demo` on a tiny model: warm start, evaluation, ST-PPO, the same evaluation of the trained checkpoint,
+    with every phase on the progress display."""
+    from stppo_agent.training import demo
+    from stppo_agent.training.demo_progress import DemoProgress
+
+    calls = []
+
+    class Recorder(DemoProgress):  # what each phase tells the display, in order
+        def phase(self, name, total=0):
+            calls.append(("phase", name, total))
+            super().phase(name, total)
+
+        def step(self, done, detail=""):
+            calls.append(("step", self.name, done, detail))
+            super().step(done, detail)
+
+        def note(self, detail):
+            calls.append(("note", self.name, detail))
+            super().note(detail)
+
+    monkeypatch.setattr(demo, "DemoProgress", Recorder)
     out = tmp_path / "demo"
     assert main(["demo", "--model", str(tiny_model), "--output-dir", str(out), "--sft-steps", "2",
                  "--iterations", "1", "--limit", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "warm start:" in printed and "QA avg (EM)" in printed
+    assert "warm start: 9 demonstrations" in printed  # the teacher plays only what 2 steps of 4 use: 3 per benchmark
+    assert "evaluation: before RL (after the warm start) -> after RL" in printed and "QA avg (EM)" in printed
+    assert printed.splitlines()[-2].startswith("check: ")  # the tiny model's figures are outside the ranges
     # 2 mini-batches x 2 epochs: 3 of the iteration's 4 optimizer steps are off-policy, and the summary says so
     assert "on 3 off-policy steps: clip_frac" in printed
+    phases = [c[1] for c in calls if c[0] == "phase"]
+    assert phases == ["warm start: the gold-search teacher's demonstrations", "warm start", "evaluation before RL",
+                      "ST-PPO iteration", "evaluation after RL"]
+    assert [c[2] for c in calls if c[0] == "step" and c[1] == "warm start"] == [1, 2]
+    rl = [c[2] for c in calls if c[0] == "note" and c[1] == "ST-PPO iteration"]
+    assert rl[:2] == ["rollout", "rollout turn 1/3 done (4 active)"] and "scoring" in rl
+    assert [text for text in rl if text.startswith("update step")] == [f"update step {i}/4" for i in range(1, 5)]
+    for name in ("evaluation before RL", "evaluation after RL"):
+        turns = [c[2] for c in calls if c[0] == "note" and c[1] == name]
+        assert turns[0] == "nq: turn 1/3 of 2 episodes" and any(t.startswith("medqa: turn") for t in turns)
     config = (out / "train" / "config.yaml").read_text()
     assert f"model: {out / 'sft'}" in config  # RL started from the warm-started weights
     assert "ppo_epochs: 2" in config and "autocast_dtype: auto" not in config  # the precision auto chose is kept
@@ -148,6 +201,8 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
     assert "max_observation_tokens: 160" in config
     warm_start = json.loads((out / "sft" / "sft.json").read_text())["config"]
     assert (warm_start["max_observation_tokens"], warm_start["max_total_tokens"]) == (160, 1024)
-    results = json.loads((out / "eval" / "results.json").read_text())
-    assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
-    assert results[0]["provenance"]["agent"] == f"hf:{out / 'train' / 'checkpoints' / 'step-1' / 'actor'}"
+    for folder, agent in (("eval_before", f"hf:{out / 'sft'}"),
+                          ("eval", f"hf:{out / 'train' / 'checkpoints' / 'step-1' / 'actor'}")):
+        results = json.loads((out / folder / "results.json").read_text())
+        assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
+        assert results[0]["provenance"]["agent"] == agent and results[0]["metrics"]["n"] == 2

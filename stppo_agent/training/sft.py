@@ -15,6 +15,7 @@ loss.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import random
 import time
@@ -28,7 +29,7 @@ from stppo_agent.models.loading import load_actor, load_tokenizer, resolve_devic
 from stppo_agent.models.precision import autocast_forward, validate_autocast_dtype, with_resolved_precision
 from stppo_agent.rollouts.batch import Trajectory, to_batch
 from stppo_agent.rollouts.turn_loop import RolloutLimits, encode_observation, encode_prompt
-from stppo_agent.training.log_probs import token_logprobs
+from stppo_agent.training.log_probs import position_ids
 
 
 @dataclasses.dataclass
@@ -88,8 +89,30 @@ def trajectory_from_transcript(tokenizer, transcript: Sequence[dict[str, Any]],
     return trajectory
 
 
-def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[str, Any]:
-    """Fine-tune ``config.model`` on the teacher's demonstrations; save a Hugging Face folder in ``output_dir``."""
+def action_logprobs(model, batch) -> torch.Tensor:
+    """log pi of the teacher's action tokens (flattened, ``batch.loss_mask``'s order).
+
+    The output head is applied only where the loss is: the observations and the prompt, most of a demonstration's
+    tokens, never go through the vocabulary-wide head and log-sum-exp (the same values as
+    :func:`~stppo_agent.training.log_probs.token_logprobs` at the masked positions, for a fifth less work)."""
+    width = batch.response_ids.shape[1]
+    kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  position_ids=position_ids(batch.attention_mask), use_cache=False, output_hidden_states=True)
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # the head's own output is not used
+    hidden = model(**kwargs).hidden_states[-1]  # after the final norm: what the head reads
+    predicting = hidden[:, batch.prompt_width - 1: batch.prompt_width - 1 + width][batch.loss_mask]
+    logits = model.get_output_embeddings()(predicting).float()
+    chosen = batch.response_ids[batch.loss_mask].unsqueeze(-1)
+    return logits.gather(-1, chosen).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def train_sft(config: SFTConfig, report: Callable[[str], None] = print,
+              on_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
+    """Fine-tune ``config.model`` on the teacher's demonstrations; save a Hugging Face folder in ``output_dir``.
+    ``on_step(done, steps, loss)`` is called as the steps begin (``done`` 0, loss NaN: the demonstrations are
+    ready and the model loaded) and after each optimizer step, instead of the report's step lines (the demo's
+    progress display)."""
     if config.steps < 1 or config.batch_size < 1:
         raise ValueError("steps and batch_size must be >= 1")
     for name in ("max_observation_tokens", "max_total_tokens"):
@@ -117,13 +140,14 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
     from tqdm.auto import tqdm
 
     bar = tqdm(range(config.steps), desc="warm start", unit="step", disable=not config.progress)
+    if on_step is not None:
+        on_step(0, config.steps, float("nan"))
     for step in bar:
         if len(order) < config.batch_size:  # a fresh shuffled pass over the demonstrations
             order += random.sample(range(len(kept)), len(kept))
         batch = to_batch([kept[i] for i in order[:config.batch_size]], tokenizer.pad_token_id).to(device)
         del order[:config.batch_size]
-        logprobs, _ = token_logprobs(model, batch)
-        loss = -logprobs[batch.loss_mask].mean()
+        loss = -action_logprobs(model, batch).mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"sft step {step + 1}: the loss is {float(loss)}; lower --lr")
         optimizer.zero_grad(set_to_none=True)
@@ -132,7 +156,9 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print) -> dict[
         optimizer.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-        if (step + 1) % 10 == 0 or step == 0:
+        if on_step is not None:
+            on_step(step + 1, config.steps, losses[-1])
+        elif (step + 1) % 10 == 0 or step == 0:
             report(f"sft step {step + 1}/{config.steps}: loss {losses[-1]:.3f}")
     bar.close()
     out = Path(config.output_dir)
