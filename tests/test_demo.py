@@ -157,3 +157,23 @@ def test_other_running_processes_reads_procs_running(monkeypatch, tmp_path):
     assert demo.other_running_processes(samples=2, interval_s=0.0) == 3.0  # this process is one of the 4
     stat.write_text("cpu  1 2 3\n")
     assert demo.other_running_processes(samples=2, interval_s=0.0) == 0.0
+
+
+def test_the_demo_runs_on_the_free_cores_and_gives_the_threads_back(monkeypatch):
+    import torch
+
+    from stppo_agent.training import demo
+
+    seen = []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "other_running_processes", lambda: 3.0)
+    monkeypatch.setattr(demo, "_run_demo", lambda settings, progress, out, busy: seen.append(
+        (torch.get_num_threads(), busy)) or {})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        demo.run_demo(DemoSettings(model="tiny"))
+        assert seen == [(1, "; 1 of 2 CPU threads: 3.0 other processes running")]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)

@@ -164,7 +164,6 @@ def run_demo(settings: DemoSettings, progress: DemoProgress | None = None) -> di
 
     import torch
 
-    from stppo_agent.models.default_model import resolve_model
     from stppo_agent.plugins.name_checks import check_model
 
     progress = progress or DemoProgress()
@@ -172,8 +171,17 @@ def run_demo(settings: DemoSettings, progress: DemoProgress | None = None) -> di
     check_model(settings.model)
     cores, others = torch.get_num_threads(), other_running_processes()
     threads = cpu_threads(cores, others, os.environ.get("OMP_NUM_THREADS"))
-    torch.set_num_threads(threads)
     busy = f"; {threads} of {cores} CPU threads: {others:.1f} other processes running" if threads < cores else ""
+    torch.set_num_threads(threads)
+    try:
+        return _run_demo(settings, progress, out, busy)
+    finally:
+        torch.set_num_threads(cores)  # the process's setting again (the tests call the command in-process)
+
+
+def _run_demo(settings: DemoSettings, progress: DemoProgress, out: Path, busy: str) -> dict[str, Any]:
+    from stppo_agent.models.default_model import resolve_model
+
     with progress:
         progress.say(f"stppo demo: {settings.sft_steps} warm-start steps, then {settings.iterations} iteration(s) "
                      f"of ST-PPO on {settings.model} with the bundled demo set (BM25, on a GPU when there is one, "
@@ -192,8 +200,8 @@ def run_demo(settings: DemoSettings, progress: DemoProgress | None = None) -> di
         progress.say(before_after_table(before, after))
         figures = demo_figures(before, after, means)
         progress.say(range_check(figures))
-        progress.say(f"run folder: {out / 'train'}; evaluation: {out / 'eval_before'} (before RL), "
-                     f"{out / 'eval'} (after)")
+        evaluations = f"{out / 'eval_before'} (before RL), {out / 'eval'} (after)" if before else out / "eval"
+        progress.say(f"run folder: {out / 'train'}; evaluation: {evaluations}")
     return figures
 
 
@@ -209,6 +217,7 @@ def warm_start(settings: DemoSettings, model: str, out: Path, progress: DemoProg
             progress.phase("warm start", total=steps)
         else:
             progress.step(done, f"loss {loss:.3f}")
+
     # each demonstration is seen once: the teacher plays only as many episodes as the steps use
     per_benchmark = math.ceil(settings.sft_steps * DEMO_SFT_BATCH_SIZE / len(DEMO_BENCHMARKS))
     summary = train_sft(SFTConfig(model=model, output_dir=str(out / "sft"), benchmarks=DEMO_BENCHMARKS,
