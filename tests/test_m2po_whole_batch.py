@@ -110,3 +110,50 @@ def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_
         for key in ("pg_loss", "clip_frac", "m2po/second_moment"):
             assert two[key] == pytest.approx(float(whole[key]), rel=1e-5, abs=1e-7), (rank, key)
         assert two["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5), rank
+
+
+def _strategy_config(model, out, strategy: str):
+    # 4 prompts x 2 samples (M2PO is GRPO's family), mini-batch 8, micro-batch 2: 4 micro-batches in one process,
+    # 2 on each of two ranks
+    return toy_config(model, out, algo="m2po", strategy=strategy, samples_per_prompt=2, prompts_per_iteration=4,
+                      micro_batch_size=2, algorithm=M2PO)
+
+
+def _strategy_rank_main(rank: int, port: int, model: str, out: str, batch_path: str, strategy: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.tensor import DTensor
+
+        trainer = Trainer(_strategy_config(model, out, strategy), report=lambda _: None)
+        batch = torch.load(batch_path, weights_only=False)
+        metrics = trainer.actor_gradients(batch.select(list(range(rank, batch.batch_size, 2))))
+        grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                 for name, p in trainer.actor.named_parameters()}  # a collective under FSDP2
+        if rank == 0:
+            torch.save({"grads": grads, "metrics": metrics}, f"{out}/rank0.pt")
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_whole_batch_forward_runs_under_ddp_and_fsdp2(tmp_path, strategy):
+    """2 gloo processes x 2 micro-batches each (DDP's no_sync, FSDP2's shards in the no-grad forward): the same
+    gradient as one process with 4 micro-batches, with the cut dropping some tokens and keeping others."""
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    single = Trainer(_strategy_config(model, tmp_path / "single", "ddp"), report=lambda _: None)
+    batch = _off_policy_batch(single)
+    torch.save(batch, tmp_path / "batch.pt")
+    expected = single.actor_gradients(batch)
+    assert 0 < expected["clip_frac"] < 1
+    (tmp_path / "two").mkdir()
+    mp.start_processes(_strategy_rank_main, args=(free_port(), str(model), str(tmp_path / "two"),
+                                                  str(tmp_path / "batch.pt"), strategy), nprocs=2, start_method="spawn")
+    got = torch.load(tmp_path / "two" / "rank0.pt", weights_only=False)
+    for name, param in single.actor.named_parameters():
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
+    for key in ("clip_frac", "m2po/second_moment", "grad_norm"):
+        assert got["metrics"][key] == pytest.approx(expected[key], rel=1e-5), key
