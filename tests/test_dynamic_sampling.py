@@ -4,12 +4,10 @@ to a cap, the batch keeps its shape, and what was dropped is logged."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import informative_groups
@@ -19,6 +17,7 @@ from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.resampling import keep_informative_groups
 from stppo_agent.training.trainer import Trainer
 
+from .gloo_ranks import gloo_rank
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -72,9 +71,7 @@ RANK_ROUNDS = {0: [{0: [0.0, 1.0], 1: [1.0, 0.0]}, {10: [1.0, 0.0]}, {11: [0.0, 
 
 
 def _two_rank_main(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         played = []
 
         def play(round_number):
@@ -84,11 +81,6 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
         batch = keep_informative_groups(groups_batch(RANK_ROUNDS[rank][0]), play, max_rounds=3, pad_id=0)
         Path(out, f"rank{rank}.json").write_text(json.dumps(
             {"played": played, "groups": batch.group_ids.tolist(), "stats": batch.stats}))
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
 
 
 def test_ranks_take_extra_rounds_together_until_every_rank_is_full(tmp_path):

@@ -4,11 +4,8 @@ backward passes (``WHOLE_BATCH_STATISTICS``)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import get_policy_loss
@@ -17,6 +14,7 @@ from stppo_agent.distributed.process_group import free_port
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.trainer import Trainer
 
+from .gloo_ranks import gloo_rank
 from .test_multiprocess_metrics import TIMING, toy_config
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -78,20 +76,13 @@ def test_m2po_update_does_not_depend_on_the_micro_batch_size(tmp_path):
 
 
 def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         trainer = Trainer(toy_config(model, out, algo="m2po", actor_lr=0.0, critic_lr=0.0, micro_batch_size=1,
                                      algorithm=M2PO), report=lambda _: None)
         batch = torch.load(batch_path, weights_only=False)
         rows = [r for r in range(batch.batch_size) if r % 2 == rank]  # 4 rows each: 4 micro-batches of 1
         metrics = trainer.update(batch.select(rows))
         torch.save({"metrics": metrics}, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
 
 
 def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_path):
@@ -120,9 +111,7 @@ def _strategy_config(model, out, strategy: str):
 
 
 def _strategy_rank_main(rank: int, port: int, model: str, out: str, batch_path: str, strategy: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         from torch.distributed.tensor import DTensor
 
         trainer = Trainer(_strategy_config(model, out, strategy), report=lambda _: None)
@@ -132,11 +121,6 @@ def _strategy_rank_main(rank: int, port: int, model: str, out: str, batch_path: 
                  for name, p in trainer.actor.named_parameters()}  # a collective under FSDP2
         if rank == 0:
             torch.save({"grads": grads, "metrics": metrics}, f"{out}/rank0.pt")
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

@@ -8,12 +8,10 @@ process (33.6): 2 gloo processes log what 1 process logs on the same global batc
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import get_policy_loss, value_loss
@@ -25,6 +23,7 @@ from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import critic_values, token_logprobs
 from stppo_agent.training.trainer import Trainer
 
+from .gloo_ranks import gloo_rank
 from .tiny_models import tiny_llama, word_tokenizer
 
 TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
@@ -147,19 +146,12 @@ def shared_config(model: str, out: str) -> TrainConfig:
 
 
 def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         trainer = Trainer(shared_config(model, out), report=lambda _: None,
                           rollout_source=lambda t: FixedShares(t, batch_path))
         trainer.train()
         if rank == 0:
             torch.save({n: p.detach().clone() for n, p in trainer.actor.named_parameters()}, f"{out}/weights.pt")
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
 
 
 def test_two_processes_log_and_train_what_one_process_does(tmp_path):

@@ -4,11 +4,9 @@ at token, turn and sequence level; M2PO's statistic over 2 gloo processes; DAPO'
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import (
@@ -27,6 +25,7 @@ from stppo_agent.algorithms.second_moment import m2po_keep_mask
 from stppo_agent.distributed.process_group import free_port
 
 from . import algorithm_reference as ref
+from .gloo_ranks import gloo_rank
 from .test_algorithms import LEVELS, _policy_grads
 from .test_algorithms import random_batch as any_batch
 
@@ -214,9 +213,7 @@ M2_THRESHOLDS = {"token": 0.08, "turn": 0.08, "sequence": 0.03}
 
 
 def _m2po_two_process_main(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         data, rows = _m2po_batch(), [2 * rank, 2 * rank + 1]
         results = {}
         for level in LEVELS:
@@ -230,11 +227,6 @@ def _m2po_two_process_main(rank: int, port: int, out: str) -> None:
             results[level] = dict(grad=theta.grad, clip_frac=metrics.parts["clip_frac"].sums,
                                   second_moment=metrics["m2po/second_moment"])
         torch.save(results, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    os._exit(0)  # see test_distributed: gloo's teardown may abort after the work is saved
 
 
 def test_m2po_masks_by_the_second_moment_of_every_ranks_tokens(tmp_path):
