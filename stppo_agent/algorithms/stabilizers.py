@@ -61,11 +61,19 @@ class _Batch:
         return log_ratio_at_level(x, torch.zeros_like(x), self.loss_mask, self.turn_ids, self.config.ratio_level)
 
 
+def _level_log_ratio(logprobs, old_logprobs, loss_mask, turn_ids, level: str):
+    """The rules' log-ratio at ``level`` (clamped to [-20, 20], 0 off the mask) and the (turn sums, turn counts)
+    it was taken from."""
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio, turns = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, level)
+    return torch.where(loss_mask, log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP), zero), turns
+
+
 def _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs):
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
-    log_ratio, (turn_sums, turn_counts) = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
-    log_ratio = torch.where(loss_mask, log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP), zero)
+    log_ratio, (turn_sums, turn_counts) = _level_log_ratio(logprobs, old_logprobs, loss_mask, turn_ids,
+                                                           config.ratio_level)
     return _Batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config,
                   aggregation_kwargs(config, global_num_tokens, global_num_seqs), log_ratio, torch.exp(log_ratio),
                   turn_sums, turn_counts)
@@ -208,9 +216,7 @@ def m2po_whole_batch(*, logprobs, old_logprobs, loss_mask, turn_ids, config) -> 
     """M2PO's mask over every micro-batch of the optimizer batch (and every rank): the ``keep`` and
     ``second_moment`` keywords of each micro-batch's :func:`m2po_loss` call. The log-ratio is the loss's own
     (level mean, clamped), from the same weights, so the cut is the one the loss would make on the whole batch."""
-    ratios = []
-    for current, old, mask, turns in zip(logprobs, old_logprobs, loss_mask, turn_ids):
-        ratios.append(_batch(current.detach(), old, torch.zeros_like(current), mask, turns, config, None,
-                             None).log_ratio)
+    ratios = [_level_log_ratio(current.detach(), old, mask, turns, config.ratio_level)[0]
+              for current, old, mask, turns in zip(logprobs, old_logprobs, loss_mask, turn_ids)]
     masks, second_moment = m2po_keep_masks(ratios, loss_mask, turn_ids, config.ratio_level, config.m2_threshold)
     return [{"keep": keep, "second_moment": second_moment} for keep in masks]

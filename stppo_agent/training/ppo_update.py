@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 
 import torch
 
@@ -68,11 +67,13 @@ class PPOUpdate:
             metrics.update(self._critic_step(mini))
         return metrics
 
-    def _micro_batches(self, mini: RolloutBatch, ddp_module: torch.nn.Module | None = None):
-        """Length-grouped, trimmed micro-batches of ``mini``; under DDP, gradients are all-reduced only after
-        the last one."""
-        trainer = self.trainer
-        micros = [micro for _, micro in length_sorted_micro_batches(mini, trainer.config.micro_batch_size)]
+    def _split(self, mini: RolloutBatch) -> list[RolloutBatch]:
+        """Length-grouped, trimmed micro-batches of ``mini``."""
+        return [micro for _, micro in length_sorted_micro_batches(mini, self.trainer.config.micro_batch_size)]
+
+    @staticmethod
+    def _synced_last(micros: list[RolloutBatch], ddp_module: torch.nn.Module | None = None):
+        """``micros`` one by one; under DDP, gradients are all-reduced only after the last one."""
         for number, micro in enumerate(micros):
             last = number == len(micros) - 1
             if ddp_module is not None and hasattr(ddp_module, "no_sync") and not last:
@@ -101,10 +102,11 @@ class PPOUpdate:
             if algo.clip_bias_correction or trainer.config.step_diagnostics else None
         global_tokens, global_seqs = self._global_counts(mini)
         trainer.actor_optimizer.zero_grad(set_to_none=True)
-        whole_batch = self._whole_batch_keywords(mini)
+        micros = self._split(mini)
+        whole_batch = self._whole_batch_keywords(micros)
         step_metrics = StepMetrics()
         finite = torch.ones((), device=trainer.device)
-        for number, micro in enumerate(self._micro_batches(mini, trainer.actor_train)):
+        for number, micro in enumerate(self._synced_last(micros, trainer.actor_train)):
             logprobs, entropy = token_logprobs(trainer.actor_train, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef > 0, sampling=trainer.config.sampling())
             loss, bias, metrics = loss_fn(
@@ -128,16 +130,15 @@ class PPOUpdate:
         out["grad_norm"] = float(grad_norm) if ok else math.nan
         return out
 
-    def _whole_batch_keywords(self, mini: RolloutBatch) -> list[dict] | defaultdict:
+    def _whole_batch_keywords(self, micros: list[RolloutBatch]) -> list[dict]:
         """Per micro-batch, the extra keywords of a loss whose mask is a statistic of the whole optimizer batch
         (M2PO), from a no-grad forward over every micro-batch with the weights the step starts from; none for the
         other losses, or when this rank's share is one micro-batch (the loss's own statistic spans it then).
         Ranks hold equally many micro-batches, so they agree on whether to take the collective inside."""
         trainer = self.trainer
         statistic = WHOLE_BATCH_STATISTICS.get(trainer.algo.policy_loss)
-        micros = [micro for _, micro in length_sorted_micro_batches(mini, trainer.config.micro_batch_size)]
         if statistic is None or len(micros) == 1:
-            return defaultdict(dict)
+            return [{} for _ in micros]
         with torch.no_grad():
             logprobs = [token_logprobs(trainer.actor_train, micro, sampling=trainer.config.sampling())[0]
                         for micro in micros]
@@ -182,7 +183,7 @@ class PPOUpdate:
         trainer.critic_optimizer.zero_grad(set_to_none=True)
         step_metrics = StepMetrics()
         finite = torch.ones((), device=trainer.device)
-        for micro in self._micro_batches(mini, trainer.critic_train):
+        for micro in self._synced_last(self._split(mini), trainer.critic_train):
             values = critic_values(trainer.critic_train, micro)
             loss, metrics = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                        loss_mask=micro.loss_mask, config=trainer.algo, global_num_tokens=global_tokens)
