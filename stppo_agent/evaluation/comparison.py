@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from stppo_agent.evaluation.tables import fixed_width_table
+
 # Provenance fields that may differ between records that are still comparable: they identify the contestant,
 # or only say where the data and index lived and how the index was reached (their content is compared through
 # dataset_sha256 and retriever_id: the same index under two paths, or local and served, compares; a rebuilt index
@@ -104,7 +106,4 @@ def compare(result_sets: Sequence[Sequence[dict[str, Any]]], labels: Sequence[st
                      (str(r["metrics"][key]) if key == "n" else f"{r['metrics'][key]:.3f}") for r in records]
             rows.append([name, title, *cells])
             name = ""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-             for row in [header, ["-" * w for w in widths], *rows]]
-    return "\n".join(lines + warnings)
+    return "\n".join([fixed_width_table(header, rows), *warnings])

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from stppo_agent.evaluation.tables import fixed_width_table
+
 
 def evaluate_all(agent: str, benchmarks: Sequence[str], datasets: dict[str, str], split, limit, retriever,
                  topk, max_turns, batch_size, seed, max_new_tokens: int = 256) -> list[dict[str, Any]]:
@@ -40,10 +42,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     qa = [r["metrics"]["em"] for r in results if "em" in r["metrics"]]
     if len(qa) > 1:
         rows.append(["QA avg (EM)", "", f"{sum(qa) / len(qa):.3f}"] + [""] * (len(header) - 3))
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return fixed_width_table(header, rows)
 
 
 def write_results(results: Sequence[dict[str, Any]], out: Path) -> None:

@@ -263,6 +263,8 @@ def _score(metrics: dict[str, float]) -> float:
 def before_after_table(before: Sequence[dict] | None, after: Sequence[dict]) -> str:
     """One row per benchmark, each cell ``before -> after`` (after alone without a warm start), plus the QA
     average of Search-R1's tables."""
+    from stppo_agent.evaluation.tables import fixed_width_table
+
     columns = [("EM/acc", _score, "{:.3f}"), ("answer", lambda m: m["answer_rate"], "{:.3f}"),
                ("invalid", lambda m: m["invalid_action_rate"], "{:.3f}"),
                ("searches", lambda m: m["mean_search_calls"], "{:.2f}"),
@@ -281,11 +283,8 @@ def before_after_table(before: Sequence[dict] | None, after: Sequence[dict]) -> 
             return f"{sum(results[i]['metrics']['em'] for i in qa) / len(qa):.3f}"
         average = qa_avg(after) if before is None else f"{qa_avg(before)} -> {qa_avg(after)}"
         rows.append(["QA avg (EM)", "", average] + [""] * (len(columns) - 1))
-    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-    lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     title = "evaluation after RL" if before is None else "evaluation: before RL (after the warm start) -> after RL"
-    return f"{title}\n" + "\n".join(lines)
+    return f"{title}\n{fixed_width_table(header, rows)}"
 
 
 def demo_figures(before: Sequence[dict] | None, after: Sequence[dict], means: dict[str, float]) -> dict[str, float]:
