@@ -8,6 +8,7 @@ STAMP := $(VENV)/.stppo-installed
 
 VERL_VENV ?= .venv-verl
 VERL_STAMP := $(VERL_VENV)/.stppo-installed
+VERL_PY := $(VERL_VENV)/bin/python
 
 .PHONY: demo test install mutants
 
@@ -15,11 +16,17 @@ install: $(STAMP)
 
 # torch first and pinned: a bare `torch` requirement pulls a multi-GB CUDA build on CPU-only machines.
 # Where torch is already importable (a GPU machine with its own build) it is left alone.
+# pip byte-compiles every installed file on one core (half of the install's time); compileall does it on all cores
+# afterwards. Compiled files matter here: with PYTHONDONTWRITEBYTECODE set (as on the CI machines) a venv without
+# them recompiles torch and transformers in every process, ~8 s more per test subprocess. A package's own file that
+# does not compile (test data in old syntax) is skipped, as pip skips it: hence `|| true`.
+SITE_PACKAGES = $$($(1) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev,models]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "torch==2.13.0"
+	$(PY) -m pip install -q --no-compile -e ".[dev,models]"
+	$(PY) -m compileall -qq -j 0 $(call SITE_PACKAGES,$(PY)) > /dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,17 +37,22 @@ demo: $(STAMP)
 test: $(STAMP) $(VERL_STAMP)
 	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
-	STPPO_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl_bridge.py tests/test_verl_engine.py \
-		tests/test_stabilizers_reference.py stppo_agent/integrations tests/test_rollout.py tests/test_turn_cache.py
+	STPPO_REQUIRE_VERL=1 OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q -n 2 --dist loadfile tests/test_verl_bridge.py \
+		tests/test_verl_engine.py tests/test_stabilizers_reference.py stppo_agent/integrations tests/test_rollout.py \
+		tests/test_turn_cache.py
 
 # The verl bridge's tests run against verl itself, in a virtual environment of its own: verl 0.9 pins
 # transformers<5.11, which the project's own environment does not have to follow. The rollout tests run there too,
 # so the project is checked under verl's pins as well.
-$(VERL_STAMP): pyproject.toml Makefile
-	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VERL_VENV)/bin/python -c "import torch" 2>/dev/null || $(VERL_VENV)/bin/python -m pip install -q "torch==2.13.0"
-	$(VERL_VENV)/bin/python -m pip install -q -e ".[dev,verl]"
+# The verl venv is layered on .venv: a .pth file puts .venv's site-packages after its own, so pip finds torch,
+# pyserini, faiss, datasets ... already installed and adds only verl, what verl needs beyond them and its own pins
+# (transformers, tokenizers, huggingface_hub, packaging), which come first on its path ("Not uninstalling ...
+# outside environment" is pip leaving .venv's versions alone). 33 s instead of 110 s, 0.6 GB instead of 2.8.
+$(VERL_STAMP): $(STAMP) pyproject.toml Makefile
+	test -x $(VERL_PY) || $(PYTHON) -m venv $(VERL_VENV)
+	echo $(call SITE_PACKAGES,$(PY)) > $(call SITE_PACKAGES,$(VERL_PY))/_stppo_layered_on_venv.pth
+	$(VERL_PY) -m pip install -q --no-compile -e ".[dev,verl]"
+	$(VERL_PY) -m compileall -qq -j 0 $(call SITE_PACKAGES,$(VERL_PY)) > /dev/null || true
 	touch $(VERL_STAMP)
 
 # Mutation testing (not in CI: about an hour on 2 cores). Settings in pyproject.toml [tool.mutmut]; results in
