@@ -102,15 +102,32 @@ def test_cache_serves_repeats_without_the_backend():
 # --- dense ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def dense_setup(shared_data, tmp_path_factory):
+def dense_setup(dense_build):
+    corpus, index, _ = dense_build
+    return corpus, index
+
+
+@pytest.fixture(scope="module")
+def dense_build(shared_data, tmp_path_factory):
+    """The flat index over 300 passages, and the vectors its build gave each shard (keyed by the shard's passages)."""
     from stppo_envs.retrieval.dense import build_dense_index
+    from stppo_envs.retrieval.encoder import TextEncoder
 
     root = tmp_path_factory.mktemp("dense")
     corpus = root / "corpus.jsonl"
     with open(shared_data / "corpus/wiki_dpr_sample_1000.jsonl", encoding="utf-8") as src:
         corpus.write_text("".join(line for _, line in zip(range(300), src)))
-    index = build_dense_index(corpus, root / "flat", str(MINILM), shard_size=128, progress=False)
-    return corpus, index
+    shard_vectors: dict[tuple[str, ...], np.ndarray] = {}
+    original = TextEncoder.encode_passages
+
+    def recorded(self, passages):
+        shard_vectors[tuple(passages)] = vectors = original(self, passages)
+        return vectors.copy()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TextEncoder, "encode_passages", recorded)
+        index = build_dense_index(corpus, root / "flat", str(MINILM), shard_size=128, progress=False)
+    return corpus, index, shard_vectors
 
 
 def test_dense_equals_exact_faiss_over_sentence_transformers_embeddings(shared_data, dense_setup):
@@ -134,19 +151,21 @@ def test_dense_equals_exact_faiss_over_sentence_transformers_embeddings(shared_d
             assert hit.docid == expected or abs(score_row[rank] - score_row[min(rank + 1, 9)]) < 1e-5
 
 
-def test_dense_index_types_and_resume(dense_setup, tmp_path, monkeypatch):
+def test_dense_index_types_and_resume(dense_build, tmp_path, monkeypatch):
     from stppo_envs.retrieval import dense as dense_module
     from stppo_envs.retrieval.encoder import TextEncoder
 
-    corpus, flat_index = dense_setup
+    corpus, flat_index, shard_vectors = dense_build
     calls = {"n": 0}
-    original = TextEncoder.encode_passages
 
     def flaky(self, passages):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt("simulated interruption")
-        return original(self, passages)
+        # The flat build encoded these very shards with the same encoder: its vectors, not a second encoding of
+        # 300 passages (the encoder itself is checked against sentence-transformers above). A shard cut other
+        # than the flat build's raises KeyError.
+        return shard_vectors[tuple(passages)].copy()
 
     monkeypatch.setattr(TextEncoder, "encode_passages", flaky)
     with pytest.raises(KeyboardInterrupt):
