@@ -25,10 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "checkpoint_dtype=bfloat16", "--set", "checkpoint_optimizer=newest"]
 
 
+def train_arguments(out: Path, iterations: int, *extra: str) -> list[str]:
+    return ["train", "--algo", "st_ppo", "--env", "stppo/Toy-v0", "--model", "tiny", "--output-dir", str(out),
+            "--iterations", str(iterations), "--set", "save_every=1", "--set", "keep_checkpoints=2", "--set",
+            "tensorboard=false", "--set", "progress=false", *extra]
+
+
 def train(out: Path, iterations: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
-               "--model", "tiny", "--output-dir", str(out), "--iterations", str(iterations), "--set", "save_every=1",
-               "--set", "keep_checkpoints=2", "--set", "tensorboard=false", "--set", "progress=false", *extra]
+    command = [sys.executable, "-m", "stppo_agent.cli", *train_arguments(out, iterations, *extra)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert not check or done.returncode == 0, done.stderr[-3000:]
     return done
@@ -94,9 +98,14 @@ def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_
     (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all or newest"),
     (["--set", "checkpoint_optimizer=newest", "--set", "on_collapse=rollback"], "use checkpoint_optimizer=all"),
 ])
-def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, message):
-    done = train(tmp_path / "run", 1, *bad, check=False)
-    assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, message, capfd, monkeypatch):
+    from stppo_agent.cli import main
+
+    # refused before the trainer (models, transformers' modelling code) is even imported: a typo answers at once
+    monkeypatch.setitem(sys.modules, "stppo_agent.training.trainer", None)  # importing it raises ImportError
+    code = main(train_arguments(tmp_path / "run", 1, *bad))
+    stderr = capfd.readouterr().err
+    assert code == 1 and message in stderr and "Traceback" not in stderr, stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -62,12 +62,10 @@ def print_outcome(args: argparse.Namespace, metrics: dict, run_dir: str, title: 
 
 
 def _train(args: argparse.Namespace) -> tuple[dict, str]:
-    from stppo_agent.models.default_model import resolve_model
     from stppo_agent.plugins.loader import portable_specs
     from stppo_agent.plugins.name_checks import check_train_config
     from stppo_agent.runs.checkpoint import check_checkpoint_settings
     from stppo_agent.training.config import load_config
-    from stppo_agent.training.trainer import Trainer
 
     config_file = args.config
     if args.resume and config_file is None and args.output_dir and (Path(args.output_dir) / "config.yaml").exists():
@@ -77,5 +75,9 @@ def _train(args: argparse.Namespace) -> tuple[dict, str]:
     config.plugins = portable_specs([*config.plugins, *args.imports])
     check_train_config(config)  # plugins imported, then every name checked before a model loads
     check_checkpoint_settings(config.checkpoint_dtype, config.checkpoint_optimizer, config.on_collapse)
+    # Only a config that passed every check pays for importing the trainer (transformers' modelling code, ~2 s).
+    from stppo_agent.models.default_model import resolve_model
+    from stppo_agent.training.trainer import Trainer
+
     config.model = resolve_model(config.model) if config.model else config.model
     return Trainer(config, resume=args.resume, overwrite=args.overwrite).train(), config.output_dir
