@@ -36,18 +36,26 @@ def test_results_written_with_a_remote_prefix_compare_with_the_local_index():
     assert searched_index_id("remote:remote:dense:abc") == "dense:abc"
 
 
-def stppo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stppo_agent.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+def stppo(*args: str, capsys) -> subprocess.CompletedProcess:
+    """The command in this process (what is compared is what `stppo eval` records, not how a process starts: each
+    new `stppo` process would pay ~4 s of imports); its exit code and output as a finished process's."""
+    from stppo_agent.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, said.out, said.err)
 
 
-def evaluate(retriever: str, out: str, cwd: Path) -> None:
+def evaluate(retriever: str, out: str, capsys) -> None:
     done = stppo("eval", "--agent", "search-copy", "--benchmarks", "nq", "--retriever", retriever, "--limit", "3",
-                 "--output-dir", out, cwd=cwd)
+                 "--output-dir", out, capsys=capsys)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_a_served_and_a_local_run_of_the_demo_index_compare_and_another_index_does_not(tmp_path):
+def test_a_served_and_a_local_run_of_the_demo_index_compare_and_another_index_does_not(tmp_path, capsys,
+                                                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the commands name their folders relative to it, as a user's shell would
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", "demo", "--port",
                                str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -56,19 +64,19 @@ def test_a_served_and_a_local_run_of_the_demo_index_compare_and_another_index_do
     try:
         if not wait_until_serving(url, server):
             pytest.fail("stppo serve did not start")
-        evaluate("demo", "local", tmp_path)
-        evaluate(url, "served", tmp_path)
+        evaluate("demo", "local", capsys)
+        evaluate(url, "served", capsys)
     finally:
         server.kill()
         server.wait(timeout=10)
-    same = stppo("compare", "local", "served", cwd=tmp_path)
+    same = stppo("compare", "local", "served", capsys=capsys)
     assert same.returncode == 0, same.stderr
     assert same.stdout.splitlines()[0].split()[-2:] == ["local", "served"] and "NOT COMPARABLE" not in same.stdout
 
     corpus = tmp_path / "other.jsonl"
     corpus.write_text('{"id": "1", "contents": "\\"Elsewhere\\"\\nA different corpus about other rivers."}\n')
-    built = stppo("index", "bm25", "--corpus", str(corpus), "--out", "other-index", cwd=tmp_path)
+    built = stppo("index", "bm25", "--corpus", str(corpus), "--out", "other-index", capsys=capsys)
     assert built.returncode == 0, built.stderr[-3000:]
-    evaluate("bm25:other-index", "other", tmp_path)
-    refused = stppo("compare", "local", "other", cwd=tmp_path)
+    evaluate("bm25:other-index", "other", capsys)
+    refused = stppo("compare", "local", "other", capsys=capsys)
     assert refused.returncode == 1 and "not comparable" in refused.stderr and "retriever_id" in refused.stderr
