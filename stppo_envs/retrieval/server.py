@@ -164,7 +164,7 @@ class BodyLimit:
 
     # uvicorn calls an app with no arguments to see whether it is a factory; a wrapped __call__ (a mutation tool's
     # trampoline takes *args) would be taken for one. __call__ stays a bare delegate, exempt from mutation.
-    async def __call__(self, scope, receive, send):  # pragma: no mutate function
+    async def __call__(self, scope, receive, send):  # pragma: no mutate block
         await self.serve(scope, receive, send)
 
     async def serve(self, scope, receive, send):
