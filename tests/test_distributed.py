@@ -4,6 +4,7 @@ under FSDP2 (parameters, gradients and optimizer state sharded)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -17,6 +18,14 @@ from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 
 from .tiny_models import tiny_llama, word_tokenizer
+
+
+def start_processes(fn, args: tuple, nprocs: int, join: bool = True):
+    """``torch.multiprocessing.start_processes`` with each rank forked from a fork server that imported this module
+    (torch, transformers, the trainer) once, instead of spawned to import them again (~4 s of CPU per rank). The
+    server is a fresh single-threaded process: forking this one instead can hang (its torch thread pools, a JVM)."""
+    multiprocessing.set_forkserver_preload([__name__])
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=join)
 
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
@@ -83,9 +92,8 @@ def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy, ti
     assert expected["clip_frac"] > 0.05 and expected["clip_bias_scale"] > 1.0  # the correction is exercised
 
     result = tmp_path / "rank0.pt"
-    mp.start_processes(_rank_main, args=(free_port(), str(model), str(tmp_path / "ddp"), algo,
-                                         str(tmp_path / "batch.pt"), str(result), strategy),
-                       nprocs=2, start_method="spawn")
+    start_processes(_rank_main, args=(free_port(), str(model), str(tmp_path / "ddp"), algo,
+                                      str(tmp_path / "batch.pt"), str(result), strategy), nprocs=2)
     got = torch.load(result, weights_only=False)
     for name, param in single.actor.named_parameters():
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
@@ -219,8 +227,8 @@ def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
     """Inside ``gathered`` an FSDP2 model's forwards do not communicate, so ranks may run different numbers of
     them (generation); afterwards the model is sharded again with unchanged weights."""
     model = tiny_llama(tmp_path / "model", word_tokenizer())
-    context = mp.start_processes(_uneven_generation_main, args=(free_port(), str(model), str(tmp_path / "r.pt")),
-                                 nprocs=2, start_method="spawn", join=False)
+    context = start_processes(_uneven_generation_main, args=(free_port(), str(model), str(tmp_path / "r.pt")),
+                              nprocs=2, join=False)
     import time
 
     deadline = time.time() + 120
@@ -299,8 +307,8 @@ def test_fsdp2_scoring_on_gathered_weights_matches_the_sharded_forward(tmp_path)
     """Old log-probs come from gathered weights (one all-gather per model); they must be exactly what the
     sharded training forward computes, or the first update would not be on-policy."""
     model = tiny_llama(tmp_path / "model", word_tokenizer())
-    mp.start_processes(_scoring_main, args=(free_port(), str(model), str(tmp_path / "run"), str(tmp_path / "r")),
-                       nprocs=2, start_method="spawn")
+    start_processes(_scoring_main, args=(free_port(), str(model), str(tmp_path / "run"), str(tmp_path / "r")),
+                    nprocs=2)
     for rank in range(2):
         result = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=False)
         assert result["tokens"] > 0 and result["same"]
@@ -323,8 +331,7 @@ def _mixed_precision_main(rank: int, port: int, model_path: str, result_path: st
 
 def test_fsdp2_compute_dtype_computes_in_bf16_and_keeps_float32_master_weights(tmp_path):
     model = tiny_llama(tmp_path / "model", word_tokenizer())
-    mp.start_processes(_mixed_precision_main, args=(free_port(), str(model), str(tmp_path / "r.pt")), nprocs=1,
-                       start_method="spawn")
+    start_processes(_mixed_precision_main, args=(free_port(), str(model), str(tmp_path / "r.pt")), nprocs=1)
     got = torch.load(tmp_path / "r.pt", weights_only=False)
     assert got["compute"] == torch.bfloat16
     assert got["master"] == {torch.float32} and got["grads"] == {torch.float32}
