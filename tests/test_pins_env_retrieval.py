@@ -208,3 +208,311 @@ def test_step_envs_batches_per_retriever_with_its_topk_and_keeps_each_action():
     for i in (0, 2):
         observation, _, _, _, info = results[i]
         assert observation.count("Doc ") == 2 and info["segments"][0] == ("assistant", actions[i], 0)
+
+
+# --- SearchQAEnv: constructor ------------------------------------------------------------------------------
+
+def _env(**kwargs):
+    kwargs.setdefault("retriever", RecordingRetriever())
+    return SearchQAEnv(kwargs.pop("benchmark", "nq"), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(topk=2.0), dict(max_turns="3"), dict(topk=True), dict(max_turns=2.5)])
+def test_non_integer_topk_or_max_turns_is_refused(kwargs):
+    with pytest.raises(ValueError, match=r"^topk and max_turns must be integers, got topk="):
+        _env(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(topk=0), dict(max_turns=0), dict(topk=-1)])
+def test_topk_and_max_turns_below_one_are_refused(kwargs):
+    with pytest.raises(ValueError, match=r"^topk and max_turns must be >= 1, got topk="):
+        _env(**kwargs)
+
+
+def test_the_smallest_and_edge_settings_are_accepted_and_kept():
+    env = _env(topk=1, max_turns=1, format_reward=1.0, render_mode="ansi", reward="f1", split=None)
+    assert (env.topk, env.max_turns, env.format_reward, env.render_mode, env.reward_name) == (1, 1, 1.0, "ansi", "f1")
+    assert _env(format_reward=0.0).format_reward == 0.0
+    assert (env.dataset, env.split) == (None, None) and env.benchmark == "nq"
+    assert _env(benchmark="NQ").benchmark == "nq"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(reward="accuracy"), r"^reward must be auto, em, f1 or acc; got 'accuracy'$"),
+    (dict(format_reward=1.01), r"^format_reward must be in \[0, 1\], got 1.01$"),
+    (dict(format_reward=-0.01), r"^format_reward must be in \[0, 1\], got -0.01$"),
+    (dict(render_mode="human"), r"^render_mode must be None or 'ansi', got 'human'$"),
+])
+def test_bad_settings_are_refused_with_their_reason(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _env(**kwargs)
+
+
+def test_an_empty_dataset_is_refused(tmp_path):
+    data = tmp_path / "nq.jsonl"
+    data.write_text('{"id": "1", "question": "q", "golden_answers": ["a"]}\n')
+    with pytest.raises(ValueError, match=r"holds no examples$"):
+        _env(dataset=str(data), limit=0)
+
+
+def test_spaces_bound_observations_and_actions_at_64k_characters():
+    env = _env()
+    assert env.observation_space.max_length == 65536 and env.action_space.max_length == 65536
+    assert env.observation_space.contains("x" * 65536) and not env.observation_space.contains("x" * 65537)
+
+
+def test_step_before_reset_is_refused():
+    env = _env()
+    with pytest.raises(RuntimeError, match=r"^the episode is over \(or was never started\)"):
+        env.step("<answer>x</answer>")
+
+
+def test_render_is_the_transcript_in_ansi_mode_and_none_otherwise():
+    env = _env(render_mode="ansi")
+    prompt, _ = env.reset(options={"index": 0})
+    assert env.render() == prompt
+    observation, *_ = env.step("<search> paris </search>")
+    assert env.render() == prompt + "<search> paris </search>" + observation
+    plain = _env()
+    plain.reset(options={"index": 0})
+    assert plain.render() is None
+
+
+def test_custom_templates_are_used_for_open_and_multiple_choice_questions():
+    open_env = _env(template="Q={question}|")
+    prompt, _ = open_env.reset(options={"index": 0})
+    assert prompt == f"Q={open_env.examples[0].question.strip().rstrip('?')}?|"
+    mcq = _env(benchmark="medqa", mcq_template="Q={question}|{options}")
+    prompt, info = mcq.reset(options={"index": 0})
+    example = mcq.examples[0]
+    assert prompt == f"Q={example.question}|" + "\n".join(f"{k}. {v}" for k, v in example.choices.items())
+    assert info["choices"] == dict(example.choices)
+    assert _env().template.startswith("Answer the given question.")
+    assert mcq.template.startswith("Answer the given question.")
+    assert _env(benchmark="medqa").mcq_template.startswith("Answer the given multiple-choice question.")
+
+
+# --- SearchQAEnv: reset --------------------------------------------------------------------------------------
+
+def test_reset_index_bounds_and_info():
+    env = _env()
+    last = len(env.examples) - 1
+    prompt, info = env.reset(options={"index": last})
+    example = env.examples[last]
+    assert info == {"messages": [{"role": "user", "content": prompt}], "example_id": example.id,
+                    "benchmark": example.benchmark, "index": last, "turn": 0,
+                    "segments": [("user", prompt, -1)], "question": example.question, "choices": None}
+    assert env.reset(options={"index": "0"})[1]["index"] == 0
+    for bad in (last + 1, -1):
+        with pytest.raises(IndexError, match=rf"^options\['index'\]={bad} outside 0\.\.{last}$"):
+            env.reset(options={"index": bad})
+
+
+def test_a_seed_reshuffles_even_in_the_middle_of_a_pass():
+    env = _env()
+    first = [env.reset(seed=3)[1]["index"] for _ in range(1)] + [env.reset()[1]["index"] for _ in range(2)]
+    again = [env.reset(seed=3)[1]["index"]] + [env.reset()[1]["index"] for _ in range(2)]
+    assert again == first
+
+
+def test_reset_starts_a_new_episode_with_fresh_counts():
+    env = _env(max_turns=2)
+    env.reset(options={"index": 0})
+    env.step("junk")
+    *_, info = env.step("<answer>x</answer>")
+    assert info["invalid_actions"] == 1
+    env.reset(options={"index": 1})
+    assert env.turn == 0 and len(env.transcript) == 1
+    observation, reward, terminated, truncated, info = env.step("<search> paris </search>")
+    assert (info["turn"], info["invalid_actions"], info["search_calls"], info["search_errors"]) == (1, 0, 1, 0)
+    assert observation.startswith("\n\n<information>") and not terminated and not truncated
+
+
+# --- SearchQAEnv: step -----------------------------------------------------------------------------------------
+
+def test_the_query_reaches_the_retriever_sanitised_with_the_envs_topk():
+    retriever = RecordingRetriever()
+    env = _env(retriever=retriever, topk=3)
+    env.reset(options={"index": 0})
+    _, _, _, _, info = env.step("<search> paris\x00 capital\ud800 </search>")
+    assert retriever.asked == [(["paris  capital\ufffd"], 3)]
+    assert info["query"] == "paris\x00 capital\ud800"  # info keeps what the policy wrote
+
+
+@pytest.mark.parametrize("max_turns", [1, 2, 3])
+def test_searches_are_served_on_every_turn_but_the_last(max_turns):
+    retriever = RecordingRetriever()
+    env = _env(retriever=retriever, max_turns=max_turns)
+    env.reset(options={"index": 0})
+    results = [env.step(f"<search> paris {t} </search>") for t in range(max_turns)]
+    assert [queries for queries, _ in retriever.asked] == [[f"paris {t}"] for t in range(max_turns - 1)]
+    assert [r[3] for r in results] == [False] * (max_turns - 1) + [True]  # truncated on the last turn only
+    assert [r[4]["turn"] for r in results] == list(range(1, max_turns + 1))
+    assert results[-1][0] == "" and results[-1][4]["search_calls"] == max_turns - 1
+
+
+def test_an_answer_on_the_last_turn_terminates_and_is_not_truncated():
+    env = _env(max_turns=2)
+    env.reset(options={"index": 0})
+    env.step("<search> paris </search>")
+    observation, reward, terminated, truncated, info = env.step("<answer>x</answer>")
+    assert (observation, terminated, truncated, info["prediction"]) == ("", True, False, "x")
+
+
+def test_a_long_search_result_is_cut_at_the_observation_limit():
+    retriever = RecordingRetriever([("Big", "word " * 40000)])
+    env = _env(retriever=retriever, topk=1)
+    env.reset(options={"index": 0})
+    observation, *_ = env.step("<search> word </search>")
+    assert len(observation) == 65536 and observation.startswith("\n\n<information>Doc 1(Title: \"Big\") word")
+
+
+class _RaisingRetriever(RecordingRetriever):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def batch_search(self, queries, k=10):
+        raise self.error
+
+
+def test_a_failed_search_reports_type_and_message_and_counts_once():
+    env = _env(retriever=_RaisingRetriever(RetrievalError("index   closed\nnow")))
+    env.reset(options={"index": 0})
+    observation, reward, terminated, truncated, info = env.step("<search> q </search>")
+    assert info["error"] == {"type": "RetrievalError", "message": "index   closed\nnow"}
+    assert (info["search_errors"], info["search_calls"], info["query"]) == (1, 0, "q")
+    assert observation == "\n\n<information>Search failed: index closed now</information>\n\n"
+    with pytest.raises(ValueError):  # only retrieval errors are the env's to report
+        env2 = _env(retriever=_RaisingRetriever(ValueError("a bug")))
+        env2.reset(options={"index": 0})
+        env2.step("<search> q </search>")
+
+
+def test_an_invalid_action_reports_its_reason_and_a_non_string_action_is_recorded_by_repr():
+    env = _env()
+    env.reset(options={"index": 0})
+    observation, reward, terminated, truncated, info = env.step(None)
+    assert info["action_type"] == "invalid" and info["invalid_reason"] and info["invalid_actions"] == 1
+    assert info["segments"][0] == ("assistant", "None", 0) and "error" not in info and "query" not in info
+    assert (reward, terminated, truncated) == (0.0, False, False)
+
+
+def test_step_info_carries_the_turn_type_and_counts():
+    env = _env(max_turns=4)
+    env.reset(options={"index": 0})
+    *_, info = env.step("<search> paris </search>")
+    assert {k: info[k] for k in ("turn", "action_type", "search_calls", "invalid_actions", "search_errors")} == \
+           {"turn": 1, "action_type": "search", "search_calls": 1, "invalid_actions": 0, "search_errors": 0}
+    assert "prediction" not in info and "em" not in info  # scores only when the episode ends
+
+
+# --- SearchQAEnv: the final reward -----------------------------------------------------------------------------
+
+def _answer(env, text, index=0, before=()):
+    env.reset(options={"index": index})
+    for action in before:
+        env.step(action)
+    return env.step(f"<answer>{text}</answer>")
+
+
+def test_open_question_scores_em_f1_and_the_chosen_reward():
+    def gold_and_partial(reward):
+        env = _env(reward=reward)
+        gold = env.examples[0].golden_answers[0]
+        return _answer(env, gold)[1], _answer(env, gold + " and more words")
+
+    (gold_em, (_, partial_em, _, _, info)) = gold_and_partial("em")
+    assert gold_em == 1.0 and partial_em == 0.0 and info["em"] == 0.0 and 0.0 < info["f1"] < 1.0
+    assert info["golden_answers"] == list(_env().examples[0].golden_answers)
+    _, (_, partial_f1, *_) = gold_and_partial("f1")
+    assert partial_f1 == pytest.approx(info["f1"])
+    _, (_, partial_acc, *_) = gold_and_partial("acc")  # acc of an open question is its exact match
+    assert partial_acc == 0.0
+    _, (_, partial_auto, *_) = gold_and_partial("auto")  # auto: em for open questions
+    assert partial_auto == 0.0
+
+
+def test_multiple_choice_scores_the_letter_under_every_reward():
+    for reward in ("auto", "em", "f1", "acc"):
+        env = _env(benchmark="medqa", reward=reward)
+        example = env.examples[0]
+        wrong = next(letter for letter in example.choices if letter != example.answer_letter)
+        _, right_reward, *_, info = _answer(env, example.answer_letter)
+        assert right_reward == 1.0 and info["correct"] == 1.0 and info["predicted_letter"] == example.answer_letter
+        _, wrong_reward, *_, info = _answer(env, wrong)
+        assert wrong_reward == 0.0 and info["correct"] == 0.0 and info["predicted_letter"] == wrong
+
+
+@pytest.mark.parametrize("lam", [0.25, 1.0])
+def test_format_reward_mixes_score_and_format(lam):
+    env = _env(format_reward=lam)
+    gold = env.examples[0].golden_answers[0]
+    assert _answer(env, gold)[1] == pytest.approx(1.0)
+    assert _answer(env, "zzz wrong")[1] == pytest.approx(lam)
+    assert _answer(env, gold, before=["junk"])[1] == pytest.approx(1.0 - lam)
+    env.reset(options={"index": 0})
+    results = [env.step("<search> paris </search>") for _ in range(4)]  # truncated: no answer, no format credit
+    assert results[-1][1] == 0.0 and results[-1][3]
+
+
+def test_constructor_defaults():
+    env = SearchQAEnv()
+    assert (env.benchmark, env.topk, env.max_turns, env.reward_name, env.format_reward, env.question_mark) == \
+           ("searchqa", 3, 4, "auto", 0.0, True)
+    assert "demo-bm25" in repr(env.retriever) and env.render_mode is None and env.dataset is None
+
+
+# --- prompts ---------------------------------------------------------------------------------------------------
+
+def test_search_r1_question_strips_and_adds_one_question_mark():
+    from stppo_envs.prompts import search_r1_question
+
+    assert search_r1_question(" who wrote the iliad ") == "who wrote the iliad?"
+    assert search_r1_question("Is it? ") == "Is it?" and search_r1_question("   ") == ""
+
+
+def test_render_prompt_fills_options_only_for_choices():
+    from stppo_envs.prompts import render_prompt
+
+    assert render_prompt("{question}|{options}|", "q") == "q||"
+    assert render_prompt("{question}|{options}|", "q", {"A": "x", "B": "y"}) == "q|A. x\nB. y|"
+
+
+def test_format_information_numbers_docs_one_per_line():
+    from stppo_envs.prompts import format_information
+
+    hits = [Hit("1", 2.0, "Paris", "Capital. "), Hit("2", 1.0, "Rome", "Eternal.", title_line="Rome")]
+    assert format_information(hits) == \
+        '\n\n<information>Doc 1(Title: "Paris") Capital. \nDoc 2(Title: Rome) Eternal.</information>\n\n'
+    assert format_information([]) == "\n\n<information></information>\n\n"
+
+
+def test_search_failure_observation_collapses_whitespace_and_keeps_200_characters():
+    from stppo_envs.prompts import search_failure_observation
+
+    assert search_failure_observation(RetrievalError("a\n\tb  c")) == \
+        "\n\n<information>Search failed: a b c</information>\n\n"
+    assert search_failure_observation(RetrievalError("x" * 300)) == \
+        "\n\n<information>Search failed: " + "x" * 200 + "</information>\n\n"
+    assert search_failure_observation(TimeoutError()) == \
+        "\n\n<information>Search failed: TimeoutError</information>\n\n"
+
+
+def test_template_hash_is_the_first_12_hex_of_the_sha256_of_the_unit_separated_templates():
+    import hashlib
+
+    from stppo_envs.prompts import SEARCH_R1_MCQ_TEMPLATE, SEARCH_R1_TEMPLATE, template_hash
+
+    expected = hashlib.sha256((SEARCH_R1_TEMPLATE + "\x1f" + SEARCH_R1_MCQ_TEMPLATE).encode()).hexdigest()[:12]
+    assert template_hash(SEARCH_R1_TEMPLATE, SEARCH_R1_MCQ_TEMPLATE) == expected
+    assert template_hash("a", "b") != template_hash("ab") and len(template_hash("a")) == 12
+
+
+def test_the_templates_are_search_r1s_text():
+    from stppo_envs.prompts import SEARCH_R1_MCQ_TEMPLATE, SEARCH_R1_TEMPLATE
+
+    assert SEARCH_R1_TEMPLATE.endswith("For example, <answer> Beijing </answer>. Question: {question}\n")
+    assert "call a search engine by <search> query </search> and it will return the top searched results " \
+           "between <information> and </information>." in SEARCH_R1_TEMPLATE
+    assert SEARCH_R1_MCQ_TEMPLATE.endswith("for example <answer> B </answer>. Question: {question}\nOptions:\n{options}\n")
