@@ -390,12 +390,48 @@ def test_a_failed_search_reports_type_and_message_and_counts_once():
 
 
 def test_an_invalid_action_reports_its_reason_and_a_non_string_action_is_recorded_by_repr():
+    from stppo_envs.actions import INVALID_ACTION_MESSAGE
+
     env = _env()
     env.reset(options={"index": 0})
-    observation, reward, terminated, truncated, info = env.step(None)
+    observation, reward, terminated, truncated, info = env.step(42)
     assert info["action_type"] == "invalid" and info["invalid_reason"] and info["invalid_actions"] == 1
-    assert info["segments"][0] == ("assistant", "None", 0) and "error" not in info and "query" not in info
+    assert observation == INVALID_ACTION_MESSAGE
+    assert info["segments"] == [("assistant", "42", 0), ("environment", INVALID_ACTION_MESSAGE, 0)]
+    assert "error" not in info and "query" not in info
     assert (reward, terminated, truncated) == (0.0, False, False)
+    *_, info = env.step("no tags at all")
+    assert info["invalid_actions"] == 2 and info["segments"][1] == ("environment", INVALID_ACTION_MESSAGE, 1)
+
+
+def test_search_errors_add_up_over_an_episode():
+    env = _env(retriever=_RaisingRetriever(RetrievalError("down")), max_turns=4)
+    env.reset(options={"index": 0})
+    env.step("<search> a </search>")
+    *_, info = env.step("<search> b </search>")
+    assert (info["search_errors"], info["search_calls"]) == (2, 0)
+
+
+def test_no_step_after_the_episode_ended():
+    env = _env()
+    env.reset(options={"index": 0})
+    env.step("<answer>x</answer>")
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("<answer>again</answer>")
+    truncated_env = _env(max_turns=1)
+    truncated_env.reset(options={"index": 0})
+    assert truncated_env.step("junk")[3]
+    with pytest.raises(RuntimeError, match="call reset"):
+        truncated_env.step("junk")
+
+
+def test_the_question_mark_setting_decides_the_prompt(tmp_path):
+    data = tmp_path / "nq.jsonl"
+    data.write_text('{"id": "1", "question": "who wrote the iliad", "golden_answers": ["Homer"]}\n')
+    marked = _env(dataset=str(data), template="{question}")
+    plain = _env(dataset=str(data), template="{question}", question_mark=False)
+    assert marked.reset(options={"index": 0})[0] == "who wrote the iliad?"
+    assert plain.reset(options={"index": 0})[0] == "who wrote the iliad"
 
 
 def test_step_info_carries_the_turn_type_and_counts():
@@ -404,6 +440,8 @@ def test_step_info_carries_the_turn_type_and_counts():
     *_, info = env.step("<search> paris </search>")
     assert {k: info[k] for k in ("turn", "action_type", "search_calls", "invalid_actions", "search_errors")} == \
            {"turn": 1, "action_type": "search", "search_calls": 1, "invalid_actions": 0, "search_errors": 0}
+    assert (info["example_id"], info["question"]) == (env.examples[0].id, env.examples[0].question)
+    assert info["segments"][1] == ("environment", info["segments"][1].text, 0)
     assert "prediction" not in info and "em" not in info  # scores only when the episode ends
 
 
@@ -516,3 +554,23 @@ def test_the_templates_are_search_r1s_text():
     assert "call a search engine by <search> query </search> and it will return the top searched results " \
            "between <information> and </information>." in SEARCH_R1_TEMPLATE
     assert SEARCH_R1_MCQ_TEMPLATE.endswith("for example <answer> B </answer>. Question: {question}\nOptions:\n{options}\n")
+
+
+def test_the_loader_settings_reach_the_dataset(tmp_path):
+    from stppo_envs.data.loading import load_examples
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"id": "m1", "question": "q one", "choices": ["x", "y"], "answer": "B"}\n'
+                    '{"id": "m2", "question": "q two", "choices": ["x", "y"], "answer": "A"}\n')
+    mcq = _env(benchmark="searchqa", dataset=str(data), family="mcq")  # the generic benchmark as multiple choice
+    assert [e.id for e in mcq.examples] == ["m1", "m2"] and mcq.examples[0].is_multiple_choice
+    assert mcq.dataset == str(data)
+    train = _env(split="train")
+    assert train.examples == load_examples("nq", None, "train") != _env().examples and train.split == "train"
+    shuffled = _env(shuffle_seed=1, limit=5)
+    assert shuffled.examples == load_examples("nq", None, None, 5, 1) != load_examples("nq", None, None, 5)
+
+
+def test_before_the_first_reset_nothing_has_happened():
+    env = _env(render_mode="ansi")
+    assert env.turn == 0 and env.render() == "" and env.example is None
