@@ -313,13 +313,14 @@ def test_a_refused_upload_gets_one_answer_and_the_app_sees_a_client_that_left():
             message = await receive()
             seen.append(message["type"])
             if message["type"] == "http.disconnect":
+                seen.append((await receive())["type"])  # asking again: still gone, nothing more is read
                 await send({"type": "http.response.start", "status": 200, "headers": []})
                 raise RuntimeError("the app fails on the disconnect; the 413 stands")
 
     limited = BodyLimit(app, 10)
     status, _, body = asyncio.run(_call(limited, "POST", "/x", chunks=[b"x" * 6, b"x" * 6, b"x" * 6]))
     assert status == 413 and json.loads(body) == {"detail": "request body over 10 bytes"}
-    assert seen == ["http.request", "http.disconnect"]  # it stopped reading at the limit
+    assert seen == ["http.request", "http.disconnect", "http.disconnect"]  # it stopped reading at the limit
 
 
 def test_the_body_limit_passes_other_scopes_through_and_reraises_app_errors():
@@ -678,8 +679,11 @@ def test_search_each_splits_in_halves_down_to_the_refused_query():
 def test_search_each_isolates_only_what_it_is_told_to():
     with pytest.raises(ValueError):  # a bug in the backend is not a refused query by default
         search_each(_Refuses(ValueError("bug")), ["BAD", "b"], 1)
-    rows, errors = search_each(_Refuses(ValueError("bug")), ["a", "BAD"], 1, isolate=Exception)
-    assert str(errors[1]) == "ValueError: bug" and rows[0][0].docid == "a#0"
+    for queries in (["a", "BAD"], ["BAD", "b"], ["a", "BAD", "c", "d", "e"], ["a", "b", "c", "BAD"]):
+        rows, errors = search_each(_Refuses(ValueError("bug")), queries, 1, isolate=Exception)  # in either half
+        bad = queries.index("BAD")
+        assert list(errors) == [bad] and str(errors[bad]) == "ValueError: bug", queries
+        assert [row[0].docid for i, row in enumerate(rows) if i != bad] == [f"{q}#0" for q in queries if q != "BAD"]
 
 
 def test_search_each_fails_every_query_at_once_when_the_backend_is_down():
@@ -764,3 +768,26 @@ def test_reopens_after_pickling_drops_only_the_transient_attributes():
     holder.__getstate__()
     assert holder._handle is not None  # the live object keeps its handle
     assert base.ReopensAfterPickling._transient == ()
+
+
+def test_the_cache_keeps_what_a_partial_answer_served_and_reports_the_rest_at_the_callers_positions():
+    class Partial(_Backend):
+        def batch_search(self, queries, k=10):
+            rows = super().batch_search(queries, k)
+            errors = {i: RetrievalError(f"refused {q}") for i, q in enumerate(queries) if "BAD" in q}
+            if errors:
+                raise PartialSearchError([None if i in errors else row for i, row in enumerate(rows)], errors)
+            return rows
+
+    backend = Partial()
+    cached = CachedRetriever(backend)
+    with pytest.raises(PartialSearchError) as caught:
+        cached.batch_search(["BAD1", "a", "BAD1", "b"], 1)
+    assert backend.calls == [(["BAD1", "a", "b"], 1)]  # each distinct query once
+    assert sorted(caught.value.errors) == [0, 2] and str(caught.value.errors[2]) == "refused BAD1"
+    assert [row and row[0].docid for row in caught.value.results] == [None, "a#0", None, "b#0"]
+    with pytest.raises(PartialSearchError):
+        cached.batch_search(["a", "BAD1"], 1)
+    assert backend.calls[-1] == (["BAD1"], 1)  # a refused query is asked again; the served one came from the cache
+    cached.batch_search(["z"])
+    assert backend.calls[-1] == (["z"], 10)  # the default k is pyserini's 10
