@@ -10,7 +10,7 @@ from gymnasium.vector.utils import batch_space
 
 from stppo_envs import SearchQAEnv, make_vec
 from stppo_envs.retrieval import Hit, RetrievalError
-from stppo_envs.vector import SearchQAVectorEnv, serve_searches, step_envs
+from stppo_envs.vector import SearchQAVectorEnv, step_envs
 
 from .conftest import KeywordRetriever
 
@@ -574,3 +574,29 @@ def test_the_loader_settings_reach_the_dataset(tmp_path):
 def test_before_the_first_reset_nothing_has_happened():
     env = _env(render_mode="ansi")
     assert env.turn == 0 and env.render() == "" and env.example is None
+
+
+def test_step_envs_groups_by_retriever_and_topk():
+    one, two = RecordingRetriever(), RecordingRetriever()
+    envs = [SearchQAEnv("nq", retriever=one, topk=1), SearchQAEnv("nq", retriever=two, topk=1),
+            SearchQAEnv("nq", retriever=one, topk=3)]
+    for i, env in enumerate(envs):
+        env.reset(options={"index": i})
+    results = step_envs(envs, [f"<search> paris {i} </search>" for i in range(3)])
+    assert one.asked == [(["paris 0"], 1), (["paris 2"], 3)] and two.asked == [(["paris 1"], 1)]
+    assert [r[0].count("Doc ") for r in results] == [1, 1, 3]
+
+
+def test_failed_searches_reach_the_env_through_step_envs_and_the_vector_env():
+    failing = _RaisingRetriever(RetrievalError("backend down"))
+    envs = [SearchQAEnv("nq", retriever=failing), SearchQAEnv("nq", retriever=failing)]
+    for env in envs:
+        env.reset(options={"index": 0})
+    results = step_envs(envs, ["<search> a </search>", "<answer>x</answer>"])
+    assert results[0][4]["error"] == {"type": "RetrievalError", "message": "backend down"}
+    assert "Search failed: backend down" in results[0][0] and "error" not in results[1][4]
+    vec = SearchQAVectorEnv([SearchQAEnv("nq", retriever=failing) for _ in range(2)])
+    vec.reset(options={"indices": [0, 1]})
+    observations, *_, infos = vec.step(["<answer>x</answer>", "<search> a </search>"])
+    assert infos["_error"].tolist() == [False, True] and infos["error"]["message"][1] == "backend down"
+    assert infos["search_errors"].tolist() == [0, 1] and "Search failed: backend down" in observations[1]

@@ -400,6 +400,7 @@ def _client(answers=(), **kwargs):
 def test_the_client_url_defaults_and_repr():
     assert RemoteRetriever("http://h:1/").url == "http://h:1/retrieve"
     assert RemoteRetriever("http://h:1/retrieve/").url == "http://h:1/retrieve"
+    assert RemoteRetriever("http://h:1/prefiX").url == "http://h:1/prefiX/retrieve"
     client = RemoteRetriever("http://h:1")
     assert (client.timeout, client.retries, client.backoff, client.max_batch) == (30.0, 2, 0.2, 512)
     assert repr(client) == "RemoteRetriever('http://h:1/retrieve')"
@@ -416,6 +417,8 @@ def test_the_client_posts_search_r1_requests_in_chunks_of_max_batch():
     assert {timeout for _, _, timeout in client._session.posts} == {7.5}
     assert [row[0].docid for row in rows] == ["a", "b", "c", "d", "e"] and rows[0][0] == Hit("a", 1.0, "a", "about a")
     assert client.batch_search([], 3) == [] and len(client._session.posts) == 3
+    client.batch_search(["z"])
+    assert client._session.posts[-1][1]["topk"] == 10  # the default k is pyserini's 10
 
 
 def _rows(n):
