@@ -1,12 +1,23 @@
-"""One rank of a 2-process gloo test, spawned by ``torch.multiprocessing``: the process group around the rank's
-work and the way out (shared by the tests that compare 2 processes with 1)."""
+"""The ranks of a 2-process gloo test: how they are started (:func:`start_ranks`) and the process group around each
+rank's work and its way out (:func:`gloo_rank`); shared by the tests that compare 2 processes with 1."""
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def start_ranks(fn, args: tuple, nprocs: int, join: bool = True):
+    """``torch.multiprocessing.start_processes`` with each rank forked from a fork server that imported ``fn``'s
+    module (torch, transformers, the trainer) once, instead of spawned to import them again (~4 s of CPU per rank).
+    The server is a fresh single-threaded process: forking the test process instead can hang (its torch thread
+    pools, a JVM). One server per test process: the first caller's preload stays, later modules import lazily."""
+    multiprocessing.set_forkserver_preload([fn.__module__])
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=join)
 
 
 @contextlib.contextmanager

@@ -4,28 +4,19 @@ under FSDP2 (parameters, gradients and optimizer state sharded)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stppo_agent.distributed.shared_retrieval import free_port
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 
+from .gloo_ranks import start_ranks
 from .tiny_models import tiny_llama, word_tokenizer
-
-
-def start_processes(fn, args: tuple, nprocs: int, join: bool = True):
-    """``torch.multiprocessing.start_processes`` with each rank forked from a fork server that imported this module
-    (torch, transformers, the trainer) once, instead of spawned to import them again (~4 s of CPU per rank). The
-    server is a fresh single-threaded process: forking this one instead can hang (its torch thread pools, a JVM)."""
-    multiprocessing.set_forkserver_preload([__name__])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver", join=join)
 
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
@@ -92,7 +83,7 @@ def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy, ti
     assert expected["clip_frac"] > 0.05 and expected["clip_bias_scale"] > 1.0  # the correction is exercised
 
     result = tmp_path / "rank0.pt"
-    start_processes(_rank_main, args=(free_port(), str(model), str(tmp_path / "ddp"), algo,
+    start_ranks(_rank_main, args=(free_port(), str(model), str(tmp_path / "ddp"), algo,
                                       str(tmp_path / "batch.pt"), str(result), strategy), nprocs=2)
     got = torch.load(result, weights_only=False)
     for name, param in single.actor.named_parameters():
@@ -227,7 +218,7 @@ def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
     """Inside ``gathered`` an FSDP2 model's forwards do not communicate, so ranks may run different numbers of
     them (generation); afterwards the model is sharded again with unchanged weights."""
     model = tiny_llama(tmp_path / "model", word_tokenizer())
-    context = start_processes(_uneven_generation_main, args=(free_port(), str(model), str(tmp_path / "r.pt")),
+    context = start_ranks(_uneven_generation_main, args=(free_port(), str(model), str(tmp_path / "r.pt")),
                               nprocs=2, join=False)
     import time
 
@@ -307,7 +298,7 @@ def test_fsdp2_scoring_on_gathered_weights_matches_the_sharded_forward(tmp_path)
     """Old log-probs come from gathered weights (one all-gather per model); they must be exactly what the
     sharded training forward computes, or the first update would not be on-policy."""
     model = tiny_llama(tmp_path / "model", word_tokenizer())
-    start_processes(_scoring_main, args=(free_port(), str(model), str(tmp_path / "run"), str(tmp_path / "r")),
+    start_ranks(_scoring_main, args=(free_port(), str(model), str(tmp_path / "run"), str(tmp_path / "r")),
                     nprocs=2)
     for rank in range(2):
         result = torch.load(f"{tmp_path / 'r'}.{rank}", weights_only=False)
@@ -331,7 +322,7 @@ def _mixed_precision_main(rank: int, port: int, model_path: str, result_path: st
 
 def test_fsdp2_compute_dtype_computes_in_bf16_and_keeps_float32_master_weights(tmp_path):
     model = tiny_llama(tmp_path / "model", word_tokenizer())
-    start_processes(_mixed_precision_main, args=(free_port(), str(model), str(tmp_path / "r.pt")), nprocs=1)
+    start_ranks(_mixed_precision_main, args=(free_port(), str(model), str(tmp_path / "r.pt")), nprocs=1)
     got = torch.load(tmp_path / "r.pt", weights_only=False)
     assert got["compute"] == torch.bfloat16
     assert got["master"] == {torch.float32} and got["grads"] == {torch.float32}

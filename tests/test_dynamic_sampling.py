@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import informative_groups
 from stppo_agent.distributed.process_group import free_port
@@ -17,7 +16,7 @@ from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.resampling import keep_informative_groups
 from stppo_agent.training.trainer import Trainer
 
-from .gloo_ranks import gloo_rank
+from .gloo_ranks import gloo_rank, start_ranks
 from .test_trainer import toy_config
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -86,7 +85,7 @@ def _two_rank_main(rank: int, port: int, out: str) -> None:
 def test_ranks_take_extra_rounds_together_until_every_rank_is_full(tmp_path):
     """Rank 0 is full after its first round, rank 1 after two extra rounds: both play exactly two (the prompt
     sampler is shared, so a rank that plays alone would desynchronise it) and stop together, before the cap."""
-    mp.start_processes(_two_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_two_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero["played"] == one["played"] == [1, 2]
     assert zero["groups"] == [0, 0, 1, 1]  # its own first round: informative already

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import get_policy_loss
 from stppo_agent.algorithms.second_moment import m2po_keep_masks
@@ -14,7 +13,7 @@ from stppo_agent.distributed.process_group import free_port
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.trainer import Trainer
 
-from .gloo_ranks import gloo_rank
+from .gloo_ranks import gloo_rank, start_ranks
 from .test_multiprocess_metrics import TIMING, toy_config
 from .tiny_models import tiny_llama, word_tokenizer
 
@@ -94,8 +93,8 @@ def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_
     whole = _whole_batch_loss(trainer, batch)
     single = trainer.update(batch)
     (tmp_path / "two").mkdir()
-    mp.start_processes(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
-                                                str(tmp_path / "batch.pt")), nprocs=2, start_method="spawn")
+    start_ranks(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
+                                                str(tmp_path / "batch.pt")), nprocs=2)
     for rank in (0, 1):
         two = torch.load(tmp_path / "two" / f"rank{rank}.pt", weights_only=False)["metrics"]
         for key in ("pg_loss", "clip_frac", "m2po/second_moment"):
@@ -134,8 +133,8 @@ def test_the_whole_batch_forward_runs_under_ddp_and_fsdp2(tmp_path, strategy):
     expected = single.actor_gradients(batch)
     assert 0 < expected["clip_frac"] < 1
     (tmp_path / "two").mkdir()
-    mp.start_processes(_strategy_rank_main, args=(free_port(), str(model), str(tmp_path / "two"),
-                                                  str(tmp_path / "batch.pt"), strategy), nprocs=2, start_method="spawn")
+    start_ranks(_strategy_rank_main, args=(free_port(), str(model), str(tmp_path / "two"),
+                                                  str(tmp_path / "batch.pt"), strategy), nprocs=2)
     got = torch.load(tmp_path / "two" / "rank0.pt", weights_only=False)
     for name, param in single.actor.named_parameters():
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)

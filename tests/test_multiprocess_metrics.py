@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import get_policy_loss, value_loss
 from stppo_agent.distributed.process_group import free_port
@@ -23,7 +22,7 @@ from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import critic_values, token_logprobs
 from stppo_agent.training.trainer import Trainer
 
-from .gloo_ranks import gloo_rank
+from .gloo_ranks import gloo_rank, start_ranks
 from .tiny_models import tiny_llama, word_tokenizer
 
 TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
@@ -167,8 +166,8 @@ def test_two_processes_log_and_train_what_one_process_does(tmp_path):
     single = Trainer(shared_config(str(model), str(tmp_path / "one")), report=lambda _: None,
                      rollout_source=lambda t: FixedShares(t, str(tmp_path / "batch.pt")))
     single.train()
-    mp.start_processes(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
-                                                str(tmp_path / "batch.pt")), nprocs=2, start_method="spawn")
+    start_ranks(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
+                                                str(tmp_path / "batch.pt")), nprocs=2)
     one, two = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
     # the rollout statistics of the global batch, not rank 0's share: reward 0.5 (rank 0's share: 0.875)
     assert one["reward"] == pytest.approx(0.5) and two["reward"] == pytest.approx(0.5)

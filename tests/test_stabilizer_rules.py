@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from stppo_agent.algorithms import (
     ALGORITHMS,
@@ -25,7 +24,7 @@ from stppo_agent.algorithms.second_moment import m2po_keep_mask
 from stppo_agent.distributed.process_group import free_port
 
 from . import algorithm_reference as ref
-from .gloo_ranks import gloo_rank
+from .gloo_ranks import gloo_rank, start_ranks
 from .test_algorithms import LEVELS, _policy_grads
 from .test_algorithms import random_batch as any_batch
 
@@ -230,7 +229,7 @@ def _m2po_two_process_main(rank: int, port: int, out: str) -> None:
 
 
 def test_m2po_masks_by_the_second_moment_of_every_ranks_tokens(tmp_path):
-    mp.start_processes(_m2po_two_process_main, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_m2po_two_process_main, args=(free_port(), str(tmp_path)), nprocs=2)
     shares = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     data = _m2po_batch()
     for level in LEVELS:
