@@ -1,0 +1,478 @@
+"""Pins of evaluation (issue 27): the settings a result records as its provenance, every setting reaching the
+episodes it describes, the episode records and metrics, the files and tables written, and comparisons refusing
+results produced under other settings. Scripted agents and an in-memory retriever keep them cheap."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+
+import pytest
+
+import stppo_envs
+from stppo_agent.evaluation import evaluate as evaluate_module
+from stppo_agent.evaluation.comparison import (ProvenanceMismatchError, compare, load_results, provenance_differences,
+                                               search_error_differences, searched_index_id)
+from stppo_agent.evaluation.evaluate import (EvalSettings, _episode_ids, evaluate_benchmark, examples_hash,
+                                             portable_spec, run_episodes, summarize)
+from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
+from stppo_envs import Example, SearchQAEnv
+from stppo_envs.prompts import template_hash
+
+from .conftest import FailingRetriever, KeywordRetriever
+
+
+class IndexedRetriever(KeywordRetriever):
+    """A keyword retriever reached through a server that names its index; records every batch's k."""
+
+    index_id = "remote:remote:bm25:corpus-sha256:ab12"
+
+    def __init__(self):
+        super().__init__((("linguist", "Zaeththeiv Penda is a linguist."), ("chemist", "Kumsteth is a chemist.")))
+        self.ks = []
+
+    def batch_search(self, queries, k=10):
+        self.ks.append(k)
+        return super().batch_search(queries, k)
+
+
+class ScriptAgent:
+    """Even example numbers search once then answer their gold; odd ones answer "wrong" at once. Counts tokens."""
+
+    name = "script"
+
+    def __init__(self, examples):
+        self.gold = {e.id: e.golden_answers[0] for e in examples}
+        self.views, self.batches = [], []
+
+    def act(self, episodes):
+        self.batches.append([e.episode_id for e in episodes])
+        self.views += episodes
+        out = []
+        for e in episodes:
+            if int(e.example_id.rsplit("-", 1)[1]) % 2:
+                out.append("<answer> wrong </answer>")
+            elif e.turn == 0:
+                out.append(f"<search> {e.question} </search>")
+            else:
+                out.append(f"<answer> {self.gold[e.example_id]} </answer>")
+        return out
+
+    def generated_tokens(self, episode_id):
+        return len(episode_id)
+
+
+class RecordingEnv(SearchQAEnv):
+    resets: list = []
+
+    def reset(self, *, seed=None, options=None):
+        RecordingEnv.resets.append((seed, dict(options or {})))
+        return super().reset(seed=seed, options=options)
+
+
+@pytest.fixture
+def recording_env(monkeypatch):
+    RecordingEnv.resets = []
+    monkeypatch.setattr(evaluate_module, "SearchQAEnv", RecordingEnv)
+    return RecordingEnv
+
+
+def _evaluate(settings, seen=None):
+    def factory(spec, examples, max_new_tokens):
+        agent = ScriptAgent(examples)
+        if seen is not None:
+            seen.update(spec=spec, examples=list(examples), max_new_tokens=max_new_tokens, agent=agent)
+        return agent
+    return evaluate_benchmark("script-agent", settings, agent_factory=factory)
+
+
+# ---------------------------------------------------------------- evaluate_benchmark
+
+
+def test_a_result_records_every_setting_it_ran_under(recording_env):
+    retriever = IndexedRetriever()
+    settings = EvalSettings("nq", limit=5, retriever=retriever, topk=2, max_turns=3, batch_size=2, seed=40,
+                            max_new_tokens=17)
+    seen = {}
+    result = _evaluate(settings, seen)
+    examples = SearchQAEnv("nq", limit=5).examples
+    env = SearchQAEnv("nq", limit=5)
+    assert result["provenance"] == {
+        "agent": "script-agent", "benchmark": "nq", "dataset": "demo", "split": "test",
+        "dataset_sha256": examples_hash(examples), "limit": 5, "retriever": "IndexedRetriever",
+        "retriever_id": "bm25:corpus-sha256:ab12", "topk": 2, "max_turns": 3,
+        "prompt_template": template_hash(env.template, env.mcq_template, "question_mark"),
+        "seed": 40, "max_new_tokens": 17, "stppo_version": stppo_envs.__version__}
+    assert set(result) == {"benchmark", "metrics", "provenance", "episodes", "timing"}
+    assert result["benchmark"] == "nq"
+    # the settings reached the episodes they describe
+    assert seen["spec"] == "script-agent" and seen["max_new_tokens"] == 17
+    assert [e.id for e in seen["examples"]] == [e.id for e in examples]
+    assert retriever.ks and set(retriever.ks) == {2}
+    assert {v.max_turns for v in seen["agent"].views} == {3}
+    assert recording_env.resets == [(40 + i, {"index": i}) for i in range(5)]
+    assert seen["agent"].batches[0] == ["demo-general-0", "demo-general-1"]  # batch_size episodes in flight
+    assert max(len(b) for b in seen["agent"].batches) == 2
+    assert retriever.batch_calls[0] == [examples[0].question]  # only the searching episode's query
+    timing = result["timing"]
+    assert set(timing) == {"started", "seconds"} and 0 <= timing["seconds"] < 60 and timing["started"] > 1.7e9
+
+
+def test_metrics_and_episodes_of_an_evaluation():
+    result = _evaluate(EvalSettings("nq", limit=5, retriever=IndexedRetriever(), batch_size=3))
+    episodes = result["episodes"]
+    assert [e["example_id"] for e in episodes] == [f"demo-general-{i}" for i in range(5)]
+    assert [e["episode_id"] for e in episodes] == [f"demo-general-{i}" for i in range(5)]
+    assert [e["em"] for e in episodes] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert [e["turns"] for e in episodes] == [2, 1, 2, 1, 2]
+    assert [e["response_tokens"] for e in episodes] == [14] * 5
+    m = result["metrics"]
+    assert m["n"] == 5 and m["em"] == pytest.approx(0.6) and "acc" not in m
+    assert m["mean_turns"] == pytest.approx(1.6) and m["mean_search_calls"] == pytest.approx(0.6)
+    assert m["answer_rate"] == 1.0 and m["invalid_action_rate"] == 0.0 and m["search_error_rate"] == 0.0
+    assert m["mean_response_tokens"] == 14.0
+
+
+def test_settings_change_the_provenance_and_defaults_are_recorded(tmp_path):
+    base = _evaluate(EvalSettings("nq", limit=2, retriever=IndexedRetriever()))["provenance"]
+    assert (base["topk"], base["max_turns"], base["seed"], base["max_new_tokens"], base["limit"]) == (3, 4, 0, 256, 2)
+    data = tmp_path / "folder" / "mine.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"id": "x-0", "question": "q?", "golden_answers": ["a"]}\n'
+                    '{"id": "x-1", "question": "r?", "golden_answers": ["b"]}\n')
+    other = _evaluate(EvalSettings("nq", dataset=str(data), split="dev", retriever=IndexedRetriever()))["provenance"]
+    assert other["dataset"] == "mine.jsonl" and other["split"] == "dev" and other["limit"] is None
+    assert other["dataset_sha256"] != base["dataset_sha256"]
+
+
+def test_the_prompt_template_hash_follows_the_question_mark_setting(monkeypatch):
+    class NoMark(SearchQAEnv):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, question_mark=False, **kwargs)
+
+    marked = _evaluate(EvalSettings("nq", limit=1, retriever=IndexedRetriever()))["provenance"]["prompt_template"]
+    monkeypatch.setattr(evaluate_module, "SearchQAEnv", NoMark)
+    env = NoMark("nq", limit=1)
+    plain = _evaluate(EvalSettings("nq", limit=1, retriever=IndexedRetriever()))["provenance"]["prompt_template"]
+    assert plain == template_hash(env.template, env.mcq_template, "") != marked
+
+
+def test_a_retriever_without_an_index_id_is_recorded_by_its_repr():
+    class Plain(KeywordRetriever):
+        def __repr__(self):
+            return "remote:Plain()"
+
+    provenance = _evaluate(EvalSettings("nq", limit=1, retriever=Plain()))["provenance"]
+    assert provenance["retriever_id"] == "Plain()" and provenance["retriever"] == "Plain"
+
+
+def test_batch_size_zero_still_runs_one_episode_at_a_time():
+    seen = {}
+    result = _evaluate(EvalSettings("nq", limit=3, retriever=IndexedRetriever(), batch_size=0), seen)
+    assert result["metrics"]["n"] == 3 and all(len(b) == 1 for b in seen["agent"].batches)
+
+
+def test_the_default_agent_builder_and_multiple_choice_metrics():
+    result = evaluate_benchmark("oracle", EvalSettings("medqa", limit=3, retriever=IndexedRetriever()))
+    m = result["metrics"]
+    assert m["acc"] == 1.0 and "em" not in m and "f1" not in m and m["n"] == 3
+    assert "mean_response_tokens" not in m and "response_tokens" not in result["episodes"][0]
+    assert result["episodes"][0]["correct"] == 1.0 and "em" not in result["episodes"][0]
+
+
+# ---------------------------------------------------------------- run_episodes and the records
+
+
+def _envs(n, retriever, max_turns=3):
+    return [SearchQAEnv("nq", retriever=retriever, max_turns=max_turns, limit=6) for _ in range(n)]
+
+
+def test_run_episodes_record_of_one_searching_episode():
+    retriever = IndexedRetriever()
+    envs = _envs(1, retriever)
+    agent = ScriptAgent(envs[0].examples)
+    [record] = run_episodes(envs, agent, [0])
+    env = envs[0]
+    question = env.examples[0].question
+    transcript = [{"role": s.role, "text": s.text, "turn": s.turn} for s in env.transcript]
+    assert [t["role"] for t in transcript] == ["user", "assistant", "environment", "assistant", "environment"]
+    assert transcript[1]["text"] == f"<search> {question} </search>" and "linguist" in transcript[2]["text"]
+    assert record == {
+        "example_id": "demo-general-0", "episode_id": "demo-general-0", "reward": 1.0, "terminated": True,
+        "truncated": False, "question": question, "golden_answers": ["linguist"], "prediction": "linguist",
+        "turns": 2, "search_calls": 1, "invalid_actions": 0, "search_errors": 0,
+        "response_chars": len(f"<search> {question} </search>") + len("<answer> linguist </answer>"),
+        "transcript": transcript, "em": 1.0, "f1": 1.0, "response_tokens": 14}
+    assert type(record["terminated"]) is bool and type(record["truncated"]) is bool
+
+
+def test_run_episodes_counts_failed_searches_and_truncation():
+    envs = _envs(2, FailingRetriever(), max_turns=2)
+
+    class Searcher:
+        def act(self, episodes):
+            return [f"<search> {e.question} </search>" for e in episodes]
+
+    records = run_episodes(envs, Searcher(), [0, 1])
+    assert [r["search_errors"] for r in records] == [1, 1] and [r["search_calls"] for r in records] == [0, 0]
+    assert [r["truncated"] for r in records] == [True, True] and [r["terminated"] for r in records] == [False] * 2
+    assert [r["prediction"] for r in records] == [None, None] and "response_tokens" not in records[0]
+    invalid = run_episodes(_envs(1, FailingRetriever(), max_turns=1), type("A", (), {"act": lambda s, e: ["hm"]})(),
+                           [2])
+    assert invalid[0]["invalid_actions"] == 1 and invalid[0]["turns"] == 1
+
+
+def test_run_episodes_in_chunks_keeps_file_order_and_seeds_each_example(recording_env):
+    retriever = IndexedRetriever()
+    envs = [RecordingEnv("nq", retriever=retriever, max_turns=3, limit=6) for _ in range(2)]
+    agent = ScriptAgent(envs[0].examples)
+    records = run_episodes(envs, agent, [4, 1, 0, 5, 2], seed=7)
+    assert [r["example_id"] for r in records] == [f"demo-general-{i}" for i in (4, 1, 0, 5, 2)]
+    assert recording_env.resets == [(7 + i, {"index": i}) for i in (4, 1, 0, 5, 2)]
+    # chunk (4, 1): 4 searches while 1 answers; then 4 alone answers -> finished ones leave the batch
+    assert agent.batches[:2] == [["demo-general-4", "demo-general-1"], ["demo-general-4"]]
+    assert agent.batches[2] == ["demo-general-0", "demo-general-5"]
+    assert retriever.batch_calls[:2] == [[envs[0].examples[4].question], [envs[0].examples[0].question]]
+    views = [v for v in agent.views if v.episode_id == "demo-general-4"]
+    assert [v.turn for v in views] == [0, 1] and [len(v.transcript) for v in views] == [1, 3]
+    assert views[0].question == envs[0].examples[4].question and views[0].choices is None
+    assert views[0].example_id == "demo-general-4"
+
+
+def test_episode_ids_are_unique_within_a_run():
+    assert _episode_ids(["a", "b", "a", "a#2", "a"]) == ["a", "b", "a#2", "a#2#2", "a#3"]
+    assert _episode_ids([]) == []
+
+
+def test_summarize_means_rates_and_tokens():
+    def rec(em, f1, turns, searches, chars, terminated=True, **extra):
+        return {"em": em, "f1": f1, "turns": turns, "search_calls": searches, "search_errors": 0,
+                "invalid_actions": 0, "response_chars": chars, "terminated": terminated, **extra}
+
+    records = [rec(1.0, 1.0, 2, 1, 10, response_tokens=4), rec(0.0, 0.5, 4, 3, 30, terminated=False,
+                                                                response_tokens=8)]
+    assert summarize(records, False) == {
+        "n": 2, "em": 0.5, "f1": 0.75, "answer_rate": 0.5, "invalid_action_rate": 0.0, "search_error_rate": 0.0,
+        "mean_turns": 3.0, "mean_search_calls": 2.0, "mean_response_chars": 20.0, "mean_response_tokens": 6.0}
+    del records[1]["response_tokens"]  # tokens only when every episode counted them
+    assert "mean_response_tokens" not in summarize(records, False)
+    mcq = summarize([{**rec(0, 0, 1, 0, 5), "correct": 1.0}, {**rec(0, 0, 1, 0, 5), "correct": 0.0}], True)
+    assert mcq["acc"] == 0.5 and "em" not in mcq and "f1" not in mcq
+    empty = summarize([], False)
+    assert empty["n"] == 0 and empty["em"] == 0.0 and empty["mean_turns"] == 0.0
+    assert "mean_response_tokens" not in empty
+
+
+# ---------------------------------------------------------------- provenance helpers
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("bm25:/data/idx/wiki", "bm25:wiki"), ("dense:/data/e5/index", "dense:e5/index"), ("demo", "demo"),
+    ("bm25:", "bm25:"), ("http://host:8000/retrieve", "http://host:8000/retrieve"), ("other:/a/b", "other:/a/b"),
+    ("bm25:relative-name", "bm25:relative-name")])
+def test_portable_spec(spec, expected):
+    assert portable_spec(spec) == expected
+
+
+def test_portable_spec_of_a_retriever_object_is_its_class_name():
+    assert portable_spec(IndexedRetriever()) == "IndexedRetriever"
+
+
+def test_examples_hash_is_the_canonical_json_lines_digest():
+    examples = [Example("q1", "Wo liegt München?", ("Bayern",), "nq"), Example("q2", "Capital?", ("Paris",), "nq")]
+    lines = "".join(json.dumps(e.to_dict(), sort_keys=True, ensure_ascii=False) + "\n" for e in examples)
+    assert examples_hash(examples) == hashlib.sha256(lines.encode("utf-8")).hexdigest()
+    assert examples_hash(examples[::-1]) != examples_hash(examples)  # order is part of the data
+    assert examples_hash([]) == hashlib.sha256(b"").hexdigest()
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def test_searched_index_id_strips_every_remote_layer_but_keeps_addresses():
+    assert searched_index_id("remote:remote:bm25:x") == "bm25:x"
+    assert searched_index_id("bm25:x") == "bm25:x"
+    assert searched_index_id("remote:http://h:1/retrieve") == "remote:http://h:1/retrieve"
+    assert searched_index_id("remote:https://h/retrieve") == "remote:https://h/retrieve"
+    assert searched_index_id("remote:remote:https://h") == "remote:https://h"
+
+
+def _record(benchmark="nq", metrics=None, **provenance):
+    base = {"agent": "a", "dataset": "d", "retriever": "r", "topk": 3, "retriever_id": "bm25:x"}
+    return {"benchmark": benchmark, "metrics": metrics or {"em": 0.5, "n": 2}, "provenance": {**base, **provenance}}
+
+
+def test_provenance_differences_ignore_the_contestant_and_compare_the_searched_index():
+    same = [_record(agent="x", dataset="p/one", retriever="bm25:a"),
+            _record(agent="y", dataset="q/one", retriever="http://s", retriever_id="remote:bm25:x")]
+    assert provenance_differences(same) == {}
+    assert provenance_differences([_record(), _record(topk=5)]) == {"topk": [3, 5]}
+    assert provenance_differences([_record(), _record(retriever_id="remote:http://h")]) == {
+        "retriever_id": ["bm25:x", "remote:http://h"]}
+    missing = _record()
+    del missing["provenance"]["topk"]
+    assert provenance_differences([_record(), missing]) == {"topk": [3, None]}
+    assert provenance_differences([_record(max_new_tokens=256), _record(max_new_tokens=512),
+                                   _record(max_new_tokens=256)]) == {"max_new_tokens": [256, 512, 256]}
+    assert provenance_differences([_record(seed=1), _record(seed=1)]) == {}
+
+
+def test_search_error_rates_differ_only_beyond_the_tolerance():
+    def rates(*values):
+        return [{"metrics": {"search_error_rate": v}} for v in values]
+
+    assert search_error_differences(rates(0.0, 0.005)) is None  # exactly the tolerance: comparable
+    assert search_error_differences(rates(0.0, 0.0051)) == [0.0, 0.0051]
+    assert search_error_differences(rates(0.0051, 0.0)) == [0.0051, 0.0]
+    assert search_error_differences([{"metrics": {}}, {"metrics": {"search_error_rate": 0.5}}]) == [0.0, 0.5]
+    assert search_error_differences([]) is None
+
+
+def test_compare_prints_every_metric_of_every_benchmark():
+    a = [_record("nq", {"em": 0.5, "f1": 0.25, "n": 2, "mean_turns": 1.5}),
+         _record("medqa", {"acc": 1.0, "n": 3})]
+    b = [_record("nq", {"em": 0.125, "f1": 1.0, "n": 2, "mean_turns": 2.0})]
+    assert compare([a, b], ["A", "B"]).splitlines() == [
+        "benchmark  metric  A      B",
+        "---------  ------  -----  -----",
+        "medqa      acc     1.000  -",
+        "           n       3      -",
+        "nq         EM      0.500  0.125",
+        "           F1      0.250  1.000",
+        "           turns   1.500  2.000",
+        "           n       2      2"]
+
+
+@pytest.mark.parametrize("key, values", [("max_new_tokens", (256, 64)), ("max_turns", (4, 2)), ("topk", (3, 5)),
+                                         ("seed", (0, 1)), ("prompt_template", ("ab", "cd")),
+                                         ("dataset_sha256", ("x", "y")), ("split", ("dev", "test")),
+                                         ("limit", (None, 10))])
+def test_compare_refuses_results_produced_under_different_settings(key, values):
+    a, b = [_record(**{key: values[0]})], [_record(**{key: values[1]})]
+    with pytest.raises(ProvenanceMismatchError) as error:
+        compare([a, b], ["A", "B"])
+    assert str(error.value) == (f"nq: results are not comparable ({key}: {list(values)}); rerun under the same "
+                                "settings or pass --force to print them flagged")
+    flagged = compare([a, b], ["A", "B"], force=True).splitlines()
+    assert flagged[2].split()[:3] == ["nq", "(!)", "EM"] and flagged[3].split()[0] == "n"
+    assert flagged[3].startswith(" ")  # the flagged name on the benchmark's first row only
+    assert flagged[-1] == f"!! nq NOT COMPARABLE: {key}: {list(values)}"
+
+
+def test_compare_refuses_different_search_error_rates_with_both_reasons():
+    a = [_record(metrics={"em": 0.5, "search_error_rate": 0.1}, topk=3)]
+    b = [_record(metrics={"em": 0.5, "search_error_rate": 0.03456}, topk=5)]
+    with pytest.raises(ProvenanceMismatchError, match=r"\(topk: \[3, 5\]; search_error_rate: \[0.1, 0.0346\]\)"):
+        compare([a, b], ["A", "B"])
+    lines = compare([a, b], ["A", "B"], force=True).splitlines()
+    assert lines[-1] == "!! nq NOT COMPARABLE: topk: [3, 5]; search_error_rate: [0.1, 0.0346]"
+    assert "search errors" in lines[3] and lines[3].split()[-2:] == ["0.100", "0.035"]
+
+
+def test_a_benchmark_missing_from_one_side_is_compared_with_the_others_only():
+    a = [_record("nq", topk=3), _record("hotpotqa", topk=3)]
+    b = [_record("hotpotqa", topk=3)]
+    c = [_record("nq", topk=3)]
+    out = compare([a, b, c], ["A", "B", "C"]).splitlines()
+    assert out[2].split() == ["hotpotqa", "EM", "0.500", "0.500", "-"]
+    assert out[4].split() == ["nq", "EM", "0.500", "-", "0.500"]
+
+
+def test_load_results_reads_a_folder_or_a_file_and_refuses_anything_else(tmp_path):
+    records = [_record()]
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    assert load_results(tmp_path) == records and load_results(str(tmp_path / "results.json")) == records
+    with pytest.raises(FileNotFoundError) as error:
+        load_results(tmp_path / "nowhere")
+    assert str(error.value) == (f"no results.json at {tmp_path / 'nowhere'}; produce one with `stppo eval ... "
+                                "--output-dir DIR`")
+    bad = tmp_path / "bad.json"
+    for content in (b"{not json", b"\xff\xfe\x00"):
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=f"^{bad} is not a readable results.json \\("):
+            load_results(bad)
+    for content in ({"benchmark": "nq", "metrics": {}}, [{"benchmark": "nq"}], [{"metrics": {}}], ["nq"],
+                    [{"benchmark": "nq", "metrics": {}}, 3]):
+        bad.write_text(json.dumps(content))
+        with pytest.raises(ValueError) as error:
+            load_results(bad)
+        assert str(error.value) == f"{bad} is not a results.json of `stppo eval` (a list of benchmark records)"
+    bad.write_text(json.dumps([{"benchmark": "nq", "metrics": {}, "extra": 1}]))
+    assert load_results(bad) == [{"benchmark": "nq", "metrics": {}, "extra": 1}]
+
+
+# ---------------------------------------------------------------- results.py
+
+
+def _metrics(**kw):
+    base = {"n": 4, "em": 0.5, "f1": 0.625, "answer_rate": 0.75, "invalid_action_rate": 0.125, "mean_turns": 1.5,
+            "mean_search_calls": 0.25}
+    return {**base, **kw}
+
+
+def test_format_table_of_qa_and_mcq_benchmarks_with_the_qa_average():
+    results = [{"benchmark": "nq", "metrics": _metrics()},
+               {"benchmark": "hotpotqa", "metrics": _metrics(em=0.25, f1=0.5)},
+               {"benchmark": "medqa", "metrics": {k: v for k, v in _metrics(acc=1.0).items() if k not in ("em", "f1")}}]
+    assert format_table(results).splitlines() == [
+        "benchmark    n  EM/acc  F1     answer  invalid  turns  searches",
+        "-----------  -  ------  -----  ------  -------  -----  --------",
+        "nq           4  0.500   0.625  0.750   0.125    1.50   0.25",
+        "hotpotqa     4  0.250   0.500  0.750   0.125    1.50   0.25",
+        "medqa        4  1.000   -      0.750   0.125    1.50   0.25",
+        "QA avg (EM)     0.375"]
+
+
+def test_format_table_adds_tokens_and_search_errors_only_when_there_are_any():
+    one = [{"benchmark": "nq", "metrics": _metrics(search_error_rate=0.0)}]
+    assert format_table(one).splitlines()[0].split()[-1] == "searches"  # one QA benchmark: no average either
+    assert len(format_table(one).splitlines()) == 3
+    both = [{"benchmark": "nq", "metrics": _metrics(mean_response_tokens=12.25, search_error_rate=0.5)},
+            {"benchmark": "bamboogle", "metrics": _metrics(search_error_rate=0.0)}]
+    lines = format_table(both).splitlines()
+    assert lines[0].endswith("searches  tokens  search errors")
+    assert lines[2].split()[-2:] == ["12.2", "0.500"] and lines[3].split()[-2:] == ["0.0", "0.000"]
+    assert lines[4].split() == ["QA", "avg", "(EM)", "0.500"] and lines[4].endswith("0.500")
+    no_em = [{"benchmark": "x", "metrics": {k: v for k, v in _metrics().items() if k != "em"}}]
+    assert format_table(no_em).splitlines()[2].split()[2] == "0.000"
+
+
+def test_write_results_writes_the_three_files(tmp_path):
+    results = [{"benchmark": "nq", "metrics": {"n": 2, "em": 0.5}, "provenance": {"topk": 3},
+                "episodes": [{"example_id": "a", "em": 1.0, "question": "Wo liegt München?"},
+                             {"example_id": "b", "em": 0.0}]},
+               {"benchmark": "medqa", "metrics": {"n": 1, "acc": 1.0}, "provenance": {"topk": 3},
+                "episodes": [{"example_id": "c", "correct": 1.0}]}]
+    out = tmp_path / "new" / "deeper"
+    write_results(results, out)
+    summary = json.loads((out / "results.json").read_text())
+    assert summary == [{k: v for k, v in r.items() if k != "episodes"} for r in results]
+    assert (out / "results.json").read_text() == json.dumps(summary, indent=2, sort_keys=True) + "\n"
+    episodes = (out / "episodes.jsonl").read_text(encoding="utf-8").splitlines()
+    assert episodes == [json.dumps({"benchmark": "nq", **results[0]["episodes"][0]}, sort_keys=True),
+                        json.dumps({"benchmark": "nq", **results[0]["episodes"][1]}, sort_keys=True),
+                        json.dumps({"benchmark": "medqa", **results[1]["episodes"][0]}, sort_keys=True)]
+    assert "München" not in (out / "episodes.jsonl").read_text(encoding="utf-8")  # ASCII-escaped JSON
+    assert (out / "results.csv").read_bytes() == (b"benchmark,acc,em,n\r\n" b"nq,,0.5,2\r\n" b"medqa,1.0,,1\r\n")
+    with open(out / "results.csv", newline="") as handle:
+        assert list(csv.reader(handle))[0] == ["benchmark", "acc", "em", "n"]
+    write_results(results[:1], out)  # an existing folder is reused, files replaced
+    assert len((out / "episodes.jsonl").read_text().splitlines()) == 2
+
+
+def test_evaluate_all_runs_each_named_benchmark_with_its_dataset_and_the_settings(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(evaluate_module, "evaluate_benchmark",
+                        lambda agent, settings: calls.append((agent, settings)) or {"benchmark": settings.benchmark})
+    out = evaluate_all("oracle", ["nq", "medqa"], {"medqa": "/data/medqa.jsonl"}, "dev", 7, "demo", 5, 2, 16, 3,
+                       max_new_tokens=33)
+    assert out == [{"benchmark": "nq"}, {"benchmark": "medqa"}]
+    assert calls == [("oracle", EvalSettings("nq", None, "dev", 7, "demo", 5, 2, 16, 3, 33)),
+                     ("oracle", EvalSettings("medqa", "/data/medqa.jsonl", "dev", 7, "demo", 5, 2, 16, 3, 33))]
+    assert capsys.readouterr().out == ""  # nothing chosen for a scripted agent
+    evaluate_all("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
+    assert calls[-1][1].max_new_tokens == 256
+    with pytest.raises(Exception):
+        evaluate_all("oracle", ["nq", "no-such-benchmark"], {}, None, None, "demo", 3, 4, 32, 0)
+    assert len(calls) == 3  # an unknown name fails before any benchmark runs
