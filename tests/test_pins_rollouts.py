@@ -4,6 +4,8 @@ scripted envs and a scripted backend keep every count exact and the tests cheap.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from stppo_agent.rollouts.generation import Generation
@@ -22,9 +24,10 @@ class CharTokenizer:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, text, add_special_tokens=True):
-        self.calls.append((text, add_special_tokens))
-        return {"input_ids": ([BOS] if add_special_tokens else []) + [ord(c) for c in text]}
+    def __call__(self, text, **kwargs):
+        self.calls.append((text, kwargs))
+        special = kwargs.get("add_special_tokens", True)  # the Hugging Face default
+        return {"input_ids": ([BOS] if special else []) + [ord(c) for c in text]}
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join("" if (i < 3 and skip_special_tokens) else (chr(i) if i >= 3 else f"<{i}>") for i in ids)
@@ -113,9 +116,15 @@ def test_collect_rollouts_validates_its_limits_before_anything():
 def test_encode_prompt_without_a_chat_template_adds_special_tokens():
     tok = CharTokenizer()
     assert encode_prompt(tok, "ab") == [BOS, 97, 98]
-    assert tok.calls == [("ab", True)]
+    assert tok.calls == [("ab", {"add_special_tokens": True})]  # asked for, whatever the tokenizer's default
     tok.chat_template = ""  # an empty template is no template
     assert encode_prompt(tok, "ab") == [BOS, 97, 98]
+
+    class Bare:  # a tokenizer without a chat_template attribute at all
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [BOS] * add_special_tokens + [ord(c) for c in text]}
+
+    assert encode_prompt(Bare(), "ab") == [BOS, 97, 98]
 
 
 class ChatTokenizer(CharTokenizer):
@@ -130,8 +139,8 @@ class ChatTokenizer(CharTokenizer):
         return self.returns
 
 
-class Encoding(dict):
-    """A BatchEncoding-like mapping (has keys())."""
+class Encoding(collections.UserDict):
+    """Like transformers' BatchEncoding: a mapping with keys() that is not a dict."""
 
 
 @pytest.mark.parametrize("returns", [(7, 8, 9), {"input_ids": [7, 8, 9]}, Encoding(input_ids=[7, 8, 9])])
@@ -146,7 +155,7 @@ def test_encode_observation_has_no_special_tokens_and_is_cut_at_the_limit():
     tok = CharTokenizer()
     assert encode_observation(tok, "abcdef", 4) == ids("abcd")
     assert encode_observation(tok, "abc", 3) == ids("abc")
-    assert tok.calls == [("abcdef", False), ("abc", False)]
+    assert tok.calls == [("abcdef", {"add_special_tokens": False}), ("abc", {"add_special_tokens": False})]
 
 
 # ---------------------------------------------------------------- prompts and resets
@@ -353,3 +362,18 @@ def test_no_trajectory_is_ever_longer_than_max_total_tokens(total):
     assert all(n <= total for n in lengths), lengths
     for length, info in zip(lengths, batch.episode_info):
         assert (info["finish_reason"] == "max_total_tokens") == (length == total)
+
+
+def test_a_trajectory_running_out_does_not_stop_the_others_turn():
+    """The first trajectory fills its budget with an observation; the second, later in the same turn, still gets its
+    observation, counters and next turn."""
+    full = ScriptEnv(prompt="p" * 9, steps=[going("o" * 9, search_calls=1)])
+    rest = ScriptEnv(prompt="p", steps=[going("OBS", search_calls=1),
+                                                   ("", 1.0, True, False, {"prediction": "a", "search_calls": 1})])
+    backend = ScriptBackend([ids("ab"), ids("c")])
+    batch = collect_rollouts(backend, CharTokenizer(), [full, rest], [{}, {}], [0, 1],
+                             limits(max_new_tokens_per_turn=4, max_prompt_tokens=10, max_total_tokens=14))
+    assert batch.response_ids[1].tolist()[:6] == ids("ab") + ids("OBS") + ids("c")
+    assert [e["finish_reason"] for e in batch.episode_info] == ["max_total_tokens", "answer"]
+    assert batch.stats["turns"] == 1.5 and batch.stats["search_calls"] == 1.0
+    assert len(backend.calls[1]["contexts"]) == 1
