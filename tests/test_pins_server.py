@@ -794,3 +794,17 @@ def test_the_cache_keeps_what_a_partial_answer_served_and_reports_the_rest_at_th
     assert backend.calls[-1] == (["BAD1"], 1)  # a refused query is asked again; the served one came from the cache
     cached.batch_search(["z"])
     assert backend.calls[-1] == (["z"], 10)  # the default k is pyserini's 10
+
+
+def test_a_zero_window_serves_every_request_on_its_own():
+    backend = _Backend()
+    batcher = _Batcher(backend, ServerLimits(batch_window_s=0.0))
+
+    async def run():
+        first = await asyncio.wait_for(batcher.search(["a"], 1), timeout=10)
+        second = await asyncio.wait_for(batcher.search(["b", "c"], 1), timeout=10)
+        return first, second
+
+    (rows_a, _), (rows_bc, _) = asyncio.run(run())
+    assert [row[0].docid for row in rows_a + rows_bc] == ["a#0", "b#0", "c#0"]
+    assert backend.calls == [(["a"], 1), (["b", "c"], 1)] and batcher.batches_served == 2
