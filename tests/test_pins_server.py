@@ -236,8 +236,8 @@ def test_requests_apart_by_more_than_the_window_are_not_merged():
     async def run():
         first = asyncio.ensure_future(batcher.search(["a"], 1))
         await asyncio.sleep(0.3)
-        second = await batcher.search(["b"], 1)
-        return await first, second
+        second = await asyncio.wait_for(batcher.search(["b"], 1), timeout=10)
+        return await asyncio.wait_for(first, timeout=10), second
 
     asyncio.run(run())
     assert [queries for queries, _ in backend.calls] == [["a"], ["b"]]
@@ -253,9 +253,10 @@ def test_a_failure_inside_a_group_fails_its_requests_and_the_batcher_keeps_servi
     backend = _Backend()
     batcher = Broken(backend, ServerLimits(batch_window_s=0.2))
 
-    async def run():
-        answers = await asyncio.gather(batcher.search(["a"], 2), batcher.search(["b"], 1), return_exceptions=True)
-        return answers, await batcher.search(["c"], 1)
+    async def run():  # a request the batcher forgets fails the test instead of hanging it
+        answers = await asyncio.wait_for(asyncio.gather(batcher.search(["a"], 2), batcher.search(["b"], 1),
+                                                        return_exceptions=True), timeout=10)
+        return answers, await asyncio.wait_for(batcher.search(["c"], 1), timeout=10)
 
     (broken, served), later = asyncio.run(run())
     assert isinstance(broken, KeyError) and served[0][0][0].docid == "b#0" and later[0][0][0].docid == "c#0"
@@ -271,7 +272,8 @@ def test_a_down_backend_fails_only_the_requests_it_could_not_serve():
     batcher = _Batcher(HalfDown(), ServerLimits(batch_window_s=0.2))
 
     async def run():
-        return await asyncio.gather(batcher.search(["a"], 2), batcher.search(["b", "c"], 1), return_exceptions=True)
+        return await asyncio.wait_for(asyncio.gather(batcher.search(["a"], 2), batcher.search(["b", "c"], 1),
+                                                     return_exceptions=True), timeout=10)
 
     down, (rows, errors) = asyncio.run(run())
     assert isinstance(down, RetrieverUnavailableError) and errors == {}
