@@ -270,7 +270,7 @@ def test_summarize_means_rates_and_tokens():
 @pytest.mark.parametrize("spec, expected", [
     ("bm25:/data/idx/wiki", "bm25:wiki"), ("dense:/data/e5/index", "dense:e5/index"), ("demo", "demo"),
     ("bm25:", "bm25:"), ("http://host:8000/retrieve", "http://host:8000/retrieve"), ("other:/a/b", "other:/a/b"),
-    ("bm25:relative-name", "bm25:relative-name")])
+    ("bm25:relative-name", "bm25:relative-name"), ("bm25:/data/v1:2/wiki", "bm25:wiki")])
 def test_portable_spec(spec, expected):
     assert portable_spec(spec) == expected
 
@@ -316,6 +316,11 @@ def test_provenance_differences_ignore_the_contestant_and_compare_the_searched_i
     assert provenance_differences([_record(max_new_tokens=256), _record(max_new_tokens=512),
                                    _record(max_new_tokens=256)]) == {"max_new_tokens": [256, 512, 256]}
     assert provenance_differences([_record(seed=1), _record(seed=1)]) == {}
+    # only retriever_id names an index: another field's "remote:" prefix is part of its value
+    assert provenance_differences([_record(prompt_template="remote:ab"), _record(prompt_template="ab")]) == {
+        "prompt_template": ["remote:ab", "ab"]}
+    assert provenance_differences([_record(retriever_id=None), _record(retriever_id="bm25:x")]) == {
+        "retriever_id": [None, "bm25:x"]}
 
 
 def test_search_error_rates_differ_only_beyond_the_tolerance():
@@ -327,6 +332,7 @@ def test_search_error_rates_differ_only_beyond_the_tolerance():
     assert search_error_differences(rates(0.0051, 0.0)) == [0.0051, 0.0]
     assert search_error_differences([{"metrics": {}}, {"metrics": {"search_error_rate": 0.5}}]) == [0.0, 0.5]
     assert search_error_differences([]) is None
+    assert search_error_differences(rates(0.3, 0.3, 0.304)) is None  # equal failures on both sides: comparable
 
 
 def test_compare_prints_every_metric_of_every_benchmark():
@@ -434,6 +440,8 @@ def test_format_table_adds_tokens_and_search_errors_only_when_there_are_any():
     assert lines[0].endswith("searches  tokens  search errors")
     assert lines[2].split()[-2:] == ["12.2", "0.500"] and lines[3].split()[-2:] == ["0.0", "0.000"]
     assert lines[4].split() == ["QA", "avg", "(EM)", "0.500"] and lines[4].endswith("0.500")
+    unrecorded = [both[0], {"benchmark": "old", "metrics": _metrics()}]  # a record from before the rate existed
+    assert format_table(unrecorded).splitlines()[3].split()[-1] == "0.000"
     no_em = [{"benchmark": "x", "metrics": {k: v for k, v in _metrics().items() if k != "em"}}]
     assert format_table(no_em).splitlines()[2].split()[2] == "0.000"
 
@@ -476,3 +484,16 @@ def test_evaluate_all_runs_each_named_benchmark_with_its_dataset_and_the_setting
     with pytest.raises(Exception):
         evaluate_all("oracle", ["nq", "no-such-benchmark"], {}, None, None, "demo", 3, 4, 32, 0)
     assert len(calls) == 3  # an unknown name fails before any benchmark runs
+
+
+def test_evaluate_all_evaluates_the_checkpoint_the_spec_resolves_to_and_says_which(monkeypatch, capsys):
+    from stppo_agent.evaluation import agent_specs
+
+    calls = []
+    monkeypatch.setattr(agent_specs, "resolve_agent_spec",
+                        lambda spec: ("hf:run/checkpoints/step-2/actor", "run@best = step-2"))
+    monkeypatch.setattr(evaluate_module, "evaluate_benchmark",
+                        lambda agent, settings: calls.append(agent) or {"benchmark": settings.benchmark})
+    evaluate_all("hf:run@best", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
+    assert calls == ["hf:run/checkpoints/step-2/actor"]
+    assert capsys.readouterr().out == "agent run@best = step-2\n"
