@@ -487,10 +487,10 @@ def test_results_parse_scored_bare_and_split_documents():
     items = [{"document": {"id": 7, "contents": '"Paris"\nCapital.'}, "score": 2.5},
              {"id": "8", "contents": "Rome\nEternal."},
              {"docid": "9", "title": "Oslo", "text": "Cold."},
-             {"document": {"title": "Nowhere"}}]
-    (row,) = _client([_Response(body={"result": [items]})]).batch_search(["q"], 4)
+             {"document": {"title": "Nowhere"}}, {"document": {"id": "10", "text": "Only text."}}]
+    (row,) = _client([_Response(body={"result": [items]})]).batch_search(["q"], 5)
     assert row == [Hit("7", 2.5, "Paris", "Capital."), Hit("8", 0.0, "Rome", "Eternal."), Hit("9", 0.0, "Oslo", "Cold."),
-                   Hit("", 0.0, "Nowhere", "")]
+                   Hit("", 0.0, "Nowhere", ""), Hit("10", 0.0, "", "Only text.")]
     assert row[1].title_line == "Rome" and row[0].title_line == '"Paris"'
 
 
