@@ -332,16 +332,20 @@ def test_the_body_limit_passes_other_scopes_through_and_reraises_app_errors():
         calls.append((scope["type"], (await receive())["type"]))
         if scope["type"] == "http":
             raise RuntimeError("app bug")
+        await send({"type": "lifespan.startup.complete"})
 
     limited = BodyLimit(app, 10)
 
     async def nothing():
         return {"type": "lifespan.startup"}
 
-    async def ignore(message):
-        pass
+    sent = []
 
-    asyncio.run(limited({"type": "lifespan"}, nothing, ignore))
+    async def record(message):
+        sent.append(message)
+
+    asyncio.run(limited({"type": "lifespan"}, nothing, record))
+    assert sent == [{"type": "lifespan.startup.complete"}]
     with pytest.raises(RuntimeError, match="app bug"):
         asyncio.run(_call(limited, "POST", "/x", b"{}"))
     assert calls == [("lifespan", "lifespan.startup"), ("http", "http.request")]
@@ -358,6 +362,7 @@ def test_serve_runs_uvicorn_on_loopback_with_the_limited_app(monkeypatch):
     server.serve(KeywordRetriever(), host="0.0.0.0", port=9001, limits=ServerLimits(max_body_bytes=7),
                  log_level="warning")
     (default_app, default_kwargs), (app, kwargs) = calls
+    assert isinstance(app.app.state.batcher.retriever, KeywordRetriever)
     assert default_kwargs == {"host": "127.0.0.1", "port": 8000, "log_level": "info"}
     assert isinstance(default_app, BodyLimit) and default_app.limit == 64 * 1024 * 1024
     assert kwargs == {"host": "0.0.0.0", "port": 9001, "log_level": "warning"} and app.limit == 7
@@ -810,3 +815,51 @@ def test_a_zero_window_serves_every_request_on_its_own():
     (rows_a, _), (rows_bc, _) = asyncio.run(run())
     assert [row[0].docid for row in rows_a + rows_bc] == ["a#0", "b#0", "c#0"]
     assert backend.calls == [(["a"], 1), (["b", "c"], 1)] and batcher.batches_served == 2
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_reading_the_body():
+    async def app(scope, receive, send):
+        raise AssertionError("the app must not be called")
+
+    pulled = []
+
+    async def receive():
+        pulled.append(1)
+        return {"type": "http.request", "body": b"x" * 11, "more_body": False}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = _scope("POST", "/x", [(b"content-type", b"application/json"), (b"content-length", b"11")])
+    asyncio.run(BodyLimit(app, 10)(scope, receive, send))
+    assert pulled == [] and sent[0]["status"] == 413
+
+
+class _Refusing(_Backend):
+    """Raises ``error`` for any batch holding a query that contains BAD."""
+
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def batch_search(self, queries, k=10):
+        if any("BAD" in q for q in queries):
+            self.calls.append((list(queries), k))
+            raise self.error
+        return super().batch_search(queries, k)
+
+
+@pytest.mark.parametrize("error", [RetrievalError("refused"), ValueError("faiss: bad input")])
+def test_merged_requests_get_their_own_errors_at_their_own_positions(error):
+    batcher = _Batcher(_Refusing(error), ServerLimits(batch_window_s=0.3))
+    asked = [(["a0", "a1"], 1), (["BAD b0", "b1"], 1), (["c0", "c1", "BAD c2"], 1), (["d0"], 1)]
+    answers = _gather(batcher, asked)
+    expected_bad = [[], [0], [2], []]
+    for (queries, _), (rows, errors), bad in zip(asked, answers, expected_bad):
+        assert sorted(errors) == bad, queries
+        assert [None if row is None else row[0].docid for row in rows] == \
+               [None if i in bad else f"{q}#0" for i, q in enumerate(queries)]
+        assert all(str(error) in str(e) for e in errors.values())
+    assert batcher.queries_served == 8 - 2 and batcher.batches_served == 1
