@@ -497,3 +497,37 @@ def test_evaluate_all_evaluates_the_checkpoint_the_spec_resolves_to_and_says_whi
     evaluate_all("hf:run@best", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
     assert calls == ["hf:run/checkpoints/step-2/actor"]
     assert capsys.readouterr().out == "agent run@best = step-2\n"
+
+
+def test_run_episodes_shows_each_episode_its_own_id_and_the_options_and_stays_silent_off_a_terminal(capsys):
+    class Recorder:
+        def __init__(self):
+            self.views = []
+
+        def act(self, episodes):
+            self.views += episodes
+            return ["<answer> A </answer>"] * len(episodes)
+
+    envs = [RecordingEnv("medqa", retriever=IndexedRetriever(), limit=3) for _ in range(2)]
+    RecordingEnv.resets = []
+    agent = Recorder()
+    records = run_episodes(envs, agent, [1, 1])
+    assert [v.episode_id for v in agent.views] == ["demo-medical-1", "demo-medical-1#2"]
+    assert agent.views[0].choices == envs[0].examples[1].choices and agent.views[0].choices
+    assert RecordingEnv.resets == [(1, {"index": 1}), (1, {"index": 1})]  # seed 0 + the example's index
+    assert [r["episode_id"] for r in records] == ["demo-medical-1", "demo-medical-1#2"]
+    assert "correct" in records[0] and "em" not in records[0]
+    out, err = capsys.readouterr()
+    assert out == "" and err == ""  # no progress bar in logs and CI
+
+
+def test_the_split_setting_chooses_the_file_of_a_dataset_folder(tmp_path):
+    folder = tmp_path / "nq"
+    folder.mkdir()
+    (folder / "nq_train.jsonl").write_text('{"id": "train-1", "question": "q?", "golden_answers": ["a"]}\n')
+    (folder / "nq_dev.jsonl").write_text('{"id": "dev-0", "question": "r?", "golden_answers": ["b"]}\n')
+    result = _evaluate(EvalSettings("nq", dataset=str(folder), split="dev", retriever=IndexedRetriever()))
+    assert [e["example_id"] for e in result["episodes"]] == ["dev-0"]
+    assert result["provenance"]["split"] == "dev" and result["provenance"]["dataset"] == "nq"
+    train = _evaluate(EvalSettings("nq", dataset=str(folder), split="train", retriever=IndexedRetriever()))
+    assert [e["example_id"] for e in train["episodes"]] == ["train-1"]
