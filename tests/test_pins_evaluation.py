@@ -406,6 +406,8 @@ def test_load_results_reads_a_folder_or_a_file_and_refuses_anything_else(tmp_pat
         assert str(error.value) == f"{bad} is not a results.json of `stppo eval` (a list of benchmark records)"
     bad.write_text(json.dumps([{"benchmark": "nq", "metrics": {}, "extra": 1}]))
     assert load_results(bad) == [{"benchmark": "nq", "metrics": {}, "extra": 1}]
+    bad.write_text(json.dumps([{"benchmark": "nq", "metrics": {}}]))  # the two required keys and nothing else
+    assert load_results(bad) == [{"benchmark": "nq", "metrics": {}}]
 
 
 # ---------------------------------------------------------------- results.py
