@@ -553,7 +553,8 @@ def test_the_templates_are_search_r1s_text():
     assert SEARCH_R1_TEMPLATE.endswith("For example, <answer> Beijing </answer>. Question: {question}\n")
     assert "call a search engine by <search> query </search> and it will return the top searched results " \
            "between <information> and </information>." in SEARCH_R1_TEMPLATE
-    assert SEARCH_R1_MCQ_TEMPLATE.endswith("for example <answer> B </answer>. Question: {question}\nOptions:\n{options}\n")
+    assert SEARCH_R1_MCQ_TEMPLATE.endswith(
+        "for example <answer> B </answer>. Question: {question}\nOptions:\n{options}\n")
 
 
 def test_the_loader_settings_reach_the_dataset(tmp_path):

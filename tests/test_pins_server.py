@@ -53,7 +53,8 @@ async def _call(app, method, path, body: bytes = b"", chunks=None, declare_lengt
 
     await asyncio.wait_for(app(_scope(method, path, headers), receive, send), timeout=10)  # a lost request fails
     start = next(m for m in sent if m["type"] == "http.response.start")
-    return start["status"], start["headers"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], start["headers"], body
 
 
 def _post_all(app, payloads, concurrent=False):
@@ -494,8 +495,8 @@ def test_results_parse_scored_bare_and_split_documents():
              {"docid": "9", "title": "Oslo", "text": "Cold."},
              {"document": {"title": "Nowhere"}}, {"document": {"id": "10", "text": "Only text."}}]
     (row,) = _client([_Response(body={"result": [items]})]).batch_search(["q"], 5)
-    assert row == [Hit("7", 2.5, "Paris", "Capital."), Hit("8", 0.0, "Rome", "Eternal."), Hit("9", 0.0, "Oslo", "Cold."),
-                   Hit("", 0.0, "Nowhere", ""), Hit("10", 0.0, "", "Only text.")]
+    assert row == [Hit("7", 2.5, "Paris", "Capital."), Hit("8", 0.0, "Rome", "Eternal."),
+                   Hit("9", 0.0, "Oslo", "Cold."), Hit("", 0.0, "Nowhere", ""), Hit("10", 0.0, "", "Only text.")]
     assert row[1].title_line == "Rome" and row[0].title_line == '"Paris"'
 
 
