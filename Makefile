@@ -55,14 +55,19 @@ $(VERL_STAMP): $(STAMP) pyproject.toml Makefile
 	$(VERL_PY) -m compileall -qq -j 0 $(call SITE_PACKAGES,$(VERL_PY)) > /dev/null || true
 	touch $(VERL_STAMP)
 
-# Mutation testing (not in CI: about an hour on 2 cores). Settings in pyproject.toml [tool.mutmut]; results in
-# mutants/ (`.venv/bin/mutmut browse` to read the survivors; `.venv/bin/mutmut results`).
-# The scope of issue 14: scoring, action parsing, the algorithms' math, the rollout limits (MUTANTS= for all).
-MUTANTS ?= "stppo_envs.*" "stppo_agent.algorithms.losses.*" "stppo_agent.algorithms.advantages.*" \
-	"stppo_agent.algorithms.segments.*" "stppo_agent.algorithms.clip_bias.*" "stppo_agent.algorithms.rollout_correction.*" \
-	"stppo_agent.rollouts.turn_loop.xǁRolloutLimitsǁvalidate*" "stppo_agent.rollouts.turn_loop.x__run_turn*" "stppo_agent.rollouts.turn_loop.x_collect_rollouts*"
+# Mutation testing (not in CI), in slices of an hour or more each on 2 cores: `make mutants SLICE=envs` (scoring,
+# action parsing, the env and vector env, prompts, retrieval client/server/cache), `SLICE=evaluation` (evaluation,
+# results, comparisons, the rollout loop and its budget), `SLICE=algorithms` (the algorithms' math); no SLICE: all.
+# Settings in pyproject.toml [tool.mutmut]; results in mutants/ (`.venv/bin/mutmut browse` to read the survivors).
+MUTANTS_envs := "stppo_envs.*"
+MUTANTS_evaluation := "stppo_agent.evaluation.*" "stppo_agent.rollouts.turn_loop.*"
+MUTANTS_algorithms := "stppo_agent.algorithms.*"
+SLICE ?=
+MUTANTS ?= $(if $(SLICE),$(MUTANTS_$(SLICE)),$(MUTANTS_envs) $(MUTANTS_evaluation) $(MUTANTS_algorithms))
 mutants: $(STAMP)
 	$(PY) -m pip install -q -e ".[mutation]"
 	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)
 	$(VENV)/bin/mutmut results --all true > mutants/summary.txt || true
-	$(PY) -c "import re,collections;t=open('mutants/summary.txt').read();print(collections.Counter(re.findall(r': (\w+)$$',t,re.M)))"
+	$(PY) -c "import re,collections as c;r=re.findall(r'^\s*(\S+?)\.x\S*: ([a-z ]+)$$',open('mutants/summary.txt').read(),re.M);\
+	n=c.defaultdict(c.Counter);[n[m].update([s]) for m,s in r];\
+	[print(f'{m:48} {dict(n[m])}') for m in sorted(n)]"
