@@ -12,10 +12,23 @@ import pytest
 
 import stppo_envs
 from stppo_agent.evaluation import evaluate as evaluate_module
-from stppo_agent.evaluation.comparison import (ProvenanceMismatchError, compare, load_results, provenance_differences,
-                                               search_error_differences, searched_index_id)
-from stppo_agent.evaluation.evaluate import (EvalSettings, _episode_ids, evaluate_benchmark, examples_hash,
-                                             portable_spec, run_episodes, summarize)
+from stppo_agent.evaluation.comparison import (
+    ProvenanceMismatchError,
+    compare,
+    load_results,
+    provenance_differences,
+    search_error_differences,
+    searched_index_id,
+)
+from stppo_agent.evaluation.evaluate import (
+    EvalSettings,
+    _episode_ids,
+    evaluate_benchmark,
+    examples_hash,
+    portable_spec,
+    run_episodes,
+    summarize,
+)
 from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
 from stppo_envs import Example, SearchQAEnv
 from stppo_envs.prompts import template_hash

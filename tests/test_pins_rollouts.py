@@ -9,8 +9,13 @@ import collections
 import pytest
 
 from stppo_agent.rollouts.generation import Generation
-from stppo_agent.rollouts.turn_loop import (RolloutLimitError, RolloutLimits, collect_rollouts, encode_observation,
-                                            encode_prompt)
+from stppo_agent.rollouts.turn_loop import (
+    RolloutLimitError,
+    RolloutLimits,
+    collect_rollouts,
+    encode_observation,
+    encode_prompt,
+)
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -265,7 +270,6 @@ def test_counters_missing_from_info_are_zero():
 
 def test_an_env_allowing_more_turns_is_truncated_at_max_turns():
     env = ScriptEnv(steps=[going("o")] * 5)
-    backend = ScriptBackend([ids("a")] * 5)
     ends = []
 
     class Ending(ScriptBackend):
@@ -278,7 +282,6 @@ def test_an_env_allowing_more_turns_is_truncated_at_max_turns():
     assert batch.truncated.tolist() == [True] and batch.terminated.tolist() == [False]
     assert batch.episode_info[0]["finish_reason"] == "max_turns" and batch.stats["turns"] == 2
     assert batch.stats["truncated_max_total_tokens"] == 0
-    del backend
 
 
 def test_end_rollout_runs_even_when_a_turn_fails():
