@@ -408,6 +408,7 @@ def test_no_signal_reason_boundaries():
     assert reason([0.5, 0.5, 0.5, 0.5 + 1e-5]) is None
     assert reason([1e-6] * 4) == "every trajectory's reward is 0"
     assert reason([1e-5] * 4) == "every trajectory earned the same reward (0.000)"
+    assert reason([-1.0] * 4) == "every trajectory earned the same reward (-1.000)"  # a penalty is not 0
     assert reason([0.3, 0.3 + 1e-7, 0.7, 0.7], group_relative=True).startswith("within every group")
     assert reason([0.3, 0.3 + 1e-5, 0.7, 0.7], group_relative=True) is None
     varied = [1.0, 0.0, 0.5, 0.0]

@@ -26,7 +26,7 @@ def no_signal_reason(rewards: torch.Tensor, group_ids: torch.Tensor, advantages:
     rewards = rewards.detach().float().cpu()
     if rewards.numel() and float(rewards.max() - rewards.min()) <= TOLERANCE:
         value = float(rewards[0])
-        if value <= TOLERANCE:
+        if abs(value) <= TOLERANCE:  # all -1 (a penalty every time) is not "reward 0"
             return "every trajectory's reward is 0"
         return f"every trajectory earned the same reward ({value:.3f})"
     if group_relative:
