@@ -27,8 +27,9 @@ class FakeModel(torch.nn.Module):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        torch.manual_seed(seed)
-        self.layer = torch.nn.Linear(3, 2)
+        with torch.random.fork_rng():  # a checkpoint's own random state must not move
+            torch.manual_seed(seed)
+            self.layer = torch.nn.Linear(3, 2)
         self.saved: list[dict | None] = []
 
     def save_pretrained(self, path: Path, state_dict=None, safe_serialization=True):
@@ -394,3 +395,429 @@ def test_monitored_and_finite_number():
     assert finite_number(-2.5) == -2.5 and finite_number(0) == 0.0
     for bad in (True, False, None, "1", float("nan"), float("-inf")):
         assert finite_number(bad) is None
+
+
+# --- trainer state: what a checkpoint holds besides the weights, and a resume ---------------------------------
+
+
+class FakeSource:
+    def __init__(self, position: int):
+        self.position, self.loaded = position, None
+
+    def state(self):
+        return {"position": self.position}
+
+    def load(self, state):
+        self.loaded = state
+
+
+class FakeStale:
+    def __init__(self):
+        self.loaded = "never"
+
+    def state(self):
+        return {"lagged": torch.full((2,), 3.0)}
+
+    def load(self, state):
+        self.loaded = state
+
+
+def fake_trainer(tmp_path: Path, critic: bool = True, **overrides):
+    from types import SimpleNamespace
+
+    from stppo_agent.training.config import TrainConfig
+
+    values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model",
+                  output_dir=str(tmp_path / "run"), actor_lr=0.01, critic_lr=0.02, weight_decay=0.05,
+                  progress=False, tensorboard=False)
+    config = TrainConfig(**{**values, **overrides})
+    trainer = SimpleNamespace(config=config, algo=config.algorithm_config(), iteration=6, optimizer_steps=13,
+                              nan_skips_total=2, source=FakeSource(42), stale_policy=FakeStale(), actor_lr_scale=0.25,
+                              messages=[], critic=None, critic_optimizer=None, critic_scheduler=None)
+    trainer.report = trainer.messages.append
+
+    def models(lr):
+        module = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        module(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        scheduler.step()
+        return module, optimizer, scheduler
+
+    trainer.actor, trainer.actor_optimizer, trainer.actor_scheduler = models(config.actor_lr * 0.25)
+    if critic:
+        trainer.critic, trainer.critic_optimizer, trainer.critic_scheduler = models(config.critic_lr)
+    return trainer
+
+
+def disturb(trainer) -> None:
+    """Other optimizer moments and schedule positions than the saved trainer's."""
+    for name in ("actor", "critic"):
+        module, optimizer = getattr(trainer, name), getattr(trainer, f"{name}_optimizer")
+        if optimizer is not None:
+            module(torch.full((1, 2), 5.0)).sum().backward()
+            optimizer.step()
+            getattr(trainer, f"{name}_scheduler").last_epoch = 0
+
+
+def checkpoint_of(trainer, run: Path, step: int = 6) -> Path:
+    from stppo_agent.runs.trainer_state import checkpoint_states
+
+    tensors, state = checkpoint_states(trainer)
+    return ck.save_checkpoint(run, step, actor=FakeModel(), tokenizer=FakeTokenizer(), critic=None,
+                              tensor_state=tensors, json_state=state, keep=3)
+
+
+def test_checkpoint_states_hold_the_counters_the_config_and_every_optimizer(tmp_path):
+    from stppo_agent.runs.trainer_state import checkpoint_states, run_config
+
+    trainer = fake_trainer(tmp_path)
+    tensors, state = checkpoint_states(trainer)
+    assert {"actor_optimizer", "actor_scheduler", "torch_rng", "critic_optimizer", "critic_scheduler"} <= set(tensors)
+    assert "stale_policy" not in tensors
+    assert torch.equal(tensors["torch_rng"], torch.get_rng_state())
+    assert tensors["actor_scheduler"]["last_epoch"] == 2 and tensors["critic_scheduler"]["base_lrs"] == [0.02]
+    assert set(tensors["actor_optimizer"]["state"]) == {"weight", "bias"}
+    assert {k: state[k] for k in ("iteration", "optimizer_steps", "nan_skips_total", "sampler", "algo", "model",
+                                  "actor_lr_scale")} == {
+        "iteration": 6, "optimizer_steps": 13, "nan_skips_total": 2, "sampler": {"position": 42}, "algo": "ppo",
+        "model": "tiny-model", "actor_lr_scale": 0.25}
+    assert state["config"] == run_config(trainer) and state["config"]["actor_lr"] == 0.01
+    assert state["config"]["algorithm"]["use_critic"] is True  # every algorithm field resolved
+    json.dumps(state)  # the random states are JSON
+    grpo = fake_trainer(tmp_path, critic=False, rollout_staleness=1)
+    tensors, _ = checkpoint_states(grpo)
+    assert "critic_optimizer" not in tensors and "critic_scheduler" not in tensors
+    assert tensors["stale_policy"]["lagged"].tolist() == [3.0, 3.0]
+
+
+def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(tmp_path):
+    import random
+
+    import numpy as np
+
+    from stppo_agent.runs.trainer_state import resume
+
+    saved = fake_trainer(tmp_path, rollout_staleness=1)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    folder = checkpoint_of(saved, tmp_path / "run")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    fresh = fake_trainer(tmp_path, rollout_staleness=1)
+    fresh.iteration, fresh.optimizer_steps, fresh.nan_skips_total, fresh.actor_lr_scale = 0, 0, 0, 1.0
+    disturb(fresh)
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    resume(fresh, folder)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert (fresh.iteration, fresh.optimizer_steps, fresh.nan_skips_total) == (6, 13, 2)
+    assert fresh.source.loaded == {"position": 42} and fresh.stale_policy.loaded["lagged"].tolist() == [3.0, 3.0]
+    for name in ("actor", "critic"):
+        old, new = getattr(saved, f"{name}_optimizer"), getattr(fresh, f"{name}_optimizer")
+        model = getattr(fresh, name)
+        assert torch.equal(new.state[model.weight]["exp_avg"], old.state[getattr(saved, name).weight]["exp_avg"])
+        assert getattr(fresh, f"{name}_scheduler").last_epoch == 2
+    assert fresh.actor_lr_scale == 0.25
+    assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.25 / 3)
+    assert fresh.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.02 / 3)
+    assert fresh.actor_optimizer.param_groups[0]["weight_decay"] == 0.05
+    assert fresh.messages[0] == f"resumed from {folder} (iteration 6, 13 optimizer steps)"
+    assert fresh.messages[1] == "actor learning rate 0.0025: actor_lr 0.01 x0.25 from the run's rollbacks"
+    assert len(fresh.messages) == 2
+
+
+def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    folder = checkpoint_of(fake_trainer(tmp_path, save_rollouts=True), tmp_path / "run")
+    fresh = fake_trainer(tmp_path, actor_lr=0.5, save_rollouts=True)
+    resume(fresh, folder)
+    assert fresh.actor_lr_scale == 1.0
+    assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 3)
+    assert fresh.actor_scheduler.base_lrs == [0.5] and fresh.actor_optimizer.param_groups[0]["initial_lr"] == 0.5
+    assert fresh.messages[1] == "changed since the checkpoint: actor_lr 0.01 -> 0.5"
+    assert fresh.messages[2] == ("actor_lr 0.5 is the rate used from now on (the rollbacks' x0.25 applied to the old "
+                                 "one)")
+    assert fresh.messages[3].startswith("this run records its rollouts, and stppo replay applies one config")
+    assert len(fresh.messages) == 4
+
+
+def test_a_resume_with_nothing_changed_and_no_rollback_says_only_where_it_resumed(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    saved = fake_trainer(tmp_path, save_rollouts=True)
+    saved.actor_lr_scale = 1.0
+    folder = checkpoint_of(saved, tmp_path / "run")
+    fresh = fake_trainer(tmp_path, save_rollouts=True)
+    resume(fresh, folder)
+    assert fresh.actor_lr_scale == 1.0 and len(fresh.messages) == 1
+    assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 3)
+
+
+def test_an_old_checkpoint_without_a_recorded_scale_takes_it_from_its_schedule(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    saved = fake_trainer(tmp_path)  # its schedule's base rate is actor_lr x 0.25
+    folder = checkpoint_of(saved, tmp_path / "run")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    del state["actor_lr_scale"]
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    (folder / "manifest.json").unlink()
+    ck._write_manifest(folder)
+    fresh = fake_trainer(tmp_path)
+    resume(fresh, folder)
+    assert fresh.actor_lr_scale == pytest.approx(0.25)
+    del state["config"]  # older still: no config either, the run's config.yaml is gone, the current rate is used
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    (folder / "manifest.json").unlink()
+    ck._write_manifest(folder)
+    fresh = fake_trainer(tmp_path, actor_lr=0.0025)
+    resume(fresh, folder)
+    assert fresh.actor_lr_scale == pytest.approx(1.0)
+
+
+def test_checkpoint_config_reads_the_checkpoints_record_else_the_runs_config_yaml(tmp_path):
+    from stppo_agent.runs.trainer_state import checkpoint_config
+
+    folder = tmp_path / "run" / "checkpoints" / "step-1"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"iteration": 1, "config": {"actor_lr": 0.3}}))
+    assert checkpoint_config(folder) == {"actor_lr": 0.3}
+    (folder / "trainer_state.json").write_text(json.dumps({"iteration": 1}))
+    assert checkpoint_config(folder) is None
+    (tmp_path / "run" / "config.yaml").write_text("actor_lr: 1e-6\nalgo: ppo\n")
+    assert checkpoint_config(folder) == {"actor_lr": 1e-6, "algo": "ppo"}
+
+
+def test_check_resume_settings_refuses_a_fixed_change_before_the_models_load(tmp_path):
+    from stppo_agent.runs.trainer_state import check_resume_settings
+
+    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")
+    check_resume_settings(fake_trainer(tmp_path, actor_lr=0.9), folder)
+    check_resume_settings(fake_trainer(tmp_path, seed=5), None)
+    with pytest.raises(ValueError, match=r"--resume cannot change seed \(0 -> 5\)"):
+        check_resume_settings(fake_trainer(tmp_path, seed=5), folder)
+    with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
+        check_resume_settings(fake_trainer(tmp_path, save_rollouts=True), folder)
+
+
+def test_apply_learning_rates_scales_the_actor_only_at_the_schedules_step(tmp_path):
+    from stppo_agent.runs.trainer_state import apply_learning_rates
+
+    trainer = fake_trainer(tmp_path, actor_lr=0.4, critic_lr=0.6, weight_decay=0.125)
+    trainer.actor_lr_scale = 0.5
+    apply_learning_rates(trainer)
+    actor, critic = trainer.actor_optimizer.param_groups[0], trainer.critic_optimizer.param_groups[0]
+    assert (actor["initial_lr"], actor["lr"], actor["weight_decay"]) == (0.2, pytest.approx(0.2 / 3), 0.125)
+    assert (critic["initial_lr"], critic["lr"], critic["weight_decay"]) == (0.6, pytest.approx(0.6 / 3), 0.125)
+    assert trainer.actor_scheduler.base_lrs == [0.2] and trainer.critic_scheduler.base_lrs == [0.6]
+    assert trainer.actor_scheduler.get_last_lr() == [actor["lr"]]
+    trainer.actor_scheduler.step()
+    assert actor["lr"] == pytest.approx(0.2 / 4)
+    grpo = fake_trainer(tmp_path, critic=False)
+    apply_learning_rates(grpo)
+    assert grpo.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.25 / 3)
+
+
+def test_restore_optimizers_puts_back_both_optimizers_and_schedules(tmp_path):
+    from stppo_agent.runs.trainer_state import checkpoint_states, restore_optimizers
+
+    saved = fake_trainer(tmp_path)
+    tensors, _ = checkpoint_states(saved)
+    fresh = fake_trainer(tmp_path)
+    disturb(fresh)
+    restore_optimizers(fresh, tensors)
+    assert torch.equal(fresh.actor_optimizer.state[fresh.actor.weight]["exp_avg_sq"],
+                       saved.actor_optimizer.state[saved.actor.weight]["exp_avg_sq"])
+    assert torch.equal(fresh.critic_optimizer.state[fresh.critic.bias]["exp_avg"],
+                       saved.critic_optimizer.state[saved.critic.bias]["exp_avg"])
+    assert fresh.actor_scheduler.last_epoch == 2 and fresh.critic_scheduler.last_epoch == 2
+
+
+# --- replay: the config a replay runs with, the batches it serves --------------------------------------------
+
+
+def synthetic_batch(groups: int, per_group: int = 2):
+    from stppo_agent.rollouts.batch import RolloutBatch
+
+    rows = groups * per_group
+    return RolloutBatch(
+        input_ids=torch.arange(rows * 3).reshape(rows, 3) % 7 + 3, attention_mask=torch.ones(rows, 3, dtype=torch.long),
+        prompt_width=1, response_ids=torch.arange(rows * 2).reshape(rows, 2) % 7 + 3,
+        loss_mask=torch.ones(rows, 2, dtype=torch.bool), turn_ids=torch.zeros(rows, 2, dtype=torch.long),
+        sample_logprobs=torch.zeros(rows, 2), rewards=torch.arange(rows, dtype=torch.float),
+        group_ids=torch.arange(rows) // per_group, terminated=torch.ones(rows, dtype=torch.bool),
+        truncated=torch.zeros(rows, dtype=torch.bool), stats={"reward": 1.0})
+
+
+def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = None, backend: str = "hf",
+                 algo: str = "ppo", algorithm: dict | None = None, critic: bool = False, **config) -> Path:
+    from stppo_agent.runs.recording import RolloutRecorder
+    from stppo_agent.training.config import TrainConfig
+
+    from .tiny_models import word_tokenizer
+
+    run = tmp_path / "recorded"
+    values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run), progress=False,
+                  tensorboard=False, save_rollouts=True, generation_backend=backend, share_retriever=True,
+                  iterations=len(iterations), temperature=0.9, algorithm=algorithm or {"clip_high": 0.3})
+    original = TrainConfig(**{**values, **config})
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(original.to_yaml(resolved=original.algorithm_config()))
+    (run / "rollouts" / "initial" / "actor").mkdir(parents=True)
+    if critic:
+        (run / "rollouts" / "initial" / "critic").mkdir()
+    tokenizer = word_tokenizer()
+    RolloutRecorder(run, tokenizer, 0, 1)  # format.json
+    for iteration in iterations:
+        world = (worlds or {}).get(iteration, 1)
+        whole = synthetic_batch(4)
+        for rank in range(world):
+            share = whole.select(torch.isin(whole.group_ids, torch.arange(4)[rank::world]).nonzero().flatten())
+            RolloutRecorder(run, tokenizer, rank, world).record(iteration, share)
+    return run
+
+
+def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp_path):
+    from stppo_agent.training.replay import replay_config
+
+    run = recorded_run(tmp_path)
+    config = replay_config(run, None, str(tmp_path / "out"), ["actor_lr=0.5"])
+    assert (config.algo, config.iterations, config.actor_lr) == ("ppo", 3, 0.5)
+    assert config.output_dir == str(tmp_path / "out")
+    assert (config.save_rollouts, config.generation_backend, config.share_retriever) == (False, "hf", False)
+    assert config.step_diagnostics is True and config.temperature == 0.9
+    assert config.model == str(run / "rollouts" / "initial" / "actor") and config.critic_model is None
+    assert config.algorithm_config().clip_high == 0.3  # the same algorithm keeps the recorded overrides
+    assert replay_config(run, "ppo", str(tmp_path / "o")).algorithm_config().clip_high == 0.3
+    other = replay_config(run, "grpo", str(tmp_path / "o"))
+    assert other.algo == "grpo" and other.algorithm_config().clip_high != 0.3
+    assert replay_config(run, None, str(tmp_path / "o"), iterations=2).iterations == 2
+    with pytest.raises(ValueError, match=r"iterations=4: .* recorded only 3"):
+        replay_config(run, None, str(tmp_path / "o"), iterations=4)
+    with pytest.raises(ValueError, match="recorded only 3"):
+        replay_config(run, None, str(tmp_path / "o"), ["iterations=4"])
+    with_critic = recorded_run(tmp_path / "c", critic=True)
+    assert replay_config(with_critic, None, "o").critic_model == str(with_critic / "rollouts" / "initial" / "critic")
+
+
+@pytest.mark.parametrize("override, said", [("temperature=0.7", "temperature=0.9 recorded, temperature=0.7 asked"),
+                                            ("top_p=0.5", "top_p=1.0 recorded, top_p=0.5 asked"),
+                                            ("top_k=3", "top_k=0 recorded, top_k=3 asked")])
+def test_replay_config_refuses_another_sampling_distribution(tmp_path, override, said):
+    from stppo_agent.training.replay import replay_config
+
+    with pytest.raises(ValueError, match=f"settings that sampled them; {said}: drop that --set"):
+        replay_config(recorded_run(tmp_path), "grpo", "o", [override])
+
+
+def test_replay_config_refuses_a_folder_without_a_complete_recording(tmp_path):
+    from stppo_agent.training.replay import replay_config
+
+    with pytest.raises(FileNotFoundError, match="is not a run folder"):
+        replay_config(tmp_path, None, "o")
+    with pytest.raises(FileNotFoundError, match="holds no recorded iteration"):
+        replay_config(recorded_run(tmp_path / "a", iterations=()), None, "o")
+    with pytest.raises(ValueError, match=r"recorded iterations are not 1..N \(\[1, 3\]\.\.\.\); was the run resumed"):
+        replay_config(recorded_run(tmp_path / "b", iterations=(1, 3)), None, "o")
+    with pytest.raises(ValueError, match=r"recorded iterations are not 1..N \(\[2, 3\]\.\.\.\)"):
+        replay_config(recorded_run(tmp_path / "d", iterations=(2, 3)), None, "o")
+    torn = recorded_run(tmp_path / "e", worlds={2: 2})
+    (torn / "rollouts" / "iter-000002.rank-1.safetensors").unlink()
+    with pytest.raises(ValueError, match="share of rank-1 is missing"):
+        replay_config(torn, None, "o")
+
+
+def test_the_rollout_correction_follows_the_data_into_another_rule(tmp_path):
+    from stppo_agent.training.config import load_config
+    from stppo_agent.training.replay import describe_correction, recorded_correction, replay_config
+
+    vllm = recorded_run(tmp_path / "v", backend="vllm", algorithm={"rollout_correction": "tis",
+                                                                    "rollout_correction_level": "token",
+                                                                    "rollout_correction_cap": 3.0})
+    original = load_config(vllm / "config.yaml")
+    assert recorded_correction(original) == {"rollout_correction": "tis", "rollout_correction_cap": 3.0}
+    st = replay_config(vllm, "st_ppo", "o").algorithm_config()
+    assert (st.rollout_correction, st.rollout_correction_level, st.rollout_correction_cap) == ("tis", "turn", 3.0)
+    by_hand = recorded_run(tmp_path / "h", backend="vllm", algorithm={"rollout_correction": "mis",
+                                                                       "rollout_correction_level": "sequence"})
+    assert recorded_correction(load_config(by_hand / "config.yaml")) == {
+        "rollout_correction": "mis", "rollout_correction_cap": 2.0, "rollout_correction_level": "sequence"}
+    grpo = replay_config(vllm, "grpo", "o")
+    assert describe_correction(grpo, original, []) == (
+        "rollout correction: tis at token level, cap 3, kept from the recorded run (its batches were sampled by "
+        "vllm); --set algorithm.rollout_correction=none|tis|mis to change it")
+    off = replay_config(vllm, "grpo", "o", ["algorithm.rollout_correction=none"])
+    assert describe_correction(off, original, ["algorithm.rollout_correction=none"]) == (
+        "rollout correction: none (set here; the recorded run used tis)")
+    plain = recorded_run(tmp_path / "p")
+    assert describe_correction(replay_config(plain, "grpo", "o"), load_config(plain / "config.yaml"), []).startswith(
+        "rollout correction: none, kept from the recorded run (its batches were sampled by hf)")
+
+
+def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path):
+    from types import SimpleNamespace
+
+    from stppo_agent.training.replay import RecordedRollouts
+
+    from .tiny_models import word_tokenizer
+
+    run = recorded_run(tmp_path, worlds={1: 2, 2: 1})
+
+    def source(rank, world):
+        return RecordedRollouts(SimpleNamespace(rank=rank, world=world, tokenizer=word_tokenizer()), run)
+
+    one = source(0, 1)
+    assert one.iterations == [1, 2, 3] and one.state() == {} and one.load({"x": 1}) is None
+    assert one.next_batch(0).group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # two shares merged, prompt order
+    assert one.next_batch(1).rewards.tolist() == list(map(float, range(8)))
+    for rank in (0, 1):
+        assert source(rank, 2).next_batch(0).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # as recorded
+        assert source(rank, 2).next_batch(1).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # r::world
+    assert source(3, 4).next_batch(2).group_ids.tolist() == [3, 3]
+    with pytest.raises(ValueError, match="iteration 3 holds 4 prompts, which 3 processes cannot share evenly"):
+        source(0, 3).next_batch(2)
+    with pytest.raises(ValueError, match=r"tokenizer mismatch: .*\(vocab_sha256, vocab_size\)"):
+        RecordedRollouts(SimpleNamespace(rank=0, world=1, tokenizer=word_tokenizer(["other", "words"])), run)
+
+
+def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_path, monkeypatch):
+    import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.training.replay import RecordedRollouts, replay
+
+    from .tiny_models import word_tokenizer
+
+    run = recorded_run(tmp_path, backend="vllm", algorithm={"rollout_correction": "tis"})
+    built = []
+
+    class FakeTrainer:
+        def __init__(self, config, report, rollout_source):
+            self.config, self.report, self.rollout_source = config, report, rollout_source
+            self.algo = config.algorithm_config()
+            self.rank, self.world, self.tokenizer = 0, 1, word_tokenizer()
+            Path(config.output_dir).mkdir(parents=True)
+            built.append(self)
+
+        def train(self):
+            return {"done": self.config.iterations}
+
+    monkeypatch.setattr(trainer_module, "Trainer", FakeTrainer)
+    messages = []
+    out = tmp_path / "out"
+    assert replay(run, "grpo", str(out), iterations=2, report=messages.append) == {"done": 2}
+    trainer = built[0]
+    assert trainer.config.algo == "grpo" and trainer.report == messages.append
+    source = trainer.rollout_source(trainer)
+    assert isinstance(source, RecordedRollouts) and source.folder == run / "rollouts"
+    assert json.loads((out / "replay.json").read_text()) == {
+        "replay_of": str(run.resolve()), "recorded_algo": "ppo", "algo": "grpo", "iterations": 2,
+        "rollout_correction": "tis"}
+    assert messages == ["rollout correction: tis at token level, cap 2, kept from the recorded run (its batches were "
+                        "sampled by vllm); --set algorithm.rollout_correction=none|tis|mis to change it"]
+    with pytest.raises(ValueError, match="--output-dir must differ from the recorded run's folder"):
+        replay(run, None, str(run))
+    assert len(built) == 1
