@@ -50,7 +50,8 @@ def test_settings_from_config_sort_the_limits_and_validate_at_the_boundaries():
         MonitorSettings(**ok).validate()
     for bad, message in ((dict(window=1, warmup=1), r"collapse_warmup \(1\) must be >= 2 and <= collapse_window \(1\)"),
                          (dict(window=5, warmup=1), "collapse_warmup"), (dict(window=5, warmup=6), "collapse_warmup"),
-                         (dict(z=0.0), "collapse_z must be > 0"), (dict(patience=0), "collapse_patience"),
+                         (dict(z=0.0), "^collapse_z must be > 0, collapse_patience and collapse_min_families >= 1$"),
+                         (dict(patience=0), "collapse_patience"),
                          (dict(min_families=0), "collapse_min_families >= 1"),
                          (dict(drawdown=0.0), r"collapse_drawdown must be in \(0, 1\], got 0.0"),
                          (dict(drawdown=1.01), "collapse_drawdown")):
@@ -174,6 +175,9 @@ def test_absolute_limits_are_strict_and_report_their_limit():
         ("kl_to_reference", "kl", 1.5, math.inf, 1.0, 1.0, 1.0)
     assert verdict.warming_up and not verdict.alarm  # one family once: no alarm yet
     assert monitor.observe(3, {"kl_to_reference": 1.5}).alarm  # twice in a row: patience 2
+    fresh = CollapseMonitor(MonitorSettings(thresholds=(("kl_to_reference", 1.0),)))
+    assert [(v.alarm, v.onset) for v in (fresh.observe(1, {"kl_to_reference": 2.0}),
+                                         fresh.observe(2, {"kl_to_reference": 2.0}))] == [(False, None), (True, 1)]
 
 
 def test_patience_min_families_and_onset():
@@ -183,7 +187,8 @@ def test_patience_min_families_and_onset():
         return m
 
     patient = monitor(patience=3)
-    assert [patient.observe(i, {"grad_norm": 9.0}).alarm for i in (6, 7, 8)] == [False, False, True]
+    verdicts = [patient.observe(i, {"grad_norm": 9.0}) for i in (6, 7, 8)]
+    assert [(v.alarm, v.onset) for v in verdicts] == [(False, None), (False, None), (True, 6)]
     again = monitor(patience=2)
     assert [again.observe(i, {"grad_norm": 9.0}).alarm for i in (6, 7)] == [False, True]
     assert again.observe(7, {"grad_norm": 9.0}, learn=False).onset == 6
@@ -408,6 +413,8 @@ def test_no_signal_reason_boundaries():
     assert reason([0.5, 0.5, 0.5, 0.5 + 1e-5]) is None
     assert reason([1e-6] * 4) == "every trajectory's reward is 0"
     assert reason([1e-5] * 4) == "every trajectory earned the same reward (0.000)"
+    assert no_signal_reason(torch.zeros(1), torch.zeros(1), None, torch.ones(1, 2, dtype=torch.bool), False) == \
+        "every trajectory's reward is 0"  # a batch of one
     assert reason([-1.0] * 4) == "every trajectory earned the same reward (-1.000)"  # a penalty is not 0
     assert reason([0.3, 0.3 + 1e-7, 0.7, 0.7], group_relative=True).startswith("within every group")
     assert reason([0.3, 0.3 + 1e-5, 0.7, 0.7], group_relative=True) is None
@@ -438,6 +445,9 @@ def test_advice_texts():
                       "Try a harder dataset or split, or a reward that tells answers apart (--set "
                       "env_kwargs.reward=f1). (Said once; metrics.jsonl keeps the per-iteration figures.)")
     toy = advice("every trajectory's reward is 0", config())
+    assert toy.startswith("no learning signal: every trajectory's reward is 0, so this update cannot learn the task. "
+                          "Likely cause: the model never (or always) produces a rewarded action at these settings "
+                          "(max_turns=3, ")
     assert "Try longer turns (--set max_new_tokens_per_turn=...), more samples (--set samples_per_prompt=...), a " \
            "model whose vocabulary holds the env's words (--model tiny on stppo/Toy-v0)." in toy
     mixed = advice("every trajectory's reward is 0", config(" stppo/Toy-v0, stppo/NQ-v0 ,"))
@@ -472,6 +482,34 @@ def test_notice_once_per_trainer_after_a_batch_with_signal():
     paid = signal_trainer(world=2)
     notice_no_learning_signal(paid, fake_batch([1.0, 0.0, 1.0, 0.0]))
     assert paid.said == []
+    flat_advantages = fake_batch([1.0, 0.0, 0.5, 0.0])
+    flat_advantages.advantages = torch.zeros(4, 2)
+    unlucky = signal_trainer("gae")  # a critic's advantages that came out all 0
+    notice_no_learning_signal(unlucky, flat_advantages)
+    assert len(unlucky.said) == 1 and "every token's advantage is 0" in unlucky.said[0]
+
+
+def test_notice_across_processes_asks_every_rank_once(monkeypatch):
+    from stppo_agent.distributed import process_group
+
+    sums, others = [], [0.0]
+
+    def all_reduce_sum(value):
+        sums.append((value.device, value.shape))
+        return torch.tensor(others[0])  # what the other ranks add: one of them had a signal or none did
+
+    monkeypatch.setattr(process_group, "all_reduce_sum", all_reduce_sum)
+    alone = signal_trainer()
+    notice_no_learning_signal(alone, fake_batch([0.0] * 4))
+    assert sums == [] and len(alone.said) == 1  # a single process makes no collective call
+    ranks = signal_trainer(world=2)
+    ranks.device = torch.device("meta")  # the collective runs on the trainer's device (NCCL wants CUDA tensors)
+    notice_no_learning_signal(ranks, fake_batch([0.0] * 4))
+    assert sums == [(torch.device("meta"), torch.Size([]))] and len(ranks.said) == 1
+    others[0] = 1.0
+    rescued = signal_trainer(world=2)
+    notice_no_learning_signal(rescued, fake_batch([0.0] * 4))  # another rank's batch had a signal: silent
+    assert rescued.said == [] and len(sums) == 2
 
 
 def test_load_full_model_state_copies_every_tensor():
@@ -480,3 +518,18 @@ def test_load_full_model_state_copies_every_tensor():
     load_full_model_state(target, source.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), source.state_dict().values()))
     assert guard_module.CollapseStopped.__mro__[1] is RuntimeError
+
+
+def test_other_ranks_keep_no_records_and_count_rollbacks_from_zero(tmp_path, monkeypatch, restores):
+    from stppo_agent.distributed import process_group
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "collapse/rollback_to": 0, "grad_norm": 1.0}) + "\n")
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2)
+    monkeypatch.setattr(process_group, "is_main", lambda: False)
+    guard = CollapseGuard(FakeTrainer(tmp_path))
+    assert guard.records == [] and guard.rollbacks == 0 and guard.monitor.seen == 0  # rank 0 reads the log
+    assert guard.check(2, dict(COLLAPSE)) is None and guard.monitor.seen == 0  # rank 0 decides
+    guard._roll_back(1)  # what every rank does with rank 0's decision
+    assert guard.rollbacks == 1 and restores == [(tmp_path / "checkpoints" / "step-1", 0.5)]
+    assert (tmp_path / "checkpoints" / "step-2").is_dir()  # rank 0 alone moves checkpoints aside
