@@ -71,6 +71,8 @@ def test_the_manifest_lists_every_file_with_its_sha256_and_size_and_verifies(tmp
     for name, entry in listed.items():
         data = (folder / name).read_bytes()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    text = (folder / "manifest.json").read_text()
+    assert text == json.dumps(listed, indent=1, sort_keys=True)  # diffable: one field a line, files in order
     ck.verify_checkpoint(folder)
     assert not list((tmp_path / "checkpoints").glob(".*"))  # the scratch folder was renamed, not left behind
 
@@ -90,9 +92,11 @@ def test_verification_refuses_each_kind_of_damage(tmp_path):
     weights.write_bytes(good)
     ck.verify_checkpoint(folder)
     (folder / "extra.bin").write_text("x")
-    with pytest.raises(ck.CorruptCheckpointError, match="does not list extra.bin"):
+    (folder / "actor" / "added.bin").write_text("x")
+    with pytest.raises(ck.CorruptCheckpointError, match="does not list actor/added.bin, extra.bin$"):
         ck.verify_checkpoint(folder)
     (folder / "extra.bin").unlink()
+    (folder / "actor" / "added.bin").unlink()
     weights.unlink()
     with pytest.raises(ck.CorruptCheckpointError, match="actor/weights.pt is missing"):
         ck.verify_checkpoint(folder)
@@ -171,9 +175,11 @@ def test_checkpoint_dtype_casts_the_weights_on_disk_and_keeps_integers(tmp_path)
     assert torch.equal(actor.saved[0]["layer.weight"], actor.layer.weight.detach().bfloat16())
     assert json.loads((folder / "critic" / "critic.json").read_text())["kind"] == "value-head"
     given = {"w": torch.ones(2, dtype=torch.float32), "n": torch.tensor([7])}
-    actor2 = FakeModel()
-    save(tmp_path / "b", 1, actor=actor2, actor_state=given, config={"checkpoint_dtype": "float16"})
+    actor2, critic2 = FakeModel(), FakeModel()
+    save(tmp_path / "b", 1, actor=actor2, actor_state=given, critic=critic2, critic_state={"v": torch.ones(1)},
+         config={"checkpoint_dtype": "float16"})  # gathered full states, not the modules' own
     assert actor2.saved[0]["w"].dtype == torch.float16 and actor2.saved[0]["n"].dtype == torch.int64
+    assert set(critic2.saved[0]) == {"v"} and critic2.saved[0]["v"].dtype == torch.float16
     actor3, critic3 = FakeModel(), FakeModel()
     save(tmp_path / "c", 1, actor=actor3, critic=critic3)  # no checkpoint_dtype: the modules' own state
     assert actor3.saved == [None] and critic3.saved == [None]
@@ -821,3 +827,18 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
     with pytest.raises(ValueError, match="--output-dir must differ from the recorded run's folder"):
         replay(run, None, str(run))
     assert len(built) == 1
+
+
+def test_a_gpu_runs_cuda_random_state_is_saved_and_put_back(tmp_path, monkeypatch):
+    from stppo_agent.runs.trainer_state import checkpoint_states, resume
+
+    streams = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: streams)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    saved = fake_trainer(tmp_path)
+    assert checkpoint_states(saved)[0]["cuda_rng"] == streams
+    folder = checkpoint_of(saved, tmp_path / "run")
+    resume(fake_trainer(tmp_path), folder)
+    assert len(restored) == 1 and restored[0][0].tolist() == [1, 2, 3]
