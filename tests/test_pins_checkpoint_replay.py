@@ -842,3 +842,26 @@ def test_a_gpu_runs_cuda_random_state_is_saved_and_put_back(tmp_path, monkeypatc
     folder = checkpoint_of(saved, tmp_path / "run")
     resume(fake_trainer(tmp_path), folder)
     assert len(restored) == 1 and restored[0][0].tolist() == [1, 2, 3]
+
+
+def test_with_two_processes_the_checkpoint_holds_rank_1s_streams_and_rank_1_resumes_them_silently(tmp_path,
+                                                                                                   monkeypatch):
+    import random
+
+    from stppo_agent.distributed import process_group
+    from stppo_agent.runs.trainer_state import checkpoint_states, resume
+
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)
+    monkeypatch.setattr(process_group, "all_gather_objects", lambda local: [local, local])
+    saved = fake_trainer(tmp_path)
+    random.seed(5)
+    tensors, state = checkpoint_states(saved)
+    assert len(tensors["rank_rng"]) == 2 and len(state["rank_rng"]) == 2
+    folder = checkpoint_of(saved, tmp_path / "run")
+    expected = random.random()
+    monkeypatch.setattr(process_group, "rank", lambda: 1)
+    fresh = fake_trainer(tmp_path)
+    random.seed(0)
+    resume(fresh, folder)
+    assert random.random() == expected and fresh.iteration == 6
+    assert fresh.messages == []  # rank 0 says what was resumed
