@@ -120,6 +120,18 @@ def test_directions_and_log_scale():
     assert [t.key for t in down.observe(6, {"clip_bias_scale": 0.6}, learn=False).trips] == ["clip_bias_scale"]
     assert not down.observe(6, {"clip_bias_scale": 1.4}, learn=False).trips  # bad only downwards
 
+    assert not down.observe(6, {"clip_bias_scale": 1.0}, learn=False).trips  # unchanged is no trip
+    assert not down.observe(6, {"clip_bias_scale": 0.8}, learn=False).trips
+
+    # exact z = +-6 with a floor that is a power of two: the threshold is strict on every side
+    exact = CollapseMonitor(MonitorSettings(warmup=5), signals=(Signal("d", "f1", "down", 0.25),
+                                                               Signal("b", "f2", "both", 0.25)))
+    flat(exact, "d", 1.0, 5)
+    flat(exact, "b", 1.0, 5)
+    assert not exact.observe(6, {"d": -0.5, "b": -0.5}, learn=False).trips
+    assert not exact.observe(6, {"b": 2.5}, learn=False).trips
+    assert [t.key for t in exact.observe(6, {"d": -0.5001, "b": 2.5001}, learn=False).trips] == ["d", "b"]
+
     up = CollapseMonitor(MonitorSettings(warmup=5))
     flat(up, "clip_frac", 0.2, 5)
     assert not up.observe(6, {"clip_frac": 0.0}, learn=False).trips  # bad only upwards
@@ -213,10 +225,10 @@ def test_patience_min_families_and_onset():
 
 def test_reward_moving_average_and_best():
     monitor = CollapseMonitor(MonitorSettings(warmup=2))
-    for i, reward in enumerate([0.0, 1.0, 1.0, 0.5], start=1):
+    for i, reward in enumerate([0.0, 1.0, 1.0, 0.5, 0.5], start=1):
         monitor.observe(i, {"reward": reward})
     assert monitor.reward_history == [(1, 0.0, 0.0, 0.0), (2, 0.5, 0.5, 1.0), (3, 0.75, 0.75, 1.0),
-                                      (4, 0.625, 0.75, 0.5)]
+                                      (4, 0.625, 0.75, 0.5), (5, 0.5625, 0.75, 0.5)]
     sharp = CollapseMonitor(MonitorSettings(warmup=2, reward_smoothing=1.0))
     for i, reward in enumerate([0.2, 0.9, 0.4], start=1):
         sharp.observe(i, {"reward": reward})
@@ -237,6 +249,10 @@ def test_drawdown_boundary_warm_up_and_zero_best():
     zero = CollapseMonitor(MonitorSettings(warmup=2))
     flat(zero, "reward", 0.0, 5)
     assert not zero.observe(6, {"reward": -1.0}).trips  # nothing good to fall from
+    dropped = CollapseMonitor(MonitorSettings(warmup=5))
+    for i, reward in enumerate([0.8, 0.8, 0.8, 0.8, 0.0], start=1):
+        assert not dropped.observe(i, {"reward": reward}).trips
+    assert dropped.observe(6, {"reward": 0.0}).trips  # the best (0.8), not the last reward (0), is what fell
     window = CollapseMonitor(MonitorSettings(warmup=3, window=3))
     for i, reward in enumerate([1.0, 0.0, 1.0, 0.0, 0.9, 0.9, 0.9], start=1):
         window.observe(i, {"reward": reward})
@@ -350,7 +366,9 @@ def test_rollback_goes_to_the_newest_healthy_valid_checkpoint(tmp_path, restores
     assert second.action == "rollback" and "x0.5, now 0.00025 (rollback 2 of at most 2)" in second.message
     third = guard.check(9, dict(COLLAPSE))
     assert third.action == "stop" and third.stops and third.rollback_to is None
-    assert "Already rolled back 2 time(s) (max_rollbacks=2): stopping" in third.message
+    assert third.message.endswith(". Already rolled back 2 time(s) (max_rollbacks=2): stopping; the newest healthy "
+                                  "checkpoint is step-4. The collapse is not only the learning rate: check the "
+                                  "rewards and the data, or lower actor_lr and clip_high further.")
 
 
 def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path, restores):
@@ -372,8 +390,10 @@ def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path, restores):
 def test_no_healthy_checkpoint_stops_and_a_spent_budget_stops(tmp_path, restores):
     _, guard = quiet_run(tmp_path, iterations=2)  # both warm-up iterations: nothing known healthy
     decision = guard.check(3, dict(COLLAPSE))
-    assert decision.stops and "Cannot roll back: no checkpoint is known healthy (checkpoints every save_every=3" \
-        in decision.message and restores == []
+    assert decision.stops and restores == []
+    assert decision.message.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every "
+                                     "save_every=3 iterations; a healthy one needs two quiet iterations). Stopping; "
+                                     "lower actor_lr, or save more often.")
     _, spent = quiet_run(tmp_path / "spent", max_rollbacks=0)
     assert spent.check(7, dict(COLLAPSE)).stops
     _, one = quiet_run(tmp_path / "one", max_rollbacks=1)
@@ -533,3 +553,30 @@ def test_other_ranks_keep_no_records_and_count_rollbacks_from_zero(tmp_path, mon
     guard._roll_back(1)  # what every rank does with rank 0's decision
     assert guard.rollbacks == 1 and restores == [(tmp_path / "checkpoints" / "step-1", 0.5)]
     assert (tmp_path / "checkpoints" / "step-2").is_dir()  # rank 0 alone moves checkpoints aside
+
+
+def test_every_rank_acts_on_rank_zeros_decision(tmp_path, monkeypatch, restores):
+    from stppo_agent.distributed import process_group
+
+    gathered = []
+
+    def all_gather_objects(obj):
+        gathered.append(obj)
+        return [obj if process_group.is_main() else Decision("rollback", "rank 0 says", rollback_to=1), None]
+
+    monkeypatch.setattr(process_group, "all_gather_objects", all_gather_objects)
+    _, alone = quiet_run(tmp_path / "alone")
+    assert alone.check(7, dict(COLLAPSE)).action == "rollback" and gathered == []  # one process: no collective
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)
+    _, main = quiet_run(tmp_path / "main", on_collapse="warn")
+    assert gathered == [None] * 6  # quiet iterations: rank 0 sends "nothing to do"
+    gathered.clear()
+    decision = main.check(7, dict(COLLAPSE))
+    assert gathered == [decision] and decision.action == "warn"  # rank 0 sends its own decision
+    make_checkpoint(tmp_path / "other", 1)
+    monkeypatch.setattr(process_group, "is_main", lambda: False)
+    other = CollapseGuard(FakeTrainer(tmp_path / "other"))
+    metrics: dict = {}
+    received = other.check(2, metrics)
+    assert gathered[-1] is None and received.message == "rank 0 says"
+    assert metrics["collapse/rollback_to"] == 1 and restores[-1] == (tmp_path / "other" / "checkpoints" / "step-1", 0.5)
