@@ -198,9 +198,10 @@ def test_in_dtype_keeps_tied_tensors_tied_and_distinct_ones_distinct():
 
 
 @pytest.mark.parametrize("dtype, policy, on_collapse, message", [
-    ("float64", "all", None, "checkpoint_dtype must be bfloat16, float16, float32 or null, got 'float64'"),
-    (None, "oldest", None, "checkpoint_optimizer must be all or newest, got 'oldest'"),
-    (None, "newest", "rollback", "checkpoint_optimizer=newest drops the optimizer state")])
+    ("float64", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'float64'$"),
+    (None, "oldest", None, "^checkpoint_optimizer must be all or newest, got 'oldest'$"),
+    (None, "newest", "rollback", "^checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback "
+                                 "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$")])
 def test_bad_checkpoint_settings_are_refused(dtype, policy, on_collapse, message):
     with pytest.raises(ValueError, match=message):
         ck.check_checkpoint_settings(dtype, policy, on_collapse)
