@@ -253,6 +253,10 @@ def test_drawdown_boundary_warm_up_and_zero_best():
     for i, reward in enumerate([0.8, 0.8, 0.8, 0.8, 0.0], start=1):
         assert not dropped.observe(i, {"reward": reward}).trips
     assert dropped.observe(6, {"reward": 0.0}).trips  # the best (0.8), not the last reward (0), is what fell
+    spike = CollapseMonitor(MonitorSettings(warmup=5))
+    for i, reward in enumerate([0.2, 0.2, 0.2, 0.2, 1.0], start=1):  # a lucky batch: the best average is 0.6
+        spike.observe(i, {"reward": reward})
+    assert spike.observe(6, {"reward": 0.25}).trips  # more than half below 0.6, whatever the lucky batch paid
     window = CollapseMonitor(MonitorSettings(warmup=3, window=3))
     for i, reward in enumerate([1.0, 0.0, 1.0, 0.0, 0.9, 0.9, 0.9], start=1):
         window.observe(i, {"reward": reward})
@@ -342,32 +346,32 @@ def restores(monkeypatch):
 
 
 def test_rollback_goes_to_the_newest_healthy_valid_checkpoint(tmp_path, restores):
-    trainer, guard = quiet_run(tmp_path)
-    (tmp_path / "checkpoints" / "step-5" / "w.bin").write_bytes(b"corrupt")  # fails its checksum
+    trainer, guard = quiet_run(tmp_path, iterations=7)
+    (tmp_path / "checkpoints" / "step-6" / "w.bin").write_bytes(b"corrupt")  # fails its checksum
     metrics = dict(COLLAPSE)
-    decision = guard.check(7, metrics)
-    # 6 is not healthy (iteration 7 sampled with its weights), 5 is corrupt: back to 4
-    assert decision == Decision("rollback", decision.message, rollback_to=4) and not decision.stops
-    assert restores == [(tmp_path / "checkpoints" / "step-4", 0.5)]
-    assert metrics["collapse/action"] == "rollback" and metrics["collapse/rollback_to"] == 4
+    decision = guard.check(8, metrics)
+    # healthy and valid: 3, 4, 5 (7 is not healthy: iteration 8 sampled with its weights; 6 is corrupt): the newest
+    assert decision == Decision("rollback", decision.message, rollback_to=5) and not decision.stops
+    assert restores == [(tmp_path / "checkpoints" / "step-5", 0.5)]
+    assert metrics["collapse/action"] == "rollback" and metrics["collapse/rollback_to"] == 5
     assert metrics["collapse/lr_scale"] == 0.5 and metrics["collapse/actor_lr"] == pytest.approx(5e-4)
-    assert metrics["collapse/alarm"] == 1 and metrics["collapse/onset"] == 7
-    assert "Rolling back to step-4 with the actor learning rate x0.5, now 0.0005 (rollback 1 of at most 2)" \
+    assert metrics["collapse/alarm"] == 1 and metrics["collapse/onset"] == 8
+    assert "Rolling back to step-5 with the actor learning rate x0.5, now 0.0005 (rollback 1 of at most 2)" \
         in decision.message
-    assert decision.message.startswith("collapse alarm at iteration 7 (signals since iteration 7): entropy 3 (recent "
+    assert decision.message.startswith("collapse alarm at iteration 8 (signals since iteration 8): entropy 3 (recent "
                                        "1..1, z=+20.0); grad_norm 9 (recent 1..1, z=+32.0). Rolling back")
     assert trainer.said == [decision.message]
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == [".collapsed-step-5", ".collapsed-step-6", "step-1", "step-2", "step-3", "step-4"]
-    assert max(i for i, _ in guard.monitor.history["grad_norm"]) == 4 and guard.rollbacks == 1
-    assert guard.records[-1] == {"step": 7, "reward": 0.5, "collapse/tripped": 2, "collapse/alarm": 1}
+    assert names == [".collapsed-step-6", ".collapsed-step-7", "step-1", "step-2", "step-3", "step-4", "step-5"]
+    assert max(i for i, _ in guard.monitor.history["grad_norm"]) == 5 and guard.rollbacks == 1
+    assert guard.records[-1] == {"step": 8, "reward": 0.5, "collapse/tripped": 2, "collapse/alarm": 1}
 
-    second = guard.check(8, dict(COLLAPSE))  # the compounded rate is what the message says
+    second = guard.check(9, dict(COLLAPSE))  # the compounded rate is what the message says
     assert second.action == "rollback" and "x0.5, now 0.00025 (rollback 2 of at most 2)" in second.message
-    third = guard.check(9, dict(COLLAPSE))
+    third = guard.check(10, dict(COLLAPSE))
     assert third.action == "stop" and third.stops and third.rollback_to is None
     assert third.message.endswith(". Already rolled back 2 time(s) (max_rollbacks=2): stopping; the newest healthy "
-                                  "checkpoint is step-4. The collapse is not only the learning rate: check the "
+                                  "checkpoint is step-5. The collapse is not only the learning rate: check the "
                                   "rewards and the data, or lower actor_lr and clip_high further.")
 
 
@@ -417,6 +421,8 @@ def test_guard_resumes_from_the_metrics_log_and_protects_healthy_and_best(tmp_pa
     assert guard.protected_steps() == {5}
     guard.records[2]["reward"] = 0.95  # step 2's weights sampled 0.95
     assert guard.protected_steps() == {2, 5}
+    guard.records = [{"step": 1, "reward": 0.9, "collapse/tripped": 0, "collapse/warmup": 1}]
+    assert guard.protected_steps() == set()  # nothing healthy: nothing to protect
 
 
 # -- learning signal -----------------------------------------------------------------------------------------------
