@@ -192,6 +192,8 @@ def test_in_dtype_keeps_tied_tensors_tied_and_distinct_ones_distinct():
     assert out["embed"] is out["head"] and out["embed"].dtype == torch.bfloat16
     assert out["other"] is not out["embed"] and torch.equal(out["other"], other.bfloat16())
     assert out["steps"].dtype == torch.int64
+    mixed = ck.in_dtype({"position_ids": torch.arange(3), "w": torch.ones(2)}, "float16")  # an integer first
+    assert list(mixed) == ["position_ids", "w"] and mixed["w"].dtype == torch.float16
     view = torch.randn(4, 3)
     halves = ck.in_dtype({"a": view[:2], "b": view[2:]}, "float16")  # one storage, other offsets: two tensors
     assert torch.equal(halves["a"], view[:2].half()) and torch.equal(halves["b"], view[2:].half())
