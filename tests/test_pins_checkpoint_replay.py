@@ -84,7 +84,8 @@ def test_verification_refuses_each_kind_of_damage(tmp_path):
     flipped = bytearray(good)
     flipped[-1] ^= 1
     weights.write_bytes(bytes(flipped))  # same size, other bytes
-    with pytest.raises(ck.CorruptCheckpointError, match="actor/weights.pt does not match its checksum"):
+    with pytest.raises(ck.CorruptCheckpointError, match=(r"step-1: actor/weights.pt does not match its checksum "
+                                                         r"\(corrupt or edited\)$")):
         ck.verify_checkpoint(folder)
     weights.write_bytes(good + b"x")  # other size
     with pytest.raises(ck.CorruptCheckpointError, match="does not match its checksum"):
@@ -98,13 +99,15 @@ def test_verification_refuses_each_kind_of_damage(tmp_path):
     (folder / "extra.bin").unlink()
     (folder / "actor" / "added.bin").unlink()
     weights.unlink()
-    with pytest.raises(ck.CorruptCheckpointError, match="actor/weights.pt is missing"):
+    with pytest.raises(ck.CorruptCheckpointError, match="step-1: actor/weights.pt is missing$"):
         ck.verify_checkpoint(folder)
 
 
 @pytest.mark.parametrize("text, message", [
-    (None, "has no manifest.json"), ("{not json", "is not valid JSON"), ("[1]", "is not a mapping"),
-    ('{"a": 1}', "is not a mapping"), ('{"trainer_state.pt": {"sha256": "x"}}', "is not a mapping"),
+    (None, r"step-1 has no manifest.json \(an interrupted or foreign write\)$"),
+    ("{not json", "^/.*step-1/manifest.json is not valid JSON: Expecting"), ("[1]", "is not a mapping"),
+    ('{"a": 1}', "step-1/manifest.json is not a mapping of file -> {sha256, bytes}$"),
+    ('{"trainer_state.pt": {"sha256": "x"}}', "is not a mapping"),
     ('{"trainer_state.pt": {"bytes": 1}}', "is not a mapping"), (b"\xff\xfe", "is not valid JSON")])
 def test_a_missing_or_malformed_manifest_is_corrupt(tmp_path, text, message):
     folder = tmp_path / "step-1"
@@ -121,7 +124,7 @@ def test_an_empty_manifest_vouches_for_nothing(tmp_path):
     folder = tmp_path / "step-1"
     folder.mkdir()
     (folder / "manifest.json").write_text("{}")
-    with pytest.raises(ck.CorruptCheckpointError, match="does not list any file"):
+    with pytest.raises(ck.CorruptCheckpointError, match="^/.*step-1/manifest.json does not list any file$"):
         ck.verify_checkpoint(folder)
 
 
@@ -132,7 +135,10 @@ def test_an_unlisted_optimizer_file_is_tolerated_and_never_read(tmp_path):
     ck.verify_checkpoint(folder)
     tensors, state = ck.load_trainer_state(folder, optimizer=False)
     assert "actor_optimizer" not in tensors and state["iteration"] == 2
-    with pytest.raises(ck.NoOptimizerStateError, match="holds no optimizer state.*--model .*step-2/actor"):
+    with pytest.raises(ck.NoOptimizerStateError, match=(r"^/.*step-2 holds no optimizer state "
+                                                        r"\(checkpoint_optimizer=newest keeps it in the newest "
+                                                        r"checkpoint only\), so it cannot be resumed or rolled back "
+                                                        r"to; its weights start a new run: --model /.*step-2/actor$")):
         ck.load_trainer_state(folder)
 
 
@@ -268,7 +274,10 @@ class BrokenModel(FakeModel):
 
 
 def test_a_failed_write_removes_its_partial_copy_and_names_the_intact_checkpoint(tmp_path):
-    with pytest.raises(ck.CheckpointWriteError, match="no complete checkpoint exists yet"):
+    with pytest.raises(ck.CheckpointWriteError, match=(r"^could not write checkpoint /.*step-1: No space left on "
+                                                       r"device. The partial copy was removed and no complete "
+                                                       r"checkpoint exists yet: free disk space \(or lower "
+                                                       r"keep_checkpoints\), then rerun with --resume$")):
         save(tmp_path, 1, actor=BrokenModel())
     save(tmp_path, 2)
     save(tmp_path, 4)
@@ -706,7 +715,7 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
     other = replay_config(run, "grpo", str(tmp_path / "o"))
     assert other.algo == "grpo" and other.algorithm_config().clip_high != 0.3
     assert replay_config(run, None, str(tmp_path / "o"), iterations=2).iterations == 2
-    with pytest.raises(ValueError, match=r"iterations=4: .* recorded only 3"):
+    with pytest.raises(ValueError, match=r"^iterations=4: /.* recorded only 3$"):
         replay_config(run, None, str(tmp_path / "o"), iterations=4)
     with pytest.raises(ValueError, match="recorded only 3"):
         replay_config(run, None, str(tmp_path / "o"), ["iterations=4"])
@@ -720,24 +729,28 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
 def test_replay_config_refuses_another_sampling_distribution(tmp_path, override, said):
     from stppo_agent.training.replay import replay_config
 
-    with pytest.raises(ValueError, match=f"settings that sampled them; {said}: drop that --set"):
+    with pytest.raises(ValueError, match=(f"^a replay scores the recorded tokens with the settings that "
+                                          f"sampled them; {said}: drop that --set$")):
         replay_config(recorded_run(tmp_path), "grpo", "o", [override])
 
 
 def test_replay_config_refuses_a_folder_without_a_complete_recording(tmp_path):
     from stppo_agent.training.replay import replay_config
 
-    with pytest.raises(FileNotFoundError, match="is not a run folder"):
+    with pytest.raises(FileNotFoundError, match=r"^/.* is not a run folder \(/.*/config.yaml is missing\)$"):
         replay_config(tmp_path, None, "o")
-    with pytest.raises(FileNotFoundError, match="holds no recorded iteration"):
+    with pytest.raises(FileNotFoundError, match="^/.*/rollouts holds no recorded iteration$"):
         replay_config(recorded_run(tmp_path / "a", iterations=()), None, "o")
     with pytest.raises(ValueError, match=r"recorded iterations are not 1..N \(\[1, 3\]\.\.\.\); was the run resumed"):
         replay_config(recorded_run(tmp_path / "b", iterations=(1, 3)), None, "o")
-    with pytest.raises(ValueError, match=r"recorded iterations are not 1..N \(\[2, 3\]\.\.\.\)"):
+    with pytest.raises(ValueError, match=(r"recorded iterations are not 1..N \(\[2, 3\]\.\.\.\); was the "
+                                          r"run resumed from a checkpoint after deleting recordings\?$")):
         replay_config(recorded_run(tmp_path / "d", iterations=(2, 3)), None, "o")
     torn = recorded_run(tmp_path / "e", worlds={2: 2})
     (torn / "rollouts" / "iter-000002.rank-1.safetensors").unlink()
-    with pytest.raises(ValueError, match="share of rank-1 is missing"):
+    with pytest.raises(ValueError, match=("^/.*/rollouts: iteration 2 was recorded by 2 processes, but "
+                                          "the share of rank-1 is missing; a replay would use part of "
+                                          "its data$")):
         replay_config(torn, None, "o")
 
 
@@ -788,9 +801,13 @@ def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path
         assert source(rank, 2).next_batch(0).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # as recorded
         assert source(rank, 2).next_batch(1).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # r::world
     assert source(3, 4).next_batch(2).group_ids.tolist() == [3, 3]
-    with pytest.raises(ValueError, match="iteration 3 holds 4 prompts, which 3 processes cannot share evenly"):
+    with pytest.raises(ValueError, match=("^recorded iteration 3 holds 4 prompts, which 3 processes "
+                                          "cannot share evenly: replay it with a number of processes "
+                                          "that divides that$")):
         source(0, 3).next_batch(2)
-    with pytest.raises(ValueError, match=r"tokenizer mismatch: .*\(vocab_sha256, vocab_size\)"):
+    with pytest.raises(ValueError, match=(r"^tokenizer mismatch: the model's tokenizer differs from the "
+                                          r"one that recorded /.* \(vocab_sha256, vocab_size\); recorded "
+                                          r"token ids would mean other text$")):
         RecordedRollouts(SimpleNamespace(rank=0, world=1, tokenizer=word_tokenizer(["other", "words"])), run)
 
 
@@ -827,7 +844,7 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
         "rollout_correction": "tis"}
     assert messages == ["rollout correction: tis at token level, cap 2, kept from the recorded run (its batches were "
                         "sampled by vllm); --set algorithm.rollout_correction=none|tis|mis to change it"]
-    with pytest.raises(ValueError, match="--output-dir must differ from the recorded run's folder"):
+    with pytest.raises(ValueError, match="^the replay's --output-dir must differ from the recorded run's folder$"):
         replay(run, None, str(run))
     assert len(built) == 1
 
