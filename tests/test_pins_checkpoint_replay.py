@@ -801,6 +801,12 @@ def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path
         assert source(rank, 2).next_batch(0).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # as recorded
         assert source(rank, 2).next_batch(1).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # r::world
     assert source(3, 4).next_batch(2).group_ids.tolist() == [3, 3]
+    from stppo_agent.runs.recording import RolloutRecorder
+
+    RolloutRecorder(run, word_tokenizer(), 0, 1).record(4, synthetic_batch(3))
+    with pytest.raises(ValueError, match="iteration 4 holds 3 prompts, which 2 processes cannot share evenly"):
+        source(1, 2).next_batch(3)
+    assert source(0, 1).next_batch(3).group_ids.tolist() == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match=("^recorded iteration 3 holds 4 prompts, which 3 processes "
                                           "cannot share evenly: replay it with a number of processes "
                                           "that divides that$")):
@@ -885,3 +891,19 @@ def test_with_two_processes_the_checkpoint_holds_rank_1s_streams_and_rank_1_resu
     resume(fresh, folder)
     assert random.random() == expected and fresh.iteration == 6
     assert fresh.messages == []  # rank 0 says what was resumed
+
+
+def test_resume_itself_refuses_turning_recording_on_mid_run(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")
+    with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
+        resume(fake_trainer(tmp_path, save_rollouts=True), folder)
+
+
+def test_a_newer_checkpoint_is_written_even_when_an_older_ones_optimizer_file_already_vanished(tmp_path):
+    newest = {"checkpoint_optimizer": "newest"}
+    older = save(tmp_path, 1, config=newest)
+    (older / ck.OPTIMIZER_FILE).unlink()  # still listed: the drop only has the manifest entry left to remove
+    save(tmp_path, 2, config=newest)
+    assert ck.OPTIMIZER_FILE not in manifest(older) and ck.valid_checkpoints(tmp_path) == [1, 2]
