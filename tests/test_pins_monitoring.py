@@ -538,11 +538,28 @@ def test_notice_across_processes_asks_every_rank_once(monkeypatch):
     assert rescued.said == [] and len(sums) == 2
 
 
-def test_load_full_model_state_copies_every_tensor():
+def test_load_full_model_state_copies_every_tensor_plain_or_sharded(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
     torch.manual_seed(0)
     source, target = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     load_full_model_state(target, source.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), source.state_dict().values()))
+    # a model sharded by FSDP2 (one gloo rank, in this process) takes the whole, unsharded checkpoint state
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        whole = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        fully_shard(sharded)
+        load_full_model_state(sharded, whole.state_dict())
+        assert all(torch.equal(a.full_tensor(), b)
+                   for a, b in zip(sharded.state_dict().values(), whole.state_dict().values()))
+    finally:
+        if owned:
+            dist.destroy_process_group()
     assert guard_module.CollapseStopped.__mro__[1] is RuntimeError
 
 
