@@ -907,3 +907,34 @@ def test_a_newer_checkpoint_is_written_even_when_an_older_ones_optimizer_file_al
     (older / ck.OPTIMIZER_FILE).unlink()  # still listed: the drop only has the manifest entry left to remove
     save(tmp_path, 2, config=newest)
     assert ck.OPTIMIZER_FILE not in manifest(older) and ck.valid_checkpoints(tmp_path) == [1, 2]
+
+
+def without_recorded_scale(folder: Path) -> None:
+    state = json.loads((folder / "trainer_state.json").read_text())
+    del state["actor_lr_scale"]
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    (folder / "manifest.json").unlink()
+    ck._write_manifest(folder)
+
+
+def test_an_old_checkpoints_scale_is_measured_against_its_own_actor_lr_not_the_new_one(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")  # actor_lr 0.01, schedule at 0.0025
+    without_recorded_scale(folder)
+    fresh = fake_trainer(tmp_path, actor_lr=0.02)
+    resume(fresh, folder)
+    assert fresh.actor_lr_scale == 1.0
+    assert fresh.messages[2] == ("actor_lr 0.02 is the rate used from now on (the rollbacks' x0.25 applied to the "
+                                 "old one)")
+
+
+def test_a_frozen_actor_without_a_recorded_scale_resumes_at_scale_1(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    saved = fake_trainer(tmp_path, actor_lr=0.0)
+    folder = checkpoint_of(saved, tmp_path / "run")
+    without_recorded_scale(folder)
+    fresh = fake_trainer(tmp_path, actor_lr=0.0)
+    resume(fresh, folder)
+    assert fresh.actor_lr_scale == 1.0 and len(fresh.messages) == 1
