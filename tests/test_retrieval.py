@@ -80,6 +80,19 @@ def test_bm25_single_and_batched_search_agree(wiki_bm25):
     assert retriever.batch_search(queries, 5) == [retriever.search(q, 5) for q in queries]
 
 
+def test_relative_index_paths_follow_pythons_working_directory_after_the_jvm_started(wiki_bm25, tmp_path,
+                                                                                      monkeypatch):
+    """The JVM keeps the directory it started in; a relative --out or bm25:DIR must still mean Python's cwd (the
+    suite's order once built an index into a folder the JVM could not find)."""
+    make_retriever(f"bm25:{wiki_bm25}", cache_size=0).search("nobel prize", 1)  # the JVM is up, in another cwd
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"id": str(i), "contents": f"Title {i}\n{text}"}) + "\n"
+                                                   for i, text in enumerate(["red apples", "blue sky", "green grass"])))
+    monkeypatch.chdir(tmp_path)
+    build_bm25_from_corpus("corpus.jsonl", "relative-index")
+    assert (tmp_path / "relative-index").is_dir()
+    assert [h.docid for h in make_retriever("bm25:relative-index", cache_size=0).search("blue sky", 1)] == ["1"]
+
+
 def test_missing_indexes_name_the_build_command(tmp_path):
     with pytest.raises(IndexNotFoundError, match="stppo index bm25 --corpus"):
         make_retriever(f"bm25:{tmp_path}/nothing")

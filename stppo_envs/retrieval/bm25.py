@@ -69,8 +69,8 @@ class BM25Retriever(ReopensAfterPickling, BatchSearchMixin):
                 searcher = LuceneSearcher.from_prebuilt_index(self.index)
                 if searcher is None:
                     raise IndexNotFoundError(f"pyserini has no prebuilt index named {self.index!r}")
-            else:
-                searcher = LuceneSearcher(self.index)
+            else:  # absolute: Java resolves a relative path against its own start directory, not Python's cwd
+                searcher = LuceneSearcher(str(Path(self.index).absolute()))
             searcher.set_bm25(self.k1, self.b)
             self._searcher = searcher
         return self._searcher
@@ -130,8 +130,10 @@ def build_bm25_index(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     args = [
         "-collection", "JsonCollection",
         "-generator", "DefaultLuceneDocumentGenerator",
-        "-input", str(corpus_dir),
-        "-index", str(out_dir),
+        # absolute: the JVM resolves relative paths against the directory it started in, which an os.chdir after
+        # the first pyserini call (a notebook, a test, a library user) no longer matches
+        "-input", str(corpus_dir.absolute()),
+        "-index", str(out_dir.absolute()),
         "-threads", str(threads),
         "-storePositions", "-storeDocvectors", "-storeRaw",
     ] + (["-quiet"] if quiet else [])
