@@ -560,7 +560,9 @@ def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
     assert fresh.messages[1] == "changed since the checkpoint: actor_lr 0.01 -> 0.5"
     assert fresh.messages[2] == ("actor_lr 0.5 is the rate used from now on (the rollbacks' x0.25 applied to the old "
                                  "one)")
-    assert fresh.messages[3].startswith("this run records its rollouts, and stppo replay applies one config")
+    assert fresh.messages[3] == ("this run records its rollouts, and stppo replay applies one config (the one in "
+                                 "config.yaml) to every iteration: a replay will not reproduce the iterations before "
+                                 "this change exactly")
     assert len(fresh.messages) == 4
 
 
@@ -938,3 +940,14 @@ def test_a_frozen_actor_without_a_recorded_scale_resumes_at_scale_1(tmp_path):
     fresh = fake_trainer(tmp_path, actor_lr=0.0)
     resume(fresh, folder)
     assert fresh.actor_lr_scale == 1.0 and len(fresh.messages) == 1
+
+
+def test_a_new_actor_lr_without_rollbacks_is_only_listed_as_a_change(tmp_path):
+    from stppo_agent.runs.trainer_state import resume
+
+    saved = fake_trainer(tmp_path)
+    saved.actor_lr_scale = 1.0
+    folder = checkpoint_of(saved, tmp_path / "run")
+    fresh = fake_trainer(tmp_path, actor_lr=0.5)
+    resume(fresh, folder)
+    assert fresh.messages[1:] == ["changed since the checkpoint: actor_lr 0.01 -> 0.5"]
