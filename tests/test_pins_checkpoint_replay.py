@@ -156,6 +156,7 @@ def test_optimizer_state_goes_to_its_own_file_and_comes_back_merged(tmp_path):
     assert tensors["actor_optimizer"]["m"].tolist() == [4.0, 4.0]
     assert tensors["critic_optimizer"]["m"].tolist() == [-4.0, -4.0]
     assert state == {"iteration": 4, "config": {}}
+    assert (folder / "trainer_state.json").read_text() == json.dumps(state, indent=1, sort_keys=True)  # readable
 
 
 def test_without_optimizer_state_no_optimizer_file_is_written(tmp_path):
@@ -324,6 +325,7 @@ def test_drop_optimizer_state_edits_the_manifest_then_removes_the_file(tmp_path)
     ck.drop_optimizer_state(folder)
     assert not (folder / ck.OPTIMIZER_FILE).exists() and ck.OPTIMIZER_FILE not in manifest(folder)
     assert "trainer_state.pt" in manifest(folder)
+    assert (folder / "manifest.json").read_text() == json.dumps(manifest(folder), indent=1, sort_keys=True)
     assert [p.name for p in folder.parent.iterdir()] == ["step-1"]  # no manifest scratch left
     ck.verify_checkpoint(folder)
     before = (folder / "manifest.json").read_text()
@@ -684,7 +686,8 @@ def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = Non
     run = tmp_path / "recorded"
     values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run), progress=False,
                   tensorboard=False, save_rollouts=True, generation_backend=backend, share_retriever=True,
-                  iterations=len(iterations), temperature=0.9, algorithm=algorithm or {"clip_high": 0.3})
+                  iterations=config.pop("planned", len(iterations)), temperature=0.9,
+                  algorithm=algorithm or {"clip_high": 0.3})
     original = TrainConfig(**{**values, **config})
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(original.to_yaml(resolved=original.algorithm_config()))
@@ -721,6 +724,8 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
         replay_config(run, None, str(tmp_path / "o"), iterations=4)
     with pytest.raises(ValueError, match="recorded only 3"):
         replay_config(run, None, str(tmp_path / "o"), ["iterations=4"])
+    stopped = recorded_run(tmp_path / "s", planned=10)  # a run stopped after 3 of its 10 iterations
+    assert replay_config(stopped, None, "o").iterations == 3
     with_critic = recorded_run(tmp_path / "c", critic=True)
     assert replay_config(with_critic, None, "o").critic_model == str(with_critic / "rollouts" / "initial" / "critic")
 
@@ -748,6 +753,8 @@ def test_replay_config_refuses_a_folder_without_a_complete_recording(tmp_path):
     with pytest.raises(ValueError, match=(r"recorded iterations are not 1..N \(\[2, 3\]\.\.\.\); was the "
                                           r"run resumed from a checkpoint after deleting recordings\?$")):
         replay_config(recorded_run(tmp_path / "d", iterations=(2, 3)), None, "o")
+    with pytest.raises(ValueError, match=r"not 1..N \(\[1, 2, 3, 4, 5\]\.\.\.\)"):
+        replay_config(recorded_run(tmp_path / "f", iterations=(1, 2, 3, 4, 5, 7)), None, "o")
     torn = recorded_run(tmp_path / "e", worlds={2: 2})
     (torn / "rollouts" / "iter-000002.rank-1.safetensors").unlink()
     with pytest.raises(ValueError, match=("^/.*/rollouts: iteration 2 was recorded by 2 processes, but "
