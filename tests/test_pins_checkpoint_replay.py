@@ -958,3 +958,47 @@ def test_a_new_actor_lr_without_rollbacks_is_only_listed_as_a_change(tmp_path):
     fresh = fake_trainer(tmp_path, actor_lr=0.5)
     resume(fresh, folder)
     assert fresh.messages[1:] == ["changed since the checkpoint: actor_lr 0.01 -> 0.5"]
+
+
+class Smuggled:
+    """Anything but tensors and plain containers: a checkpoint that holds it must not be unpickled."""
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_not_unpickled(tmp_path):
+    import pickle
+
+    folder = save(tmp_path, 1)
+    torch.save({"torch_rng": Smuggled()}, folder / "trainer_state.pt")
+    (folder / "manifest.json").unlink()
+    ck._write_manifest(folder)  # a manifest that vouches for it: only weights_only stands in the way
+    with pytest.raises(pickle.UnpicklingError):
+        ck.load_trainer_state(folder)
+
+
+def test_a_gpu_checkpoint_resumes_on_a_machine_without_cuda(tmp_path, monkeypatch):
+    from stppo_agent.runs.trainer_state import checkpoint_states, resume
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(2, dtype=torch.uint8)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    saved = fake_trainer(tmp_path)
+    assert "cuda_rng" in checkpoint_states(saved)[0]
+    folder = checkpoint_of(saved, tmp_path / "run")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fresh = fake_trainer(tmp_path)
+    resume(fresh, folder)
+    assert restored == [] and fresh.iteration == 6
+
+
+def test_rank_1_of_a_checkpoint_written_by_one_process_starts_a_fresh_stream_and_says_so(tmp_path, monkeypatch):
+    from stppo_agent.distributed import process_group
+    from stppo_agent.runs.trainer_state import resume
+
+    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")
+    monkeypatch.setattr(process_group, "rank", lambda: 1)
+    monkeypatch.setattr(process_group, "seed_everything", lambda seed: None)
+    fresh = fake_trainer(tmp_path)
+    resume(fresh, folder)
+    assert len(fresh.messages) == 1 and fresh.messages[0].startswith(
+        "rank 1: the checkpoint holds no random state for this rank (written by 1 process(es))")
