@@ -854,9 +854,9 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
     assert trainer.config.algo == "grpo" and trainer.report == messages.append
     source = trainer.rollout_source(trainer)
     assert isinstance(source, RecordedRollouts) and source.folder == run / "rollouts"
-    assert json.loads((out / "replay.json").read_text()) == {
-        "replay_of": str(run.resolve()), "recorded_algo": "ppo", "algo": "grpo", "iterations": 2,
-        "rollout_correction": "tis"}
+    written = {"replay_of": str(run.resolve()), "recorded_algo": "ppo", "algo": "grpo", "iterations": 2,
+               "rollout_correction": "tis"}
+    assert (out / "replay.json").read_text() == json.dumps(written, indent=1) + "\n"
     assert messages == ["rollout correction: tis at token level, cap 2, kept from the recorded run (its batches were "
                         "sampled by vllm); --set algorithm.rollout_correction=none|tis|mis to change it"]
     with pytest.raises(ValueError, match="^the replay's --output-dir must differ from the recorded run's folder$"):
@@ -1002,3 +1002,10 @@ def test_rank_1_of_a_checkpoint_written_by_one_process_starts_a_fresh_stream_and
     resume(fresh, folder)
     assert len(fresh.messages) == 1 and fresh.messages[0].startswith(
         "rank 1: the checkpoint holds no random state for this rank (written by 1 process(es))")
+
+
+def test_every_changed_sampling_setting_is_named(tmp_path):
+    from stppo_agent.training.replay import replay_config
+
+    with pytest.raises(ValueError, match="; temperature=0.9, top_p=1.0 recorded, temperature=0.7, top_p=0.5 asked: "):
+        replay_config(recorded_run(tmp_path), "grpo", "o", ["temperature=0.7", "top_p=0.5"])
