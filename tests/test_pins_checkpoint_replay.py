@@ -380,6 +380,7 @@ def test_a_checkpoint_is_healthy_only_when_its_iteration_and_the_next_were_judge
     warm = [{**r, "collapse/warmup": r["step"] <= 2} for r in rows]
     assert healthy_steps(warm, [1, 2, 3, 4]) == [4]
     assert healthy_steps([{"step": 1, "reward": 1.0}, {"step": 2, "reward": 1.0}], [1]) == []
+    assert healthy_steps(records((1, 0, 0.1), (2, 0, 0.2)), [1, 2]) == [1]  # exactly S and S + 1 judged is enough
 
 
 def test_tripped_iterations_count_a_positive_signal_count_or_an_alarm_and_not_a_bool_or_zero():
@@ -971,6 +972,12 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_not_unpickled(tmp_path
     torch.save({"torch_rng": Smuggled()}, folder / "trainer_state.pt")
     (folder / "manifest.json").unlink()
     ck._write_manifest(folder)  # a manifest that vouches for it: only weights_only stands in the way
+    with pytest.raises(pickle.UnpicklingError):
+        ck.load_trainer_state(folder)
+    folder = save(tmp_path, 2)
+    torch.save({"actor_optimizer": Smuggled()}, folder / ck.OPTIMIZER_FILE)
+    (folder / "manifest.json").unlink()
+    ck._write_manifest(folder)
     with pytest.raises(pickle.UnpicklingError):
         ck.load_trainer_state(folder)
 
