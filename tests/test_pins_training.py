@@ -1,0 +1,839 @@
+"""Pins of the trainer's units (issue 27, mutation testing): the config's validation and merging, the PPO update's
+mini-batches / accumulation / clipping, response-token log-probs, the lagged policy, DAPO's resampling, the live
+rollouts' prompts and seeds, the model setup and the SFT loss. Fast: no subprocess, tiny models or none."""
+
+from __future__ import annotations
+
+import math
+import typing
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from stppo_agent.training.config import TrainConfig, _coerce, from_dict, load_config, unknown_fields
+
+# -- config ---------------------------------------------------------------------------------------------------
+
+def config(**values) -> TrainConfig:
+    return TrainConfig(**{"model": "m", "env": "stppo/Toy-v0", **values})
+
+
+def refused(message: str, **values) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(**values).validate()
+
+
+def test_config_defaults_are_the_documented_ones():
+    c = TrainConfig()
+    assert (c.algo, c.env, c.model, c.output_dir, c.iterations) == ("st_ppo", "stppo/NQ-v0", "", "runs/stppo", 100)
+    assert (c.prompts_per_iteration, c.samples_per_prompt, c.ppo_epochs, c.mini_batch_size, c.micro_batch_size,
+            c.generation_batch_size) == (8, 1, 1, 8, 4, 64)
+    assert (c.actor_lr, c.critic_lr, c.warmup_steps, c.weight_decay, c.max_grad_norm) == (1e-6, 1e-5, 0, 0.0, 1.0)
+    assert (c.temperature, c.top_p, c.top_k, c.rollout_staleness, c.stale_objective) == (1.0, 1.0, 0, 0, "coupled")
+    assert (c.strategy, c.generation_backend, c.dtype, c.device, c.seed) == ("ddp", "hf", "float32", "auto", 0)
+    assert (c.save_every, c.keep_checkpoints, c.checkpoint_optimizer, c.max_nan_skips) == (10, 2, "all", 3)
+    assert (c.max_search_error_rate, c.on_collapse, c.rollback_lr_factor, c.max_rollbacks) == (0.05, "warn", 0.5, 2)
+    assert c.share_retriever and c.reuse_kv_cache and c.tensorboard and c.progress
+    assert not (c.save_rollouts or c.step_diagnostics or c.gradient_checkpointing)
+    assert c.collapse_thresholds == {"kl_to_reference": 1.0} and c.algorithm == {} and c.plugins == []
+
+
+def test_a_valid_config_passes():
+    config().validate()
+    config(strategy="fsdp2", fsdp_compute_dtype="bfloat16").validate()
+    config(autocast_dtype="bfloat16").validate()
+    config(rollout_staleness=2, stale_objective="decoupled").validate()
+    config(rollout_staleness=1).validate()
+    config(mini_batch_size=8, micro_batch_size=8).validate()
+    config(iterations=1, prompts_per_iteration=1, ppo_epochs=1, mini_batch_size=1, micro_batch_size=1,
+           generation_batch_size=1, save_every=1, keep_checkpoints=1).validate()
+    config(temperature=0.0).validate()  # greedy
+    config(rollback_lr_factor=1.0, max_rollbacks=0).validate()
+
+
+def test_model_is_required():
+    with pytest.raises(ValueError, match="model is required: a Hugging Face folder"):
+        TrainConfig(env="stppo/Toy-v0").validate()
+
+
+@pytest.mark.parametrize("name", ["iterations", "prompts_per_iteration", "samples_per_prompt", "ppo_epochs",
+                                  "mini_batch_size", "micro_batch_size", "generation_batch_size", "save_every",
+                                  "keep_checkpoints"])
+def test_counts_below_one_are_refused_by_name(name):
+    refused(f"^{name} must be >= 1, got 0$", **{name: 0})
+
+
+def test_mini_batches_must_be_whole_micro_batches():
+    refused(r"mini_batch_size \(6\) must be a multiple of micro_batch_size \(4\)", mini_batch_size=6)
+
+
+def test_strategy_and_fsdp_compute_dtype():
+    refused(r"strategy must be ddp or fsdp2, got 'zero'", strategy="zero")
+    refused(r"fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)", fsdp_compute_dtype="bfloat16")
+    refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", strategy="fsdp2",
+            fsdp_compute_dtype="float32")
+    refused(r"^fsdp_compute_dtype=float16 is refused for training", strategy="fsdp2", fsdp_compute_dtype="float16")
+    refused(r"^dtype=float16 is refused for training", dtype="float16")
+
+
+def test_autocast_settings():
+    refused(r"autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype", strategy="fsdp2",
+            autocast_dtype="bfloat16")
+    refused(r"^autocast_dtype must be", autocast_dtype="int8")
+    refused(r"autocast_dtype=bfloat16 needs dtype=float32", autocast_dtype="bfloat16", dtype="bfloat16")
+
+
+def test_sampling_backend_and_env_are_checked_before_loading():
+    refused("temperature must be > 0", temperature=-1.0)
+    refused("top_p", top_p=0.0)
+    refused(r"generation_backend must be hf or vllm, got 'sglang'", generation_backend="sglang")
+    with pytest.raises(Exception, match="NoSuch"):
+        config(env="stppo/Toy-v0, stppo/NoSuch-v0").validate()
+    config(env=" stppo/Toy-v0 ,").validate()  # blanks and empty items are skipped
+
+
+def test_collapse_checkpoint_and_rollout_limit_settings():
+    refused(r"on_collapse must be one of none, warn, stop, rollback, got 'panic'", on_collapse="panic")
+    refused(r"collapse_warmup", collapse_warmup=1)
+    refused(r"rollback_lr_factor must be in \(0, 1\], got 0.0", rollback_lr_factor=0.0)
+    refused(r"rollback_lr_factor must be in \(0, 1\], got 1.5", rollback_lr_factor=1.5)
+    refused(r"max_rollbacks must be >= 0, got -1", max_rollbacks=-1)
+    refused(r"checkpoint_dtype must be", checkpoint_dtype="int8")
+    refused(r"checkpoint_optimizer must be", checkpoint_optimizer="some")
+    refused(r"checkpoint_optimizer=newest drops", checkpoint_optimizer="newest", on_collapse="rollback")
+    config(checkpoint_optimizer="newest", on_collapse="stop").validate()
+    refused(r"max_total_tokens \(10\) must fit", max_prompt_tokens=8, max_new_tokens_per_turn=4, max_total_tokens=10)
+    refused(r"rollout limit max_turns must be >= 1", max_turns=0)
+
+
+def test_group_advantages_need_groups_of_two():
+    refused(r"algorithm grpo uses group-relative advantages \(grpo\): a group of one", algo="grpo")
+    config(algo="grpo", samples_per_prompt=2).validate()
+    config(algo="ppo", samples_per_prompt=1).validate()
+
+
+def test_staleness_settings():
+    refused(r"^rollout_staleness must be >= 0, got -1$", rollout_staleness=-1)
+    refused(r"^stale_objective must be coupled or decoupled, got 'mixed'$", stale_objective="mixed")
+    config(rollout_staleness=0, strategy="fsdp2").validate()  # K = 0: nothing lags, any strategy
+    config(rollout_staleness=0, stale_objective="decoupled", algorithm={"rollout_correction": "none"}).validate()
+    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout_staleness=1,
+            strategy="fsdp2")
+    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout_staleness=1,
+            generation_backend="vllm")
+    refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav", rollout_staleness=1,
+            stale_objective="decoupled", algorithm={"rollout_correction": "none"})
+    config(rollout_staleness=1, stale_objective="coupled", algorithm={"rollout_correction": "none"}).validate()
+    config(rollout_staleness=1, stale_objective="decoupled", algorithm={"rollout_correction": "tis"}).validate()
+
+
+def test_algorithm_config_merges_the_preset_the_overrides_and_the_backend():
+    algo = config(algo="grpo", algorithm={"clip_high": 1}).algorithm_config()
+    assert algo.advantage == "grpo" and algo.clip_high == 1.0 and isinstance(algo.clip_high, float)
+    assert algo.rollout_correction == "none" and algo.rollout_correction_level == "token"
+    assert config(generation_backend="vllm").algorithm_config().rollout_correction == "tis"
+    # decoupled PPO needs the behaviour weight: auto -> mis, but only with a lag and that objective
+    assert config(rollout_staleness=1, stale_objective="decoupled").algorithm_config().rollout_correction == "mis"
+    assert config(rollout_staleness=0, stale_objective="decoupled").algorithm_config().rollout_correction == "none"
+    assert config(rollout_staleness=1, stale_objective="coupled").algorithm_config().rollout_correction == "none"
+    assert config(rollout_staleness=1, stale_objective="decoupled",
+                  algorithm={"rollout_correction": "tis"}).algorithm_config().rollout_correction == "tis"
+    with pytest.raises(ValueError, match=r"^unknown algorithm fields \['clip_hihg'\] \(did you mean clip_high\?\)"):
+        config(algorithm={"clip_hihg": 0.3}).algorithm_config()
+    with pytest.raises(ValueError, match=r"config field algorithm.clip_high expects float, got 'x'"):
+        config(algorithm={"clip_high": "x"}).algorithm_config()
+
+
+def test_plugins_are_loaded_before_the_preset_is_looked_up(tmp_path, monkeypatch):
+    (tmp_path / "pins_training_algo.py").write_text(
+        "import dataclasses\nfrom stppo_agent.algorithms import ALGORITHMS, register_algorithm\n"
+        "register_algorithm(dataclasses.replace(ALGORITHMS['ppo'], name='pins_training_algo', clip_high=0.4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    c = config(algo="pins_training_algo", plugins=["pins_training_algo"])
+    assert c.algorithm_config().clip_high == 0.4
+    c.validate()
+
+
+def test_rollout_limits_and_sampling_come_from_the_flat_fields():
+    c = config(max_turns=3, max_new_tokens_per_turn=5, max_observation_tokens=7, max_prompt_tokens=11,
+               max_total_tokens=99, temperature=0.7, top_p=0.9, top_k=5)
+    limits = c.rollout_limits()
+    assert (limits.max_turns, limits.max_new_tokens_per_turn, limits.max_observation_tokens,
+            limits.max_prompt_tokens, limits.max_total_tokens) == (3, 5, 7, 11, 99)
+    s = c.sampling()
+    assert (s.temperature, s.top_p, s.top_k, s.greedy) == (0.7, 0.9, 5, False)
+    assert config(temperature=0.0).sampling().greedy is True
+
+
+def test_to_yaml_holds_the_overrides_or_every_resolved_field():
+    c = config(algorithm={"clip_high": 0.3}, seed=5)
+    plain = yaml.safe_load(c.to_yaml())
+    assert plain["algorithm"] == {"clip_high": 0.3} and plain["seed"] == 5 and plain["model"] == "m"
+    assert list(plain)[:3] == ["algo", "algorithm", "plugins"]  # field order kept (sort_keys=False)
+    resolved = c.algorithm_config()
+    full = yaml.safe_load(c.to_yaml(resolved))
+    assert "name" not in full["algorithm"] and full["algorithm"]["clip_high"] == 0.3
+    assert full["algorithm"]["advantage"] == resolved.advantage and len(full["algorithm"]) >= 15
+
+
+def test_load_config_layers_file_flags_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 3\nactor_lr: 1\nmodel: from_file\nalgorithm:\n  clip_high: 0.25\n")
+    c = load_config(path, ["seed=9", "algorithm.clip_low=0.1"], model="flag", output_dir=None)
+    assert c.seed == 9 and c.actor_lr == 1.0 and isinstance(c.actor_lr, float)
+    assert c.model == "flag" and c.output_dir == "runs/stppo"  # a None flag does not override
+    assert c.algorithm == {"clip_high": 0.25, "clip_low": 0.1}
+    assert load_config(None, None).model == "" and load_config().seed == 0
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty).algo == "st_ppo"
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=r"list.yaml: a config file must hold a mapping of field: value"):
+        load_config(listed)
+    with pytest.raises(ValueError, match=r"^--set expects key=value, got 'seed'$"):
+        load_config(None, ["seed"])
+    with pytest.raises(ValueError, match=r"^--set seed=\[1: the value is not valid YAML"):
+        load_config(None, ["seed=[1"])
+    assert load_config(None, ["env=a=b"]).env == "a=b"  # only the first = splits
+
+
+def test_sectioned_overrides_keep_the_section_defaults():
+    c = load_config(None, ["collapse_thresholds.entropy=0.5"])
+    assert c.collapse_thresholds == {"kl_to_reference": 1.0, "entropy": 0.5}
+    c = load_config(None, ["env_kwargs.topk=3", "env_kwargs.split=dev"])
+    assert c.env_kwargs == {"topk": 3, "split": "dev"}
+    c = load_config(None, ["algorithm.clip_high=0.3", "algorithm.clip_high=0.35"])
+    assert c.algorithm == {"clip_high": 0.35}
+    assert TrainConfig().collapse_thresholds is not TrainConfig().collapse_thresholds
+    c = load_config(None, ["collapse_thresholds.kl_to_reference=2"])
+    assert TrainConfig().collapse_thresholds == {"kl_to_reference": 1.0} and c.collapse_thresholds[
+        "kl_to_reference"] == 2
+
+
+def test_a_run_config_under_another_algo_drops_the_old_resolved_fields(tmp_path):
+    resolved = config(algo="ppo").algorithm_config()
+    run = tmp_path / "run.yaml"
+    run.write_text(config(algo="ppo").to_yaml(resolved))
+    assert load_config(run, [], algo="grpo").algorithm == {}
+    assert load_config(run, []).algorithm["advantage"] == "gae"  # the same algo: kept
+    assert load_config(run, [], algo="ppo").algorithm["advantage"] == "gae"
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("algo: ppo\nalgorithm:\n  clip_high: 0.3\n")
+    assert load_config(partial, [], algo="grpo").algorithm == {"clip_high": 0.3}  # hand-written: kept
+    no_algo = tmp_path / "no_algo.yaml"
+    no_algo.write_text(yaml.safe_dump({"algorithm": dict(yaml.safe_load(run.read_text())["algorithm"])}))
+    assert load_config(no_algo, [], algo="grpo").algorithm["advantage"] == "gae"  # no algo in the file: kept
+
+
+def test_from_dict_and_unknown_field_messages():
+    assert from_dict({"seed": 4, "actor_lr": 2}).actor_lr == 2.0
+    with pytest.raises(ValueError, match=r"^unknown config fields \['actor_lrr'\] \(did you mean actor_lr\?\); "
+                                         r"known: algo, algorithm, plugins"):
+        from_dict({"actor_lrr": 1})
+    two = unknown_fields("config fields", {"actor_lrr", "sed"}, ["actor_lr", "seed"])
+    assert two == "unknown config fields ['actor_lrr', 'sed'] (did you mean actor_lr for actor_lrr, seed for sed?); " \
+                  "known: actor_lr, seed"
+    assert unknown_fields("config fields", {"zzzzzz"}, ["actor_lr"]) == \
+        "unknown config fields ['zzzzzz']; known: actor_lr"
+
+
+@pytest.mark.parametrize("value, hint, expected", [
+    (1, float, 1.0), (1, float | None, 1.0), (None, int, None), ({"a": 1}, dict, {"a": 1}),
+    ({"a": 1}, dict[str, int] | None, {"a": 1}), ("x", typing.Any, "x"),
+    (True, bool, True), (3, int, 3), ("s", str, "s"), ("s", str | None, "s"), ("mod", list, ["mod"]),
+    (["a", "b"], list | None, ["a", "b"]), (["a"], list, ["a"])])
+def test_coerce_converts_or_keeps(value, hint, expected):
+    out = _coerce("k", value, hint)
+    assert out == expected and type(out) is type(expected)
+
+
+@pytest.mark.parametrize("value, hint, name", [(True, float, "float"), (True, int, "int"), (1, bool, "bool"),
+                                               (1.5, int, "int"), (1, str, "str"), ("1", float, "float"),
+                                               (3, list, "list")])
+def test_coerce_refuses_the_wrong_type_by_name(value, hint, name):
+    with pytest.raises(ValueError, match=rf"^config field k expects {name}, got {value!r}$"):
+        _coerce("k", value, hint)
+
+
+# -- tiny in-memory models and batches -------------------------------------------------------------------------
+
+VOCAB = 12
+
+
+def tiny_lm(seed: int = 0, critic: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=1, num_labels=1)
+    model = (LlamaForTokenClassification if critic else LlamaForCausalLM)(cfg)
+    for module in model.modules():  # the value head's dropout: scores must repeat (as disable_dropout does)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+class NoKeep(torch.nn.Module):
+    """A causal LM whose forward has no ``logits_to_keep`` (the slicing path of response_logits)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=False):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache)
+
+
+# (prompt, [(ids, policy, turn), ...]) of different lengths: left padding, masked observations, several turns
+EPISODES = [([3, 4], [([5, 6], True, 0), ([7], False, -1), ([8, 9], True, 1)]),
+            ([3, 4, 5, 6], [([9], True, 0)]),
+            ([7], [([4, 4, 4], True, 0), ([5, 5], False, -1), ([6], True, 1)]),
+            ([3, 8, 8], [([10, 11], True, 0)]),
+            ([5, 5], [([3], True, 0), ([2, 2, 2], False, -1)]),
+            ([6], [([7, 7], True, 0)])]
+
+
+def make_batch(episodes=EPISODES, seed: int = 0):
+    from stppo_agent.rollouts.batch import Trajectory, to_batch
+
+    trajectories = []
+    for number, (prompt, pieces) in enumerate(episodes):
+        t = Trajectory(env=None, group_id=number // 2, prompt_ids=list(prompt), reward=float(number % 2))
+        for ids, policy, turn in pieces:
+            t.append(ids, policy=policy, turn=turn)
+        trajectories.append(t)
+    batch = to_batch(trajectories, pad_id=0)
+    g = torch.Generator().manual_seed(seed)
+    shape = batch.response_ids.shape
+    batch.old_logprobs = -1.5 + 0.3 * torch.randn(shape, generator=g)
+    batch.ref_logprobs = -1.5 + 0.3 * torch.randn(shape, generator=g)
+    batch.advantages = torch.randn(shape, generator=g)
+    batch.values = torch.randn(shape, generator=g)
+    batch.returns = torch.randn(shape, generator=g)
+    return batch
+
+
+def row_logits(model, prompt, response):
+    """Logits predicting each response token, from an unpadded forward of one trajectory."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    return model(input_ids=ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(response)]
+
+
+# -- log_probs ------------------------------------------------------------------------------------------------
+
+def test_position_ids_skip_left_padding():
+    from stppo_agent.training.log_probs import position_ids
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 0, 0, 0, 1]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3], [0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_response_logits_and_logprobs_are_those_of_each_unpadded_trajectory(keep):
+    from stppo_agent.training.log_probs import _accepts_logits_to_keep, response_logits, token_logprobs
+
+    model = tiny_lm().eval()
+    scored = model if keep else NoKeep(model)
+    assert _accepts_logits_to_keep(scored) is keep
+    batch = make_batch()
+    with torch.no_grad():
+        logits = response_logits(scored, batch)
+        logprobs, entropy = token_logprobs(scored, batch, with_entropy=True)
+        for row, (prompt, pieces) in enumerate(EPISODES):
+            response = [i for ids, _, _ in pieces for i in ids]
+            n = len(response)
+            expected = row_logits(model, prompt, response)
+            assert torch.allclose(logits[row, :n], expected, atol=1e-5), row
+            log_softmax = torch.log_softmax(expected, -1)
+            chosen = log_softmax.gather(-1, torch.tensor(response)[:, None])[:, 0]
+            assert torch.allclose(logprobs[row, :n], chosen, atol=1e-5), row
+            mask = batch.loss_mask[row, :n]
+            want = -(log_softmax.exp() * log_softmax).sum(-1)
+            assert torch.allclose(entropy[row, :n][mask], want[mask], atol=1e-5), row
+            assert (entropy[row][~batch.loss_mask[row]] == 0).all()
+    assert logprobs.dtype == torch.float32 and logprobs.shape == batch.response_ids.shape
+
+
+def test_token_logprobs_score_under_the_sampling_temperature_and_truncation():
+    from stppo_agent.rollouts.sampling import SamplingSettings
+    from stppo_agent.training.log_probs import token_logprobs
+
+    model = tiny_lm().eval()
+    batch = make_batch()
+    with torch.no_grad():
+        plain, none = token_logprobs(model, batch)
+        assert none is None
+        hot, _ = token_logprobs(model, batch, sampling=SamplingSettings(temperature=2.0))
+        prompt, pieces = EPISODES[0]
+        response = [i for ids, _, _ in pieces for i in ids]
+        logits = row_logits(model, prompt, response) / 2.0
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        assert torch.allclose(hot[0, :len(response)], want, atol=1e-5)
+        assert not torch.allclose(hot, plain)
+        _, entropy = token_logprobs(model, batch, with_entropy=True, sampling=SamplingSettings(top_k=3))
+        assert torch.isfinite(entropy).all() and (entropy[batch.loss_mask] > 0).all()
+        assert (entropy[batch.loss_mask] <= math.log(4) + 1e-5).all()  # support: 3 tokens and the sampled one
+
+
+def test_the_entropy_carries_a_gradient_only_when_asked():
+    from stppo_agent.training.log_probs import token_logprobs
+
+    model = tiny_lm()
+    batch = make_batch()
+    logprobs, entropy = token_logprobs(model, batch, with_entropy=True)
+    assert logprobs.requires_grad and not entropy.requires_grad
+    _, entropy = token_logprobs(model, batch, with_entropy=True, entropy_grad=True)
+    assert entropy.requires_grad
+    with torch.no_grad():
+        _, entropy = token_logprobs(model, batch, with_entropy=True, entropy_grad=True)
+    assert not entropy.requires_grad
+
+
+def test_critic_values_are_the_value_head_before_each_response_token():
+    from stppo_agent.training.log_probs import critic_values
+
+    critic = tiny_lm(1, critic=True).eval()
+    batch = make_batch()
+    with torch.no_grad():
+        values = critic_values(critic, batch)
+        assert values.shape == batch.response_ids.shape and values.dtype == torch.float32
+        for row, (prompt, pieces) in enumerate(EPISODES):
+            response = [i for ids, _, _ in pieces for i in ids]
+            ids = torch.tensor([list(prompt) + response])
+            want = critic(input_ids=ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(response), 0]
+            assert torch.allclose(values[row, :len(response)], want, atol=1e-5), row
+
+
+def test_length_sorted_micro_batches_cover_every_row_shortest_first():
+    from stppo_agent.training.log_probs import length_sorted_micro_batches
+
+    batch = make_batch()
+    parts = list(length_sorted_micro_batches(batch, 4))
+    assert [len(rows) for rows, _ in parts] == [4, 2]
+    rows = torch.cat([r for r, _ in parts])
+    lengths = batch.lengths()
+    assert sorted(rows.tolist()) == list(range(6))
+    assert lengths[rows].tolist() == sorted(lengths.tolist())
+    assert rows.tolist() == torch.argsort(lengths, stable=True).tolist()
+    first = parts[0][1]
+    assert first.response_ids.shape[1] < batch.response_ids.shape[1]  # trimmed to its own longest
+    assert first.response_ids.tolist() == batch.select(parts[0][0]).trimmed().response_ids.tolist()
+    assert [len(r) for r, _ in length_sorted_micro_batches(batch, 1)] == [1] * 6
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batched_no_grad_keeps_row_order_width_and_the_training_flag(training):
+    from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
+
+    model = tiny_lm()
+    model.train(training)
+    batch = make_batch()
+    out = batched_no_grad(token_logprobs, model, batch, 2)
+    assert model.training is training and not out.requires_grad
+    assert out.shape == batch.response_ids.shape
+    with torch.no_grad():
+        model.eval()
+        whole, _ = token_logprobs(model, batch)
+    mask = batch.attention_mask[:, batch.prompt_width:].bool()
+    assert torch.allclose(out[mask], whole[mask], atol=1e-5)
+    from stppo_agent.training.log_probs import length_sorted_micro_batches
+
+    for rows, micro in length_sorted_micro_batches(batch, 2):
+        assert (out[rows, micro.response_ids.shape[1]:] == 0).all()
+    assert (out[:, -1] == 0).sum() == 4  # only the two longest rows reach the last column
+
+
+# -- ppo_update -----------------------------------------------------------------------------------------------
+
+def fake_trainer(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **values):
+    from pathlib import Path
+
+    values = {"temperature": 0.7, "micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6, **values}
+    cfg = config(algo=algo, **values)
+    actor = tiny_lm(0)
+    value_model = tiny_lm(1, critic=True) if critic else None
+    t = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), actor=actor, actor_train=actor, critic=value_model,
+                        critic_train=value_model, device=torch.device("cpu"), world=1, rank=0, sharded=False,
+                        diagnostics=None, iteration=0, optimizer_steps=0, nan_skips_in_a_row=0, nan_skips_total=0,
+                        reports=[], phases=[], run_dir=Path("runs/pins"))
+    t.report, t.phase = t.reports.append, t.phases.append
+    t.actor_optimizer = torch.optim.SGD(actor.parameters(), lr=lr)
+    t.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(t.actor_optimizer, lambda step: 1.0)
+    t.critic_optimizer = t.critic_scheduler = None
+    if critic:
+        t.critic_optimizer = torch.optim.SGD(value_model.parameters(), lr=lr)
+        t.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(t.critic_optimizer, lambda step: 1.0)
+    return t
+
+
+def reference_actor_grads(t, mini):
+    """The gradient of the policy loss over the whole mini-batch in one forward (no accumulation)."""
+    from stppo_agent.algorithms import get_policy_loss
+    from stppo_agent.training.log_probs import token_logprobs
+
+    t.actor.zero_grad(set_to_none=True)
+    logprobs, entropy = token_logprobs(t.actor, mini, with_entropy=True, entropy_grad=t.algo.entropy_coef > 0,
+                                       sampling=t.config.sampling())
+    loss, _, metrics = get_policy_loss(t.algo.policy_loss)(
+        logprobs=logprobs, old_logprobs=mini.old_logprobs, advantages=mini.advantages, loss_mask=mini.loss_mask,
+        turn_ids=mini.turn_ids, config=t.algo, ref_logprobs=mini.ref_logprobs if t.algo.kl_loss_coef > 0 else None,
+        entropy=entropy, global_num_tokens=mini.loss_mask.sum().float(),
+        global_num_seqs=mini.loss_mask.any(1).sum().float())
+    loss.backward()
+    grads = [p.grad.clone() for p in t.actor.parameters()]
+    t.actor.zero_grad(set_to_none=True)
+    return grads, metrics
+
+
+@pytest.mark.parametrize("algo, algorithm", [
+    ("ppo", {"kl_loss_coef": 0.3, "entropy_coef": 0.05, "clip_low": 0.05, "clip_high": 0.05}),
+    ("grpo", {"kl_loss_coef": 0.0, "loss_agg": "seq-mean-token-mean"}),
+    ("gspo", {})])
+def test_accumulated_micro_batch_gradients_are_the_whole_mini_batch_gradient(algo, algorithm):
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(algo, algorithm=algorithm, micro_batch_size=1)
+    mini = make_batch().select([0, 2, 3, 4])
+    want, metrics = reference_actor_grads(t, mini)
+    out = PPOUpdate(t).actor_gradients(mini)
+    got = [p.grad for p in t.actor.parameters()]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-6, rtol=1e-4)
+    norm = torch.sqrt(sum((w ** 2).sum() for w in want))
+    assert out["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+    assert out["pg_loss"] == pytest.approx(float(metrics["pg_loss"]), rel=1e-4, abs=1e-6)
+
+
+def test_gradients_are_clipped_to_max_grad_norm_and_the_norm_before_is_reported():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(max_grad_norm=1e-3)
+    mini = make_batch().select([0, 1, 2, 3])
+    want, _ = reference_actor_grads(t, mini)
+    out = PPOUpdate(t).actor_gradients(mini)
+    norm = float(torch.sqrt(sum((w ** 2).sum() for w in want)))
+    assert norm > 0.01 and out["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    after = float(torch.sqrt(sum((p.grad ** 2).sum() for p in t.actor.parameters())))
+    assert after == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_clip_bias_corrected_step_is_the_same_whatever_the_micro_batch_size():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    mini = make_batch().select([0, 1, 2, 3])
+    grads, outs = [], []
+    for micro in (1, 4):
+        t = fake_trainer("st_ppo", micro_batch_size=micro, mini_batch_size=4)
+        assert t.algo.clip_bias_correction
+        outs.append(PPOUpdate(t).actor_gradients(mini))
+        grads.append([p.grad.clone() for p in t.actor.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert outs[0]["grad_norm"] == pytest.approx(outs[1]["grad_norm"], rel=1e-4)
+    corrector_keys = {k for k in outs[0] if k not in ("grad_norm",)} - set(reference_actor_grads(
+        fake_trainer("st_ppo"), mini)[1])
+    assert corrector_keys and all(outs[0][k] == pytest.approx(outs[1][k], rel=1e-4, abs=1e-7)
+                                  for k in corrector_keys)
+    measured = PPOUpdate(fake_trainer("ppo", step_diagnostics=True)).actor_gradients(mini)
+    assert corrector_keys <= set(measured)  # measured, not applied, for every algorithm with step diagnostics
+    assert not corrector_keys & set(PPOUpdate(fake_trainer("ppo")).actor_gradients(mini))
+
+
+def test_the_critic_step_fits_the_returns_from_the_old_values():
+    from stppo_agent.algorithms import value_loss
+    from stppo_agent.training.log_probs import critic_values
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(micro_batch_size=1)
+    mini = make_batch().select([0, 2, 3, 5])
+    loss, metrics = value_loss(values=critic_values(t.critic, mini), old_values=mini.values, returns=mini.returns,
+                               loss_mask=mini.loss_mask, config=t.algo, global_num_tokens=mini.loss_mask.sum().float())
+    loss.backward()
+    want = [p.grad.clone() for p in t.critic.parameters()]
+    before = [p.detach().clone() for p in t.critic.parameters()]
+    out = PPOUpdate(t)._critic_step(mini)
+    norm = float(torch.sqrt(sum((w ** 2).sum() for w in want)))
+    assert out["critic_grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert out["value_loss"] == pytest.approx(float(metrics["value_loss"]), rel=1e-4)
+    for p, b, w in zip(t.critic.parameters(), before, want):  # one SGD step of lr 0.1 on that gradient
+        assert torch.allclose(p.detach(), b - 0.1 * w, atol=1e-6)
+
+
+def test_the_critic_gradient_is_clipped():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(max_grad_norm=1e-4)
+    before = [p.detach().clone() for p in t.critic.parameters()]
+    out = PPOUpdate(t)._critic_step(make_batch().select([0, 1, 2, 3]))
+    assert out["critic_grad_norm"] > 1e-3
+    moved = math.sqrt(sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(t.critic.parameters(), before)))
+    assert moved == pytest.approx(0.1 * 1e-4, rel=1e-3)
+
+
+def test_an_update_steps_epochs_times_mini_batches_in_a_seeded_order():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3)
+    t.iteration = 2
+    batch = make_batch()
+    batch.group_ids = torch.arange(6)
+    updater, seen = PPOUpdate(t), []
+    step = updater._optimizer_step
+    updater._optimizer_step = lambda mini: seen.append(mini.group_ids.tolist()) or step(mini)
+    before = [p.detach().clone() for p in t.actor.parameters()]
+    metrics = updater.update(batch)
+    g = torch.Generator().manual_seed(3 + 2)
+    orders = [torch.randperm(6, generator=g).tolist() for _ in range(2)]
+    assert seen == [orders[0][:4], orders[0][4:], orders[1][:4], orders[1][4:]]
+    assert t.optimizer_steps == 4 and t.phases == [f"update step {i}/4" for i in range(1, 5)]
+    assert metrics["offpolicy/steps"] == 3.0  # every step after the first
+    assert metrics["nan_skips_total"] == 0 and metrics["actor_lr"] == 0.1
+    assert metrics["update_tokens_per_s"] > 0
+    assert "value_loss" in metrics and "pg_loss" in metrics and "critic_grad_norm" in metrics
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(t.actor.parameters(), before))
+
+
+def test_update_counts_the_policy_tokens_it_trained_on(monkeypatch):
+    import stppo_agent.training.ppo_update as ppo_update
+
+    t = fake_trainer(ppo_epochs=3, mini_batch_size=6, micro_batch_size=6)
+    batch = make_batch()
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr(ppo_update.time, "perf_counter", lambda: next(clock))
+    metrics = ppo_update.PPOUpdate(t).update(batch)
+    assert metrics["update_tokens_per_s"] == pytest.approx(3 * int(batch.loss_mask.sum()) / 2.0)
+
+
+def test_a_non_finite_step_is_skipped_then_the_run_stops():
+    from stppo_agent.training.ppo_update import PPOUpdate, TrainingDivergedError
+
+    t = fake_trainer(max_nan_skips=1)
+    updater = PPOUpdate(t)
+    bad = make_batch().select([0, 1, 2, 3])
+    bad.advantages[0, 0] = math.nan
+    before = [p.detach().clone() for p in t.actor.parameters()]
+    out = updater._optimizer_step(bad)
+    assert out["skipped"] == 1.0 and math.isnan(out["grad_norm"])
+    assert t.optimizer_steps == 0 and t.nan_skips_in_a_row == 1 and t.nan_skips_total == 1
+    assert all(p.grad is None for p in t.actor.parameters())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(t.actor.parameters(), before))
+    assert t.reports == ["iteration 1: non-finite actor loss or gradient; update skipped (1 in a row)"]
+    good = make_batch().select([0, 1, 2, 3])
+    assert "skipped" not in updater._optimizer_step(good)
+    assert t.nan_skips_in_a_row == 0 and t.nan_skips_total == 1 and t.optimizer_steps == 1
+    updater._optimizer_step(bad)
+    with pytest.raises(TrainingDivergedError, match=r"^2 consecutive updates had NaN/inf losses or gradients; "
+                                                    r"stopping. The last valid checkpoint is in runs/pins/checkpoints"):
+        updater._optimizer_step(bad)
+    assert t.nan_skips_total == 3
+
+
+def test_a_non_finite_critic_step_is_skipped_alone():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer()
+    mini = make_batch().select([0, 1, 2, 3])
+    mini.returns[1, 0] = math.inf
+    before = [p.detach().clone() for p in t.critic.parameters()]
+    out = PPOUpdate(t)._optimizer_step(mini)
+    assert out["skipped"] == 1.0 and t.optimizer_steps == 1  # the actor stepped
+    assert all(torch.equal(p.detach(), b) for p, b in zip(t.critic.parameters(), before))
+    assert all(p.grad is None for p in t.critic.parameters())
+    assert t.reports == ["iteration 1: non-finite critic loss or gradient; update skipped (1 in a row)"]
+    t2 = fake_trainer(critic=False)
+    out = PPOUpdate(t2)._optimizer_step(make_batch().select([0, 1, 2, 3]))
+    assert "value_loss" not in out and t2.optimizer_steps == 1
+
+
+def test_synced_last_skips_the_all_reduce_until_the_last_micro_batch():
+    import contextlib
+
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    events = []
+
+    class Wrapper:
+        @contextlib.contextmanager
+        def no_sync(self):
+            events.append("off")
+            yield
+            events.append("on")
+
+    for item in PPOUpdate._synced_last(["a", "b", "c"], Wrapper()):
+        events.append(item)
+    assert events == ["off", "a", "on", "off", "b", "on", "c"]
+    assert list(PPOUpdate._synced_last(["a", "b"], None)) == ["a", "b"]
+    assert list(PPOUpdate._synced_last(["a", "b"], torch.nn.Linear(1, 1))) == ["a", "b"]
+
+
+def test_global_counts_are_policy_tokens_and_trajectories_never_zero():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer()
+    batch = make_batch()
+    tokens, seqs = PPOUpdate(t)._global_counts(batch)
+    assert float(tokens) == float(batch.loss_mask.sum()) and float(seqs) == 6.0
+    batch.loss_mask[:] = False
+    batch.loss_mask[1, 0] = True
+    assert [float(x) for x in PPOUpdate(t)._global_counts(batch)] == [1.0, 1.0]
+    batch.loss_mask[:] = False
+    t.world = 4
+    assert [float(x) for x in PPOUpdate(t)._global_counts(batch)] == [0.25, 0.25]
+
+
+def test_whole_batch_statistics_only_for_m2po_over_several_micro_batches():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    mini = make_batch().select([0, 1, 2, 3])
+    t = fake_trainer("m2po", micro_batch_size=1)
+    updater = PPOUpdate(t)
+    micros = updater._split(mini)
+    assert len(micros) == 4
+    keywords = updater._whole_batch_keywords(micros)
+    assert len(keywords) == 4 and all(k for k in keywords)
+    assert updater._whole_batch_keywords(micros[:1]) == [{}]
+    assert PPOUpdate(fake_trainer("ppo"))._whole_batch_keywords(micros) == [{}, {}, {}, {}]
+    grads = []
+    for micro in (1, 4):
+        t = fake_trainer("m2po", micro_batch_size=micro, algorithm={"m2_threshold": 0.02})
+        mini.old_logprobs = mini.old_logprobs + 0.0
+        PPOUpdate(t).actor_gradients(mini)
+        grads.append([p.grad.clone() for p in t.actor.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_step_diagnostics_hooks_see_every_micro_batch_and_the_step():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    calls = []
+
+    class Diagnostics:
+        def begin_iteration(self, iteration):
+            calls.append(("begin", iteration))
+
+        def observe_micro(self, micro, logprobs):
+            calls.append(("micro", micro.batch_size, logprobs.shape == micro.response_ids.shape))
+
+        def finish_step(self, params, out, steps):
+            calls.append(("finish", len(params), "grad_norm" in out, steps))
+            return {"diag": 1.0}
+
+    t = fake_trainer(mini_batch_size=6, micro_batch_size=2, critic=False)
+    t.iteration, t.optimizer_steps, t.diagnostics = 4, 7, Diagnostics()
+    metrics = PPOUpdate(t).update(make_batch())
+    params = len([p for p in t.actor.parameters() if p.requires_grad])
+    assert calls == [("begin", 5), ("micro", 2, True), ("micro", 2, True), ("micro", 2, True),
+                     ("finish", params, True, 7)]
+    assert metrics["diag"] == 1.0
+
+
+# -- stale_policy ---------------------------------------------------------------------------------------------
+
+def test_staleness_zero_generates_with_the_actor_itself():
+    from stppo_agent.training.stale_policy import StalePolicy
+
+    actor = torch.nn.Linear(2, 2)
+    policy = StalePolicy(actor, 0)
+    assert policy.model is actor and policy.lag == 0 and policy.state() == {}
+    assert actor.training and actor.weight.requires_grad
+    policy.advance(actor)
+    assert policy.lag == 0 and not policy.pending
+    policy.load(None)  # nothing to restore
+    with pytest.raises(ValueError, match=r"^rollout_staleness must be >= 0, got -1$"):
+        StalePolicy(actor, -1)
+
+
+def test_iteration_i_generates_with_the_weights_after_i_minus_k_updates():
+    from stppo_agent.training.stale_policy import StalePolicy
+
+    actor = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        actor.weight.fill_(0.0)
+    policy = StalePolicy(actor, 2)
+    assert policy.model is not actor and not policy.model.training
+    assert not any(p.requires_grad for p in policy.model.parameters()) and actor.weight.requires_grad
+    assert policy.state()["pending"] == [] and float(policy.state()["model"]["weight"]) == 0.0
+    generating = []
+    for update in range(1, 6):  # iteration update-1 plays, then the actor takes its update-th step
+        generating.append(float(policy.model.weight))
+        with torch.no_grad():
+            actor.weight.fill_(float(update))
+        policy.advance(actor)
+        assert policy.lag == min(2, update)
+    assert generating == [0.0, 0.0, 0.0, 1.0, 2.0]  # max(0, i - 2) updates
+    state = policy.state()
+    assert float(state["model"]["weight"]) == 3.0 and [float(s["weight"]) for s in state["pending"]] == [4.0, 5.0]
+    with torch.no_grad():
+        policy.model.weight.fill_(-1.0)
+    assert float(state["model"]["weight"]) == 3.0  # a copy, not the live tensor
+    fresh = StalePolicy(actor, 2)
+    fresh.load(state)
+    assert float(fresh.model.weight) == 3.0 and fresh.lag == 2
+    with pytest.raises(ValueError, match=r"^the checkpoint holds no lagged policy, but rollout_staleness is 2"):
+        fresh.load({})
+
+
+def test_the_lagged_copy_keeps_the_autocast_of_the_run():
+    from stppo_agent.models.precision import autocast_forward
+    from stppo_agent.training.stale_policy import StalePolicy
+
+    actor = autocast_forward(tiny_lm(), "bfloat16")
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        want = actor(input_ids=ids).logits
+        got = StalePolicy(actor, 1, "bfloat16").model(input_ids=ids).logits
+        plain = StalePolicy(actor, 1, None).model(input_ids=ids).logits
+    assert torch.equal(got, want) and not torch.equal(plain, want)
+
+
+# -- resampling -------------------------------------------------------------------------------------------------
+
+def group_batch(groups):
+    """One trajectory per reward, ``groups`` = [(group_id, [rewards])]."""
+    from stppo_agent.rollouts.batch import Trajectory, to_batch
+
+    trajectories = []
+    for gid, rewards in groups:
+        for reward in rewards:
+            t = Trajectory(env=None, group_id=gid, prompt_ids=[3], reward=reward)
+            t.append([4, 5][: 1 + gid % 2], policy=True, turn=0)
+            trajectories.append(t)
+    return to_batch(trajectories, pad_id=0)
+
+
+def test_uninformative_groups_are_replaced_until_the_batch_is_full():
+    from stppo_agent.training.resampling import keep_informative_groups
+
+    first = group_batch([(0, [1.0, 1.0]), (1, [0.0, 1.0]), (2, [0.0, 0.0])])
+    first.stats = {"reward": 0.5}
+    rounds = {1: group_batch([(10, [1.0, 1.0]), (11, [1.0, 0.0])]),
+              2: group_batch([(20, [0.0, 1.0]), (21, [0.5, 0.0])])}
+    played = []
+    batch = keep_informative_groups(first, lambda r: played.append(r) or rounds[r], max_rounds=5, pad_id=0)
+    assert played == [1, 2]
+    assert batch.group_ids.tolist() == [1, 1, 11, 11, 20, 20]
+    assert batch.rewards.tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert batch.stats == {"reward": 0.5, "dynamic_sampling/rounds": 2.0, "dynamic_sampling/dropped_frac": 3 / 7}
+
+
+def test_the_round_cap_fills_the_batch_with_dropped_groups_in_sampling_order():
+    from stppo_agent.training.resampling import keep_informative_groups
+
+    first = group_batch([(0, [1.0, 1.0]), (1, [0.0, 1.0]), (2, [0.0, 0.0])])
+    more = group_batch([(10, [1.0, 1.0]), (11, [1.0, 0.0])])
+    batch = keep_informative_groups(first, lambda r: more, max_rounds=1, pad_id=0)
+    assert batch.group_ids.tolist() == [1, 1, 11, 11, 0, 0]
+    assert batch.stats["dynamic_sampling/rounds"] == 1.0
+    assert batch.stats["dynamic_sampling/dropped_frac"] == 3 / 5
+    none = keep_informative_groups(first, lambda r: pytest.fail("no round allowed"), max_rounds=0, pad_id=0)
+    assert none.group_ids.tolist() == [1, 1, 0, 0, 2, 2]
+    assert none.stats["dynamic_sampling/rounds"] == 0.0 and none.stats["dynamic_sampling/dropped_frac"] == 2 / 3
+    full = group_batch([(0, [1.0, 0.0]), (1, [0.0, 1.0])])
+    kept = keep_informative_groups(full, lambda r: pytest.fail("the batch is full"), max_rounds=3, pad_id=0)
+    assert kept.group_ids.tolist() == [0, 0, 1, 1] and kept.stats["dynamic_sampling/dropped_frac"] == 0.0
