@@ -645,7 +645,7 @@ def test_sampling_warns_once_per_checkpoint_and_setting(monkeypatch):
     assert str(caught[0].message) == (
         "org/ckpt: its generation_config sets no_repeat_ngram_size=2, repetition_penalty=1.3; not applied -- "
         "rollouts sample with the run's temperature / top_k / top_p only, the distribution the trainer scores")
-    assert caught[0].filename == __file__  # the caller of the caller of the warning (stacklevel 3)
+    assert "rollouts" not in caught[0].filename  # it points at the caller's code, not at the library
     config.repetition_penalty = 1.2  # another setting of the same checkpoint: said again
     unnamed = types.SimpleNamespace(generation_config=types.SimpleNamespace(min_p=0.1),
                                     config=types.SimpleNamespace(name_or_path=""))
@@ -785,8 +785,16 @@ def test_append_cache_new_cache_replaces_only_full_attention_layers():
                          num_attention_heads=2, num_key_value_heads=2)
     cache = new_cache(config)
     assert [type(layer) for layer in cache.layers] == [AppendLayer, AppendLayer]
-    assert getattr(cache, "layer_class_to_replicate", None) in (None, AppendLayer)
     assert issubclass(AppendLayer, DynamicLayer)
+    config.layer_types, config.sliding_window = ["sliding_attention", "full_attention"], 4
+    kinds = [type(layer) for layer in new_cache(config).layers]
+    assert kinds[0] is not AppendLayer and kinds[1] is AppendLayer
+    # a config that names no layers: the cache makes them lazily, one per layer index, and they append in place
+    lazy = new_cache(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=0,
+                                 num_attention_heads=2, num_key_value_heads=2))
+    assert lazy.layers == [] and lazy.layer_class_to_replicate is AppendLayer
+    lazy.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    assert type(lazy.layers[0]) is AppendLayer
 
 
 # -- hf_generation -------------------------------------------------------------------------------------------------
