@@ -54,7 +54,7 @@ def test_a_valid_config_passes():
 
 
 def test_model_is_required():
-    with pytest.raises(ValueError, match="model is required: a Hugging Face folder"):
+    with pytest.raises(ValueError, match=r"^model is required: a Hugging Face folder or hub name \(--model\)$"):
         TrainConfig(env="stppo/Toy-v0").validate()
 
 
@@ -71,7 +71,7 @@ def test_mini_batches_must_be_whole_micro_batches():
 
 def test_strategy_and_fsdp_compute_dtype():
     refused(r"strategy must be ddp or fsdp2, got 'zero'", strategy="zero")
-    refused(r"fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)", fsdp_compute_dtype="bfloat16")
+    refused(r"^fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)$", fsdp_compute_dtype="bfloat16")
     refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", strategy="fsdp2",
             fsdp_compute_dtype="float32")
     refused(r"^fsdp_compute_dtype=float16 is refused for training", strategy="fsdp2", fsdp_compute_dtype="float16")
@@ -79,7 +79,8 @@ def test_strategy_and_fsdp_compute_dtype():
 
 
 def test_autocast_settings():
-    refused(r"autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype", strategy="fsdp2",
+    refused(r"^autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype \(FSDP2's own mixed precision\)$",
+            strategy="fsdp2",
             autocast_dtype="bfloat16")
     refused(r"^autocast_dtype must be", autocast_dtype="int8")
     refused(r"autocast_dtype=bfloat16 needs dtype=float32", autocast_dtype="bfloat16", dtype="bfloat16")
@@ -119,11 +120,12 @@ def test_staleness_settings():
     refused(r"^stale_objective must be coupled or decoupled, got 'mixed'$", stale_objective="mixed")
     config(rollout_staleness=0, strategy="fsdp2").validate()  # K = 0: nothing lags, any strategy
     config(rollout_staleness=0, stale_objective="decoupled", algorithm={"rollout_correction": "none"}).validate()
-    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout_staleness=1,
-            strategy="fsdp2")
+    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf \(the lagged copy of the weights is "
+            r"a whole module; sharded and vLLM copies are not implemented\)$", rollout_staleness=1, strategy="fsdp2")
     refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout_staleness=1,
             generation_backend="vllm")
-    refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav", rollout_staleness=1,
+    refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav: set algorithm.rollout_correction "
+            r"to mis or tis \(auto picks mis\), not none$", rollout_staleness=1,
             stale_objective="decoupled", algorithm={"rollout_correction": "none"})
     config(rollout_staleness=1, stale_objective="coupled", algorithm={"rollout_correction": "none"}).validate()
     config(rollout_staleness=1, stale_objective="decoupled", algorithm={"rollout_correction": "tis"}).validate()
@@ -193,6 +195,12 @@ def test_load_config_layers_file_flags_and_overrides(tmp_path):
     listed.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match=r"list.yaml: a config file must hold a mapping of field: value"):
         load_config(listed)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("seed: [1\n")
+    with pytest.raises(ValueError, match=r"broken.yaml is not valid YAML: "):
+        load_config(broken)
+    resolved = dict(yaml.safe_load(config(algo="ppo").to_yaml(config(algo="ppo").algorithm_config()))["algorithm"])
+    assert load_config(None, [], algorithm=resolved).algorithm == resolved  # no file: nothing to drop
     with pytest.raises(ValueError, match=r"^--set expects key=value, got 'seed'$"):
         load_config(None, ["seed"])
     with pytest.raises(ValueError, match=r"^--set seed=\[1: the value is not valid YAML"):
@@ -837,3 +845,296 @@ def test_the_round_cap_fills_the_batch_with_dropped_groups_in_sampling_order():
     full = group_batch([(0, [1.0, 0.0]), (1, [0.0, 1.0])])
     kept = keep_informative_groups(full, lambda r: pytest.fail("the batch is full"), max_rounds=3, pad_id=0)
     assert kept.group_ids.tolist() == [0, 0, 1, 1] and kept.stats["dynamic_sampling/dropped_frac"] == 0.0
+
+
+# -- live_rollouts ----------------------------------------------------------------------------------------------
+
+def test_the_prompt_sampler_walks_a_seeded_permutation_per_epoch():
+    import numpy as np
+
+    from stppo_agent.training.live_rollouts import PromptSampler
+
+    sampler = PromptSampler([2, 3], seed=4)
+    pairs = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert sampler.pairs == pairs and sampler.state() == {"epoch": 0, "cursor": 0}
+    first, second = (np.random.default_rng(4 + e).permutation(5).tolist() for e in (0, 1))
+    assert sampler.take(3) == [pairs[i] for i in first[:3]] and sampler.state() == {"epoch": 0, "cursor": 3}
+    assert sampler.take(2) == [pairs[i] for i in first[3:]] and sampler.state() == {"epoch": 1, "cursor": 0}
+    assert sampler.take(0) == []
+    assert sampler.take(7) == [pairs[i] for i in second] + [pairs[i] for i in
+                                                            np.random.default_rng(6).permutation(5)[:2].tolist()]
+    assert sampler.state() == {"epoch": 2, "cursor": 2}
+    resumed = PromptSampler([2, 3], seed=4)
+    resumed.load({"epoch": 1.0, "cursor": 3.0})
+    assert resumed.state() == {"epoch": 1, "cursor": 3} and type(resumed.state()["epoch"]) is int
+    assert type(resumed.state()["cursor"]) is int
+    assert resumed.take(2) == [pairs[i] for i in second[3:]]
+
+
+def live(env="stppo/Toy-v0", env_kwargs=None, **values):
+    from pathlib import Path
+
+    from stppo_agent.training.live_rollouts import LiveRollouts
+
+    cfg = config(env=env, env_kwargs=env_kwargs or {}, **values)
+    trainer = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), run_dir=Path("runs/pins"), rank=0, world=1,
+                              backend=object(), tokenizer=SimpleNamespace(pad_token_id=0), actor=torch.nn.Linear(1, 1),
+                              phases=[])
+    trainer.phase = trainer.phases.append
+    return LiveRollouts(trainer)
+
+
+def test_live_rollouts_build_one_env_per_slot_sharing_the_search_envs_retriever():
+    from stppo_agent.training.live_rollouts import LiveRollouts
+
+    from .conftest import KeywordRetriever
+
+    retriever = KeywordRetriever()
+    rollouts = live(" stppo/NQ-v0 , stppo/HotpotQA-v0,", {"retriever": retriever, "topk": 2}, max_turns=3)
+    assert rollouts.env_ids == ["stppo/NQ-v0", "stppo/HotpotQA-v0"]
+    assert rollouts.env_kwargs == [{"retriever": retriever, "topk": 2, "max_turns": 3}] * 2
+    sizes = [len(rollouts._env(0, i).examples) for i in (0, 1)]
+    assert len(rollouts.sampler.pairs) == sum(sizes) and rollouts.sampler.seed == 0
+    env = rollouts._env(3, 1)
+    assert env is rollouts._env(3, 1) and env is not rollouts._env(2, 1) and env is not rollouts._env(3, 0)
+    assert env.retriever is retriever and env.max_turns == 3 and env.topk == 2
+    toy = live("stppo/Toy-v0", {"turns": 3}, seed=9)
+    assert toy.env_kwargs == [{"turns": 3}] and toy.sampler.pairs == [(0, 0)] and toy.sampler.seed == 9
+    assert toy._env(0, 0).turns == 3
+    with pytest.raises(ValueError, match=r"^env is empty; pass one or more env ids"):
+        LiveRollouts(SimpleNamespace(config=config(env=" , "), run_dir=None))
+
+
+def recording_collect(calls, rewards=lambda round, groups: [1.0] * len(groups)):
+    def collect(backend, tokenizer, envs, options, groups, limits, seeds, on_turn):
+        calls.append(dict(envs=envs, options=options, groups=groups, limits=limits, seeds=seeds))
+        on_turn(1, 4)
+        round = (groups[0] // 10**9) if groups else 0
+        return group_batch([(g, [r]) for g, r in zip(groups, rewards(round, groups))])
+    return collect
+
+
+def test_a_round_assigns_slots_groups_and_seeds(monkeypatch):
+    import stppo_agent.training.live_rollouts as live_rollouts
+
+    calls = []
+    monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
+    rollouts = live(prompts_per_iteration=2, samples_per_prompt=3, seed=5, max_turns=4)
+    rollouts._play(2, 0)
+    rollouts._play(2, 1)
+    own, extra = calls
+    assert own["groups"] == [4, 4, 4, 5, 5, 5] and extra["groups"] == [10**9 + 4] * 3 + [10**9 + 5] * 3
+    assert own["seeds"] == [5 + 2_000_006 + slot for slot in range(6)]
+    assert extra["seeds"] == [5 + 2_000_006 + slot + 7_919_993 for slot in range(6)]
+    assert own["options"] == [{"index": 0}] * 6 and own["limits"] == rollouts.trainer.config.rollout_limits()
+    assert len({id(env) for env in own["envs"]}) == 6
+    assert [id(e) for e in own["envs"]] == [id(e) for e in extra["envs"]]  # the same slots, the same envs
+    assert rollouts.trainer.phases == ["rollout turn 2/4 done (4 active)"] * 2
+    assert rollouts.state() == {"epoch": 4, "cursor": 0}  # one example: each prompt is an epoch
+    rollouts.load({"epoch": 1, "cursor": 0})
+    assert rollouts.sampler.state() == {"epoch": 1, "cursor": 0}
+
+
+def test_each_rank_plays_its_share_of_the_prompts(monkeypatch):
+    import stppo_agent.training.live_rollouts as live_rollouts
+
+    calls = []
+    monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
+    rollouts = live(prompts_per_iteration=4, samples_per_prompt=2, seed=0)
+    rollouts.trainer.rank, rollouts.trainer.world = 1, 2
+    rollouts._play(0, 0)
+    assert calls[0]["groups"] == [1, 1, 3, 3] and calls[0]["seeds"] == [2, 3, 6, 7]
+
+
+def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_run(monkeypatch):
+    import stppo_agent.training.live_rollouts as live_rollouts
+    from stppo_envs.retrieval import RetrievalError
+
+    calls = []
+    informative_from = lambda round, groups: [float(round >= 2 and i % 2) for i in range(len(groups))]  # noqa: E731
+    monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls, informative_from))
+    rollouts = live(algo="dapo", prompts_per_iteration=2, samples_per_prompt=2)
+    batch = rollouts.next_batch(0)
+    assert [c["groups"][0] // 10**9 for c in calls] == [0, 1, 2]
+    assert batch.stats["dynamic_sampling/rounds"] == 2.0
+    assert batch.group_ids.tolist() == [2 * 10**9, 2 * 10**9, 2 * 10**9 + 1, 2 * 10**9 + 1]
+    capped = live(algo="dapo", prompts_per_iteration=2, samples_per_prompt=2, algorithm={"max_resample_rounds": 1})
+    calls.clear()
+    capped.next_batch(0)
+    assert len(calls) == 2
+    calls.clear()
+    live(algo="grpo", samples_per_prompt=2).next_batch(0)
+    assert len(calls) == 1  # no dynamic sampling
+    rates = {}
+    monkeypatch.setattr(live_rollouts, "rollout_statistics", lambda batch, algo: rates)
+    rollouts = live(max_search_error_rate=0.25, env_kwargs={"turns": 2})
+    rollouts.next_batch(0)  # no searches: no rate
+    rates["search_error_rate"] = 0.25
+    rollouts.next_batch(0)
+    rates["search_error_rate"] = 0.26
+    with pytest.raises(RetrievalError, match=r"^iteration 3: 26% of the searches failed \(max_search_error_rate=0.25\)"
+                                             r"; the policy would learn from error messages. Check the retriever "
+                                             r"\(demo\), then --resume"):
+        rollouts.next_batch(2)
+
+
+# -- model_setup ------------------------------------------------------------------------------------------------
+
+def test_disable_dropout_zeroes_every_dropout_module_and_config_rate():
+    from stppo_agent.training.model_setup import disable_dropout
+
+    model = torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout(0.1)))
+    keys = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+    model.config = SimpleNamespace(**{key: 0.2 for key in keys}, classifier_dropout=0.4, name="x", layers=2)
+    disable_dropout(model)
+    assert [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
+    assert all(getattr(model.config, key) == 0.0 for key in keys)
+    assert model.config.classifier_dropout == 0.4 and model.config.name == "x" and model.config.layers == 2
+    bare = torch.nn.Linear(1, 1)
+    bare.config = SimpleNamespace(dropout=None)
+    disable_dropout(bare)
+    assert bare.config.dropout is None  # not a rate: left alone
+
+
+def test_warmup_is_linear_over_its_steps():
+    from stppo_agent.training.model_setup import warmup
+
+    assert [warmup(4)(step) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup(0)(0) == 1.0 and warmup(1)(0) == 1.0
+
+
+def setup_trainer(monkeypatch, **values):
+    """A trainer shell and the recorded call of build_models' loader (models built in memory, no folder)."""
+    from pathlib import Path
+
+    import stppo_agent.training.model_setup as model_setup
+    from stppo_agent.models.loading import PolicyModels
+    from stppo_agent.models.tiny import word_tokenizer
+
+    calls = {}
+
+    def load(actor_path, **kwargs):
+        calls.update(actor_path=actor_path, **kwargs)
+        actor = tiny_lm(0)
+        actor.config.attention_dropout = 0.3
+        critic = tiny_lm(1, critic=True) if kwargs["use_critic"] else None
+        reference = tiny_lm(0).eval() if kwargs["need_reference"] else None
+        for model in (actor, critic):
+            if model is not None:
+                model.eval()
+                torch.nn.Module.add_module(model, "drop", torch.nn.Dropout(0.5))
+        return PolicyModels(actor, word_tokenizer(), critic, reference)
+
+    wrapped = []
+    monkeypatch.setattr(model_setup, "load_policy_models", load)
+    monkeypatch.setattr(model_setup.process_group, "wrap_ddp", lambda model, device: wrapped.append(device) or model)
+    cfg = config(**values)
+    trainer = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), device=torch.device("cpu"), sharded=False,
+                              rank=0, run_dir=Path("runs/pins"))
+    return trainer, calls, wrapped
+
+
+def test_build_models_loads_wraps_and_optimizes_each_model(monkeypatch):
+    from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+    from stppo_agent.training.model_setup import build_models
+
+    trainer, calls, wrapped = setup_trainer(
+        monkeypatch, model="init", algo="ppo", critic_model="critic0", dtype="bfloat16", gradient_checkpointing=True,
+        actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4, algorithm={"kl_loss_coef": 0.1},
+        temperature=0.5, generation_batch_size=3, reuse_kv_cache=False)
+    build_models(trainer, None)
+    assert calls == dict(actor_path="init", critic_path="critic0", use_critic=True, need_reference=True,
+                         dtype="bfloat16", gradient_checkpointing=True, reference_path="init", autocast_dtype=None)
+    actor, critic = trainer.actor, trainer.critic
+    assert trainer.reference is not None and len(trainer.tokenizer) == 9
+    assert actor.training and critic.training
+    assert actor.config.attention_dropout == 0.0 and actor.drop.p == 0.0 and critic.drop.p == 0.0
+    assert trainer.actor_train is actor and trainer.critic_train is critic and wrapped == [trainer.device] * 2
+    for optimizer, model, lr in ((trainer.actor_optimizer, actor, 0.01), (trainer.critic_optimizer, critic, 0.02)):
+        assert isinstance(optimizer, torch.optim.AdamW)
+        group = optimizer.param_groups[0]
+        assert group["weight_decay"] == 0.1 and group["initial_lr"] == lr and group["lr"] == pytest.approx(lr / 4)
+        assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+    for optimizer, scheduler in ((trainer.actor_optimizer, trainer.actor_scheduler),
+                                 (trainer.critic_optimizer, trainer.critic_scheduler)):
+        optimizer.step()
+        scheduler.step()
+    assert trainer.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+    assert trainer.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert trainer.stale_policy.staleness == 0 and trainer.stale_policy.model is actor
+    backend = trainer.backend
+    assert isinstance(backend, HFGenerationBackend) and backend.model is actor
+    assert backend.tokenizer is trainer.tokenizer
+    assert backend.sampling.temperature == 0.5 and backend.batch_size == 3 and backend.reuse_cache is False
+
+
+def test_build_models_on_resume_and_without_critic_or_reference(monkeypatch):
+    from pathlib import Path
+
+    from stppo_agent.training.model_setup import build_models
+
+    trainer, calls, wrapped = setup_trainer(monkeypatch, model="init", algo="grpo", samples_per_prompt=2,
+                                            algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0},
+                                            rollout_staleness=2, autocast_dtype="bfloat16")
+    build_models(trainer, Path("ckpt"))
+    assert calls["actor_path"] == str(Path("ckpt") / "actor") and calls["critic_path"] == str(Path("ckpt") / "critic")
+    assert calls["reference_path"] == "init" and calls["use_critic"] is False and calls["need_reference"] is False
+    assert calls["autocast_dtype"] == "bfloat16"
+    assert trainer.critic is None and trainer.reference is None and trainer.critic_train is None
+    assert trainer.critic_optimizer is None and trainer.critic_scheduler is None and wrapped == [trainer.device]
+    assert trainer.actor_optimizer.param_groups[0]["lr"] == 1e-6  # no warm-up
+    assert trainer.stale_policy.staleness == 2 and trainer.stale_policy.model is not trainer.actor
+    assert trainer.backend.model is trainer.stale_policy.model
+    trainer, calls, _ = setup_trainer(monkeypatch, algo="ppo", algorithm={"kl_in_reward": 0.1, "kl_loss_coef": 0.0})
+    build_models(trainer, None)
+    assert calls["need_reference"] is True and calls["critic_path"] is None and calls["use_critic"] is True
+
+
+def test_sharded_models_are_sharded_in_place_in_the_compute_dtype(monkeypatch):
+    import stppo_agent.training.model_setup as model_setup
+
+    sharded = []
+    trainer, _, wrapped = setup_trainer(monkeypatch, algo="ppo", strategy="fsdp2", fsdp_compute_dtype="bfloat16",
+                                        algorithm={"kl_loss_coef": 0.1})
+    monkeypatch.setattr(model_setup.process_group, "shard_fsdp2", lambda model, dtype: sharded.append((model, dtype)))
+    trainer.sharded = True
+    model_setup.build_models(trainer, None)
+    assert [m for m, _ in sharded] == [trainer.actor, trainer.critic, trainer.reference] and not wrapped
+    assert {d for _, d in sharded} == {torch.bfloat16}
+    assert trainer.actor_train is trainer.actor and trainer.critic_train is trainer.critic
+    sharded.clear()
+    trainer, _, _ = setup_trainer(monkeypatch, algo="grpo", strategy="fsdp2", samples_per_prompt=2,
+                                  algorithm={"kl_loss_coef": 0.0})
+    trainer.sharded = True
+    model_setup.build_models(trainer, None)
+    assert sharded == [(trainer.actor, None)]
+
+
+def test_the_vllm_backend_gets_the_run_settings(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    import stppo_agent.training.model_setup as model_setup
+
+    made = []
+    fake = SimpleNamespace(VLLMGenerationBackend=lambda path, sampling, **kw: made.append((path, sampling, kw)))
+    monkeypatch.setitem(sys.modules, "stppo_agent.rollouts.vllm_generation", fake)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    cfg = config(generation_backend="vllm", seed=7, temperature=0.5, vllm_gpu_memory_utilization=0.6)
+    trainer = SimpleNamespace(config=cfg, rank=0)
+    model_setup.generation_backend(trainer, None)
+    import os
+
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    path, sampling, kw = made[0]
+    assert path == "m" and sampling.temperature == 0.5
+    assert kw == dict(dtype="bfloat16", seed=7, gpu_memory_utilization=0.6)
+    trainer = SimpleNamespace(config=config(generation_backend="vllm", dtype="bfloat16", seed=7), rank=1)
+    model_setup.generation_backend(trainer, Path("ckpt"))
+    from stppo_agent.distributed.process_group import rank_seed
+
+    assert made[1][0] == str(Path("ckpt") / "actor") and made[1][2]["dtype"] == "bfloat16"
+    assert made[1][2]["seed"] == rank_seed(7, 1) != 7
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    model_setup.generation_backend(trainer, None)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # the user's own setting wins
