@@ -216,6 +216,7 @@ def test_sectioned_overrides_keep_the_section_defaults():
     c = load_config(None, ["algorithm.clip_high=0.3", "algorithm.clip_high=0.35"])
     assert c.algorithm == {"clip_high": 0.35}
     assert TrainConfig().collapse_thresholds is not TrainConfig().collapse_thresholds
+    assert load_config(None, ["env_kwargs.a.b=1"]).env_kwargs == {"a.b": 1}  # the first dot splits
     c = load_config(None, ["collapse_thresholds.kl_to_reference=2"])
     assert TrainConfig().collapse_thresholds == {"kl_to_reference": 1.0} and c.collapse_thresholds[
         "kl_to_reference"] == 2
@@ -238,6 +239,8 @@ def test_a_run_config_under_another_algo_drops_the_old_resolved_fields(tmp_path)
 
 def test_from_dict_and_unknown_field_messages():
     assert from_dict({"seed": 4, "actor_lr": 2}).actor_lr == 2.0
+    with pytest.raises(ValueError, match=r"^config field seed expects int, got 'x'$"):
+        from_dict({"seed": "x"})
     with pytest.raises(ValueError, match=r"^unknown config fields \['actor_lrr'\] \(did you mean actor_lr\?\); "
                                          r"known: algo, algorithm, plugins"):
         from_dict({"actor_lrr": 1})
