@@ -295,9 +295,12 @@ class NoKeep(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids, use_cache=False):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=False, **kwargs):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=use_cache)
+                          use_cache=use_cache, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
 
 
 # (prompt, [(ids, policy, turn), ...]) of different lengths: left padding, masked observations, several turns
@@ -1141,3 +1144,173 @@ def test_the_vllm_backend_gets_the_run_settings(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     model_setup.generation_backend(trainer, None)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # the user's own setting wins
+
+
+# -- sft --------------------------------------------------------------------------------------------------------
+
+TRANSCRIPT = [{"role": "user", "text": "say red", "turn": -1},
+              {"role": "assistant", "text": "ok red", "turn": 0},
+              {"role": "env", "text": "green blue gold red", "turn": 0},
+              {"role": "assistant", "text": "", "turn": 1},
+              {"role": "env", "text": "", "turn": 1},
+              {"role": "assistant", "text": "gold", "turn": 2}]
+
+
+def test_a_transcript_becomes_the_tokens_of_a_rollout():
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.rollouts.turn_loop import encode_prompt
+    from stppo_agent.training.sft import trajectory_from_transcript
+
+    tok = word_tokenizer()
+    ids = {w: tok.convert_tokens_to_ids(w) for w in ("say", "ok", "red", "green", "blue", "gold")}
+    t = trajectory_from_transcript(tok, TRANSCRIPT, 2)
+    assert t.prompt_ids == encode_prompt(tok, "say red") and t.group_id == 0 and t.env is None
+    assert t.response_ids == [ids["ok"], ids["red"], ids["green"], ids["blue"], ids["gold"]]
+    assert t.policy_mask == [True, True, False, False, True] and t.turn_ids == [0, 0, -1, -1, 2]
+    assert trajectory_from_transcript(tok, TRANSCRIPT, 4).response_ids[2:6] == [ids[w] for w in
+                                                                              ("green", "blue", "gold", "red")]
+    for bad in ([], [{"role": "assistant", "text": "x", "turn": 0}]):
+        with pytest.raises(ValueError, match="^a transcript starts with the user prompt$"):
+            trajectory_from_transcript(tok, bad, 2)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_sft_loss_reads_the_action_tokens_only(keep):
+    from stppo_agent.training.log_probs import token_logprobs
+    from stppo_agent.training.sft import action_logprobs
+
+    model = tiny_lm().eval()
+    batch = make_batch()
+    with torch.no_grad():
+        got = action_logprobs(model if keep else NoKeep(model), batch)
+        want, _ = token_logprobs(model, batch)
+    assert got.shape == (int(batch.loss_mask.sum()),)
+    assert torch.allclose(got, want[batch.loss_mask], atol=1e-5)
+
+
+def test_demonstrations_are_the_rewarded_episodes_of_every_benchmark(monkeypatch):
+    import stppo_agent.training.sft as sft
+
+    seen = []
+
+    def evaluate(teacher, settings):
+        seen.append((teacher, settings))
+        return {"episodes": [{"reward": 1.0, "transcript": [settings.benchmark, 1]},
+                             {"reward": 0.0, "transcript": [settings.benchmark, 2]},
+                             {"reward": 0.5, "transcript": [settings.benchmark, 3]}]}
+
+    monkeypatch.setattr(sft, "evaluate_benchmark", evaluate)
+    cfg = sft.SFTConfig(model="m", output_dir="o", benchmarks=("nq", "hotpotqa"), datasets={"nq": "nq.jsonl"},
+                        split="dev", limit=5, teacher="hf:big", retriever="bm25:x", topk=2, max_turns=4, seed=3)
+    assert sft.demonstrations(cfg) == [["nq", 1], ["nq", 3], ["hotpotqa", 1], ["hotpotqa", 3]]
+    teacher, settings = seen[0]
+    assert teacher == "hf:big" and seen[1][1].benchmark == "hotpotqa" and seen[1][1].dataset is None
+    assert (settings.benchmark, settings.dataset, settings.split, settings.limit, settings.retriever, settings.topk,
+            settings.max_turns, settings.seed) == ("nq", "nq.jsonl", "dev", 5, "bm25:x", 2, 4, 3)
+    monkeypatch.setattr(sft, "evaluate_benchmark", lambda teacher, settings: {"episodes": [
+        {"reward": 0.0, "transcript": []}]})
+    with pytest.raises(ValueError, match=r"^the teacher 'hf:big' earned no reward on nq, hotpotqa: no demonstrations"):
+        sft.demonstrations(cfg)
+
+
+def test_sft_settings_are_checked_before_any_episode(monkeypatch):
+    import stppo_agent.training.sft as sft
+
+    monkeypatch.setattr(sft, "demonstrations", lambda config: pytest.fail("validated first"))
+    for values, message in (({"steps": 0}, r"^steps and batch_size must be >= 1$"),
+                            ({"batch_size": 0}, r"^steps and batch_size must be >= 1$"),
+                            ({"max_observation_tokens": 0}, r"^max_observation_tokens must be >= 1, got 0$"),
+                            ({"max_total_tokens": 0}, r"^max_total_tokens must be >= 1, got 0$"),
+                            ({"autocast_dtype": "float16"}, r"^autocast_dtype=float16 is refused"),
+                            ({"dtype": "float16"}, r"^dtype=float16 is refused")):
+        with pytest.raises(ValueError, match=message):
+            sft.train_sft(sft.SFTConfig(model="m", output_dir="o", **values))
+
+
+def sft_run(monkeypatch, tmp_path, transcripts, **values):
+    import stppo_agent.training.sft as sft
+    from stppo_agent.models.tiny import word_tokenizer
+
+    batches, models = [], []
+    monkeypatch.setattr(sft, "demonstrations", lambda config: transcripts)
+    monkeypatch.setattr(sft, "load_tokenizer", lambda path: word_tokenizer())
+    monkeypatch.setattr(sft, "load_actor", lambda path, dtype: models.append((path, dtype)) or tiny_lm(2))
+    to_batch = sft.to_batch
+
+    def record(trajectories, pad):
+        batches.append(to_batch(trajectories, pad))
+        return batches[-1]
+
+    monkeypatch.setattr(sft, "to_batch", record)
+    reports = []
+    cfg = sft.SFTConfig(model="m", output_dir=str(tmp_path / "out"), device="cpu", progress=False, **values)
+    return sft.train_sft(cfg, report=reports.append), batches, models, reports
+
+
+def test_sft_trains_shuffled_passes_and_saves_the_model(monkeypatch, tmp_path):
+    import json
+
+    transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": word, "turn": 0}]
+                   for word in ("red", "green", "blue", "gold ok say red green")]
+    summary, batches, models, reports = sft_run(monkeypatch, tmp_path, transcripts, steps=3, batch_size=2,
+                                                   max_total_tokens=4, lr=0.01, seed=1)
+    assert models == [("m", "float32")]
+    assert reports[0] == "sft: 3 demonstrations by gold-search (1 over max_total_tokens skipped), 3 steps of 2"
+    assert reports[1].startswith("sft step 1/3: loss ") and len(reports) == 2
+    assert [b.batch_size for b in batches] == [2, 2, 2]
+    flat = [tuple(ids) for b in batches for ids in b.response_ids.tolist()]
+    assert len(set(flat[:3])) == 3  # the first pass shows each demonstration once
+    assert summary["demonstrations"] == 3 and summary["seconds"] > 0 and summary["config"]["lr"] == 0.01
+    out = tmp_path / "out"
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    losses = json.loads((out / "sft_losses.json").read_text())
+    assert len(losses) == 3 and losses[0] == summary["first_loss"] and losses[-1] == summary["last_loss"]
+    assert json.loads((out / "sft.json").read_text())["demonstrations"] == 3
+    from transformers import AutoModelForCausalLM
+
+    from stppo_agent.training.log_probs import token_logprobs
+
+    saved, start = AutoModelForCausalLM.from_pretrained(out), tiny_lm(2)
+    with torch.no_grad():
+        first = batches[0]
+        assert summary["first_loss"] == pytest.approx(-float(token_logprobs(start, first)[0][first.loss_mask].mean()),
+                                                      rel=1e-5)  # the mean NLL of the action tokens alone
+        moved = max(float((a - b).abs().max()) for a, b in zip(saved.parameters(), start.parameters()))
+    assert 0.005 < moved < 0.05  # three AdamW steps of lr 0.01
+
+
+def test_sft_reports_progress_through_on_step_and_stops_on_a_non_finite_loss(monkeypatch, tmp_path):
+    import stppo_agent.training.sft as sft
+    from stppo_agent.models.tiny import word_tokenizer
+
+    transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": "red", "turn": 0}]]
+    monkeypatch.setattr(sft, "demonstrations", lambda config: transcripts)
+    monkeypatch.setattr(sft, "load_tokenizer", lambda path: word_tokenizer())
+    monkeypatch.setattr(sft, "load_actor", lambda path, dtype: tiny_lm(2))
+    steps, reports = [], []
+    cfg = sft.SFTConfig(model="m", output_dir=str(tmp_path / "out"), device="cpu", progress=False, steps=11,
+                        batch_size=1)
+    summary = sft.train_sft(cfg, report=reports.append, on_step=lambda *a: steps.append(a))
+    assert [s[:2] for s in steps] == [(i, 11) for i in range(12)] and math.isnan(steps[0][2])
+    assert [s[2] for s in steps[1:]] == json_losses(tmp_path / "out") and len(reports) == 1
+    assert summary["first_loss"] > summary["last_loss"]  # one demonstration, eleven steps: it is learned
+    reports.clear()
+    sft.train_sft(dataclasses_replace(cfg, steps=10), report=reports.append)
+    assert [r.split(":")[0] for r in reports[1:]] == ["sft step 1/10", "sft step 10/10"]
+    monkeypatch.setattr(sft, "action_logprobs", lambda model, batch: torch.full((2,), math.nan, requires_grad=True))
+    with pytest.raises(FloatingPointError, match=r"^sft step 1: the loss is nan; lower --lr$"):
+        sft.train_sft(cfg, report=reports.append)
+    with pytest.raises(ValueError, match=r"^every demonstration is longer than max_total_tokens=2$"):
+        sft.train_sft(dataclasses_replace(cfg, max_total_tokens=2), report=reports.append)
+
+
+def json_losses(folder):
+    import json
+
+    return json.loads((folder / "sft_losses.json").read_text())
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
