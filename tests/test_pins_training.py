@@ -1314,3 +1314,117 @@ def dataclasses_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+# -- trainer ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+
+    return build_tiny_llama(tmp_path_factory.mktemp("pins_tiny") / "model", word_tokenizer(), hidden=8, layers=1)
+
+
+def toy_run(model, out, **values):
+    settings = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=3,
+                    prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2,
+                    max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=16,
+                    progress=False, tensorboard=False, save_every=2, keep_checkpoints=5, seed=11,
+                    algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, actor_lr=0.01)
+    settings.update(values)
+    return TrainConfig(**settings)
+
+
+def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end(tiny_folder, tmp_path):
+    from stppo_agent.runs.metrics_log import read_metrics
+    from stppo_agent.training.trainer import Trainer
+
+    reports, batches = [], []
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, rollout_staleness=1, save_rollouts=True, step_diagnostics=True,
+                              autocast_dtype="auto", device="cpu"),
+                      report=reports.append, batch_hook=batches.append)
+    assert torch.initial_seed() == 11 and trainer.config.autocast_dtype in (None, "bfloat16")  # auto resolved
+    assert (trainer.iteration, trainer.optimizer_steps, trainer.nan_skips_in_a_row, trainer.nan_skips_total,
+            trainer.actor_lr_scale, trainer.rank, trainer.world, trainer.sharded) == (0, 0, 0, 0, 1.0, 0, 1, False)
+    assert trainer.algo.advantage == "gae" and trainer.run_dir == tmp_path and trainer.device.type == "cpu"
+    assert trainer.guard is not None and trainer.diagnostics is not None and trainer.recorder is not None
+    assert trainer.full_states() == (None, None)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["algorithm"]["advantage"] == "gae" and len(saved["algorithm"]) >= 15
+    assert saved["autocast_dtype"] == trainer.config.autocast_dtype
+    last = trainer.train()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and trainer.iteration == 3 and trainer.optimizer_steps == 3
+    assert [r["staleness"] for r in records] == [0, 1, 1]
+    assert last["reward"] == records[-1]["reward"] and last["staleness"] == 1  # train() returns the last metrics
+    for r in records:
+        assert 0 < r["rollout_seconds"] <= r["iteration_seconds"]
+        assert r["rollout_tokens_per_s"] == pytest.approx(r["response_tokens"] * 4 / r["rollout_seconds"], rel=1e-6)
+    assert len(batches) == 3 and all(b.batch_size == 4 for b in batches)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == \
+        ["step-2", "step-3"]
+    assert (tmp_path / "steps.jsonl").exists() and (tmp_path / "rollouts").is_dir()
+    assert trainer._bar is None
+
+
+def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, tmp_path):
+    from stppo_agent.runs.metrics_log import read_metrics
+    from stppo_agent.training.trainer import Trainer
+
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none", save_every=5),
+            report=lambda _: None).train()
+    reports = []
+    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none"), resume=True,
+                    report=reports.append)
+    assert again.iteration == 1 and again.optimizer_steps == 1 and again.guard is None and again.diagnostics is None
+    assert again.train() == {}
+    assert reports[-1] == (f"nothing to train: {tmp_path} is at iteration 1 and iterations=1; --iterations 2 or more "
+                           "continues it")
+    longer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", keep_checkpoints=1),
+                     resume=True, report=lambda _: None)
+    longer.train()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and longer.optimizer_steps == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
+    with pytest.raises(Exception, match="resume|overwrite"):
+        Trainer(toy_run(tiny_folder, tmp_path, iterations=2), report=lambda _: None)
+
+
+def test_a_bad_config_fails_before_the_run_folder_is_touched(tmp_path):
+    from stppo_agent.training.trainer import Trainer
+
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        Trainer(toy_run("nowhere", tmp_path / "run", algo="grpo", samples_per_prompt=1))
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_trainer_steps_delegate_in_order():
+    from stppo_agent.training.trainer import Trainer
+
+    calls = []
+    batch = SimpleNamespace(to=lambda device: calls.append(("to", device)) or "moved")
+    shell = SimpleNamespace(iteration=4, device="dev", phase=lambda text: calls.append(("phase", text)),
+                            source=SimpleNamespace(next_batch=lambda i: calls.append(("next", i)) or batch),
+                            recorder=SimpleNamespace(record=lambda i, b: calls.append(("record", i, b is batch))),
+                            batch_hook=lambda b: calls.append(("hook", b is batch)),
+                            updater=SimpleNamespace(update=lambda b: ("update", b),
+                                                    actor_gradients=lambda m: ("gradients", m)))
+    assert Trainer.rollout(shell) == "moved"
+    assert calls == [("phase", "rollout"), ("next", 4), ("record", 5, True), ("hook", True), ("to", "dev")]
+    shell.recorder = shell.batch_hook = None
+    calls.clear()
+    Trainer.rollout(shell)
+    assert calls == [("phase", "rollout"), ("next", 4), ("to", "dev")]
+    assert Trainer.update(shell, "b") == ("update", "b") and Trainer.actor_gradients(shell, "m") == ("gradients", "m")
+
+
+def test_phase_shows_on_the_bar_only_while_it_is_shown():
+    from stppo_agent.training.trainer import Trainer
+
+    shown = []
+    bar = SimpleNamespace(disable=False, set_postfix_str=lambda text, refresh: shown.append((text, refresh)))
+    Trainer.phase(SimpleNamespace(_bar=bar), "scoring")
+    assert shown == [("scoring", True)]
+    bar.disable = True
+    Trainer.phase(SimpleNamespace(_bar=bar), "x")
+    Trainer.phase(SimpleNamespace(_bar=None), "y")
+    assert shown == [("scoring", True)]
