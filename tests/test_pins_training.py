@@ -373,6 +373,36 @@ def test_response_logits_and_logprobs_are_those_of_each_unpadded_trajectory(keep
     assert logprobs.dtype == torch.float32 and logprobs.shape == batch.response_ids.shape
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_forward_gets_the_mask_positions_and_no_cache(keep):
+    """What the model is handed (transformers 5 infers a mask from position ids, so logits alone would not tell)."""
+    from stppo_agent.training.log_probs import position_ids, response_logits
+
+    seen = {}
+    inner = tiny_lm().eval()
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None, **kwargs):
+            seen.update(kwargs, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+    class RecorderKeep(Recorder):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None, logits_to_keep=0):
+            return super().forward(input_ids, attention_mask, position_ids, use_cache, logits_to_keep=logits_to_keep)
+
+    batch = make_batch()
+    with torch.no_grad():
+        logits = response_logits(RecorderKeep() if keep else Recorder(), batch)
+    assert logits.shape[:2] == batch.response_ids.shape
+    assert seen["attention_mask"] is batch.attention_mask and seen["use_cache"] is False
+    assert torch.equal(seen["position_ids"], position_ids(batch.attention_mask))
+    assert seen.get("logits_to_keep", None) == (batch.response_ids.shape[1] + 1 if keep else None)
+
+
 def test_token_logprobs_score_under_the_sampling_temperature_and_truncation():
     from stppo_agent.rollouts.sampling import SamplingSettings
     from stppo_agent.training.log_probs import token_logprobs
