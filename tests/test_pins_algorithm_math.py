@@ -261,7 +261,7 @@ def test_check_turn_ids_refuses_ids_outside_zero_to_t_on_policy_tokens_only():
     mask = torch.tensor([[True, True, False]])
     check_turn_ids(torch.tensor([[0, 2, -1]]), mask)  # T - 1 is fine; -1 off the mask is fine
     check_turn_ids(torch.tensor([[0, 1, 7]]), mask)
-    with pytest.raises(ValueError, match=r"turn_ids must be in \[0, T\)"):
+    with pytest.raises(ValueError, match=r"^turn_ids must be in \[0, T\) on every policy token \(loss_mask True\)$"):
         check_turn_ids(torch.tensor([[0, 3, 0]]), mask)
     with pytest.raises(ValueError, match="turn_ids"):
         check_turn_ids(torch.tensor([[-1, 0, 0]]), mask)
@@ -304,6 +304,28 @@ def test_discounted_reverse_cumsum_against_a_loop(discount):
         expected[0, j] = running
     torch.testing.assert_close(discounted_reverse_cumsum(x, discount), expected)
     assert discounted_reverse_cumsum(t64([[2.0]]), discount).tolist() == [[2.0]]
+    # along the last dimension of any shape
+    torch.testing.assert_close(discounted_reverse_cumsum(x[0], discount), expected[0])
+    cube = torch.stack([x, 2 * x, -x])
+    torch.testing.assert_close(discounted_reverse_cumsum(cube, discount), torch.stack([expected, 2 * expected,
+                                                                                       -expected]))
+
+
+def test_quantile_past_torchs_input_limit_subsamples_keeping_both_tails(monkeypatch):
+    seen = []
+
+    def limited_quantile(values, q):  # torch.quantile's own refusal, without its cost on 16M values
+        seen.append(values)
+        if values.numel() > 1 << 24:
+            raise RuntimeError("quantile() input tensor is too large")
+        return values.max() if q == 1.0 else values.min()
+
+    monkeypatch.setattr(torch, "quantile", limited_quantile)
+    big = torch.zeros((1 << 24) + 1, dtype=torch.float32)
+    big[0], big[-1] = 7.0, -5.0
+    assert quantile(big, 1.0) == 7.0
+    assert seen[-1].numel() == 1 << 24 and seen[-1].dtype == F64
+    assert seen[-1][0].item() == -5.0 and seen[-1][-1].item() == 7.0  # sorted, both ends kept
 
 
 def test_quantile_of_small_inputs():
@@ -699,14 +721,15 @@ def test_ppo_clip_boundary_ratio_at_the_bound_is_not_clipped_and_nothing_clipped
 
 def test_ppo_clip_clamps_the_log_ratio_at_20_before_exp():
     mask = torch.tensor([[True, True]])
-    logprobs = t64([[30.0, -30.0]]).requires_grad_(True)
+    logprobs = torch.tensor([[30.0, -30.0]], requires_grad=True)
     loss, _, metrics = get_policy_loss("ppo_clip")(
-        logprobs=logprobs, old_logprobs=torch.zeros(1, 2, dtype=F64), advantages=t64([[-1.0, 1.0]]),
+        logprobs=logprobs, old_logprobs=torch.zeros(1, 2), advantages=t64([[-1.0, 1.0]]),
         loss_mask=mask, turn_ids=torch.zeros(1, 2, dtype=torch.long), config=AlgorithmConfig())
+    assert loss.dtype == torch.float32  # the model's dtype, whatever the advantages'
     # A < 0 with a huge ratio: the unclipped branch -(-e^20); A > 0 with a tiny one: -e^-20
-    assert loss.item() == pytest.approx((math.exp(20.0) - math.exp(-20.0)) / 2)
-    assert metrics["ratio/max"].item() == pytest.approx(math.exp(20.0))
-    assert metrics["ratio/min"].item() == pytest.approx(math.exp(-20.0))
+    assert loss.item() == pytest.approx((math.exp(20.0) - math.exp(-20.0)) / 2, rel=1e-5)
+    assert metrics["ratio/max"].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert metrics["ratio/min"].item() == pytest.approx(math.exp(-20.0), rel=1e-5)
 
 
 def test_value_loss_by_hand_clip_fraction_and_explained_variance():
@@ -1090,8 +1113,10 @@ def test_informative_groups_by_spread_and_tolerance():
 
 
 def test_loss_metrics_parts_combine_exactly():
-    metrics = LossMetrics({"plain": torch.tensor(1.0)})
-    assert metrics.parts == {}
+    metrics = LossMetrics({"plain": torch.tensor(1.0)}, other=torch.tensor(2.0))
+    assert metrics.parts == {} and metrics["plain"].item() == 1.0 and metrics["other"].item() == 2.0
+    metrics.mean("one", t64(3.0), torch.tensor(1))
+    assert metrics["one"].item() == 3.0
     metrics.mean("m", t64(3.0), torch.tensor(4))
     assert metrics["m"].item() == 0.75 and metrics.parts["m"].sums.tolist() == [3.0, 4.0]
     assert metrics.parts["m"].sums.dtype == F64 and metrics.parts["m"].finish is ratio_of_sums
@@ -1129,3 +1154,175 @@ def test_registry_names_errors_and_listing():
     with pytest.raises(ValueError, match="^widget names must be non-empty strings, got 5$"):
         registry.register(5, 3)
     assert registry["a"] == 1
+
+
+# --- rollout_correction -----------------------------------------------------------------------------------------
+
+from stppo_agent.algorithms.rollout_correction import (  # noqa: E402
+    resolve_rollout_correction,
+    rollout_correction_weights,
+)
+
+
+def test_resolve_rollout_correction_auto_per_backend_and_level():
+    turn = AlgorithmConfig(ratio_level="turn")
+    resolved = resolve_rollout_correction(turn, "vllm")
+    assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("tis", "turn")
+    resolved = resolve_rollout_correction(AlgorithmConfig(ratio_level="sequence"), "transformers")
+    assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("none", "token")
+    explicit = AlgorithmConfig(rollout_correction="mis", rollout_correction_level="sequence")
+    resolved = resolve_rollout_correction(explicit, "vllm")
+    assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("mis", "sequence")
+    assert resolve_rollout_correction(turn, "transformers").ratio_level == "turn"
+
+
+def _correction(correction, level="token", cap=2.0):
+    mask = torch.tensor([[True, True, False, True], [True, False, False, False]])
+    turns = torch.tensor([[0, 0, -1, 1], [0, -1, -1, -1]])
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-2.0, 0.0, 0.0, 0.0]])
+    # token weights exp(old - sample): 3, 0.5, (masked: e^30), 2 (at the cap), 1
+    sample = old - torch.tensor([[math.log(3.0), math.log(0.5), 30.0, math.log(2.0)], [0.0, 5.0, 5.0, 5.0]])
+    config = AlgorithmConfig(rollout_correction=correction, rollout_correction_level=level,
+                             rollout_correction_cap=cap)
+    return rollout_correction_weights(old, sample, mask, turns, config), mask
+
+
+def test_rollout_correction_metrics_and_the_tis_cap():
+    (weights, metrics), _ = _correction("tis")
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    logs = [math.log(3.0), math.log(0.5), math.log(2.0), 0.0]
+    assert metrics["rollout_logprob_diff"] == pytest.approx(sum(abs(x) for x in logs) / 4, rel=1e-5)
+    assert metrics["rollout_correction/kl"] == pytest.approx(sum(math.expm1(x) - x for x in logs) / 4, rel=1e-5)
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(6.5 / 4, rel=1e-5)
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(3.0, rel=1e-5)
+    assert metrics["rollout_correction/weight_p99"] == pytest.approx(2.0 + 0.97 * 1.0, rel=1e-4)
+    assert metrics["rollout_correction/truncated_frac"] == pytest.approx(0.25)  # 2 at the cap is not above it
+    assert "rollout_correction/masked_frac" not in metrics
+
+
+def test_rollout_correction_mis_masks_above_the_cap_and_none_only_measures():
+    (weights, metrics), _ = _correction("mis")
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.5, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/masked_frac"] == pytest.approx(0.25)
+    assert "rollout_correction/truncated_frac" not in metrics
+    (weights, metrics), _ = _correction("none")
+    assert weights is None and metrics["rollout_correction/weight_max"] == pytest.approx(3.0, rel=1e-5)
+    assert not any(key.endswith("_frac") for key in metrics)
+    (weights, metrics), _ = _correction("tis", cap=4.0)
+    torch.testing.assert_close(weights, torch.tensor([[3.0, 0.5, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/truncated_frac"] == 0.0
+
+
+def test_rollout_correction_at_turn_and_sequence_level_uses_geometric_means():
+    (weights, metrics), _ = _correction("tis", level="turn", cap=10.0)
+    g = math.sqrt(1.5)  # turn 0 of row 0: sqrt(3 * 0.5)
+    torch.testing.assert_close(weights, torch.tensor([[g, g, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(2.0, rel=1e-5)
+    # the token-level mismatch metrics do not depend on the level
+    assert metrics["rollout_correction/kl"] == pytest.approx(
+        sum(math.expm1(x) - x for x in [math.log(3.0), math.log(0.5), math.log(2.0), 0.0]) / 4, rel=1e-5)
+    (weights, _), _ = _correction("mis", level="sequence", cap=1.5)
+    row0 = 3.0 ** (1 / 3)  # (3 * 0.5 * 2) ** (1 / 3) = 1.44 <= 1.5
+    torch.testing.assert_close(weights, torch.tensor([[row0, row0, 0.0, row0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_rollout_correction_refuses_auto_and_skips_a_batch_without_policy_tokens():
+    with pytest.raises(ValueError, match="^rollout_correction is 'auto': resolve it for the generation backend "
+                                         r"first \(resolve_rollout_correction\)$"):
+        rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                                   torch.zeros(1, 2, dtype=torch.long),
+                                   AlgorithmConfig(rollout_correction_level="token"))
+    with pytest.raises(ValueError, match="auto"):
+        rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                                   torch.zeros(1, 2, dtype=torch.long), AlgorithmConfig(rollout_correction="tis"))
+    config = AlgorithmConfig(rollout_correction="tis", rollout_correction_level="token")
+    assert rollout_correction_weights(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool),
+                                      torch.zeros(1, 2, dtype=torch.long), config) == (None, {})
+
+
+def test_rollout_correction_clamps_the_log_weight_at_20():
+    config = AlgorithmConfig(rollout_correction="none", rollout_correction_level="token")
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    _, metrics = rollout_correction_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-30.0, 0.0]]), mask,
+                                            torch.zeros(1, 2, dtype=torch.long), config)
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert metrics["rollout_correction/kl"] == pytest.approx((math.expm1(20.0) - 20.0) / 2, rel=1e-5)
+    assert metrics["rollout_logprob_diff"] == pytest.approx(15.0)  # the raw difference, not clamped
+
+
+def test_stabilisers_clamp_the_level_log_ratio_keep_the_models_dtype_and_take_the_global_normalisers():
+    mask = torch.tensor([[True, True, True]])
+    logprobs = torch.tensor([[30.0, -30.0, 0.0]], requires_grad=True)
+    advantages = t64([[1.0, -1.0, 0.5]])
+    config = AlgorithmConfig(m2_threshold=1e6)
+    loss, _, metrics = get_policy_loss("m2po")(logprobs=logprobs, old_logprobs=torch.zeros(1, 3), advantages=advantages,
+                                                loss_mask=mask, turn_ids=torch.zeros(1, 3, dtype=torch.long),
+                                                config=config)
+    assert loss.dtype == torch.float32  # float64 advantages do not promote the loss
+    assert metrics["ratio/max"].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert metrics["ratio/min"].item() == pytest.approx(math.exp(-20.0), rel=1e-5)
+    assert loss.item() == pytest.approx(-(math.exp(20.0) - math.exp(-20.0) + 0.5) / 3, rel=1e-5)
+    assert metrics["pg_loss"].item() == pytest.approx(loss.item())
+    assert metrics.parts["pg_loss"].sums[1].item() == 3.0
+    kwargs = dict(logprobs=logprobs.detach().double() * 0.01, old_logprobs=torch.zeros(1, 3, dtype=F64),
+                  advantages=advantages, loss_mask=mask, turn_ids=torch.zeros(1, 3, dtype=torch.long))
+    for name in ("cispo", "m2po"):
+        rule = get_policy_loss(name)
+        own = rule(config=config, **kwargs)[0]
+        assert rule(config=config, global_num_tokens=6, global_num_seqs=1, **kwargs)[0].item() == \
+            pytest.approx(own.item() / 2)
+        seq = dataclasses.replace(config, loss_agg="seq-mean-token-mean")
+        assert rule(config=seq, global_num_tokens=1, global_num_seqs=4, **kwargs)[0].item() == \
+            pytest.approx(rule(config=seq, **kwargs)[0].item() / 4)
+
+
+def _dppo_edges(rule, config):
+    """Token 0: p 0.5 -> 1 (A > 0); token 1: p 1 -> 0.5 (A < 0); token 2: p 0.25 -> 1 (A = 0)."""
+    old = t64([[math.log(0.5), 0.0, math.log(0.25)]])
+    logprobs = t64([[0.0, math.log(0.5), 0.0]]).requires_grad_(True)
+    return get_policy_loss(rule)(logprobs=logprobs, old_logprobs=old, advantages=t64([[1.0, -1.0, 0.0]]),
+                                 loss_mask=torch.ones(1, 3, dtype=torch.bool),
+                                 turn_ids=torch.tensor([[0, 1, 2]]), config=config)
+
+
+def test_dppo_tv_keeps_a_move_equal_to_the_threshold_and_reads_a_zero_advantage_as_negative():
+    _, bias, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.5, clip_high=0.5))
+    assert metrics["clip_frac"].item() == 0.0 and not bias.requires_grad
+    _, _, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.49, clip_high=0.49))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)  # token 2 stays: A = 0 takes the lower bound
+
+
+def test_dppo_kl_at_certain_tokens_and_at_the_threshold():
+    # p = 1 on either side: the 1e-8 keeps the Bernoulli KL finite (0.69 and 8.5; token 2: 13.2)
+    _, bias, metrics = _dppo_edges("dppo_kl", AlgorithmConfig(clip_low=0.9, clip_high=9.0))
+    assert metrics["clip_frac"].item() == 0.0 and not bias.requires_grad
+    old_p, new_p = t64([0.5, 1.0]), t64([1.0, 0.5])
+    old_log, new_log = torch.log(old_p), torch.log(new_p)
+    kl = old_p * (old_log - new_log) + (1 - old_p) * torch.log((1 - old_p + 1e-8) / (1 - new_p + 1e-8))
+    assert kl[0].item() == pytest.approx(0.5 * math.log(0.5) + 0.5 * math.log(0.5e8))
+    _, _, metrics = _dppo_edges("dppo_kl", AlgorithmConfig(clip_low=kl[1].item(), clip_high=kl[0].item()))
+    assert metrics["clip_frac"].item() == 0.0  # a KL equal to the threshold is kept
+    _, _, metrics = _dppo_edges("dppo_kl", AlgorithmConfig(clip_low=0.5, clip_high=8.0))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("rule", ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po"])
+def test_every_stabiliser_adds_the_kl_and_entropy_terms_and_takes_the_global_normalisers(rule):
+    config = AlgorithmConfig(clip_low=0.1, clip_high=0.3, kl_loss_coef=0.5, kl_estimator="k1", entropy_coef=0.1)
+    logprobs, old, advantages, mask, turns = _ratio_batch()
+    kwargs = dict(logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask, turn_ids=turns)
+    ref_logprobs = logprobs.detach() - t64([[1.0, 2.0, 3.0], [4.0, 50.0, 5.0]])
+    entropy = t64([[1.0, 1.0, 1.0], [2.0, 90.0, 5.0]])
+    loss, _, metrics = get_policy_loss(rule)(config=config, ref_logprobs=ref_logprobs, entropy=entropy, **kwargs)
+    assert metrics["kl_loss"].item() == pytest.approx(3.0) and metrics["entropy"].item() == pytest.approx(2.0)
+    assert loss.item() == pytest.approx(metrics["pg_loss"].item() + 0.5 * 3.0 - 0.1 * 2.0)
+    plain = get_policy_loss(rule)(config=config, **kwargs)[0]
+    (plain_grad,) = torch.autograd.grad(plain, logprobs)
+    (full_grad,) = torch.autograd.grad(get_policy_loss(rule)(config=config, ref_logprobs=ref_logprobs,
+                                                             entropy=entropy, **kwargs)[0], logprobs)
+    torch.testing.assert_close(full_grad - plain_grad, mask.to(F64) * 0.5 / 5)  # the k1 term's gradient
+    halved = get_policy_loss(rule)(config=config, global_num_tokens=10, **kwargs)[0]
+    assert halved.item() == pytest.approx(plain.item() / 2)
+    seq = dataclasses.replace(config, loss_agg="seq-mean-token-mean")
+    quarter = get_policy_loss(rule)(config=seq, global_num_seqs=8, **kwargs)[0]
+    assert quarter.item() == pytest.approx(get_policy_loss(rule)(config=seq, **kwargs)[0].item() / 4)
