@@ -1458,3 +1458,98 @@ def test_phase_shows_on_the_bar_only_while_it_is_shown():
     Trainer.phase(SimpleNamespace(_bar=bar), "x")
     Trainer.phase(SimpleNamespace(_bar=None), "y")
     assert shown == [("scoring", True)]
+
+
+# -- scoring (mutmut skips score_batch: it is decorated with torch.no_grad) ---------------------------------------
+
+def scoring_trainer(algo="ppo", reference=True, **values):
+    t = fake_trainer(algo, **values)
+    t.stale_policy = SimpleNamespace(model=tiny_lm(5).eval())
+    t.reference = tiny_lm(6).eval() if reference else None
+    return t
+
+
+def expected_scores(t, batch, behaviour):
+    from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty
+    from stppo_agent.training.log_probs import critic_values, token_logprobs
+
+    with torch.no_grad():
+        old = token_logprobs(behaviour.eval(), batch, sampling=t.config.sampling())[0]
+        ref = token_logprobs(t.reference, batch, sampling=t.config.sampling())[0] if t.reference is not None else None
+        values = critic_values(t.critic.eval(), batch) if t.critic is not None else torch.zeros_like(old)
+        penalty = kl_reward_penalty(old, ref, batch.loss_mask, t.algo) if t.algo.kl_in_reward > 0 and ref is not None \
+            else None
+        adv, ret = estimate_advantages(t.algo.advantage, rewards=batch.rewards, values=values,
+                                       loss_mask=batch.loss_mask, group_ids=batch.group_ids, config=t.algo,
+                                       kl_penalty=penalty, turn_ids=batch.turn_ids)
+    return old, ref, values, adv, ret
+
+
+@pytest.mark.parametrize("objective", ["coupled", "decoupled"])
+def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
+    from stppo_agent.training.scoring import score_batch
+
+    t = scoring_trainer(stale_objective=objective, rollout_staleness=1, algorithm={"kl_in_reward": 0.2},
+                        micro_batch_size=2)
+    batch = make_batch()
+    behaviour = t.stale_policy.model if objective == "coupled" else t.actor
+    old, ref, values, adv, ret = expected_scores(t, batch, behaviour)
+    batch.old_logprobs = batch.ref_logprobs = batch.values = batch.advantages = batch.returns = None
+    score_batch(t, batch)
+    mask = batch.loss_mask
+    assert torch.allclose(batch.old_logprobs[mask], old[mask], atol=1e-5)
+    assert torch.allclose(batch.ref_logprobs[mask], ref[mask], atol=1e-5)
+    assert torch.allclose(batch.values[mask], values[mask], atol=1e-5)
+    if objective == "coupled":  # decoupled: times the behaviour weight (mis, against sample_logprobs)
+        assert torch.allclose(batch.advantages[mask], adv[mask], atol=1e-4)
+    assert torch.allclose(batch.returns[mask], ret[mask], atol=1e-4)
+    assert batch.stats["advantage/mean"] == pytest.approx(float(batch.advantages[mask].mean()), abs=1e-6)
+    assert batch.stats["advantage/std"] == pytest.approx(float(batch.advantages[mask].std()), rel=1e-5)
+    assert batch.stats["kl_to_reference"] == pytest.approx(float((old - ref)[mask].mean()), abs=1e-5)
+
+
+def test_scoring_without_critic_or_reference():
+    from stppo_agent.training.scoring import score_batch
+
+    t = scoring_trainer("grpo", reference=False, critic=False, samples_per_prompt=2,
+                        algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0})
+    batch = make_batch()
+    batch.ref_logprobs = batch.values = None
+    _, _, _, adv, _ = expected_scores(t, batch, t.stale_policy.model)
+    score_batch(t, batch)
+    assert batch.ref_logprobs is None and batch.values is None and "kl_to_reference" not in batch.stats
+    assert torch.allclose(batch.advantages, adv, atol=1e-5)
+
+
+def test_scoring_whitens_over_the_global_batch_with_several_ranks(monkeypatch):
+    import stppo_agent.training.scoring as scoring
+
+    whitened = []
+    monkeypatch.setattr(scoring.process_group, "distributed_whiten",
+                        lambda x, mask: whitened.append(x.clone()) or x * 0 + 7.0)
+    t = scoring_trainer(reference=False)
+    t.world = 2
+    batch = make_batch()
+    scoring.score_batch(t, batch)
+    assert len(whitened) == 1 and (batch.advantages == 7.0).all()
+    raw = dataclasses_replace(t.algo, whiten_advantages=False)
+    t.world, t.algo = 1, raw
+    again = make_batch()
+    scoring.score_batch(t, again)
+    assert torch.allclose(whitened[0], again.advantages, atol=1e-5)  # the local estimate, not whitened locally
+
+
+def test_scoring_folds_the_rollout_correction_into_the_advantages():
+    from stppo_agent.training.scoring import score_batch
+
+    t = scoring_trainer(reference=False, algorithm={"rollout_correction": "tis"})
+    batch = make_batch()
+    batch.sample_logprobs = torch.full_like(batch.sample_logprobs, -2.0)
+    plain = scoring_trainer(reference=False, algorithm={"rollout_correction": "none"})
+    reference_batch = make_batch()
+    reference_batch.sample_logprobs = batch.sample_logprobs.clone()
+    score_batch(t, batch)
+    score_batch(plain, reference_batch)
+    assert "rollout_logprob_diff" in batch.stats
+    ratio = (batch.advantages / reference_batch.advantages)[batch.loss_mask]
+    assert not torch.allclose(ratio, torch.ones_like(ratio)) and (ratio >= 0).all()
