@@ -581,7 +581,12 @@ def test_toy_reset_prompt_info_and_targets():
     assert env.transcript == [Segment("user", "say blue", -1)] and env.episodes == 1
     seen = {ToyTargetEnv(fixed_target=None).reset(seed=s)[0] for s in range(30)}
     assert seen == {f"say {c}" for c in ("red", "green", "blue", "gold")}
-    assert ToyTargetEnv(fixed_target=None).reset(seed=4) == ToyTargetEnv(fixed_target=None).reset(seed=4)
+    def targets(seed):
+        env = ToyTargetEnv(fixed_target=None)
+        return [env.reset(seed=seed)[0]] + [env.reset()[0] for _ in range(9)]
+
+    assert targets(4) == targets(4) and targets(4) != targets(5)  # the seed decides the targets
+    assert ToyTargetEnv(render_mode="ansi").render() == ""  # nothing said before the first reset
     fixed = ToyTargetEnv(fixed_target="gold")
     assert fixed.reset(options={"index": 0})[0] == "say gold"
 
@@ -701,8 +706,15 @@ def test_jsonl_corpora_pass_contents_through_and_number_missing_ids_by_line(tmp_
     assert list(iter_contents(lines)) == [("a", "x"), ("b", "y")]
     gz = tmp_path / "c.jsonl.gz"
     with gzip.open(gz, "wt", encoding="utf-8") as handle:
-        handle.write('{"id": "g", "contents": "é"}\n')
-    assert list(iter_contents(gz)) == [("g", "é")]
+        handle.write('\n{"id": "g", "contents": "é"}\n{"contents": "h"}\n')
+    # JSON lines by the name even when the first line is blank; a missing id is the line's number from 0
+    assert list(iter_contents(gz)) == [("g", "é"), ("2", "h")]
+    blank_first = tmp_path / "b.jsonl"
+    blank_first.write_text('\n{"contents": "x"}\n')
+    assert list(iter_contents(blank_first)) == [("1", "x")]
+    blank_first.write_text('not json\n{"contents": "x"}\n')
+    with pytest.raises(CorpusFormatError, match=r"b.jsonl, line 1: not JSON \(Expecting value\)$"):
+        list(iter_contents(blank_first))
 
 
 def test_json_list_and_title_object_corpora(tmp_path):
@@ -927,6 +939,9 @@ def test_runtime_has_module_from_the_release_file(tmp_path):
     vector = "jdk.incubator.vector"
     assert _pyserini._runtime_has_module(_java_home(tmp_path / "a", 'JAVA_VERSION="21"\nMODULES="java.base '
                                                     f'{vector} jdk.zipfs"\n'), vector)
+    latin1 = _java_home(tmp_path / "h")
+    (latin1 / "release").write_bytes(b'IMPLEMENTOR="Caf\xe9"\nMODULES="java.base jdk.incubator.vector"\n')
+    assert _pyserini._runtime_has_module(latin1, vector)  # a release file that is not UTF-8 is still read
     assert not _pyserini._runtime_has_module(_java_home(tmp_path / "b", 'MODULES="java.base jdk.incubator.vectorx"',
                                                         modules_file=True), vector)
     assert not _pyserini._runtime_has_module(_java_home(tmp_path / "c", 'IMPLEMENTOR="x"\n'), vector)
@@ -1243,6 +1258,7 @@ def test_make_faiss_index_types_and_metric(capsys):
     assert isinstance(ivf, faiss.IndexIVFFlat) and ivf.nlist == 25 and ivf.metric_type == faiss.METRIC_INNER_PRODUCT
     assert ivf.is_trained and ivf.ntotal == 40 and "instead of" not in capsys.readouterr().err
     assert dense_build.make_faiss_index("ivf", 8, vectors, ivf_lists=40).nlist == 40
+    assert "instead of" not in capsys.readouterr().err  # as many lists as passages: nothing to clamp
     assert dense_build.make_faiss_index("ivf", 8, vectors[:1]).nlist == 1
     assert capsys.readouterr().err.endswith("ivf: 1 passages allow at most 1 lists; using 1 instead of 4\n")
     few = dense_build.make_faiss_index("ivf", 8, vectors[:3], ivf_lists=5)
@@ -1258,11 +1274,12 @@ def _corpus(tmp_path, passages=PASSAGES):
     return path
 
 
-def test_build_dense_index_writes_meta_docs_and_the_passages_vectors(tiny_bert, tmp_path):
+def test_build_dense_index_writes_meta_docs_and_the_passages_vectors(tiny_bert, tmp_path, capsys):
     import faiss
 
     corpus = _corpus(tmp_path)
     out = dense_build.build_dense_index(corpus, tmp_path / "idx", str(tiny_bert), shard_size=3, progress=False)
+    assert "encoding passages" not in capsys.readouterr().err
     assert out == tmp_path / "idx" and sorted(p.name for p in out.iterdir()) == ["docs", "index.faiss", "meta.json"]
     meta = json.loads((out / "meta.json").read_text())
     assert meta == {"encoder": {"model": str(tiny_bert), "pooling": "mean", "normalize": True, "query_prefix": "",
@@ -1295,7 +1312,7 @@ def test_bad_build_settings_are_refused_before_anything_is_written(tiny_bert, tm
     assert not (tmp_path / "idx").exists()
 
 
-def test_an_interrupted_build_resumes_from_its_finished_shards(tiny_bert, tmp_path, monkeypatch):
+def test_an_interrupted_build_resumes_from_its_finished_shards(tiny_bert, tmp_path, monkeypatch, capsys):
     import faiss
 
     corpus = _corpus(tmp_path)
@@ -1321,8 +1338,12 @@ def test_an_interrupted_build_resumes_from_its_finished_shards(tiny_bert, tmp_pa
     encoded.clear()
     monkeypatch.setattr(TextEncoder, "encode_passages", lambda self, passages: (encoded.append(list(passages)),
                                                                                  original(self, passages))[1])
+    (tmp_path / "idx" / "docs").mkdir()  # as a build interrupted while writing its passages leaves it
+    (tmp_path / "idx" / "docs" / "stale.arrow").write_text("x")
     dense_build.build_dense_index(corpus, tmp_path / "idx", str(tiny_bert), shard_size=3, index_type="hnsw",
-                                  progress=False)
+                                  progress=True)
+    assert "encoding passages: 100%" in capsys.readouterr().err
+    assert not (tmp_path / "idx" / "docs" / "stale.arrow").exists()
     assert encoded == [PASSAGES[3:6], PASSAGES[6:]]
     index = faiss.read_index(str(tmp_path / "idx" / "index.faiss"))
     assert isinstance(index, faiss.IndexHNSWFlat)
