@@ -1054,9 +1054,11 @@ def test_bm25_single_and_batched_searches_map_hits_in_query_order(tmp_path):
     assert hits == [Hit("q-0", 10.0, "T0", "q 0"), Hit("q-1", 9.0, "T1", "q 1")]
     assert type(hits[0].score) is float and hits[0].title_line == '"T0"'
     assert searcher.calls == [("search", "q", 2)]
+    retriever.batch_search(["d"])
+    assert searcher.calls[-1] == ("search", "d", 10)  # the default k
     batched = retriever.batch_search(("a", "b"), 1)
     assert [[h.docid for h in row] for row in batched] == [["a-0"], ["b-0"]]
-    assert searcher.calls[1] == ("batch_search", ["a", "b"], ["0", "1"], 1, 3)
+    assert searcher.calls[-1] == ("batch_search", ["a", "b"], ["0", "1"], 1, 3)
 
 
 def test_bm25_reads_raw_text_from_the_doc_when_the_result_has_none_and_names_what_fails(tmp_path):
@@ -1436,6 +1438,10 @@ def test_dense_retriever_settings_reach_faiss_and_the_encoder(tiny_bert, tiny_de
     index, _, _ = retriever._load()
     assert index.nprobe == 2 and retriever._load()[0] is index  # loaded once
     flat = dense.DenseRetriever(tiny_dense_index)
+    asked = []
+    flat._loaded = (types.SimpleNamespace(search=lambda vectors, k: (asked.append(k), ([[0.5]], [[-1]]))[1]),
+                    None, types.SimpleNamespace(encode_queries=lambda queries: queries))
+    assert flat.batch_search(["q"]) == [[]] and asked == [10]  # the default k; faiss's -1 (no hit) is dropped
     flat._loaded = (types.SimpleNamespace(search=lambda vectors, k: (_ for _ in ()).throw(RuntimeError("bad k"))),
                     None, types.SimpleNamespace(encode_queries=lambda queries: queries))
     with pytest.raises(RetrievalError, match=rf"^dense search failed on {tiny_dense_index}: bad k$"):
