@@ -419,6 +419,11 @@ def test_token_logprobs_score_under_the_sampling_temperature_and_truncation():
         want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         assert torch.allclose(hot[0, :len(response)], want, atol=1e-5)
         assert not torch.allclose(hot, plain)
+        truncated, _ = token_logprobs(model, batch, sampling=SamplingSettings(top_k=2))
+        observed = ~batch.loss_mask & batch.attention_mask[:, batch.prompt_width:].bool()
+        assert observed.any()  # tokens the policy did not act on are scored untruncated (their log-probs go unused)
+        assert torch.allclose(truncated[observed], plain[observed], atol=1e-6)
+        assert not torch.allclose(truncated[batch.loss_mask], plain[batch.loss_mask])
         _, entropy = token_logprobs(model, batch, with_entropy=True, sampling=SamplingSettings(top_k=3))
         assert torch.isfinite(entropy).all() and (entropy[batch.loss_mask] > 0).all()
         assert (entropy[batch.loss_mask] <= math.log(4) + 1e-5).all()  # support: 3 tokens and the sampled one
@@ -451,6 +456,23 @@ def test_critic_values_are_the_value_head_before_each_response_token():
             ids = torch.tensor([list(prompt) + response])
             want = critic(input_ids=ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(response), 0]
             assert torch.allclose(values[row, :len(response)], want, atol=1e-5), row
+
+
+def test_the_critic_gets_the_mask_and_positions():
+    from stppo_agent.training.log_probs import critic_values, position_ids
+
+    seen = {}
+    inner = tiny_lm(1, critic=True).eval()
+
+    def critic(input_ids, attention_mask=None, position_ids=None):
+        seen.update(attention_mask=attention_mask, position_ids=position_ids)
+        return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    batch = make_batch()
+    with torch.no_grad():
+        critic_values(critic, batch)
+    assert seen["attention_mask"] is batch.attention_mask
+    assert torch.equal(seen["position_ids"], position_ids(batch.attention_mask))
 
 
 def test_length_sorted_micro_batches_cover_every_row_shortest_first():
@@ -937,8 +959,26 @@ def test_live_rollouts_build_one_env_per_slot_sharing_the_search_envs_retriever(
     toy = live("stppo/Toy-v0", {"turns": 3}, seed=9)
     assert toy.env_kwargs == [{"turns": 3}] and toy.sampler.pairs == [(0, 0)] and toy.sampler.seed == 9
     assert toy._env(0, 0).turns == 3
-    with pytest.raises(ValueError, match=r"^env is empty; pass one or more env ids"):
+    with pytest.raises(ValueError, match=r"^env is empty; pass one or more env ids, e\.g\. stppo/NQ-v0,"
+                                         r"stppo/HotpotQA-v0$"):
         LiveRollouts(SimpleNamespace(config=config(env=" , "), run_dir=None))
+
+
+def test_a_search_env_spec_becomes_one_shared_retriever(monkeypatch):
+    import stppo_agent.training.live_rollouts as live_rollouts
+
+    specs = []
+    share = live_rollouts.shared_retriever_spec
+    monkeypatch.setattr(live_rollouts, "shared_retriever_spec", lambda spec, run_dir: specs.append((spec, run_dir))
+                        or share(spec, run_dir))
+    rollouts = live("stppo/NQ-v0", {"topk": 1})
+    assert specs == [("demo", rollouts.trainer.run_dir)]
+    retriever = rollouts.env_kwargs[0]["retriever"]
+    assert not isinstance(retriever, str) and rollouts._env(0, 0).retriever is retriever
+    assert rollouts._env(1, 0).retriever is retriever  # one index in memory for every slot
+    live("stppo/Toy-v0")
+    live("stppo/NQ-v0", {"topk": 1}, share_retriever=False)
+    assert len(specs) == 1  # neither a toy env nor share_retriever=false asks for a shared spec
 
 
 def recording_collect(calls, rewards=lambda round, groups: [1.0] * len(groups)):
