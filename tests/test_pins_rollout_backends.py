@@ -209,7 +209,9 @@ def test_statistics_step_metrics_add_sums_and_keep_extremes():
 
 
 def test_statistics_step_metrics_combine_ranks_in_order(monkeypatch):
-    other_sums = {"clip_frac": torch.tensor([3.0, 6.0], dtype=torch.float64)}
+    # value_loss: a metric only the other rank reported (its finish: the ratio of the sums)
+    other_sums = {"clip_frac": torch.tensor([3.0, 4.0], dtype=torch.float64),
+                  "value_loss": torch.tensor([3.0, 2.0], dtype=torch.float64)}
     other_extremes = {"ratio_max": torch.tensor(9.0, dtype=torch.float64),
                       "ratio_min": torch.tensor(-1.0, dtype=torch.float64)}
     two_ranks(monkeypatch, [(other_sums, other_extremes, {"ratio_max": "max", "ratio_min": "min"})])
@@ -219,7 +221,8 @@ def test_statistics_step_metrics_combine_ranks_in_order(monkeypatch):
     m.extreme("ratio_min", torch.tensor(0.5), "min")
     step = StepMetrics()
     step.add(m, torch.tensor(2))
-    assert step.reduce() == pytest.approx({"clip_frac": 0.5, "ratio_max": 9.0, "ratio_min": -1.0})
+    assert step.reduce() == pytest.approx({"clip_frac": 4 / 6, "ratio_max": 9.0, "ratio_min": -1.0,
+                                           "value_loss": 1.5})
     # the other way round: this rank holds the extremes
     two_ranks(monkeypatch, [({}, {"ratio_max": torch.tensor(1.0, dtype=torch.float64),
                                   "ratio_min": torch.tensor(2.0, dtype=torch.float64)},
@@ -281,6 +284,7 @@ def test_statistics_search_attempts_from_new_and_old_statistics():
     assert attempts({"search_error_rate": 1.0, "turns": 0.5}, 2) == 1.0  # at least one
     assert attempts({"search_error_rate": 1.0, "turns": 2.0}, 2) == 4.0
     assert attempts({}, 3) == 0.0
+    assert attempts({"search_error_rate": 1.0}, 2) == 1.0  # no turns recorded: still at least one
 
 
 def test_statistics_combine_weights_each_statistic_by_its_population():
@@ -304,6 +308,7 @@ def test_statistics_combine_weights_each_statistic_by_its_population():
     assert out == {"kl_to_reference": pytest.approx(0.4)}
     assert combine_rollout_statistics([share({"kl_to_reference": 0.4}, 1.0, 0.0, 1.0, 0.0)]) == {
         "kl_to_reference": 0.0}
+    assert combine_rollout_statistics([share({"reward": 0.5}, 1.0, 0.0, 0.0, 0.0)]) == {"reward": 0.5}
 
 
 def test_statistics_p99_of_the_weights_and_the_max_without_them():
@@ -349,6 +354,12 @@ def test_statistics_rollout_statistics_over_ranks(monkeypatch):
     out = rollout_statistics(mine, None)
     assert out == pytest.approx({"reward": 0.5, "turns": 2.0, "search_calls": 0.5, "search_errors": 1.0,
                                  "search_error_rate": 4 / 6})
+    # the 99th percentile of the weights at the algorithm's level, over both ranks' tokens
+    weighted = scored({"rollout_correction/weight_p99": 0.0}, mask, torch.zeros(2, 2), torch.full((2, 2), -1.0))
+    other = dict(stats={"rollout_correction/weight_p99": 0.0}, weights=torch.ones(3))
+    two_ranks(monkeypatch, [other])
+    out = rollout_statistics(weighted, types.SimpleNamespace(rollout_correction_level="token"))
+    assert out["rollout_correction/weight_p99"] == pytest.approx(math.e, rel=1e-5)
 
 
 # -- global_batch --------------------------------------------------------------------------------------------------
@@ -544,6 +555,13 @@ def test_sampling_top_k_keeps_the_k_largest_and_ties_with_the_kth():
     # ties with the k-th largest stay in what top-p sees
     tie5 = torch.tensor([[0.0, 2.0, 2.0, 3.0, 1.0]])
     assert kept(sampling_logits(tie5, torch.tensor([3]), SamplingSettings(top_k=2, top_p=0.99))[0]) == [1, 2, 3]
+
+
+def test_sampling_truncates_double_precision_logits_at_their_own_precision():
+    # 0.2 is not a float32: a threshold held in float32 would drop the k-th token itself
+    logits = torch.tensor([[0.1, 0.2, 0.3]], dtype=torch.float64)
+    out = sampling_logits(logits, torch.tensor([2]), SamplingSettings(top_k=2))
+    assert kept(out[0]) == [1, 2] and out.dtype == torch.float64
 
 
 def test_sampling_keeps_the_most_likely_token_at_a_tiny_top_p():
