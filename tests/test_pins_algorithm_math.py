@@ -424,6 +424,7 @@ def test_outcome_scores_subtract_the_masked_penalty_sum_in_float32_unless_float6
     scores = outcome_scores(torch.tensor([1, 2]), mask, kl)
     assert scores.dtype == torch.float32 and scores.tolist() == [0.25, 1.0]
     assert outcome_scores(t64([1.0, 2.0]), mask, None).dtype == F64
+    assert outcome_scores(torch.tensor([1.0, 2.0]), mask, kl.double()).dtype == torch.float32
     assert outcome_scores(torch.tensor([3, 4]), mask, None).tolist() == [3.0, 4.0]
     assert outcome_scores(torch.tensor([3.0, 4.0], dtype=torch.float16), mask, None).dtype == torch.float32
 
@@ -719,6 +720,21 @@ def test_ppo_clip_boundary_ratio_at_the_bound_is_not_clipped_and_nothing_clipped
     assert loss.requires_grad
 
 
+def test_ppo_clip_on_one_token_turns_and_with_dr_grpos_constant_normaliser():
+    logprobs = t64([[math.log(1.5), 0.0, math.log(1.5)]]).requires_grad_(True)
+    mask = torch.tensor([[True, False, False]])
+    kwargs = dict(logprobs=logprobs, old_logprobs=torch.zeros(1, 3, dtype=F64), advantages=t64([[-2.0, 0.0, 0.0]]),
+                  turn_ids=torch.tensor([[0, -1, -1]]))
+    loss, _, metrics = get_policy_loss("ppo_clip")(loss_mask=mask, config=AlgorithmConfig(clip_high=0.3), **kwargs)
+    assert loss.item() == pytest.approx(3.0)  # one token: -(1.5 * -2), its own mean
+    assert metrics["turn_clip_frac"].item() == 1.0  # a one-token turn at 1.5 is outside [0.8, 1.3]
+    both = torch.tensor([[True, False, True]])
+    config = AlgorithmConfig(loss_agg="seq-mean-token-sum-norm", loss_scale_factor=4.0, clip_high=0.6)
+    loss, _, metrics = get_policy_loss("ppo_clip")(loss_mask=both, config=config, **kwargs)
+    assert loss.item() == pytest.approx(3.0 / 4) and metrics["pg_loss"].item() == pytest.approx(3.0 / 4)
+    assert metrics["turn_clip_frac"].item() == 0.0
+
+
 def test_ppo_clip_clamps_the_log_ratio_at_20_before_exp():
     mask = torch.tensor([[True, True]])
     logprobs = torch.tensor([[30.0, -30.0]], requires_grad=True)
@@ -924,7 +940,10 @@ def test_keep_items_cuts_strictly_below_the_threshold_with_weights_and_stable_ti
     assert keep_items(t64([1.0, 1.0, 1.0, 0.0, 0.0]), torch.ones(5, dtype=F64), 0.45).tolist() == \
         [False, False, True, True, True]
     assert keep_items(t64([0.2]), t64([1.0]), 0.1).tolist() == [True]
-    assert keep_items(t64([]), t64([]), 0.1).tolist() == []
+    # fractional weights: (0.25 + 0.2) / 0.5 = 0.9 is not below 0.85, 0.8 is
+    assert keep_items(t64([1.0, 0.8]), t64([0.25, 0.25]), 0.85).tolist() == [False, True]
+    empty = keep_items(t64([]), t64([]), 0.1)
+    assert empty.tolist() == [] and empty.dtype == torch.bool
 
 
 def test_m2po_keep_mask_weighs_turn_segments_by_their_tokens():
@@ -955,13 +974,13 @@ def test_m2po_keep_mask_over_two_ranks_with_the_collective_faked(monkeypatch):
     monkeypatch.setattr(second_moment_module, "world_size", lambda: 2)
     monkeypatch.setattr(second_moment_module, "rank", lambda: 1)
     monkeypatch.setattr(second_moment_module, "all_reduce_sum", all_reduce_sum)
-    mask = torch.tensor([[True, True]])
-    keep, moment = m2po_keep_mask(t64([[0.1, 0.5]]), mask, torch.zeros(1, 2, dtype=torch.long), "token", 0.05)
-    # all four: 0.25, 0.04, 0.01, 0 (weights 1, 1, 1, 2): mean 0.06; without 0.25: 0.0125 < 0.05
-    assert moment.item() == pytest.approx(0.06)
-    assert keep.tolist() == [[True, False]]
-    assert sent[0].tolist() == [0.0, 2.0]  # this rank's row count at its own index
-    torch.testing.assert_close(sent[1], t64([[0.0, 0.0], [0.0, 0.0], [0.01, 1.0], [0.25, 1.0]]))
+    mask = torch.tensor([[True, True, True]])
+    keep, moment = m2po_keep_mask(t64([[0.1, 0.5, 0.0]]), mask, torch.zeros(1, 3, dtype=torch.long), "token", 0.045)
+    # all five: 0.04, 0 (weights 1, 2) and 0.01, 0.25, 0: mean 0.05; without 0.25: 0.01
+    assert moment.item() == pytest.approx(0.05)
+    assert keep.tolist() == [[True, False, True]]
+    assert sent[0].tolist() == [0.0, 3.0]  # this rank's row count at its own index
+    torch.testing.assert_close(sent[1], t64([[0.0, 0.0], [0.0, 0.0], [0.01, 1.0], [0.25, 1.0], [0.0, 1.0]]))
 
 
 def test_m2po_keep_masks_over_micro_batches_of_different_lengths_cut_as_one_batch():
@@ -1286,8 +1305,11 @@ def _dppo_edges(rule, config):
 
 
 def test_dppo_tv_keeps_a_move_equal_to_the_threshold_and_reads_a_zero_advantage_as_negative():
-    _, bias, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.5, clip_high=0.5))
+    # ratios 2, 0.5, 4: a ratio equal to the cap is not truncated
+    _, bias, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.5, clip_high=0.5, is_cap=4.0))
     assert metrics["clip_frac"].item() == 0.0 and not bias.requires_grad
+    _, _, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.5, clip_high=0.5, is_cap=3.99))
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
     _, _, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.49, clip_high=0.49))
     assert metrics["clip_frac"].item() == pytest.approx(2 / 3)  # token 2 stays: A = 0 takes the lower bound
 
