@@ -1052,6 +1052,10 @@ def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_r
                                              r"; the policy would learn from error messages. Check the retriever "
                                              r"\(demo\), then --resume"):
         rollouts.next_batch(2)
+    rollouts.trainer.config.env_kwargs = {"retriever": "http://retriever:8000"}
+    with pytest.raises(RetrievalError, match=r"Check the retriever \(http://retriever:8000\), then --resume from the "
+                                             r"last checkpoint$"):
+        rollouts.next_batch(2)
 
 
 # -- model_setup ------------------------------------------------------------------------------------------------
