@@ -1598,3 +1598,44 @@ def test_scoring_folds_the_rollout_correction_into_the_advantages():
     assert "rollout_logprob_diff" in batch.stats
     ratio = (batch.advantages / reference_batch.advantages)[batch.loss_mask]
     assert not torch.allclose(ratio, torch.ones_like(ratio)) and (ratio >= 0).all()
+
+
+def test_the_sft_forward_gets_the_mask_positions_and_no_cache():
+    from stppo_agent.training.log_probs import position_ids
+    from stppo_agent.training.sft import action_logprobs
+
+    seen = {}
+    inner = tiny_lm().eval()
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None,
+                    output_hidden_states=None, logits_to_keep=0):
+            seen.update(attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                        logits_to_keep=logits_to_keep)
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep)
+
+        def get_output_embeddings(self):
+            return inner.get_output_embeddings()
+
+    batch = make_batch()
+    with torch.no_grad():
+        action_logprobs(Recorder(), batch)
+    assert seen["attention_mask"] is batch.attention_mask and seen["use_cache"] is False
+    assert torch.equal(seen["position_ids"], position_ids(batch.attention_mask)) and seen["logits_to_keep"] == 1
+
+
+def test_sft_draws_its_order_from_the_seed(monkeypatch, tmp_path):
+    transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": word, "turn": 0}]
+                   for word in ("red", "green", "blue", "gold", "ok")]
+
+    def order(seed, name):
+        _, batches, _, _ = sft_run(monkeypatch, tmp_path / name, transcripts, steps=2, batch_size=2, seed=seed)
+        return [ids for b in batches for ids in b.response_ids.tolist()]
+
+    first = order(1, "a")
+    assert order(1, "b") == first and order(2, "c") != first
