@@ -483,6 +483,21 @@ def test_empty_files_and_bad_json_lines_are_named(tmp_path):
     with pytest.raises(DatasetFormatError, match=r"^could not read .*b.jsonl: .*b.jsonl, line 3: not a JSON object$"):
         load_examples("nq", bad)
     assert loading._first_bad_line([str(bad)]) == f"{bad}, line 3: not a JSON object"
+    folder = tmp_path / "two"
+    folder.mkdir()
+    _jsonl(folder / "a.jsonl", [{"question": "q", "answer": "a"}])
+    (folder / "b.jsonl").write_text('{"question": "q", "answer": "a"}\n[1]\n')
+    with pytest.raises(DatasetFormatError, match=rf"^could not read {folder / 'a.jsonl'}, {folder / 'b.jsonl'}: "):
+        load_examples("nq", folder)
+    # Latin-1 text (a spreadsheet export) is refused naming the file, in every text format and either family
+    for name, content in (("l.jsonl", b'{"question": "caf\xe9", "answer": "a"}\n'),
+                          ("l.csv", b"question,answer\ncaf\xe9,a\n"), ("l_test.csv", b"caf\xe9,x,y,A\n"),
+                          ("l.json", b'{\n "1": {"QUESTION": "caf\xe9", "final_decision": "yes"}\n}')):
+        (tmp_path / name).write_bytes(content)
+        for family in ("qa", "mcq"):
+            with pytest.raises(DatasetFormatError, match=rf"^{tmp_path / name} is not UTF-8 text \(invalid "
+                                                         r"continuation byte at byte \d+\); save it as UTF-8$"):
+                load_examples("searchqa", tmp_path / name, family=family)
     broken = tmp_path / "c.jsonl"
     broken.write_text('{"question": "q", "answer": "a"}\n{"question": ' + "x" * 100 + "\n")
     assert loading._first_bad_line([str(tmp_path / "x.csv"), str(broken)]) == \

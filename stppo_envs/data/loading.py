@@ -217,6 +217,9 @@ def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
         raise DatasetFormatError(
             f"cannot mix or read file types {sorted(suffixes)}; use one of {sorted(_FILE_BUILDERS)}")
     suffix = suffixes.pop()
+    if suffix != ".parquet":
+        for path in files:
+            _check_utf8(path)
     data_files = [str(p) for p in files]
     if suffix == ".json" and _is_json_object_of_records(files[0]):
         return _load_keyed_json(files)
@@ -225,6 +228,16 @@ def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
     if suffix == ".csv":
         return _load_with_builder("csv", data_files, **_csv_as_text(_csv_header(files[0])))
     return _load_with_builder(_FILE_BUILDERS[suffix], data_files)
+
+
+def _check_utf8(path: Path) -> None:
+    """A text file in another encoding (a Latin-1 export, say) would otherwise fail later as a bare
+    UnicodeDecodeError from pyarrow or csv, naming neither the file nor the byte."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetFormatError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") \
+            from exc
 
 
 def _csv_as_text(columns: list[str]) -> dict:
