@@ -983,7 +983,8 @@ def test_a_search_env_spec_becomes_one_shared_retriever(monkeypatch):
 
 def recording_collect(calls, rewards=lambda round, groups: [1.0] * len(groups)):
     def collect(backend, tokenizer, envs, options, groups, limits, seeds, on_turn):
-        calls.append(dict(envs=envs, options=options, groups=groups, limits=limits, seeds=seeds))
+        calls.append(dict(envs=envs, options=options, groups=groups, limits=limits, seeds=seeds, backend=backend,
+                          tokenizer=tokenizer))
         on_turn(1, 4)
         round = (groups[0] // 10**9) if groups else 0
         return group_batch([(g, [r]) for g, r in zip(groups, rewards(round, groups))])
@@ -1009,6 +1010,30 @@ def test_a_round_assigns_slots_groups_and_seeds(monkeypatch):
     assert rollouts.state() == {"epoch": 4, "cursor": 0}  # one example: each prompt is an epoch
     rollouts.load({"epoch": 1, "cursor": 0})
     assert rollouts.sampler.state() == {"epoch": 1, "cursor": 0}
+    assert own["backend"] is rollouts.trainer.backend and own["tokenizer"] is rollouts.trainer.tokenizer
+
+
+def test_hf_generation_holds_the_gathered_actor(monkeypatch):
+    import contextlib
+
+    import stppo_agent.training.live_rollouts as live_rollouts
+    from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+
+    calls, held = [], []
+
+    @contextlib.contextmanager
+    def gathered(model):
+        held.append(model)
+        yield model
+
+    monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
+    monkeypatch.setattr(live_rollouts.process_group, "gathered", gathered)
+    rollouts = live()
+    rollouts._play(0, 0)
+    assert held == []  # an engine with its own weights (vLLM) needs no gathered actor
+    rollouts.trainer.backend = HFGenerationBackend.__new__(HFGenerationBackend)
+    rollouts._play(0, 0)
+    assert held == [rollouts.trainer.actor]
 
 
 def test_each_rank_plays_its_share_of_the_prompts(monkeypatch):
