@@ -489,7 +489,15 @@ def test_empty_files_and_bad_json_lines_are_named(tmp_path):
     (folder / "b.jsonl").write_text('{"question": "q", "answer": "a"}\n[1]\n')
     with pytest.raises(DatasetFormatError, match=rf"^could not read {folder / 'a.jsonl'}, {folder / 'b.jsonl'}: "):
         load_examples("nq", folder)
-    # Latin-1 text (a spreadsheet export) is refused naming the file, in every text format and either family
+    broken = tmp_path / "c.jsonl"
+    broken.write_text('{"question": "q", "answer": "a"}\n{"question": ' + "x" * 100 + "\n")
+    assert loading._first_bad_line([str(tmp_path / "x.csv"), str(broken)]) == \
+        f"{broken}, line 2 is not valid JSON (Expecting value): " + repr(('{"question": ' + "x" * 100)[:80])
+    assert loading._first_bad_line([str(_jsonl(tmp_path / "ok.jsonl", [{"a": 1}]))]) is None
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """Latin-1 text (a spreadsheet export) is refused naming the file, in every text format and either family."""
     for name, content in (("l.jsonl", b'{"question": "caf\xe9", "answer": "a"}\n'),
                           ("l.csv", b"question,answer\ncaf\xe9,a\n"), ("l_test.csv", b"caf\xe9,x,y,A\n"),
                           ("l.json", b'{\n "1": {"QUESTION": "caf\xe9", "final_decision": "yes"}\n}')):
@@ -498,11 +506,6 @@ def test_empty_files_and_bad_json_lines_are_named(tmp_path):
             with pytest.raises(DatasetFormatError, match=rf"^{tmp_path / name} is not UTF-8 text \(invalid "
                                                          r"continuation byte at byte \d+\); save it as UTF-8$"):
                 load_examples("searchqa", tmp_path / name, family=family)
-    broken = tmp_path / "c.jsonl"
-    broken.write_text('{"question": "q", "answer": "a"}\n{"question": ' + "x" * 100 + "\n")
-    assert loading._first_bad_line([str(tmp_path / "x.csv"), str(broken)]) == \
-        f"{broken}, line 2 is not valid JSON (Expecting value): " + repr(('{"question": ' + "x" * 100)[:80])
-    assert loading._first_bad_line([str(_jsonl(tmp_path / "ok.jsonl", [{"a": 1}]))]) is None
 
 
 def test_csv_headers_and_headerless_mmlu_files(tmp_path):
