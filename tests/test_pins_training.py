@@ -1466,16 +1466,23 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
     assert trainer._bar is None
 
 
-def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, tmp_path):
+def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, tmp_path, capsys):
+    import shutil
+
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
 
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none", save_every=5),
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", save_every=1),
             report=lambda _: None).train()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and not any("staleness" in r for r in records)
+    assert not (tmp_path / "tensorboard").exists() and "training" not in capsys.readouterr().err  # both off
+    shutil.rmtree(tmp_path / "checkpoints" / "step-2")  # as if killed before the second checkpoint
     reports = []
     again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none"), resume=True,
                     report=reports.append)
     assert again.iteration == 1 and again.optimizer_steps == 1 and again.guard is None and again.diagnostics is None
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]  # the records after the checkpoint are dropped
     assert again.train() == {}
     assert reports[-1] == (f"nothing to train: {tmp_path} is at iteration 1 and iterations=1; --iterations 2 or more "
                            "continues it")
