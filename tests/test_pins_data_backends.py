@@ -1263,6 +1263,29 @@ def test_text_encoder_truncates_at_max_length_and_adds_the_prefixes(tiny_bert):
         TextEncoder(EncoderSettings(str(tiny_bert.parent / "nowhere")))
 
 
+def test_text_encoder_moves_the_model_to_cuda_when_there_is_one(monkeypatch):
+    import torch
+    import transformers
+
+    moved = []
+
+    class FakeModel:
+        def to(self, device):
+            moved.append(device)
+            return self
+
+        def eval(self):
+            return self
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda location: FakeModel())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda location: "tokenizer")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert TextEncoder(EncoderSettings("some/encoder")).device == "cuda" and moved == ["cuda"]
+    assert TextEncoder(EncoderSettings("some/encoder"), device="cpu").device == "cpu" and moved[-1] == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert TextEncoder(EncoderSettings("some/encoder")).device == "cpu" and moved[-1] == "cpu"
+
+
 def test_make_faiss_index_types_and_metric(capsys):
     import faiss
 
