@@ -43,7 +43,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j2 test-main test-verl
 
 test-main: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-verl: $(VERL_STAMP)
 	STPPO_REQUIRE_VERL=1 OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q tests/test_verl_bridge.py \

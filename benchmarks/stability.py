@@ -34,9 +34,9 @@ replays on stppo/Toy-v0 (16 trajectories of 2 turns of up to 3 tokens, 4 mini-ba
 where a random policy earns reward and the off-policy steps clip: real gradients, so the replay-exactness check can
 fail. It writes to its own folder (default runs/stability-quick; a folder holding the other kind of run is refused,
 so nothing of a quick run is ever reused by a full one) and its report opens with "quick: checks the plumbing, not
-a result". 2.5 min on this 2-core machine (2.4 min of CPU, shared with other work; earlier 3.7 min of CPU in
-12 min under a load of 11); the `stppo` commands' start-up dominates. Run the full study alone on the machine:
-it is CPU-bound and timings scale with load.
+a result". 36 s of CPU on this 2-core machine (92 s when each `stppo` command started a new interpreter: the
+commands now fork from one server that imported torch and the trainer once, benchmarks/stppo_commands.py; same
+figures). Run the full study alone on the machine: it is CPU-bound and timings scale with load.
 """
 
 from __future__ import annotations
@@ -48,13 +48,12 @@ import math
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the repository on sys.path)
 from stability_report import BENCHMARKS, QUICK_BANNER, render
+from stppo_commands import run_stppo
 
 from stppo_agent.runs.metrics_log import read_metrics
 
@@ -110,13 +109,10 @@ REPORT_ONLY = False
 
 
 def stppo(*args: str) -> None:
-    """One `stppo` command in its own process (as a user runs it); its output goes to the log beside it."""
+    """One `stppo` command in its own process (forked, see stppo_commands.py); a failure raises with its output."""
     if REPORT_ONLY:
         raise NotDone(" ".join(args[:2]))
-    command = [sys.executable, "-m", "stppo_agent.cli", *args]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    run_stppo(args)
 
 
 def warm_start(settings: Settings) -> str:
@@ -270,7 +266,7 @@ def plot(runs: list[Path], out: Path) -> list[str]:
 
 def stop_on_sigterm() -> None:
     """``kill`` stops the study and the `stppo` command it is waiting for: SIGTERM becomes SystemExit, on which
-    ``subprocess.run`` kills its child. (Python's default dies at once and left the command running, orphaned,
+    ``run_stppo`` kills the command. (Python's default dies at once and left the command running, orphaned,
     still writing its run folder and taking the CPU -- that a resumed study would then train again beside it.)"""
     def exit_now(signum, frame):
         raise SystemExit(128 + signum)

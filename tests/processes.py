@@ -13,6 +13,22 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def descendants(pid: int) -> list[int]:
+    """Children, their children and so on, parents before their children."""
+    found = []
+    for child in children(pid):
+        found += [child, *descendants(child)]
+    return found
+
+
+def name(pid: int) -> str:
+    """The process's name as `ps` shows it ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, counts as gone)."""
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .processes import alive, children, gone_within
+from .processes import alive, descendants, gone_within, name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,21 +70,26 @@ def test_stability_study_quick_mode_runs_every_part(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux /proc")
 def test_kill_stops_the_study_and_the_command_it_waits_for(tmp_path):
+    """The study's commands run forked from a fork server (benchmarks/stppo_commands.py): SIGTERM to the study must
+    kill the running `stppo` command at once and leave no process of the study behind (fork server included)."""
     study = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "stability.py"), "--quick", "--out",
                               str(tmp_path / "study")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    child: list[int] = []
+    tree: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while not child and time.monotonic() < deadline:  # the first `stppo` command starts
+        deadline = time.monotonic() + 300
+        command = []
+        while not command and time.monotonic() < deadline:  # the first `stppo` command starts
             time.sleep(0.2)
-            child = children(study.pid)
-        assert child, "the study never started a stppo command"
+            tree = descendants(study.pid)
+            command = [pid for pid in tree if name(pid).startswith("stppo ")]
+        assert command, f"the study never started a stppo command: {[name(pid) for pid in tree]}"
         os.kill(study.pid, signal.SIGTERM)
-        study.wait(timeout=30)
-        assert gone_within(child[0], 10), "the stppo command outlived the study"
+        assert gone_within(command[0], 10), "the stppo command ran on after the study was stopped"
+        study.wait(timeout=60)
         assert study.returncode == 128 + signal.SIGTERM
+        assert [pid for pid in tree if not gone_within(pid, 30)] == [], "a process of the study outlived it"
     finally:
         study.kill()
-        for pid in child:  # never leave a stray process behind, even when the test fails
+        for pid in tree:  # never leave a stray process behind, even when the test fails
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
