@@ -1128,7 +1128,9 @@ def setup_trainer(monkeypatch, **values):
             if model is not None:
                 model.eval()
                 torch.nn.Module.add_module(model, "drop", torch.nn.Dropout(0.5))
-        return PolicyModels(actor, word_tokenizer(), critic, reference)
+        from stppo_agent.models.precision import autocast_forward
+
+        return PolicyModels(autocast_forward(actor, kwargs["autocast_dtype"]), word_tokenizer(), critic, reference)
 
     wrapped = []
     monkeypatch.setattr(model_setup, "load_policy_models", load)
@@ -1190,6 +1192,15 @@ def test_build_models_on_resume_and_without_critic_or_reference(monkeypatch):
     assert trainer.actor_optimizer.param_groups[0]["lr"] == 1e-6  # no warm-up
     assert trainer.stale_policy.staleness == 2 and trainer.stale_policy.model is not trainer.actor
     assert trainer.backend.model is trainer.stale_policy.model
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():  # the lagged copy computes under the run's autocast too
+        assert torch.equal(trainer.stale_policy.model(input_ids=ids).logits, trainer.actor(input_ids=ids).logits)
+    import stppo_agent.training.model_setup as model_setup
+
+    backends = []
+    monkeypatch.setattr(model_setup, "generation_backend", lambda t, checkpoint: backends.append(checkpoint))
+    build_models(trainer, Path("ckpt"))
+    assert backends == [Path("ckpt")]  # vLLM loads the resumed weights from there
     trainer, calls, _ = setup_trainer(monkeypatch, algo="ppo", algorithm={"kl_in_reward": 0.1, "kl_loss_coef": 0.0})
     build_models(trainer, None)
     assert calls["need_reference"] is True and calls["critic_path"] is None and calls["use_critic"] is True
