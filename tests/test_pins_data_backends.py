@@ -525,13 +525,14 @@ def test_csv_headers_and_headerless_mmlu_files(tmp_path):
     with pytest.raises(DatasetFormatError,
                        match=r"three.csv: a headerless MCQ CSV needs question, >= 2 options and answer columns$"):
         loading._mmlu_columns(tmp_path / "three.csv")
-    (tmp_path / "four_dev.csv").write_text("q,x,y,B\n")
+    (tmp_path / "four_dev.csv").write_text("q,None,007,B\n")
     assert loading._mmlu_columns(tmp_path / "four_dev.csv") == ["question", "A", "B", "answer"]
     example = load_examples("mmlu_med", mmlu)[0]
     assert example.metadata == {"subject": "anatomy"} and example.answer_letter == "C"
     assert example.choices == {"A": "a", "B": "b", "C": "c", "D": "d", "E": "e"}
     table = loading._load_headerless_mcq_csv(tmp_path / "four_dev.csv")
     assert table.column_names == ["question", "A", "B", "answer", "subject"] and table["subject"] == ["four"]
+    assert (table["A"], table["B"]) == (["None"], ["007"])  # options that look missing or numeric stay text
     folder = tmp_path / "mmlu"
     folder.mkdir()
     (folder / "virology_test.csv").write_text("q,w,x,y,z,A\n")
