@@ -1357,7 +1357,7 @@ def sft_run(monkeypatch, tmp_path, transcripts, **values):
     return sft.train_sft(cfg, report=reports.append), batches, models, reports
 
 
-def test_sft_trains_shuffled_passes_and_saves_the_model(monkeypatch, tmp_path):
+def test_sft_trains_shuffled_passes_and_saves_the_model(monkeypatch, tmp_path, capsys):
     import json
 
     transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": word, "turn": 0}]
@@ -1365,6 +1365,7 @@ def test_sft_trains_shuffled_passes_and_saves_the_model(monkeypatch, tmp_path):
     summary, batches, models, reports = sft_run(monkeypatch, tmp_path, transcripts, steps=3, batch_size=2,
                                                    max_total_tokens=4, lr=0.01, seed=1)
     assert models == [("m", "float32")]
+    assert "warm start" not in capsys.readouterr().err  # progress=False: no bar
     assert reports[0] == "sft: 3 demonstrations by gold-search (1 over max_total_tokens skipped), 3 steps of 2"
     assert reports[1].startswith("sft step 1/3: loss ") and len(reports) == 2
     assert [b.batch_size for b in batches] == [2, 2, 2]
