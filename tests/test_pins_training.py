@@ -1147,7 +1147,8 @@ def test_build_models_loads_wraps_and_optimizes_each_model(monkeypatch):
 
     trainer, calls, wrapped = setup_trainer(
         monkeypatch, model="init", algo="ppo", critic_model="critic0", dtype="bfloat16", gradient_checkpointing=True,
-        actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4, algorithm={"kl_loss_coef": 0.1},
+        actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4,
+        algorithm={"kl_loss_coef": 0.1, "kl_in_reward": 0.0},
         temperature=0.5, generation_batch_size=3, reuse_kv_cache=False)
     build_models(trainer, None)
     assert calls == dict(actor_path="init", critic_path="critic0", use_critic=True, need_reference=True,
