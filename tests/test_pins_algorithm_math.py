@@ -790,6 +790,26 @@ def test_explained_variance_by_hand_and_from_summed_parts():
     sums = losses_module._variance_sums(spread * 0.5, spread, all4)
     assert losses_module._explained_variance_from_sums(sums).item() == pytest.approx(0.75)
     assert losses_module._explained_variance_from_sums(torch.zeros(5, dtype=F64)).item() == 0.0
+    # a spread of 1e-9 around 1 (mean square 1, 4 tokens) is real
+    d = math.sqrt(1e-9)
+    near_one = t64([[1 + d, 1 - d, 1 + d, 1 - d]])
+    sums = losses_module._variance_sums(1 + 0.5 * (near_one - 1), near_one, all4)
+    assert losses_module._explained_variance_from_sums(sums).item() == pytest.approx(0.75, rel=1e-4)
+    # one token has no variance: 0
+    one = torch.tensor([[True]])
+    assert losses_module._explained_variance_from_sums(losses_module._variance_sums(t64([[1.0]]), t64([[2.0]]),
+                                                                                   one)).item() == 0.0
+
+
+def test_explained_variance_centres_the_residuals_and_reads_small_and_zero_target_variances():
+    mask = torch.tensor([[True, True, True, True]])
+    targets = t64([[1.0, 2.0, 3.0, 6.0]])
+    # residuals (1, 0, 0, 2): mean 0.75, variance 0.6875; targets' variance 3.5
+    assert explained_variance(t64([[0.0, 2.0, 3.0, 4.0]]), targets, mask).item() == pytest.approx(1 - 0.6875 / 3.5)
+    small = t64([[0.0, 0.5, 0.0, 0.5]])  # variance 0.0625, below 1
+    assert explained_variance(small * 0.5, small, mask).item() == pytest.approx(0.75)
+    constant = t64([[2.0, 2.0, 2.0, 2.0]])
+    assert explained_variance(t64([[1.0, 3.0, 2.0, 2.0]]), constant, mask).item() == 0.0
 
 
 # --- stabilizers --------------------------------------------------------------------------------------------
@@ -1120,6 +1140,8 @@ def test_informative_groups_by_spread_and_tolerance():
     assert informative_groups(rewards, groups).tolist() == [False, False, True, True, True, True, False]
     assert informative_groups(rewards, groups, tolerance=0.2).tolist() == [False] * 2 + [True] * 2 + [False] * 3
     assert informative_groups(rewards, groups, tolerance=0.19).tolist()[4:6] == [True, True]
+    exact = informative_groups(t64([0.0, 0.5, 0.0, 0.25]), torch.tensor([0, 0, 1, 1]), tolerance=0.25)
+    assert exact.tolist() == [True, True, False, False]  # a spread equal to the tolerance is not above it
     keep = informative_groups(rewards, groups)
     assert dropped_group_count(keep, groups) == 2
     assert dropped_group_count(torch.ones(7, dtype=torch.bool), groups) == 0
@@ -1348,3 +1370,20 @@ def test_every_stabiliser_adds_the_kl_and_entropy_terms_and_takes_the_global_nor
     seq = dataclasses.replace(config, loss_agg="seq-mean-token-mean")
     quarter = get_policy_loss(rule)(config=seq, global_num_seqs=8, **kwargs)[0]
     assert quarter.item() == pytest.approx(get_policy_loss(rule)(config=seq, **kwargs)[0].item() / 4)
+
+
+def test_sorts_are_stable_on_long_rows():
+    """Long enough rows that an unstable sort reorders: policy tokens keep their order (GAE runs over them) and
+    M2PO drops tied segments first-come (every rank makes the same cut)."""
+    generator = torch.Generator().manual_seed(5)
+    mask = torch.rand(3, 60, generator=generator) < 0.5
+    order = compact_policy_positions(mask)
+    for row in range(3):
+        policy = torch.nonzero(mask[row]).flatten().tolist()
+        rest = torch.nonzero(~mask[row]).flatten().tolist()
+        assert order[row].tolist() == policy + rest
+    values = torch.ones(60, dtype=F64)
+    values[::3] = 0.0  # 40 tied ones, 20 zeros: the tail mean falls below 0.5 after 20 of the ones
+    keep = keep_items(values, torch.ones(60, dtype=F64), 0.5)
+    ones = torch.nonzero(values == 1.0).flatten()
+    assert keep[ones[:21]].tolist() == [False] * 21 and keep[ones[21:]].all() and keep[values == 0.0].all()
