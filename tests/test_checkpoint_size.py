@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, NoOptimizerStateError, load_trainer_state, verify_checkpoint
 from stppo_agent.runs.metrics_log import read_metrics
 
+from .cli_in_process import stppo
 from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,9 +32,8 @@ def train_arguments(out: Path, iterations: int, *extra: str) -> list[str]:
             "tensorboard=false", "--set", "progress=false", *extra]
 
 
-def train(out: Path, iterations: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "stppo_agent.cli", *train_arguments(out, iterations, *extra)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+def train(out: Path, iterations: int, *extra: str, capsys, check: bool = True) -> subprocess.CompletedProcess:
+    done = stppo(*train_arguments(out, iterations, *extra), capsys=capsys)
     assert not check or done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -43,8 +43,8 @@ def parameters(folder: Path) -> tuple[int, torch.dtype]:
     return sum(t.numel() for t in tensors.values()), next(iter(tensors.values())).dtype
 
 
-def test_a_default_checkpoint_holds_4_bytes_per_weight_and_8_per_parameter_of_optimizer_state(tmp_path):
-    train(tmp_path / "run", 2)
+def test_a_default_checkpoint_holds_4_bytes_per_weight_and_8_per_parameter_of_optimizer_state(tmp_path, capsys):
+    train(tmp_path / "run", 2, capsys=capsys)
     for step in (1, 2):  # checkpoint_optimizer=all: every kept checkpoint resumes
         folder = tmp_path / "run" / "checkpoints" / f"step-{step}"
         actor, dtype = parameters(folder / "actor")
@@ -59,9 +59,9 @@ def test_a_default_checkpoint_holds_4_bytes_per_weight_and_8_per_parameter_of_op
         assert {"actor_optimizer", "critic_optimizer", "actor_scheduler"} <= set(tensors)
 
 
-def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_newest(tmp_path):
+def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_newest(tmp_path, capsys):
     run = tmp_path / "run"
-    said = train(run, 3, *SMALL).stdout
+    said = train(run, 3, *SMALL, capsys=capsys).stdout
     older, newest = (run / "checkpoints" / f"step-{s}" for s in (2, 3))
     assert not (run / "checkpoints" / "step-1").exists()
     assert (newest / OPTIMIZER_FILE).exists() and not (older / OPTIMIZER_FILE).exists()
@@ -80,7 +80,7 @@ def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_
     with pytest.raises(NoOptimizerStateError):
         load_trainer_state(older)
 
-    train(run, 4, *SMALL, "--resume")  # resumes from the newest (bfloat16 weights back into float32)
+    train(run, 4, *SMALL, "--resume", capsys=capsys)  # resumes from the newest (bfloat16 weights back into float32)
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     assert not (run / "checkpoints" / "step-3" / OPTIMIZER_FILE).exists()  # dropped once step-4 was complete
 
@@ -88,7 +88,7 @@ def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_
     data = bytearray((run / "checkpoints" / "step-4" / OPTIMIZER_FILE).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (run / "checkpoints" / "step-4" / OPTIMIZER_FILE).write_bytes(bytes(data))
-    refused = train(run, 5, *SMALL, "--resume", check=False)
+    refused = train(run, 5, *SMALL, "--resume", capsys=capsys, check=False)
     assert refused.returncode == 1 and "step-3 holds no optimizer state" in refused.stderr
     assert "--model" in refused.stderr and "Traceback" not in refused.stderr
 

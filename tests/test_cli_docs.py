@@ -76,8 +76,10 @@ def test_third_party_noise_is_hidden_unless_verbose(tmp_path):
     import sys
 
     def run(*extra):
-        command = [sys.executable, "-m", "stppo_agent.cli", *extra, "eval", "--agent", "search-copy", "--benchmarks",
-                   "nq", "--limit", "2", "--output-dir", str(tmp_path / "out")]
+        # the installed console script, as a user types it (the one test that starts it: the others call the CLI's
+        # entry point in-process or through `python -m stppo_agent.cli`)
+        command = [str(Path(sys.executable).with_name("stppo")), *extra, "eval", "--agent", "search-copy",
+                   "--benchmarks", "nq", "--limit", "2", "--output-dir", str(tmp_path / "out")]
         return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
     quiet = run()

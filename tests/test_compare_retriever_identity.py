@@ -14,6 +14,7 @@ import pytest
 from stppo_agent.distributed.process_group import free_port
 from stppo_agent.evaluation.comparison import ProvenanceMismatchError, compare, searched_index_id
 
+from .cli_in_process import stppo
 from .processes import wait_until_serving
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,17 +35,6 @@ def test_results_written_with_a_remote_prefix_compare_with_the_local_index():
         with pytest.raises(ProvenanceMismatchError):
             compare([local, other], ["a", "b"])
     assert searched_index_id("remote:remote:dense:abc") == "dense:abc"
-
-
-def stppo(*args: str, capsys) -> subprocess.CompletedProcess:
-    """The command in this process (what is compared is what `stppo eval` records, not how a process starts: each
-    new `stppo` process would pay ~4 s of imports); its exit code and output as a finished process's."""
-    from stppo_agent.cli import main
-
-    capsys.readouterr()
-    code = main(list(args))
-    said = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, said.out, said.err)
 
 
 def evaluate(retriever: str, out: str, capsys) -> None:

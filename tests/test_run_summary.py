@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from stppo_agent.runs.run_summary import human_bytes, run_summary
+
+from .cli_in_process import stppo as run_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = ["--env", "stppo/Toy-v0", "--model", "tiny", "--set", "samples_per_prompt=4", "--set", "actor_lr=1e-2",
@@ -61,16 +63,21 @@ def test_a_token_rule_without_correction_shows_token_clipping_only(tmp_path):
     assert "checkpoint  none written" in text and "stppo eval" not in text and "no collapse alarm" in text
 
 
-def stppo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "stppo_agent.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+@pytest.fixture
+def stppo(tmp_path, capsys, monkeypatch):
+    """`stppo ARGS` run in tmp_path (the commands name their folders relative to it, as in a user's shell)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        done = run_in_process(*args, capsys=capsys)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+    return run
 
 
-def test_train_and_replay_end_with_the_summary_and_its_eval_command_works(tmp_path):
+def test_train_and_replay_end_with_the_summary_and_its_eval_command_works(tmp_path, stppo):
     trained = stppo("train", "--algo", "st_ppo", "--output-dir", "toy", "--iterations", "2", *TOY,
-                    "--set", "save_rollouts=true", cwd=tmp_path).stdout
+                    "--set", "save_rollouts=true").stdout
     summary = trained[trained.index("trained toy: st_ppo on stppo/Toy-v0, iterations 1-2"):].splitlines()
     assert len(summary) <= 10 and "{" not in trained, trained  # no JSON dump
     records = [json.loads(line) for line in (tmp_path / "toy" / "metrics.jsonl").read_text().splitlines()]
@@ -78,18 +85,17 @@ def test_train_and_replay_end_with_the_summary_and_its_eval_command_works(tmp_pa
     assert "checkpoints/step-2 (" in trained and "toy: " in summary[-1] and " kB on disk" in summary[-1]
     command = shlex.split(next(line for line in summary if "stppo eval" in line).split("evaluate", 1)[1])
     assert command[:4] == ["stppo", "eval", "--agent", "hf:toy@latest"]
-    stppo(*command[1:], "--limit", "1", cwd=tmp_path)  # as printed (cut to one question): it finds the checkpoint
+    stppo(*command[1:], "--limit", "1")  # as printed (cut to one question): it finds the checkpoint
     results = json.loads((tmp_path / "toy" / "eval" / "results.json").read_text())
     assert results[0]["provenance"]["agent"].endswith("step-2/actor")
 
-    replayed = stppo("replay", "toy", "--algo", "turn_ppo", "--output-dir", "again", cwd=tmp_path).stdout
+    replayed = stppo("replay", "toy", "--algo", "turn_ppo", "--output-dir", "again").stdout
     assert "replay of toy written to again: turn_ppo on stppo/Toy-v0, iterations 1-2" in replayed
     assert "steps.jsonl" in replayed.splitlines()[-1] and "{" not in replayed
 
 
-def test_json_prints_the_last_iterations_metrics_instead(tmp_path):
-    out = stppo("train", "--algo", "grpo", "--output-dir", "toy", "--iterations", "1", "--json", *TOY,
-                cwd=tmp_path).stdout
+def test_json_prints_the_last_iterations_metrics_instead(tmp_path, stppo):
+    out = stppo("train", "--algo", "grpo", "--output-dir", "toy", "--iterations", "1", "--json", *TOY).stdout
     metrics = json.loads(out[out.index("{"):])
     record = json.loads((tmp_path / "toy" / "metrics.jsonl").read_text())
     assert metrics["reward"] == record["reward"] and "run folder" not in out
