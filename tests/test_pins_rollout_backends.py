@@ -120,6 +120,7 @@ def test_batch_to_batch_left_pads_prompts_right_pads_responses_and_averages_the_
     assert batch.turn_ids.tolist() == [[0, 0, -1, 1], [0, -1, -1, -1]]
     assert batch.sample_logprobs.tolist() == [[-0.25, -0.75, 0.0, -2.0], [-1.0, 0.0, 0.0, 0.0]]
     assert batch.sample_logprobs.dtype == torch.float32 and batch.loss_mask.dtype == torch.bool
+    assert batch.input_ids.dtype == batch.attention_mask.dtype == batch.turn_ids.dtype == torch.long
     assert batch.rewards.tolist() == [1.0, -0.5] and batch.rewards.dtype == torch.float32
     assert batch.group_ids.tolist() == [1, 0] and batch.group_ids.dtype == torch.long
     assert batch.terminated.tolist() == [True, False] and batch.truncated.tolist() == [False, True]
@@ -138,7 +139,8 @@ def test_batch_to_batch_of_empty_responses_keeps_one_column():
     batch = to_batch([t], pad_id=3)
     assert batch.response_ids.tolist() == [[3]] and batch.loss_mask.tolist() == [[False]]
     assert batch.turn_ids.tolist() == [[-1]] and batch.input_ids.tolist() == [[5, 6, 3]]
-    assert batch.attention_mask.tolist() == [[1, 1, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 0]] and batch.attention_mask.dtype == torch.long
+    assert batch.stats["truncated_max_total_tokens"] == 0.0 and batch.stats["response_tokens"] == 0.0
 
 
 def test_batch_select_indexes_tensors_and_lists_and_keeps_the_stats():
@@ -391,6 +393,13 @@ def test_global_batch_merge_pads_prompts_left_responses_right_and_sorts_by_group
     assert merged.sample_logprobs.tolist() == [[-1.0, 0.0, 0.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, 0.0]]
     assert merged.old_logprobs is None and merged.episode_info == [{"finish_reason": ""}] * 3
     assert merged.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert merged.loss_mask.dtype == torch.bool and merged.turn_ids.dtype == torch.long  # padding keeps dtypes
+    assert merged.sample_logprobs.dtype == torch.float32 and merged.input_ids.dtype == torch.long
+    # more rows than response columns; a single share (replay of a one-process recording)
+    wide = merge_shares([share_batch([0, 1, 2], [[5]] * 3, [[7]] * 3), share_batch([3], [[5]], [[7, 7, 7]])], 0, {})
+    assert wide.response_ids.tolist() == [[7, 0, 0]] * 3 + [[7, 7, 7]]
+    alone = merge_shares([b], 1, {})
+    assert torch.equal(alone.input_ids, b.input_ids) and torch.equal(alone.loss_mask, b.loss_mask)
 
 
 def test_global_batch_merge_keeps_rank_order_within_a_group_and_refuses_half_set_fields():
@@ -398,6 +407,11 @@ def test_global_batch_merge_keeps_rank_order_within_a_group_and_refuses_half_set
     b = share_batch([0], [[7]], [[3]])
     merged = merge_shares([a, b], 0, {})
     assert merged.response_ids[:, 0].tolist() == [1, 2, 3]  # stable: the shares' order
+    groups = [(3 * i) % 4 for i in range(24)]  # enough rows for an unstable sort to reorder equal keys
+    first = share_batch(groups[:14], [[5]] * 14, [[i] for i in range(14)])
+    second = share_batch(groups[14:], [[5]] * 10, [[i] for i in range(14, 24)])
+    order = merge_shares([first, second], 0, {}).response_ids[:, 0].tolist()
+    assert order == sorted(range(24), key=lambda i: groups[i])
     a.old_logprobs = torch.zeros(2, 1)
     with pytest.raises(ValueError, match="old_logprobs is set on some ranks' batches and not on others"):
         merge_shares([a, b], 0, {})
@@ -672,7 +686,11 @@ def test_sampling_warns_once_per_checkpoint_and_setting(monkeypatch):
         warn_from_here(model)
         warn_from_here(unnamed)
         warn_from_here(types.SimpleNamespace(generation_config=types.SimpleNamespace()))
-    assert [str(w.message).split(":")[0] for w in caught] == ["org/ckpt", "SimpleNamespace"]
+        # a model without a config, or whose config has no name: named by its class
+        warn_from_here(types.SimpleNamespace(generation_config=types.SimpleNamespace(min_p=0.2)))
+        warn_from_here(types.SimpleNamespace(generation_config=types.SimpleNamespace(min_p=0.3),
+                                             config=types.SimpleNamespace()))
+    assert [str(w.message).split(":")[0] for w in caught] == ["org/ckpt"] + ["SimpleNamespace"] * 3
 
 
 def test_sampling_project_generation_swaps_the_config_for_the_call_only():
