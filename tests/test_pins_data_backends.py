@@ -668,7 +668,7 @@ def test_unicode_text_bounds_and_samples():
     padded = UnicodeText(400, min_length=300, seed=0).sample()
     assert 300 <= len(padded) <= 400
     assert UnicodeText(0).sample() == ""
-    fixed = UnicodeText(256, min_length=256, seed=0)
+    fixed = UnicodeText(300, min_length=256, seed=0)
     assert {len(fixed.sample()) for _ in range(20)} == {256}  # the cap is 256 characters, inclusive
     one = UnicodeText(1, min_length=1, seed=0)
     assert len({one.sample() for _ in range(40)}) > 5  # the one character is drawn, not padding
