@@ -514,6 +514,8 @@ def test_csv_headers_and_headerless_mmlu_files(tmp_path):
     assert loading._csv_header(header) == [" Question ", "Answer"] and loading._csv_has_header(header)
     header.write_text("x,ANSWER\n")
     assert loading._csv_has_header(header)
+    header.write_text("id, QUESTION,opt\n")
+    assert loading._csv_has_header(header)
     header.write_text("x,y\n")
     assert not loading._csv_has_header(header)
     (tmp_path / "empty.csv").write_text("")
