@@ -887,7 +887,8 @@ def test_hf_generation_records_the_logprobs_of_exactly_the_generated_tokens(tiny
         assert any(len(g.token_ids) == 6 for g in out)
 
 
-def test_hf_generation_applies_none_of_the_checkpoints_processors(tiny):
+def test_hf_generation_applies_none_of_the_checkpoints_processors(tiny, monkeypatch):
+    monkeypatch.setattr(sampling_module, "_WARNED", set())  # said once per process: whatever ran before
     model, tok = tiny
     own = model.generation_config
     asking = own.__class__(**{**own.to_dict(), "repetition_penalty": 3.0, "no_repeat_ngram_size": 1,
