@@ -781,29 +781,6 @@ def test_reopens_after_pickling_drops_only_the_transient_attributes():
     assert base.ReopensAfterPickling._transient == ()
 
 
-def test_the_cache_keeps_what_a_partial_answer_served_and_reports_the_rest_at_the_callers_positions():
-    class Partial(_Backend):
-        def batch_search(self, queries, k=10):
-            rows = super().batch_search(queries, k)
-            errors = {i: RetrievalError(f"refused {q}") for i, q in enumerate(queries) if "BAD" in q}
-            if errors:
-                raise PartialSearchError([None if i in errors else row for i, row in enumerate(rows)], errors)
-            return rows
-
-    backend = Partial()
-    cached = CachedRetriever(backend)
-    with pytest.raises(PartialSearchError) as caught:
-        cached.batch_search(["BAD1", "a", "BAD1", "b"], 1)
-    assert backend.calls == [(["BAD1", "a", "b"], 1)]  # each distinct query once
-    assert sorted(caught.value.errors) == [0, 2] and str(caught.value.errors[2]) == "refused BAD1"
-    assert [row and row[0].docid for row in caught.value.results] == [None, "a#0", None, "b#0"]
-    with pytest.raises(PartialSearchError):
-        cached.batch_search(["a", "BAD1"], 1)
-    assert backend.calls[-1] == (["BAD1"], 1)  # a refused query is asked again; the served one came from the cache
-    cached.batch_search(["z"])
-    assert backend.calls[-1] == (["z"], 10)  # the default k is pyserini's 10
-
-
 def test_a_zero_window_serves_every_request_on_its_own():
     backend = _Backend()
     batcher = _Batcher(backend, ServerLimits(batch_window_s=0.0))

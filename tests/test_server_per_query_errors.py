@@ -187,7 +187,7 @@ def test_the_cache_reports_a_partial_failure_at_the_callers_positions():
     class Partial(_Backend):  # answers as a remote client does when the server refused some queries
         def batch_search(self, queries, k=10):
             rows = super().batch_search(queries, k)
-            errors = {i: RetrievalError("refused") for i, q in enumerate(queries) if "BAD" in q}
+            errors = {i: RetrievalError(f"refused {q}") for i, q in enumerate(queries) if "BAD" in q}
             if errors:
                 raise PartialSearchError([None if i in errors else row for i, row in enumerate(rows)], errors)
             return rows
@@ -195,13 +195,18 @@ def test_the_cache_reports_a_partial_failure_at_the_callers_positions():
     backend = Partial()
     cached = CachedRetriever(backend)
     with pytest.raises(PartialSearchError) as caught:
-        cached.batch_search(["a", "BAD", "b", "BAD", "a"], 1)
-    assert sorted(caught.value.errors) == [1, 3]
+        cached.batch_search(["a", "BAD1", "b", "BAD1", "a"], 1)
+    assert backend.calls == [(["a", "BAD1", "b"], 1)]  # each distinct query once
+    assert sorted(caught.value.errors) == [1, 3] and str(caught.value.errors[3]) == "refused BAD1"
     assert [row and row[0].docid for row in caught.value.results] == ["a#0", None, "b#0", None, "a#0"]
+    with pytest.raises(PartialSearchError):
+        cached.batch_search(["a", "BAD1"], 1)
+    assert backend.calls[-1] == (["BAD1"], 1)  # a refused query is asked again; the served one came from the cache
     backend.calls.clear()
     assert search_each(cached, ["b", "a"], 1)[0] == [backend.search("b", 1), backend.search("a", 1)]
     assert backend.calls == [(["b"], 1), (["a"], 1)]  # the two served before came from the cache
-    backend.calls.clear()
+    cached.batch_search(["z"])
+    assert backend.calls[-1] == (["z"], 10)  # the default k is pyserini's 10
     rows, errors = search_each(_Backend(RetrieverUnavailableError("down")), [f"BAD {i}" for i in range(64)], 1)
     assert rows == [None] * 64 and len(errors) == 64
 
