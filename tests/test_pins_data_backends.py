@@ -632,7 +632,8 @@ def test_toy_steps_reward_the_fraction_of_turns_on_target():
         env.step("red")
     one = ToyTargetEnv(turns=1)
     one.reset()
-    assert one.step("")[:3] == ("", 0.0, True)
+    obs, reward, terminated, _, info = one.step("  ")
+    assert (obs, reward, terminated, info["prediction"]) == ("", 0.0, True, "")  # nothing said
     one.reset()
     obs, reward, terminated, _, info = one.step("red")
     assert (reward, info["em"], info["prediction"]) == (1.0, 1.0, "red")
