@@ -606,7 +606,9 @@ def test_a_clip_bias_corrected_step_is_the_same_whatever_the_micro_batch_size():
     assert corrector_keys and all(outs[0][k] == pytest.approx(outs[1][k], rel=1e-4, abs=1e-7)
                                   for k in corrector_keys)
     measured = PPOUpdate(fake_trainer("ppo", step_diagnostics=True)).actor_gradients(mini)
-    assert corrector_keys <= set(measured)  # measured, not applied, for every algorithm with step diagnostics
+    assert {"clip_bias_norm", "pg_grad_norm"} <= corrector_keys
+    # with step diagnostics ||C|| is measured for every algorithm, but only S-PPO / ST-PPO rescale by it
+    assert {"clip_bias_norm", "pg_grad_norm"} <= set(measured) and "clip_bias_scale" not in measured
     assert not corrector_keys & set(PPOUpdate(fake_trainer("ppo")).actor_gradients(mini))
 
 
