@@ -340,6 +340,9 @@ def test_statistics_pooled_std_equals_the_std_over_all_tokens():
     two = [dict(stats={"advantage/std": 0.0, "advantage/mean": 1.0}, policy_tokens=1.0),
            dict(stats={"advantage/std": 0.0, "advantage/mean": 3.0}, policy_tokens=1.0)]
     assert combine_rollout_statistics(two)["advantage/std"] == pytest.approx(math.sqrt(2.0))
+    close = [dict(stats={"advantage/std": 0.0, "advantage/mean": 1.0}, policy_tokens=1.0),
+             dict(stats={"advantage/std": 0.0, "advantage/mean": 1.2}, policy_tokens=1.0)]
+    assert combine_rollout_statistics(close)["advantage/std"] == pytest.approx(math.sqrt(0.02))
     # a share without a mean counts as mean 0
     nomean = [dict(stats={"advantage/std": 1.0}, policy_tokens=2.0),
               dict(stats={"advantage/std": 1.0, "advantage/mean": 2.0}, policy_tokens=2.0)]
@@ -562,6 +565,11 @@ def test_sampling_top_k_keeps_the_k_largest_and_ties_with_the_kth():
     tied = torch.tensor([[3.0, 2.0, 2.0, 1.0]])
     assert kept(sampling_logits(tied, torch.tensor([0]), SamplingSettings(top_k=2))[0]) == [0, 1, 2]
     assert support_threshold(tied, SamplingSettings(top_k=3)).tolist() == [2.0]
+    rows = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [5.0, 5.0, 4.0, 6.0]])
+    assert support_threshold(rows, SamplingSettings(top_k=2)).tolist() == [2.0, 2.0, 5.0]
+    # top-k alone keeps the k-th token even where its probability underflows to 0 in float32
+    far = torch.tensor([[100.0, -100.0, -1000.0]])
+    assert kept(sampling_logits(far, torch.tensor([0]), SamplingSettings(top_k=2))[0]) == [0, 1]
     # top-k and top-p: the nucleus of what top-k kept, renormalised (over all five: tokens 3 and 4)
     five = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5]])
     assert kept(sampling_logits(five, torch.tensor([4]), SamplingSettings(top_k=3, top_p=0.53))[0]) == [4]
@@ -915,6 +923,9 @@ def test_hf_generation_defaults_and_training_mode(tiny):
     assert backend.batch_size == 64 and backend.reuse_cache is True and backend.turns.chunk_size == 64
     assert backend.stop_strings == ("</search>", "</answer>") and backend.sampling == SamplingSettings()
     assert backend.eos_ids == [1]
+    # a checkpoint with several end-of-turn ids (Llama 3's): all of them end a generation
+    several = types.SimpleNamespace(generation_config=types.SimpleNamespace(eos_token_id=[7, 1]))
+    assert HFGenerationBackend(several, tok).eos_ids == [7, 1]
     modes = []
     handle = model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
     try:
