@@ -950,6 +950,11 @@ def test_hf_generation_stops_a_row_at_its_stop_string(tiny):
     torch.manual_seed(1)
     try:
         out = backend.generate([[3, 4]] * 6, 20)
+        torch.manual_seed(4)
+        first, alone = len(steps), backend.generate([[3, 4]], 20)[0]
+        # one row that says "red" at its third token: generate stops there, it does not run on to an EOS
+        assert alone.token_ids[-1] == 5 and len(steps) - first == len(alone.token_ids) < 20
+        del steps[first:]
     finally:
         handle.remove()
     lengths = [len(g.token_ids) for g in out]
