@@ -1449,14 +1449,24 @@ def toy_run(model, out, **values):
     return TrainConfig(**settings)
 
 
-def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end(tiny_folder, tmp_path):
+def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end(tiny_folder, tmp_path,
+                                                                               monkeypatch):
+    import stppo_agent.training.trainer as trainer_module
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
 
+    loggers, logger = [], trainer_module.MetricsLogger
+
+    def metrics_logger(run_dir, tensorboard, wandb_project, config):  # W&B and TensorBoard stay off here
+        loggers.append((run_dir, tensorboard, wandb_project, config))
+        return logger(run_dir, tensorboard=False, wandb_project=None, config=config)
+
+    monkeypatch.setattr(trainer_module, "MetricsLogger", metrics_logger)
     reports, batches = [], []
     trainer = Trainer(toy_run(tiny_folder, tmp_path, rollout_staleness=1, save_rollouts=True, step_diagnostics=True,
-                              autocast_dtype="auto", device="cpu"),
+                              autocast_dtype="auto", device="cpu", tensorboard=True, wandb_project="pins"),
                       report=reports.append, batch_hook=batches.append)
+    assert [entry[:3] for entry in loggers] == [(tmp_path, True, "pins")] and loggers[0][3]["seed"] == 11
     assert torch.initial_seed() == 11 and trainer.config.autocast_dtype in (None, "bfloat16")  # auto resolved
     assert (trainer.iteration, trainer.optimizer_steps, trainer.nan_skips_in_a_row, trainer.nan_skips_total,
             trainer.actor_lr_scale, trainer.rank, trainer.world, trainer.sharded) == (0, 0, 0, 0, 1.0, 0, 1, False)
@@ -1508,6 +1518,8 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
     with pytest.raises(Exception, match="resume|overwrite"):
         Trainer(toy_run(tiny_folder, tmp_path, iterations=2), report=lambda _: None)
+    fresh = Trainer(toy_run(tiny_folder, tmp_path, iterations=2), overwrite=True, report=lambda _: None)
+    assert fresh.iteration == 0 and read_metrics(tmp_path) == []
 
 
 def test_a_bad_config_fails_before_the_run_folder_is_touched(tmp_path):
