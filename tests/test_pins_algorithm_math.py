@@ -573,6 +573,9 @@ def test_log_ratio_at_each_level_by_hand():
     torch.testing.assert_close(logprobs.grad, t64([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0]]))
     with pytest.raises(ValueError, match="^unknown ratio level 'word'; known: token, turn, sequence$"):
         log_ratio_at_level(logprobs, old, mask, turns, "word")
+    one = log_ratio_at_level(t64([[0.5, 9.0]]), torch.zeros(1, 2, dtype=F64), torch.tensor([[True, False]]),
+                             torch.tensor([[0, -1]]), "sequence")
+    assert one.tolist() == [[0.5, 0.0]]  # a one-token trajectory's mean is its token's
 
 
 def test_aggregate_modes_counts_and_global_normalisers():
@@ -590,6 +593,11 @@ def test_aggregate_modes_counts_and_global_normalisers():
     assert (total.item(), count.item()) == (4.0, 2)  # (6 + 10) / 4
     assert aggregate(per_token, mask, "seq-mean-token-sum-norm", scale=4.0).item() == 2.0
     assert aggregate(per_token, mask, "seq-mean-token-sum-norm", global_num_seqs=8).item() == 2.0  # scale 1
+    total, _ = aggregate_parts(per_token, mask, "seq-mean-token-sum-norm")
+    assert total.item() == 16.0  # the constant defaults to 1
+    single = torch.tensor([[True, False, False], [False, False, False], [False, False, False]])
+    assert aggregate(per_token, single, "token-mean").item() == 1.0
+    assert aggregate(per_token, single, "seq-mean-token-mean").item() == 1.0
     empty = torch.zeros_like(mask)
     assert aggregate(per_token, empty, "token-mean").item() == 0.0
     assert aggregate(per_token, empty, "seq-mean-token-mean").item() == 0.0
@@ -701,6 +709,17 @@ def test_ppo_clip_boundary_ratio_at_the_bound_is_not_clipped_and_nothing_clipped
     assert metrics["clip_frac"].item() == 0.0 and metrics["turn_clip_frac"].item() == 0.0
     assert not bias.requires_grad and bias.item() == 0.0
     assert loss.requires_grad
+
+
+def test_ppo_clip_at_sequence_level_by_hand_with_turn_metrics_from_the_turn_ratios():
+    config = AlgorithmConfig(clip_low=0.1, clip_high=0.3, ratio_level="sequence")
+    logprobs, loss, bias, metrics = _ppo(config)
+    row0 = (1.5 * 0.8 * 1.2) ** (1 / 3)  # inside [0.9, 1.3]
+    row1 = math.sqrt(0.5)  # below 0.9: clipped for its A = -2 token
+    assert loss.item() == pytest.approx((-row0 * (1.0 - 1.0 + 2.0) + 0.9 * 2.0) / 5)
+    assert metrics["clip_frac"].item() == pytest.approx(0.2)
+    assert metrics["turn_clip_frac"].item() == pytest.approx(0.25)  # the turns' own ratios, as at token level
+    assert bias.item() == pytest.approx(row1 * -2.0 / 5)
 
 
 def test_ppo_clip_on_one_token_turns_and_with_dr_grpos_constant_normaliser():
