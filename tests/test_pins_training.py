@@ -1476,7 +1476,21 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["algorithm"]["advantage"] == "gae" and len(saved["algorithm"]) >= 15
     assert saved["autocast_dtype"] == trainer.config.autocast_dtype
+    synced = []
+
+    class Engine:  # a backend with its own copy of the weights (vLLM's role), generating through the HF one
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def sync_weights(self, actor):
+            synced.append(actor)
+
+    trainer.backend = Engine(trainer.backend)
     last = trainer.train()
+    assert synced == [trainer.actor] * 3  # after every update
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3] and trainer.iteration == 3 and trainer.optimizer_steps == 3
     assert [r["staleness"] for r in records] == [0, 1, 1]
