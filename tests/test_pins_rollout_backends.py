@@ -972,6 +972,7 @@ def test_hf_generation_stop_on_strings_reads_only_the_generated_tail():
     tok = word_tokenizer()
     candidates = stop_candidate_ids(tok, ("ok red",))
     assert stop_candidate_ids(tok, ("ok red",)) is candidates
+    assert stop_candidate_ids(tok, ("ok",)).tolist() == [2, 4]  # "<unk>" and "ok": cached per stop strings
     criterion = StopOnStrings(tok, ("ok red",), prompt_width=2, candidate_ids=candidates)
     # prompt "say ok"; generated: "red" / "ok red" / "ok gold" / "red blue"
     rows = torch.tensor([[3, 4, 0, 5], [3, 4, 4, 5], [3, 4, 4, 8], [3, 4, 5, 7]])
