@@ -1712,3 +1712,28 @@ def test_sft_draws_its_order_from_the_seed(monkeypatch, tmp_path):
 
     first = order(1, "a")
     assert order(1, "b") == first and order(2, "c") != first
+
+
+def test_ddp_all_reduces_once_per_optimizer_step():
+    import contextlib
+
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    class DDPLike(torch.nn.Module):
+        def __init__(self, module, log):
+            super().__init__()
+            self.module, self.log = module, log
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.log.append("no_sync")
+            yield
+
+    actor_log, critic_log = [], []
+    t = fake_trainer(micro_batch_size=1)
+    t.actor_train, t.critic_train = DDPLike(t.actor, actor_log), DDPLike(t.critic, critic_log)
+    PPOUpdate(t)._optimizer_step(make_batch().select([0, 1, 2, 3]))
+    assert actor_log == ["no_sync"] * 3 and critic_log == ["no_sync"] * 3  # all but the last of 4 micro-batches
