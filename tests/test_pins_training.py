@@ -675,6 +675,9 @@ def test_update_counts_the_policy_tokens_it_trained_on(monkeypatch):
     monkeypatch.setattr(ppo_update.time, "perf_counter", lambda: next(clock))
     metrics = ppo_update.PPOUpdate(t).update(batch)
     assert metrics["update_tokens_per_s"] == pytest.approx(3 * int(batch.loss_mask.sum()) / 2.0)
+    monkeypatch.undo()
+    one_epoch = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4, critic=False)
+    assert ppo_update.PPOUpdate(one_epoch).update(make_batch())["offpolicy/steps"] == 1.0  # only the first is on
 
 
 def test_a_non_finite_step_is_skipped_then_the_run_stops():
@@ -1515,6 +1518,7 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
             report=lambda _: None).train()
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2] and not any("staleness" in r for r in records)
+    assert not any("gpu_peak_memory_gib" in r for r in records)  # a CUDA-only metric
     assert not (tmp_path / "tensorboard").exists() and "training" not in capsys.readouterr().err  # both off
     shutil.rmtree(tmp_path / "checkpoints" / "step-2")  # as if killed before the second checkpoint
     reports = []
