@@ -141,6 +141,8 @@ def test_batch_to_batch_of_empty_responses_keeps_one_column():
     assert batch.turn_ids.tolist() == [[-1]] and batch.input_ids.tolist() == [[5, 6, 3]]
     assert batch.attention_mask.tolist() == [[1, 1, 0]] and batch.attention_mask.dtype == torch.long
     assert batch.stats["truncated_max_total_tokens"] == 0.0 and batch.stats["response_tokens"] == 0.0
+    t.reward = 1  # an env that pays whole numbers: the rewards are still float
+    assert to_batch([t], pad_id=3).rewards.dtype == torch.float32
 
 
 def test_batch_select_indexes_tensors_and_lists_and_keeps_the_stats():
