@@ -1514,8 +1514,11 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
 
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", save_every=1),
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", save_every=1, progress=True),
             report=lambda _: None).train()
+    bar = capsys.readouterr().err
+    assert "training: 100%" in bar and " 2/2 " in bar and "scoring" in bar  # the progress bar
+    assert "it/s" in bar or "s/it" in bar
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2] and not any("staleness" in r for r in records)
     assert not any("gpu_peak_memory_gib" in r for r in records)  # a CUDA-only metric
