@@ -149,7 +149,7 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print,
         del order[:config.batch_size]
         loss = -action_logprobs(model, batch).mean()
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"sft step {step + 1}: the loss is {float(loss)}; lower --lr")
+            raise FloatingPointError(f"sft step {step + 1}: the loss is {loss.item()}; lower --lr")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
