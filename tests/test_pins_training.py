@@ -1396,6 +1396,7 @@ def test_sft_trains_shuffled_passes_and_saves_the_model(monkeypatch, tmp_path, c
     assert 0.005 < moved < 0.05  # three AdamW steps of lr 0.01
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # the error message must not warn (float() of a grad tensor did)
 def test_sft_reports_progress_through_on_step_and_stops_on_a_non_finite_loss(monkeypatch, tmp_path):
     import stppo_agent.training.sft as sft
     from stppo_agent.models.tiny import word_tokenizer
