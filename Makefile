@@ -67,13 +67,24 @@ $(VERL_STAMP): $(STAMP) pyproject.toml Makefile
 
 # Mutation testing (not in CI), in slices of an hour or more each on 2 cores: `make mutants SLICE=envs` (scoring,
 # action parsing, the env and vector env, prompts, retrieval client/server/cache), `SLICE=evaluation` (evaluation,
-# results, comparisons, the rollout loop and its budget), `SLICE=algorithms` (the algorithms' math); no SLICE: all.
-# Settings in pyproject.toml [tool.mutmut]; results in mutants/ (`.venv/bin/mutmut browse` to read the survivors).
-MUTANTS_envs := "stppo_envs.*"
+# results, comparisons, the rollout loop and its budget), `SLICE=algorithms` (the algorithms' math), `SLICE=rollouts`
+# (sampling, generation, KV-cache reuse, batches, statistics), `SLICE=training` (the trainer and its units, sft),
+# `SLICE=data` (data loading and adapters, the retrieval backends and indexes), `SLICE=runs` (checkpoints, replay,
+# the collapse monitors); no SLICE: all of them. Settings in pyproject.toml [tool.mutmut]; results in mutants/
+# (`.venv/bin/mutmut browse` to read the survivors); NOTES.md has the scores and the equivalent mutants per module.
+MUTANTS_envs := "stppo_envs.scoring.*" "stppo_envs.actions.*" "stppo_envs.env.*" "stppo_envs.vector.*" \
+	"stppo_envs.prompts.*" "stppo_envs.retrieval.base.*" "stppo_envs.retrieval.remote.*" "stppo_envs.retrieval.server.*"
 MUTANTS_evaluation := "stppo_agent.evaluation.*" "stppo_agent.rollouts.turn_loop.*"
 MUTANTS_algorithms := "stppo_agent.algorithms.*"
+MUTANTS_rollouts := "stppo_agent.rollouts.*"
+MUTANTS_training := "stppo_agent.training.*"
+MUTANTS_data := "stppo_envs.data.*" "stppo_envs.retrieval.bm25.*" "stppo_envs.retrieval.dense.*" \
+	"stppo_envs.retrieval.dense_build.*" "stppo_envs.retrieval.encoder.*" "stppo_envs.retrieval.indexing.*" \
+	"stppo_envs.retrieval.factory.*" "stppo_envs.retrieval._pyserini.*" "stppo_envs.toy.*" "stppo_envs.spaces.*" \
+	"stppo_envs.suggest.*"
+MUTANTS_runs := "stppo_agent.runs.*" "stppo_agent.monitoring.*"
 SLICE ?=
-MUTANTS ?= $(if $(SLICE),$(MUTANTS_$(SLICE)),$(MUTANTS_envs) $(MUTANTS_evaluation) $(MUTANTS_algorithms))
+MUTANTS ?= $(if $(SLICE),$(MUTANTS_$(SLICE)),)
 mutants: $(STAMP)
 	$(PY) -m pip install -q -e ".[mutation]"
 	HF_DATASETS_DISABLE_PROGRESS_BARS=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)
