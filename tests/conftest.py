@@ -40,6 +40,25 @@ def shared_data_dir() -> Path | None:
     return None
 
 
+@pytest.fixture(autouse=True)
+def _plugin_registrations_end_with_the_test():
+    """A test that imports a plugin in-process registers its rule, loss, estimator or agent for the whole worker;
+    the registries go back to what they held before, so no later test sees it (a preset-table pin saw a plugin's
+    `my_algo` when the two tests happened to share a worker)."""
+    from stppo_agent.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from stppo_agent.algorithms.config import ALGORITHMS
+    from stppo_agent.algorithms.losses import POLICY_LOSSES, WHOLE_BATCH_STATISTICS
+    from stppo_agent.evaluation.agent_specs import SCRIPTED_AGENTS
+
+    registries = [r._items for r in (ALGORITHMS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, WHOLE_BATCH_STATISTICS)]
+    registries.append(SCRIPTED_AGENTS)
+    saved = [dict(registry) for registry in registries]
+    yield
+    for registry, before in zip(registries, saved):
+        registry.clear()
+        registry.update(before)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = shared_data_dir()
