@@ -40,6 +40,10 @@ def process_group_for_command():
     init_from_env()
     yield
     if dist.is_initialized():
+        # Every rank is done talking before any tears gloo down: leaving alone still aborted a rank of a finished
+        # 2-process run once (a fresh-clone CI run in session 12, ~7 torchrun runs under load), the rank that left
+        # first while the other was still writing its summary.
+        dist.barrier()
         dist.destroy_process_group()
 
 
