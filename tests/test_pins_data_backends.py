@@ -508,6 +508,20 @@ def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
                 load_examples("searchqa", tmp_path / name, family=family)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 1 << 20])
+def test_the_utf8_check_reads_in_blocks_and_names_the_bad_byte(tmp_path, block_size):
+    """A character split across two blocks is fine; the byte named is the file's own offset, whatever the block."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes("abc\u00e9d".encode() + b"\xe9x")  # é at bytes 3-4, then a lone Latin-1 é at byte 6
+    with pytest.raises(DatasetFormatError, match=r"\(invalid continuation byte at byte 6\)"):
+        loading._check_utf8(path, block_size)
+    path.write_bytes("abc\u00e9d".encode() + b"\xc3")  # cut short inside a character at the end
+    with pytest.raises(DatasetFormatError, match=r"\(unexpected end of data at byte 6\)"):
+        loading._check_utf8(path, block_size)
+    path.write_bytes("abc\u00e9d\u4e2d".encode())
+    loading._check_utf8(path, block_size)
+
+
 def test_csv_headers_and_headerless_mmlu_files(tmp_path):
     header = tmp_path / "h.csv"
     header.write_text(" Question ,Answer\nq,007\n")

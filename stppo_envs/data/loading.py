@@ -7,6 +7,7 @@ users of that library expect.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import functools
@@ -230,14 +231,24 @@ def _load_files(files: Iterable[Path], family: str) -> datasets.Dataset:
     return _load_with_builder(_FILE_BUILDERS[suffix], data_files)
 
 
-def _check_utf8(path: Path) -> None:
+def _check_utf8(path: Path, block_size: int = 1 << 20) -> None:
     """A text file in another encoding (a Latin-1 export, say) would otherwise fail later as a bare
-    UnicodeDecodeError from pyarrow or csv, naming neither the file nor the byte."""
-    try:
-        path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DatasetFormatError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") \
-            from exc
+    UnicodeDecodeError from pyarrow or csv, naming neither the file nor the byte. Read in blocks: a corpus-sized
+    file is not held in memory a second time before the loader reads it."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes handed to the decoder before this block; a character split across blocks waits in it
+    with open(path, "rb") as file:
+        while True:
+            block = file.read(block_size)
+            waiting = len(decoder.getstate()[0])
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:
+                raise DatasetFormatError(f"{path} is not UTF-8 text ({exc.reason} at byte "
+                                         f"{offset - waiting + exc.start}); save it as UTF-8") from exc
+            if not block:
+                return
+            offset += len(block)
 
 
 def _csv_as_text(columns: list[str]) -> dict:
