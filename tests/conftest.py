@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -53,10 +54,20 @@ def _plugin_registrations_end_with_the_test():
     registries = [r._items for r in (ALGORITHMS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, WHOLE_BATCH_STATISTICS)]
     registries.append(SCRIPTED_AGENTS)
     saved = [dict(registry) for registry in registries]
+    modules_before, path_before = set(sys.modules), list(sys.path)
     yield
     for registry, before in zip(registries, saved):
         registry.clear()
         registry.update(before)
+    # The plugin's module goes too: the loader skips a file whose module is imported already, so a later test
+    # loading the same file would find it "loaded" and its rule unregistered. Only modules from outside the
+    # interpreter and this checkout are plugins a test wrote; the folder the loader put on sys.path goes as well.
+    installed = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, REPO})
+    for name in set(sys.modules) - modules_before:
+        origin = getattr(sys.modules[name], "__file__", None)
+        if origin and not str(Path(origin).resolve()).startswith(installed):
+            del sys.modules[name]
+    sys.path[:] = path_before
 
 
 @pytest.fixture(scope="session")
