@@ -70,3 +70,25 @@ def test_medmcqa_csv_keeps_na_options_and_names_a_bad_cop(tmp_path):
     path.write_text("id,question,opa,opb,opc,opd,cop\nm1,Which?,a,b,c,d,two\n", encoding="utf-8")
     with pytest.raises(DatasetFormatError, match="cop must be 1-4 .*got 'two'"):
         load_examples("medmcqa", str(path), split="dev")
+
+
+@pytest.mark.parametrize("width", [2, 3, 5])
+def test_letter_column_csv_takes_any_number_of_options_from_two(tmp_path, width):
+    """The loader accepts a headerless MCQ CSV of >= 2 options; the adapter must not then ask for A-D."""
+    letters = "ABCDE"[:width]
+    options = ",".join(f"option {letter}" for letter in letters)
+    (tmp_path / "true_false_test.csv").write_text(f'"Is it so?",{options},{letters[-1]}\n', encoding="utf-8")
+    (tmp_path / "with_header.csv").write_text(f"question,{','.join(letters)},answer\nWhich?,{options},B\n",
+                                              encoding="utf-8")
+    headerless, = load_examples("mmlu_med", str(tmp_path / "true_false_test.csv"))
+    assert dict(headerless.choices) == {letter: f"option {letter}" for letter in letters}
+    assert headerless.answer_letter == letters[-1] and headerless.golden_answers == (f"option {letters[-1]}",
+                                                                                     letters[-1])
+    with_header, = load_examples("mmlu_med", str(tmp_path / "with_header.csv"))
+    assert list(with_header.choices) == list(letters) and with_header.answer_letter == "B"
+
+
+def test_letter_column_csv_with_one_option_is_refused(tmp_path):
+    (tmp_path / "one_test.csv").write_text("question,A,answer\nWhich?,only,A\n", encoding="utf-8")
+    with pytest.raises(DatasetFormatError, match="unrecognised multiple-choice record"):
+        load_examples("mmlu_med", str(tmp_path / "one_test.csv"))

@@ -256,8 +256,8 @@ def test_generic_choices_with_an_index_or_a_letter():
         mcq_example({"question": "Q", "choices": ["x", "y"]}, "g", "f")
     assert str(info.value) == (
         "g: unrecognised multiple-choice record with fields ['choices', 'question']; expected MedQA (options, "
-        "answer_idx), MedMCQA (opa..opd, cop), PubMedQA (QUESTION, final_decision), MMLU (question, A..D, answer) "
-        "or generic (question, choices, answer)")
+        "answer_idx), MedMCQA (opa..opd, cop), PubMedQA (QUESTION, final_decision), MMLU (question, A, B[, C ...], "
+        "answer) or generic (question, choices, answer)")
 
 
 def test_example_from_record_dispatches_on_the_family():

@@ -170,7 +170,9 @@ def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
         if contexts:
             return _with_metadata(example, contexts=list(contexts))
         return example
-    if all(letter in record for letter in "ABCD") and "answer" in record:  # MMLU CSV
+    # MMLU's CSV and any letter-column table: A, B and as many more options as the file has (the loader reads
+    # a headerless CSV of >= 2 options; a true/false set has only A and B)
+    if "A" in record and "B" in record and "answer" in record:
         choices = {letter: str(record[letter]) for letter in _LETTERS if _present(record.get(letter))}
         return _mcq(record, benchmark, fallback_id, choices, str(record["answer"]))
     if "choices" in record and ("answer" in record or "answer_idx" in record):
@@ -180,7 +182,7 @@ def mcq_example(record: Record, benchmark: str, fallback_id: str) -> Example:
     raise DatasetFormatError(
         f"{benchmark}: unrecognised multiple-choice record with fields {sorted(record)}; expected MedQA "
         "(options, answer_idx), MedMCQA (opa..opd, cop), PubMedQA (QUESTION, final_decision), MMLU "
-        "(question, A..D, answer) or generic (question, choices, answer)"
+        "(question, A, B[, C ...], answer) or generic (question, choices, answer)"
     )
 
 
