@@ -27,7 +27,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.required or action.default in (None, False, [], argparse.SUPPRESS):
+        # by identity: `0 in (None, False)` is true, and a default of 0 (--seed, --format-reward) is worth showing
+        nothing = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if "default" in text or action.required or nothing or action.default == []:
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
