@@ -89,6 +89,9 @@ def test_agents_gold_search_searches_the_question_then_each_missing_hop_then_ans
     assert agent.act([view(turn=0, max_turns=1)]) == [answer]
     assert agent.act([view(turn=0, max_turns=2)])[0].endswith("<search> Who wrote Hamlet? </search>")
     assert agent.act([view(turn=5, transcript=seen_first)])[0].startswith("<think>I still need")  # no limit known
+    single = Example("s1", "Capital of Peru?", ("Lima",), "nq")  # no supporting titles: one search, then answer
+    assert GoldSearchAgent([single]).act([view(turn=1, example=single, transcript=seen_first)]) == [
+        "<think>The documents answer it.</think>\n<answer> Lima </answer>"]
 
 
 def test_agents_search_copy_searches_once_then_copies_the_top_title_or_the_best_option():
@@ -243,6 +246,9 @@ def test_agent_specs_resolve_names_the_checkpoint_chosen(monkeypatch, tmp_path):
         resolve_agent_spec(f"hf:{run}@bset")
     with pytest.raises(ValueError, match="unknown agent spec"):
         resolve_agent_spec("hf:")
+    at = make_run(tmp_path / "at@home" / "run")  # the checkpoint is chosen after the last '@'
+    assert resolve_agent_spec(f"hf:{at}@healthy")[0] == f"hf:{at}/checkpoints/step-3/actor"
+    assert asked[-1] == (at, "healthy")
 
 
 def test_agent_specs_resolve_keeps_model_folders_and_hub_names(monkeypatch, tmp_path):
@@ -253,6 +259,10 @@ def test_agent_specs_resolve_keeps_model_folders_and_hub_names(monkeypatch, tmp_
     assert resolve_agent_spec("hf:org/name") == ("hf:org/name", None)
     assert resolve_agent_spec("hf:org/name@v2") == ("hf:org/name@v2", None)  # not a run: '@' is part of the name
     assert resolve_agent_spec("hf:smollm2") == ("hf:smollm2", None)
+    with pytest.raises(FileNotFoundError, match="~nosuchuser27/m does not exist"):
+        resolve_agent_spec("hf:~nosuchuser27/m")  # spelt like a path: a missing folder, never a hub name
+    with pytest.raises(FileNotFoundError, match="~nosuchuser27 does not exist"):
+        resolve_agent_spec("hf:~nosuchuser27")
     with pytest.raises(ValueError, match="model 'smolm2' is neither a folder nor a known alias"):
         resolve_agent_spec("hf:smolm2")
     with pytest.raises(FileNotFoundError, match="is a model folder \\(config.json\\), not a training run: use "
@@ -305,6 +315,8 @@ def test_agent_specs_resolve_lists_a_missing_folders_parent_with_a_suggestion(tm
         (many / f"f{i:02d}").write_text("")
     text = agent_specs._missing_folder(many / "zzz")
     assert text.endswith("f09, f10, f11, ...") and "f12" not in text
+    (many / "f12").unlink()
+    assert agent_specs._missing_folder(many / "zzz").endswith("f10, f11")  # exactly twelve: all shown
     (tmp_path / "plain").write_text("")
     assert agent_specs._missing_folder(tmp_path / "plain" / "x") == f"{tmp_path}/plain/x does not exist"
 
@@ -317,14 +329,16 @@ def test_agent_specs_listing_counts_records_and_cuts_after_twelve(tmp_path):
         (tmp_path / f"x{i:02d}").write_text("")
     assert agent_specs._listing(tmp_path).endswith("x09, ... (2 more)")
     assert agent_specs._listing(tmp_path, limit=14).endswith("x11")
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"a": "\xff\xfe"}\n{}\n')  # a torn multi-byte character
+    assert "metrics.jsonl (2 records)" in agent_specs._listing(tmp_path)
 
 
 def test_agent_specs_resolve_adds_the_listing_when_no_checkpoint_verifies(tmp_path):
-    run = make_run(tmp_path / "run", steps=(2,), extra=("config.yaml",))
+    run = make_run(tmp_path / "run", steps=(5, 2), extra=("config.yaml",))
     with pytest.raises(FileNotFoundError) as info:
         resolve_agent_spec(f"hf:{run}@latest")
     assert str(info.value) == (f"{run} has no checkpoint that verifies; {run} holds: checkpoints/, config.yaml; "
-                               "checkpoints/ holds: step-2")
+                               "checkpoints/ holds: step-2, step-5")
     assert isinstance(info.value.__cause__, FileNotFoundError)
 
 
@@ -360,6 +374,7 @@ class Generation:
 class FakeBackend:
     def __init__(self, model, tokenizer, sampling, batch_size, reuse_cache):
         self.model, self.sampling, self.batch_size, self.reuse_cache = model, sampling, batch_size, reuse_cache
+        self.tokenizer = tokenizer
         self.calls, self.ended = [], 0
 
     def generate(self, contexts, max_new_tokens, keys):
@@ -375,7 +390,8 @@ def fake_hf(monkeypatch):
     from stppo_agent.models import default_model, loading
 
     monkeypatch.setattr(default_model, "resolve_model", lambda path: f"resolved/{path}")
-    monkeypatch.setattr(loading, "load_tokenizer", lambda path: FakeTokenizer())
+    monkeypatch.setattr(loading, "load_tokenizer", lambda path: FakeTokenizer() if path.startswith("resolved/") else
+                        None)
     monkeypatch.setattr(loading, "load_actor", FakeModel)
     monkeypatch.setattr(hf_agent, "HFGenerationBackend", FakeBackend)
 
@@ -386,6 +402,8 @@ def test_hf_agent_hands_its_settings_to_the_loader_and_the_backend(fake_hf):
     agent = hf_agent.HFAgent("ckpt")
     assert agent.name == "hf:ckpt" and agent.model.path == "resolved/ckpt" and agent.model.dtype == "float32"
     assert agent.model.device == "cpu" and agent.model.evaluated  # no GPU here
+    assert agent.backend.model is agent.model and agent.backend.tokenizer is agent.tokenizer
+    assert isinstance(agent.tokenizer, FakeTokenizer)
     assert agent.backend.sampling == SamplingSettings(greedy=True) and agent.backend.batch_size == 16
     assert agent.backend.reuse_cache is True and (agent.max_new_tokens, agent.max_observation_tokens) == (256, 512)
     sampling = SamplingSettings(temperature=0.7, top_p=0.9)
@@ -394,6 +412,12 @@ def test_hf_agent_hands_its_settings_to_the_loader_and_the_backend(fake_hf):
     assert (other.model.device, other.model.dtype, other.backend.sampling) == ("meta", "bfloat16", sampling)
     assert (other.backend.batch_size, other.backend.reuse_cache, other.max_new_tokens,
             other.max_observation_tokens) == (3, False, 5, 2)
+
+
+def test_hf_agent_goes_to_the_gpu_when_there_is_one(fake_hf, monkeypatch):
+    monkeypatch.setattr(hf_agent.torch.cuda, "is_available", lambda: True)
+    assert hf_agent.HFAgent("ckpt").model.device == "cuda"
+    assert hf_agent.HFAgent("ckpt", device="cpu").model.device == "cpu"
 
 
 def test_hf_agent_keeps_each_episodes_tokens_and_counts_what_it_generated(fake_hf):
@@ -466,6 +490,7 @@ def test_openai_agent_sends_the_model_messages_and_sampling_settings(monkeypatch
                                            {"role": "assistant", "content": "act"},
                                            {"role": "user", "content": "obs"}]}}]
     monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    assert OpenAIChatAgent("http://h/apiX", "m").url == "http://h/apiX/chat/completions"
     agent = OpenAIChatAgent("https://h/v1", "m", max_tokens=9, temperature=0.5, timeout=3.0)
     agent.act([view()])
     assert sent[-1]["headers"] == {"Authorization": "Bearer sk-env"} and sent[-1]["timeout"] == 3.0
@@ -485,6 +510,7 @@ def test_openai_agent_puts_the_stop_string_back(monkeypatch):
     agent = OpenAIChatAgent("http://h/v1", "m")
     cases = [(reply("<search> q", stop_reason="</search>"), "<search> q</search>"),  # vLLM names the stop string
              (reply("<answer> a", stop_reason=128001), "<answer> a</answer>"),  # a token id: close the open tag
+             (reply("<search> q", finish=None, stop_reason="</search>"), "<search> q</search>"),
              (reply("<answer> a", stop_reason="EOS"), "<answer> a</answer>"),
              (reply("<answer> a", stop_reason=...), "<answer> a</answer>"),
              (reply("<search> q", finish="length"), "<search> q"),  # cut by max_tokens: nothing to close
@@ -535,6 +561,17 @@ def test_openai_agent_sends_concurrency_requests_at_once_in_order(monkeypatch):
     assert state["most"] == 1
     assert OpenAIChatAgent("http://h", "m").act(episodes) == ["p0", "p1", "p2", "p3"]
     assert state["most"] == 4  # the default (16) sends every episode's request at once
+    pools = []
+
+    class Pool(openai_agent.ThreadPoolExecutor):
+        def __init__(self, workers):
+            pools.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(openai_agent, "ThreadPoolExecutor", Pool)
+    OpenAIChatAgent("http://h", "m").act(episodes)
+    OpenAIChatAgent("http://h", "m", concurrency=3).act(episodes)
+    assert pools == [16, 3]
 
 
 # -- tables.py --------------------------------------------------------------------------------------------------
