@@ -98,6 +98,58 @@ def test_step_diagnostics_gradient_cosine_to_the_iterations_first_step():
     assert diagnostics.minibatch == 1 and diagnostics.iteration == 2
 
 
+def test_step_diagnostics_small_and_zero_gradients():
+    a = torch.nn.Parameter(torch.zeros(2))
+    diagnostics = StepDiagnostics(None)
+    a.grad = torch.zeros(2)  # a zero first gradient: nothing to compare with
+    assert diagnostics.finish_step([a], {}, 0)["grad_cos_to_first"] == 0.0
+    a.grad = torch.tensor([0.5, 0.0])
+    assert diagnostics.finish_step([a], {}, 1)["grad_cos_to_first"] == 0.0
+    small = StepDiagnostics(None)
+    a.grad = torch.tensor([0.3, 0.4])  # norms below 1 are directions too
+    assert small.finish_step([a], {}, 0)["grad_cos_to_first"] == pytest.approx(1.0)
+    a.grad = torch.tensor([0.4, -0.3])
+    assert small.finish_step([a], {}, 1)["grad_cos_to_first"] == pytest.approx(0.0, abs=1e-12)
+    a.grad = torch.tensor([0.0, 0.5])
+    assert small.finish_step([a], {}, 2)["grad_cos_to_first"] == pytest.approx(0.8)
+
+
+def test_step_diagnostics_sharded_gradients_sum_the_products_over_ranks(monkeypatch):
+    from stppo_agent.distributed import process_group
+
+    reduced = []
+
+    def all_reduce_sum(sums):  # the other rank's shard: gradient (0, 1) now, (0, 1) first
+        reduced.append(sums.tolist())
+        return sums + torch.tensor([1.0, 1.0, 1.0], dtype=sums.dtype)
+
+    monkeypatch.setattr(process_group, "all_reduce_sum", all_reduce_sum)
+    a = torch.nn.Parameter(torch.zeros(1))
+    sharded = StepDiagnostics(None, sharded=True)
+    a.grad = torch.tensor([1.0])
+    assert sharded.finish_step([a], {}, 0)["grad_cos_to_first"] == pytest.approx(1.0)
+    a.grad = torch.tensor([-1.0])
+    assert sharded.finish_step([a], {}, 1)["grad_cos_to_first"] == pytest.approx(0.0)  # (-1, 1) . (1, 1)
+    assert reduced == [[1.0, 1.0, 1.0], [-1.0, 1.0, 1.0]]
+    reduced.clear()
+    a.grad = torch.tensor([1.0])
+    StepDiagnostics(None).finish_step([a], {}, 0)  # not sharded (the default): no collective
+    assert reduced == []
+
+
+def test_step_diagnostics_defaults(tmp_path):
+    fresh = StepDiagnostics(None)
+    assert (fresh.log_low, fresh.log_high) == (pytest.approx(math.log(0.8)), pytest.approx(math.log(1.2)))
+    assert not fresh.sharded and fresh.gradients and fresh.reference is None
+    path = tmp_path / "steps.jsonl"
+    path.write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    fresh = StepDiagnostics(path, gradients=False)  # a new run (start_iteration 0) keeps nothing after 0
+    assert path.read_text() == '{"iteration": 0}\n'
+    fresh.finish_step([], {}, 0)
+    assert json.loads(path.read_text().splitlines()[-1]) == {"iteration": 0, "step": 1, "minibatch": 0,
+                                                             "on_policy": True}
+
+
 def test_step_diagnostics_gathers_every_ranks_ratios(monkeypatch):
     from stppo_agent.distributed import process_group
 
@@ -192,6 +244,13 @@ def test_demo_progress_defaults(monkeypatch, capsys):
     assert DemoProgress(stream=io.StringIO(), interactive=True).interactive is True
     progress.say("result")
     assert capsys.readouterr().out == "result\n"
+    import builtins
+
+    printed = []
+    monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: printed.append((args, kwargs)))
+    DemoProgress(stream=Terminal()).say("piped")
+    assert printed == [(("piped",), {"flush": True})]  # stdout to a pipe is block-buffered
+    monkeypatch.undo()
     import sys
 
     err = io.StringIO()
