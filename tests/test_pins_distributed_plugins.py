@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from types import SimpleNamespace
 
 import gymnasium as gym
@@ -39,6 +40,8 @@ def test_process_group_one_real_gloo_process(monkeypatch):
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    join = dist.init_process_group  # a wrong rank or world size fails in seconds instead of gloo's 30 minutes
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: join(*a, **k, timeout=timedelta(seconds=5)))
     assert not dist.is_initialized()
     assert (pg.rank(), pg.world_size(), pg.is_main(), pg.all_gather_objects({"a": 1})) == (0, 1, True, [{"a": 1}])
     model = torch.nn.Linear(2, 1)
@@ -456,11 +459,15 @@ def test_shared_retrieval_a_server_that_exits_or_never_answers(tmp_path, monkeyp
         sr.start_server("bm25:/i", tmp_path)
     hanging = _Process()
     monkeypatch.setattr(sr, "spawn_tied_to_this_process", lambda *a, **k: hanging)
-    clock = iter([100.0, 100.0, 101.0, 103.5])
+    clock = iter([100.0, 100.0, 101.0, 102.5])  # the deadline itself is past it
     monkeypatch.setattr(sr.time, "time", lambda: next(clock))
     with pytest.raises(RuntimeError, match=r"^the shared retrieval server for 'dense:/d' did not start within 2 s$"):
         sr.start_server("dense:/d", tmp_path, timeout=2.5)
     assert hanging.log == ["terminate", ("wait", 10)]
+    clock = iter([0.0, 0.0, 700.0])
+    monkeypatch.setattr(sr.time, "time", lambda: next(clock))
+    with pytest.raises(RuntimeError, match=r"did not start within 600 s$"):  # the default: an index may load slowly
+        sr.start_server("dense:/d", tmp_path)
     assert not (tmp_path / "retrieval_server.json").exists()
 
 
@@ -476,7 +483,7 @@ def test_shared_retrieval_stop_terminates_then_kills():
 
 def test_shared_retrieval_each_node_uses_its_first_process_server(tmp_path, monkeypatch):
     calls = Calls()
-    monkeypatch.setattr(sr.process_group, "world_size", lambda: 4)
+    monkeypatch.setattr(sr.process_group, "world_size", lambda: 2)
     monkeypatch.setattr(sr.process_group, "rank", lambda: 1)
     monkeypatch.setattr(sr, "start_server", calls.fn("start", "http://127.0.0.1:7000"))
     monkeypatch.setattr(sr.socket, "gethostname", lambda: "node-b")

@@ -339,6 +339,17 @@ def test_loading_critic_errors_restore_the_verbosity_and_name_the_path(monkeypat
     monkeypatch.setattr(transformers.AutoModelForTokenClassification, "from_pretrained", Recorder(_Critic(None, False)))
     loading.load_critic("/no/head")  # a model without a known head loads as it is
 
+    class BiasFreeHead(torch.nn.Module):  # a head module with no `bias` attribute at all
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(1, 3))
+
+    critic = _Critic(None, False)
+    critic.score = BiasFreeHead()
+    monkeypatch.setattr(transformers.AutoModelForTokenClassification, "from_pretrained", Recorder(critic))
+    loading.load_critic("/bias/free")
+    assert torch.all(critic.score.weight == 0)
+
 
 def test_loading_a_real_tiny_critic_starts_at_zero_values(tiny_folder):
     critic = loading.load_critic(tiny_folder)
@@ -514,6 +525,12 @@ def test_precision_autocast_body_in_bfloat16_head_in_float32(head_attr, as_outpu
     assert out.dtype == torch.float32
 
 
+def test_precision_autocast_computes_in_the_dtype_asked_for_not_the_devices_default():
+    model = precision.autocast_forward(_HeadModel(), "float16")  # the CPU's autocast default is bfloat16
+    model(torch.ones(1, 4))
+    assert model.seen == [(torch.float16, torch.float32)]
+
+
 def test_precision_output_head_lookup():
     assert precision._output_head(torch.nn.Linear(1, 1)) is None
     lm = _HeadModel("lm_head")
@@ -572,6 +589,9 @@ def test_tiny_word_tokenizer_ids():
     assert tokenizer("say red  gold purple")["input_ids"] == [3, 5, 8, 2]
     assert tokenizer.decode([3, 5, 8]) == "say red gold"
     assert tiny.word_tokenizer(("a", "b")).get_vocab() == {"<pad>": 0, "<eos>": 1, "<unk>": 2, "a": 3, "b": 4}
+    punctuated = tiny.word_tokenizer(("hi", ",", "there"))
+    ids = punctuated("hi, there")["input_ids"]
+    assert ids == [3, 4, 5] and punctuated.decode(ids) == "hi, there"  # the decoder's clean-up joins the comma
 
 
 def test_tiny_llama_config_seed_and_the_callers_random_stream(tmp_path):
@@ -596,6 +616,13 @@ def test_tiny_llama_config_seed_and_the_callers_random_stream(tmp_path):
                                                                                                           other)]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
     assert transformers.AutoConfig.from_pretrained(other).tie_word_embeddings is False
+    own = tiny.word_tokenizer(("a", "b"))
+    default_seed = tiny.build_tiny_llama(tmp_path / "d", own, hidden=8, layers=1)
+    seed_zero = tiny.build_tiny_llama(tmp_path / "e", own, hidden=8, layers=1, seed=0)
+    assert transformers.AutoConfig.from_pretrained(default_seed).vocab_size == 5
+    assert transformers.AutoTokenizer.from_pretrained(default_seed).get_vocab()["b"] == 4
+    assert torch.equal(*[transformers.AutoModelForCausalLM.from_pretrained(p).model.embed_tokens.weight
+                         for p in (default_seed, seed_zero)])
 
 
 def test_tiny_llama_defaults_and_the_random_stream_after_an_error(tmp_path, monkeypatch):
@@ -639,6 +666,8 @@ def test_tiny_model_path_builds_once_in_the_cache(tmp_path, monkeypatch):
     assert (target / "BUILT").read_text() == "stppo_agent.models.tiny v1: a random Llama for stppo/Toy-v0\n"
     assert sorted(p.name for p in target.parent.iterdir()) == ["tiny-llama-v1"]
     assert tiny.tiny_model_path() == target and len(builds) == 1
+    monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "fresh" / "cache"))  # nothing of it exists yet
+    assert tiny.tiny_model_path() == tmp_path / "fresh" / "cache" / "models" / "tiny-llama-v1"
 
 
 def test_tiny_model_path_a_concurrent_finished_copy_wins_the_race(tmp_path, monkeypatch):
@@ -655,10 +684,13 @@ def test_tiny_model_path_a_concurrent_finished_copy_wins_the_race(tmp_path, monk
         raise OSError("Directory not empty")
 
     monkeypatch.setattr(tiny, "build_tiny_llama", build)
-    monkeypatch.setattr(tiny.shutil, "rmtree", lambda *a, **k: None)
+    removed = []
+    monkeypatch.setattr(tiny.shutil, "rmtree", lambda *a, **k: removed.append((a, k)))
     monkeypatch.setattr(tiny.os, "replace", replace)
     assert tiny.tiny_model_path() == target
     assert (target / "BUILT").read_text() == "the other process's"
+    # the other process may be deleting or replacing it at the same moment: errors there are not ours
+    assert removed[0] == ((target,), {"ignore_errors": True})
     (target / "BUILT").unlink()
     monkeypatch.setattr(tiny, "build_tiny_llama", lambda path: path.mkdir() or path)
     with pytest.raises(OSError, match="Directory not empty"):
