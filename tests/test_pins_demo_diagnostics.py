@@ -434,14 +434,21 @@ def test_demo_evaluation_runs_each_benchmark_with_the_demo_settings(monkeypatch,
     monkeypatch.setattr(agent_specs, "resolve_agent_spec", lambda spec: ("hf:/ckpt/actor", f"{spec} -> newest"))
     monkeypatch.setattr(hf_agent, "HFAgent", lambda path, max_new_tokens: made.append((path, max_new_tokens)) or
                         CountingAgent())
-    monkeypatch.setattr(evaluate, "evaluate_benchmark", lambda spec, settings, agent_factory: runs.append(
-        (spec, settings, agent_factory())) or {"benchmark": settings.benchmark})
+    from stppo_agent.evaluation.agents import EpisodeView
+
+    def evaluate_benchmark(spec, settings, agent_factory):
+        runs.append((spec, settings, agent_factory()))
+        agent_factory().act([EpisodeView("q", "q", None, (), 0)])  # the display hears of each turn
+        return {"benchmark": settings.benchmark}
+
+    monkeypatch.setattr(evaluate, "evaluate_benchmark", evaluate_benchmark)
     monkeypatch.setattr(results, "write_results", lambda res, out: written.append((res, out)))
     progress = Recorder()
     got = demo.evaluate_demo("hf:run@latest", DemoSettings(limit=5), progress, tmp_path / "eval", "evaluation X")
     assert got == [{"benchmark": b} for b in ("nq", "hotpotqa", "medqa")] and written == [(got, tmp_path / "eval")]
     assert made == [("/ckpt/actor", 48)]
     assert progress.calls[:2] == [("phase", "evaluation X", 3), ("say", "agent hf:run@latest -> newest")]
+    assert ("note", "nq: turn 1/3 of 1 episodes") in progress.calls
     assert [c for c in progress.calls if c[0] == "step"] == [
         ("step", 0, "nq: loading"), ("step", 1, "hotpotqa: loading"), ("step", 2, "medqa: loading")]
     assert [spec for spec, _, _ in runs] == ["hf:/ckpt/actor"] * 3
@@ -514,6 +521,9 @@ def test_demo_run_sets_the_threads_checks_the_model_and_restores_them(monkeypatc
         mine = Recorder()
         demo.run_demo(settings, mine)
         assert seen[-1][1:] == (Recorder, Path("somewhere/demo"), "", 3)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set by the user: it decides
+        demo.run_demo(settings)
+        assert seen[-1][3:] == ("; 1 of 3 CPU threads: 0.0 other processes running", 1)
         monkeypatch.setattr(demo, "_run_demo", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
         with pytest.raises(RuntimeError):
             demo.run_demo(settings)
