@@ -256,6 +256,7 @@ def test_process_group_norms_in_float32_or_float64_and_over_shards(monkeypatch):
     import torch.distributed.tensor as dtensor
 
     assert torch.equal(pg.global_norm([], torch.device("cpu")), torch.zeros(()))
+    assert pg.global_norm([], torch.device("meta")).device.type == "meta"  # on the device asked for
     norm = pg.global_norm([torch.tensor([3.0]), torch.tensor([[4.0, 12.0]])], torch.device("cpu"))
     assert norm.dtype == torch.float32 and norm.item() == 13.0
     half = pg.global_norm([torch.tensor([3.0, 4.0], dtype=torch.bfloat16)], torch.device("cpu"))
@@ -547,6 +548,7 @@ def test_loader_files_and_modules_and_their_recorded_form(tmp_path, monkeypatch)
     assert not loader.is_file_spec("my_package.my_algos") and not loader.is_file_spec("py")
     monkeypatch.setattr(loader.os, "sep", "\\")
     assert loader.is_file_spec("plugins\\myrule")
+    assert loader.is_file_spec("plugins/myrule")  # a forward slash is a path on every system
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert loader.portable_specs(["./a.py", "pkg.mod", "a.py", "~/b.py", "pkg.mod", "sub/../c.py"]) == [
@@ -574,6 +576,9 @@ def test_loader_a_plugin_file_imports_once_under_its_name(tmp_path, monkeypatch,
     assert sys.path.count(str(folder)) == 1 and sys.path[-1] == str(folder)  # appended: never shadows
     loader.load_plugins([str(folder / "m27_rule.py"), "plugins/../plugins/m27_rule.py"])
     assert builtins.m27_runs == 1 and sys.path.count(str(folder)) == 1
+    (folder / "m27_second.py").write_text("")
+    loader.load_plugins([str(folder / "m27_second.py")])  # a second file of the same folder
+    assert sys.path.count(str(folder)) == 1 and "m27_second" in sys.modules
     other = tmp_path / "other"
     other.mkdir()
     (other / "m27_rule.py").write_text("")
@@ -628,6 +633,13 @@ def test_loader_a_plugin_module_from_the_current_directory(tmp_path, monkeypatch
                                          r"of that name; pass a file path \(--import path/to/nothing.py\) or "
                                          r"install it$"):
         loader.load_plugins(["m27_pkg.nothing"])
+    (package / "sub").mkdir()
+    (package / "sub" / "__init__.py").write_text("")
+    with pytest.raises(ValueError, match=r"\(--import path/to/nothing.py\) or install it$"):
+        loader.load_plugins(["m27_pkg.sub.nothing"])
+    with pytest.raises(ValueError, match=r"^cannot import plugin module 'm27_missing': no m27_missing.py in the "
+                                         r"current directory .*\(--import path/to/m27_missing.py\) or install it$"):
+        loader.load_plugins(["m27_missing"])
     with pytest.raises(ValueError, match=r"^cannot import plugin module 'm27_nopkg.mod': ModuleNotFoundError: "):
         loader.load_plugins(["m27_nopkg.mod"])
     for bad in (".relative", "a-b", "pkg..mod", "1pkg"):
@@ -670,9 +682,11 @@ def test_name_checks_algorithm_env_and_model_names(tmp_path, monkeypatch):
                                          r"plugin's own: --import myrule.py$"):
         name_checks.check_algorithm("st_ppp")
     assert name_checks.check_env_ids(" stppo/Toy-v0 ,, stppo/Toy-v0") == ["stppo/Toy-v0", "stppo/Toy-v0"]
-    with pytest.raises(ValueError, match=r"^unknown env id 'stppo/Toy-v1' \(did you mean stppo/Toy-v0\?\); "
-                                         r"Registered stppo envs: stppo/"):
+    listing = ", ".join(sorted(i for i in gym.registry if i.startswith("stppo/")))
+    with pytest.raises(ValueError) as error:
         name_checks.check_env_ids("stppo/Toy-v0,stppo/Toy-v1")
+    assert str(error.value) == ("unknown env id 'stppo/Toy-v1' (did you mean stppo/Toy-v0?); Registered stppo envs: "
+                                + listing) and "stppo/Toy-v0, stppo/" in listing
     with pytest.raises(ValueError, match=r"^unknown env id 'CartPole-v9'"):
         name_checks.check_env_ids("CartPole-v9")
     for fine in ("", "smollm2", "hf:SmolLM2", "TINY", "org/smolm2", str(tmp_path), "completely-different-name"):
@@ -721,6 +735,9 @@ def test_name_checks_env_kwargs_against_the_constructor(monkeypatch):
     gym.register("m27/Broken-v0", entry_point="m27_no_such_module:Env")
     name_checks.check_env_kwargs(["m27/Closed-v0", "m27/ByName-v0"], {"turns": 3, "render_mode": None})
     name_checks.check_env_kwargs(["m27/Open-v0", "m27/Broken-v0"], {"anything": 1})
+    for first in ("m27/Open-v0", "m27/Broken-v0"):  # an env that cannot be checked does not end the checks
+        with pytest.raises(ValueError, match=r"^env 'm27/Closed-v0' does not accept env_kwargs 'anything'"):
+            name_checks.check_env_kwargs([first, "m27/Closed-v0"], {"anything": 1})
     for env_id in ("m27/Closed-v0", "m27/ByName-v0"):
         with pytest.raises(ValueError, match=r"^env '" + env_id + r"' does not accept env_kwargs 'turn' \(did you "
                                              r"mean turns\?\); it accepts: retriever, turns$"):
