@@ -539,16 +539,16 @@ def fake_phases(monkeypatch, tmp_path, metrics_reward=0.5):
     calls = []
     monkeypatch.setattr(default_model, "resolve_model", lambda name: calls.append(("resolve", name)) or "/cache/m")
     monkeypatch.setattr(demo, "warm_start", lambda settings, model, out, progress: calls.append(
-        ("warm_start", model, out)) or "/out/sft")
+        ("warm_start", model, out, settings, progress)) or "/out/sft")
 
     def evaluate(spec, settings, progress, out, name):
-        calls.append(("evaluate", spec, out, name))
+        calls.append(("evaluate", spec, out, name, settings, progress))
         return [{"benchmark": "nq", "metrics": {"n": 2, "em": 0.5, "answer_rate": 1.0, "invalid_action_rate": 0.0,
                                                  "mean_search_calls": 1.0}}]
 
     class Trainer:
         def __init__(self, config, progress):
-            calls.append(("trainer", config.model, config.output_dir, config.iterations))
+            calls.append(("trainer", config.model, config.output_dir, config.iterations, progress))
 
         def train(self):
             calls.append(("train",))
@@ -558,7 +558,7 @@ def fake_phases(monkeypatch, tmp_path, metrics_reward=0.5):
     monkeypatch.setattr(demo, "DemoTrainer", Trainer)
     monkeypatch.setattr(demo, "off_policy_means", lambda run: calls.append(("means", run)) or {
         "turn_clip_frac": 0.1, "clip_bias_scale": 2.0})
-    monkeypatch.setattr(demo, "off_policy_summary", lambda means, reward: f"summary {reward}")
+    monkeypatch.setattr(demo, "off_policy_summary", lambda means, reward: f"summary {reward} {sorted(means)}")
     return calls
 
 
@@ -568,15 +568,17 @@ def test_demo_run_warm_starts_evaluates_trains_and_evaluates_again(monkeypatch, 
     out = tmp_path / "d"
     settings = DemoSettings(model="smol", sft_steps=3, iterations=2, limit=4)
     figures = demo._run_demo(settings, progress, out, "; busy")
-    assert calls == [("resolve", "smol"), ("warm_start", "/cache/m", out),
-                     ("evaluate", "hf:/out/sft", out / "eval_before", "evaluation before RL"),
-                     ("trainer", "/out/sft", str(out / "train"), 2), ("train",), ("means", out / "train"),
-                     ("evaluate", f"hf:{out / 'train'}@latest", out / "eval", "evaluation after RL")]
+    assert calls == [("resolve", "smol"), ("warm_start", "/cache/m", out, settings, progress),
+                     ("evaluate", "hf:/out/sft", out / "eval_before", "evaluation before RL", settings, progress),
+                     ("trainer", "/out/sft", str(out / "train"), 2, progress), ("train",), ("means", out / "train"),
+                     ("evaluate", f"hf:{out / 'train'}@latest", out / "eval", "evaluation after RL", settings,
+                      progress)]
     said = [c[1] for c in progress.calls if c[0] == "say"]
     assert said[0] == ("stppo demo: 3 warm-start steps, then 2 iteration(s) of ST-PPO on smol with the bundled demo "
                        "set (BM25, on a GPU when there is one, else the CPU; busy), evaluated on 4 test questions per "
                        "benchmark before and after RL")
-    assert said[1] == "summary 0.5" and said[2].startswith("evaluation: before RL (after the warm start) -> after RL")
+    assert said[1] == "summary 0.5 ['clip_bias_scale', 'turn_clip_frac']"
+    assert said[2].startswith("evaluation: before RL (after the warm start) -> after RL")
     assert said[3].startswith("check: ") and "answer rate before RL 1.000" in said[3]
     assert said[4] == f"run folder: {out / 'train'}; evaluation: {out / 'eval_before'} (before RL), {out / 'eval'} " \
                       "(after)"
@@ -598,6 +600,9 @@ def test_demo_run_without_a_warm_start_evaluates_only_after(monkeypatch, tmp_pat
     assert said[2].startswith("evaluation after RL") and said[-1] == f"run folder: {out / 'train'}; evaluation: " \
                                                                      f"{out / 'eval'}"
     assert "answer rate before RL" not in figures
+    calls.clear()
+    demo._run_demo(DemoSettings(sft_steps=1), Recorder(), out, "")  # one warm-start step is a warm start
+    assert [c[0] for c in calls] == ["resolve", "warm_start", "evaluate", "trainer", "train", "means", "evaluate"]
 
 
 def test_demo_warm_start_hands_the_recipe_to_the_supervised_trainer(monkeypatch, tmp_path):
