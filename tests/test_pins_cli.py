@@ -18,6 +18,14 @@ from stppo_agent.cli import build_parser, main
 from stppo_agent.cli.arguments import HelpFormatter, Parser, key_value, positive_int
 
 
+def plugin_file(tmp_path: Path) -> Path:
+    """An empty plugin file named after the test's own folder: the loader refuses a second file of a module name it
+    has imported from another path, which a rerun of the test in the same process would be."""
+    path = tmp_path / f"plugin_{tmp_path.name}.py"
+    path.write_text("LOADED = True\n")
+    return path
+
+
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     capsys.readouterr()
     code = main(list(argv))
@@ -122,6 +130,7 @@ def test_arguments_parser_uses_the_formatter_unless_told_otherwise():
     assert Parser(prog="p").formatter_class is HelpFormatter
     assert Parser(prog="p", formatter_class=argparse.RawTextHelpFormatter).formatter_class \
         is argparse.RawTextHelpFormatter
+    assert Parser("p", "usage: p").prog == "p"  # positional arguments reach argparse too
     parser = Parser(prog="p", description="d")
     assert parser.prog == "p" and parser.description == "d"
     sub = parser.add_subparsers().add_parser("s")
@@ -168,6 +177,8 @@ def test_verbosity_third_party_output_off_and_on(monkeypatch):
         assert hf_logging.get_verbosity() == hf_logging.WARNING and hf_logging.is_progress_bar_enabled()
         assert ds_logging.get_verbosity() == ds_logging.WARNING and ds_logging.is_progress_bar_enabled()
         assert not hub_utils.are_progress_bars_disabled()
+        set_third_party_output(True)  # again (a second command in the process): nothing left to remove is fine
+        assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
     finally:
         hub_utils.disable_progress_bars() if hub_was_off else hub_utils.enable_progress_bars()
 
@@ -358,8 +369,7 @@ def test_evaluate_defaults_reach_evaluate_all(monkeypatch, capsys):
 
 def test_evaluate_every_option_reaches_evaluate_all(monkeypatch, capsys, tmp_path):
     results = _eval(monkeypatch)
-    plugin = tmp_path / "my_agents.py"
-    plugin.write_text("LOADED = True\n")
+    plugin = plugin_file(tmp_path)
     code, _, _ = run(capsys, "eval", "--agent", "search-copy", "--benchmarks", " NQ, ,HotpotQA ", "--dataset",
                      "nq=demo", "--dataset", "hotpotqa=data/hp", "--split", "dev", "--limit", "5", "--retriever",
                      "bm25:idx", "--topk", "7", "--max-turns", "2", "--batch-size", "9", "--seed", "11",
@@ -370,7 +380,7 @@ def test_evaluate_every_option_reaches_evaluate_all(monkeypatch, capsys, tmp_pat
     assert results.write_results.only[0][1] == tmp_path / "o"
     import sys
 
-    assert any(getattr(m, "LOADED", False) and "my_agents" in name for name, m in list(sys.modules.items()))
+    assert getattr(sys.modules.get(plugin.stem), "LOADED", False)
 
 
 def test_evaluate_refusals_name_the_fix(monkeypatch, capsys):
@@ -487,7 +497,7 @@ def test_index_dense_hands_every_option_to_the_build(monkeypatch, capsys):
     assert dense.build_dense_index.only == (("c.jsonl", "d", "all-MiniLM-L6-v2"),
                                             {"index_type": "flat", "shard_size": 4096, "batch_size": 64,
                                              "device": None})
-    for kind in ("hnsw", "ivf"):
+    for kind in ("flat", "hnsw", "ivf"):  # each choice accepted when typed
         run(capsys, *base, "--index-type", kind, "--batch-size", "8", "--shard-size", "100", "--device", "cpu")
         assert dense.build_dense_index.calls[-1][1] == {"index_type": kind, "shard_size": 100, "batch_size": 8,
                                                         "device": "cpu"}
@@ -531,6 +541,7 @@ def test_serve_warms_the_retriever_and_serves_with_the_limits(monkeypatch, capsy
     assert run(capsys, "serve", "--retriever", "demo") == (0, "", "")
     assert made.only == (("demo",), {}) and retriever.searched == [("warm up", 1)] and len(stop.calls) == 1
     assert served.only == ((retriever, "127.0.0.1", 8000, ServerLimits()), {})
+    assert type(served.only[0][3].max_body_bytes) is int  # a byte count, whole MiB
     assert ServerLimits() == ServerLimits(max_topk=100, max_queries=16384, max_query_chars=16384,
                                           max_body_bytes=64 * 2**20)
     run(capsys, "serve", "--retriever", "bm25:idx", "--host", "0.0.0.0", "--port", "9001", "--max-topk", "5",
@@ -584,6 +595,7 @@ def test_replay_options_reach_the_replay(monkeypatch, capsys):
     assert replay.replay.only == (("runs/a", "grpo", "runs/b", [plugins, "actor_lr=1e-6",
                                                                  "algorithm.clip_high=0.28"], 3), {})
     assert loaded.calls == [((["/abs/rec.py", "my_pkg.algos"],), {}), ((["/abs/rec.py"],), {})]
+    assert replay.recorded_config.calls == [(("runs/a",), {})] * 2  # the plugins of the run being replayed
     assert json.loads(out) == {"loss": 0.5, "iteration": 2}  # --json: the numbers only
     assert "invalid int" in usage_error(capsys, "replay", "r", "--output-dir", "o", "--iterations", "x")
     assert "--output-dir" in usage_error(capsys, "replay", "r")
@@ -699,8 +711,7 @@ def _train(monkeypatch):
 
 def test_train_flags_and_sets_reach_the_trainer(monkeypatch, capsys, tmp_path):
     made, summary = _train(monkeypatch)
-    plugin = tmp_path / "my_rule.py"
-    plugin.write_text("")
+    plugin = plugin_file(tmp_path)
     code, out, err = run(capsys, "train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", "tiny",
                          "--output-dir", str(tmp_path / "run"), "--iterations", "2", "--set", "actor_lr=3e-6",
                          "--set", "algorithm.clip_high=0.3", "--import", str(plugin), "--import", str(plugin))
@@ -784,7 +795,8 @@ def _help_texts() -> dict[tuple[str, ...], dict[str, str]]:
             if isinstance(action, argparse._SubParsersAction):
                 commands = action
             elif not isinstance(action, argparse._HelpAction):
-                out[path][(action.option_strings or [action.dest])[0]] = action.help
+                name = (action.option_strings or [action.dest])[0]
+                out[path][f"{name} {action.metavar}" if action.metavar else name] = action.help
         for listed_action in commands._choices_actions if commands else ():
             walk(commands.choices[listed_action.dest], (*path, listed_action.dest), listed_action.help, out)
         return out
@@ -823,7 +835,7 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
                           'question, then any supporting passage not yet seen, then give the golden answer); '
                           'hf:PATH or openai:URL#MODEL for rejection sampling'),
             '--benchmarks': 'comma-separated benchmark names',
-            '--dataset': 'a FlashRAG-style dataset for a benchmark (default: the bundled demo set)',
+            '--dataset BENCH=PATH': 'a FlashRAG-style dataset for a benchmark (default: the bundled demo set)',
             '--split': 'dataset split the teacher plays',
             '--limit': 'examples per benchmark',
             '--retriever': 'retriever spec (demo, bm25:DIR, dense:DIR, http://...)',
@@ -838,7 +850,7 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--autocast-dtype': ('forwards under torch.autocast with float32 weights (auto: bfloat16 on a GPU or '
                                  'AMX CPU)'),
             '--seed': 'seed',
-            '--import': IMPORT_HELP,
+            '--import FILE_OR_MODULE': IMPORT_HELP,
         },
         ('train',): {
             '': 'train a policy with a PPO-family algorithm',
@@ -849,8 +861,9 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--output-dir': 'run folder',
             '--iterations': "iterations (default: the config's, else 100)",
             '--config': 'YAML file with TrainConfig fields',
-            '--set': 'override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR',
-            '--import': IMPORT_HELP + RECORDED,
+            '--set KEY=VALUE': ('override a field: actor_lr=1e-6, algorithm.clip_high=0.28, '
+                                'env_kwargs.retriever=bm25:DIR'),
+            '--import FILE_OR_MODULE': IMPORT_HELP + RECORDED,
             '--resume': ("continue from the run folder's last valid checkpoint, with the run's own config.yaml "
                          'unless --config is given'),
             '--overwrite': 'replace the run the output folder holds',
@@ -862,15 +875,15 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--algo': "algorithm to replay with (default: the recorded run's own)",
             '--output-dir': "the replay's run folder",
             '--iterations': 'replay the first N recorded iterations',
-            '--set': 'override a field of the recorded config, e.g. algorithm.clip_high=0.28',
-            '--import': IMPORT_HELP + RECORDED,
+            '--set KEY=VALUE': 'override a field of the recorded config, e.g. algorithm.clip_high=0.28',
+            '--import FILE_OR_MODULE': IMPORT_HELP + RECORDED,
             '--json': "end with the last iteration's metrics as JSON instead of the summary (for scripts)",
         },
         ('eval',): {
             '': 'evaluate an agent per benchmark',
             '--agent': SPEC_HELP,
             '--benchmarks': 'comma-separated, e.g. nq,hotpotqa,medqa',
-            '--dataset': 'data source per benchmark (file, folder or hub name); default: the demo set',
+            '--dataset BENCH=PATH': 'data source per benchmark (file, folder or hub name); default: the demo set',
             '--split': "split (default: each benchmark's evaluation split)",
             '--limit': 'first N examples of each benchmark',
             '--retriever': ('demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only the demo set '
@@ -884,7 +897,7 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
                                         'of searches failed on any benchmark: its scores measure a broken retriever '
                                         '(default 0.01)'),
             '--output-dir': 'results.json, results.csv, episodes.jsonl',
-            '--import': IMPORT_HELP,
+            '--import FILE_OR_MODULE': IMPORT_HELP,
         },
         ('index',): {
             '': 'build a search index from a pyserini/FlashRAG corpus',
