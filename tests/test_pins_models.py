@@ -564,6 +564,10 @@ def test_precision_independent_copy_computes_with_its_own_weights_under_the_same
     x = torch.ones(1, 4)
     assert not torch.equal(clone(x), model(x))
     assert clone.seen[-1] == (torch.bfloat16, torch.float32)
+    head_only = precision.independent_copy(model, "bfloat16")  # the head's wrapper too is the copy's own
+    with torch.no_grad():
+        head_only.lm_head.weight.add_(1.0)
+    assert not torch.equal(head_only(x), model(x))
     plain = precision.independent_copy(model, None)
     plain.seen.clear()
     plain(x)
