@@ -683,6 +683,9 @@ def test_demo_before_after_table_cells_and_qa_average():
     assert after[3].split() == ["nq", "8", "1.000", "1.000", "0.125", "1.25", "40.0"]
     one_qa = demo.before_after_table(None, metrics_rows(1.0, 1.0)[:1] + metrics_rows(1.0, 1.0)[2:]).splitlines()
     assert len(one_qa) == 5 and "QA avg" not in one_qa[-1]  # one QA benchmark: no average
+    unscored = [{"benchmark": "x", "metrics": {"n": 1, "answer_rate": 0.5, "invalid_action_rate": 0.0,
+                                               "mean_search_calls": 0.0}}]
+    assert demo.before_after_table(None, unscored).splitlines()[3].split()[:3] == ["x", "1", "0.000"]
 
 
 def test_demo_figures_and_the_range_check_bounds():
