@@ -306,6 +306,9 @@ def test_resume_settings_check_refuses_what_the_checkpoint_is_tied_to_with_one_l
                                     {"env_kwargs": {"retriever": "dense"}, "actor_lr": 2e-5, "output_dir": "b",
                                      "dataset": 2}, 5)
     assert allowed == [("env_kwargs.retriever", "bm25", "dense"), ("actor_lr", 1e-5, 2e-5), ("dataset", 1, 2)]
+    # the whole inner name is compared: a dotted env kwarg is not the dataset
+    assert len(resume_settings.check({"env_kwargs": {"dataset.x": 1, "a.dataset": 1}},
+                                     {"env_kwargs": {"dataset.x": 2, "a.dataset": 2}}, 3)) == 2
     first = {"seed": 1, "model": "a"}
     with pytest.raises(ValueError, match=r"^--resume cannot change seed \(1 -> 2\)"):  # the first in order
         resume_settings.check(first, {"seed": 2, "model": "b"}, 1)
@@ -343,6 +346,8 @@ def test_run_folder_holds_a_run_with_metrics_or_checkpoints_and_describes_it(tmp
     assert run_folder.describe(tmp_path) == "0 checkpoint(s), 0 metrics record(s)"
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n\n  \n{"step": 2}\n')
     assert run_folder.holds_run(tmp_path)
+    assert run_folder.describe(tmp_path) == "0 checkpoint(s), 2 metrics record(s)"
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, "q": "\xc3')  # torn inside a character
     assert run_folder.describe(tmp_path) == "0 checkpoint(s), 2 metrics record(s)"
     other = tmp_path / "other"
     (other / "checkpoints").mkdir(parents=True)
@@ -404,6 +409,13 @@ def test_run_folder_resume_takes_the_newest_checkpoint_that_verifies(tmp_path):
     assert str(caught.value) == (f"--resume: nothing in {run} can be resumed: {run}/checkpoints/step-1: actor.bin "
                                  "does not match its checksum (corrupt or edited). Starting over would mix two runs "
                                  "in one folder: pass --overwrite to start again there, or another --output-dir")
+    two = tmp_path / "two"
+    for step in (1, 2):
+        corrupt(checkpoint(two, step))
+    with pytest.raises(CorruptCheckpointError, match=(r"can be resumed: .*step-2: actor.bin does not match its "
+                                                      r"checksum \(corrupt or edited\); .*step-1: actor.bin does not "
+                                                      r"match its checksum \(corrupt or edited\)\. Starting over")):
+        run_folder.prepare(two, resume=True, overwrite=False, report=notes.append)
     metrics_only = tmp_path / "metrics_only"
     metrics_only.mkdir()
     (metrics_only / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -425,6 +437,8 @@ def test_run_folder_prepare_on_all_ranks_runs_on_the_first_process_and_shares_it
     corrupt(run / "checkpoints" / "step-4")
     with pytest.raises(CorruptCheckpointError, match="nothing in"):
         run_folder.prepare_on_all_ranks(run, resume=True, overwrite=False, report=notes.append)
+    assert notes == [f"skipping corrupt checkpoint (moved to .corrupt-step-4): {run}/checkpoints/step-4: actor.bin "
+                     "does not match its checksum (corrupt or edited)"]
     sent = []
     monkeypatch.setattr(process_group, "is_main", lambda: False)
     monkeypatch.setattr(process_group, "all_gather_objects", lambda value: sent.append(value) or ["rank 0's", value])
@@ -452,8 +466,8 @@ def monitored_run(tmp_path: Path) -> Path:
     for step in (1, 2, 3, 4):
         checkpoint(run, step)
     records = [{"step": 1, "reward": 0.1, "collapse/tripped": 0}, {"step": 2, "reward": 0.9, "collapse/tripped": 0},
-               {"step": 3, "reward": 0.5, "collapse/tripped": 0}, {"step": 4, "reward": 0.2, "collapse/tripped": 1},
-               {"step": 5, "reward": 0.3, "collapse/tripped": 0}]
+               {"step": 3, "reward": 0.5, "collapse/tripped": 0}, {"step": 4, "reward": 0.2, "collapse/tripped": 0},
+               {"step": 5, "reward": 0.3, "collapse/tripped": 1}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return run
 
@@ -464,7 +478,7 @@ def test_run_folder_pick_checkpoint_by_name(tmp_path):
     assert run_folder.pick_checkpoint(run) == (steps / "step-4", "step-4: the newest checkpoint")
     assert run_folder.pick_checkpoint(run, "best") == (
         steps / "step-1", "step-1: the healthy checkpoint with the highest training reward (0.900)")
-    assert run_folder.pick_checkpoint(run, "healthy") == (steps / "step-2", "step-2: the newest healthy checkpoint")
+    assert run_folder.pick_checkpoint(run, "healthy") == (steps / "step-3", "step-3: the newest healthy checkpoint")
     assert run_folder.pick_checkpoint(run, "3") == (steps / "step-3", "step-3: as asked")
     with pytest.raises(ValueError) as caught:
         run_folder.pick_checkpoint(run, "7")
@@ -626,6 +640,8 @@ def test_run_summary_of_a_whole_run_folder(tmp_path, monkeypatch):
     assert folder_bytes(empty) == 9
     (empty / "config.yaml").unlink()
     assert run_summary(empty).splitlines()[0] == "run empty: ? on ?, no iteration recorded"
+    (empty / "metrics.jsonl").write_text('{"step": 5}\n{"step": 6}\n{"step": 7}\n')
+    assert run_summary(empty).splitlines()[0] == "run empty: ? on ?, iterations 5-7"
 
 
 # -- plots ---------------------------------------------------------------------------------------------------------
@@ -785,6 +801,9 @@ def test_plots_step_diagnostics_per_optimizer_step(tmp_path, captured_figures):
     assert axes[1].get_yscale() == "linear" and axes[5].get_yscale() == "linear"
     assert series(axes[5]) == [("a", [1, 2], [1.0, 0.5])]
     assert [t.get_text() for t in ratio.get_legend().get_texts()] == ["a", "b"]
+    from matplotlib.font_manager import FontProperties
+
+    assert ratio.get_legend().get_texts()[0].get_fontsize() == FontProperties(size="small").get_size_in_points()
     assert axes[1].get_legend() is None and axes[5].get_legend() is not None
     assert axes[0].xaxis.get_major_locator()._integer
     plot_runs([tmp_path / "a"], tmp_path / "one")
@@ -925,6 +944,11 @@ def test_recording_record_writes_the_tensors_metadata_and_transcripts(tmp_path):
     assert load_batch(folder, 5, 1).episode_info == [{}, {}, {}]  # no info: empty records, not None
     (folder / "iter-000005.rank-1.jsonl").unlink()
     assert load_batch(folder, 5, 1).episode_info is None
+    from safetensors.torch import save_file
+
+    save_file({name: getattr(batch, name) for name in TENSOR_FIELDS}, str(folder / "iter-000006.rank-0.safetensors"),
+              metadata={"prompt_width": "3"})
+    assert load_batch(folder, 6, 0).stats == {}  # written without statistics
     assert not list(folder.glob("*.tmp"))
 
 
@@ -1039,10 +1063,12 @@ def test_recording_initial_weights_from_the_trainer_at_iteration_zero_only(tmp_p
     saved = []
 
     def save_policy(folder, actor, tok, critic, actor_state, critic_state):
+        assert tok is words
         saved.append((folder.name, actor, critic, actor_state, critic_state))
         (folder / "actor").mkdir(parents=True)
         (folder / "actor" / "w").write_text(actor)
 
+    words = tokenizer()
     monkeypatch.setattr(loading, "save_policy", save_policy)
     calls = []
     monkeypatch.setattr(RolloutRecorder, "save_initial", lambda self, *args: calls.append((self.rank, *args)))
@@ -1063,14 +1089,108 @@ def test_recording_initial_weights_from_the_trainer_at_iteration_zero_only(tmp_p
     monkeypatch.setattr(loading, "save_policy", save_policy)
 
     folder = tmp_path / "run" / "rollouts"
-    RolloutRecorder(tmp_path / "run", tokenizer(), 1, 2).save_initial("A1", None)
+    RolloutRecorder(tmp_path / "run", words, 1, 2).save_initial("A1", None)
     assert saved == [] and not (folder / "initial").exists()
+    RolloutRecorder(tmp_path / "first", words, 0, 1).save_initial("A0", None)  # nothing to replace yet
+    assert (tmp_path / "first" / "rollouts" / "initial" / "actor" / "w").read_text() == "A0"
+    saved.clear()
     (folder / ".initial.tmp" / "junk").mkdir(parents=True)  # left by an interrupted save
     (folder / "initial" / "old").mkdir(parents=True)
-    RolloutRecorder(tmp_path / "run", tokenizer(), 0, 2).save_initial("A2", "C2", {"a": 1}, {"c": 1})
+    RolloutRecorder(tmp_path / "run", words, 0, 2).save_initial("A2", "C2", {"a": 1}, {"c": 1})
     assert saved == [(".initial.tmp", "A2", "C2", {"a": 1}, {"c": 1})]
     assert sorted(p.name for p in (folder / "initial").iterdir()) == ["actor"]
     assert (folder / "initial" / "actor" / "w").read_text() == "A2" and not (folder / ".initial.tmp").exists()
-    RolloutRecorder(tmp_path / "run", tokenizer(), 0, 2).save_initial("A3", None)
+    RolloutRecorder(tmp_path / "run", words, 0, 2).save_initial("A3", None)
     assert saved[-1] == (".initial.tmp", "A3", None, None, None)
     assert (folder / "initial" / "actor" / "w").read_text() == "A3"
+
+
+def test_rank_streams_cuda_streams_travel_when_a_gpu_is_there(monkeypatch):
+    set_calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["gpu state"])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_calls.append)
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)
+    monkeypatch.setattr(process_group, "all_gather_objects", lambda local: [local, local])
+    tensors, json_state = {}, {}
+    rank_streams.save(tensors, json_state)
+    assert [entry["cuda"] for entry in tensors["rank_rng"]] == [["gpu state"], ["gpu state"]]
+    assert sorted(tensors["rank_rng"][1]) == ["cuda", "torch"]
+
+    monkeypatch.setattr(process_group, "rank", lambda: 1)
+    trainer = SimpleNamespace(config=SimpleNamespace(seed=1), iteration=0, report=print)
+    rank_streams.restore(trainer, {"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["rank 1 gpu"]}]},
+                         json.loads(json.dumps(json_state)))
+    assert set_calls == [["rank 1 gpu"]]
+    rank_streams.restore(trainer, {"rank_rng": [{}, {"torch": torch.get_rng_state()}]}, json_state)
+    assert len(set_calls) == 1  # written without a GPU: nothing to put back
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rank_streams.restore(trainer, {"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["x"]}]}, json_state)
+    assert len(set_calls) == 1  # resumed without a GPU
+
+
+def test_plots_keep_each_runs_style_in_every_panel_and_label_events_once(tmp_path, captured_figures):
+    from matplotlib.colors import to_hex
+    from matplotlib.font_manager import FontProperties
+
+    from stppo_agent.runs.plots import plot_runs
+
+    figures, _ = captured_figures
+    runs = []
+    for i in range(7):
+        records = [{"step": 1, "reward": float(i)}, {"step": 2, "reward": float(i) + 1}]
+        if i == 0:
+            records = [{"step": 1, "reward": 0.0, "collapse/alarm": True}, {"step": 2, "reward": 1.0},
+                       {"step": 3, "collapse/alarm": True}, {"step": 4, "collapse/rollback_to": 1},
+                       {"step": 5, "collapse/rollback_to": 2}]
+        if i >= 1:
+            records[0]["entropy"] = 0.5  # run 0 has no entropy: the others keep their own colours
+        write_records(tmp_path / f"r{i}", "metrics.jsonl", records)
+        runs.append(tmp_path / f"r{i}")
+    out = tmp_path / "out"
+    out.mkdir()
+    plot_runs(runs, out)  # an existing folder is fine
+    plot_runs(runs[1:3], out)  # and so is drawing over it
+    reward = figures[0].axes[0]
+    drawn = [(line.get_label(), to_hex(line.get_color()), line.get_linestyle(), line.get_marker())
+             for line in reward.get_lines()[:7]]
+    assert drawn == [("r0", "#1f77b4", "-", "o"), ("r1", "#ff7f0e", "--", "s"), ("r2", "#2ca02c", ":", "^"),
+                     ("r3", "#d62728", "-.", "D"), ("r4", "#9467bd", "-", "v"), ("r5", "#8c564b", "--", "x"),
+                     ("r6", "#e377c2", ":", "o")]
+    entropy = figures[4].axes[0]
+    assert [(line.get_label(), to_hex(line.get_color())) for line in entropy.get_lines()[:2]] == [
+        ("r1", "#ff7f0e"), ("r2", "#2ca02c")]
+    legend = [t.get_text() for t in reward.get_legend().get_texts()]
+    assert legend == ["r0", "r1", "r2", "r3", "r4", "r5", "r6", "collapse alarm", "collapse rollback"]
+    assert reward.get_legend().get_texts()[0].get_fontsize() == FontProperties(size="small").get_size_in_points()
+    assert len(reward.get_lines()) == 7 + 4  # two alarms, two rollbacks
+    pair = figures[6].axes[0]  # two runs without events: a legend to tell them apart
+    assert [t.get_text() for t in pair.get_legend().get_texts()] == ["r1", "r2"]
+
+
+def test_metrics_log_truncate_after_a_write_torn_inside_a_character(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.path.write_bytes('{"note": "start"}\n{"step": 1, "q": "é"}\n{"step": 2, "q": "'.encode() + b"\xc3")
+    notes = []
+    logger.truncate_after(0, report=notes.append)  # a record without a step belongs before the first iteration
+    assert logger.path.read_text(encoding="utf-8") == '{"note": "start"}\n'
+    assert notes == [f"{logger.path}: dropped a torn last record (line 3, an interrupted write)"]
+
+
+def test_recording_transcripts_keep_special_tokens_and_an_empty_response(tmp_path):
+    from stppo_agent.rollouts.batch import RolloutBatch
+    from stppo_agent.runs.recording import RolloutRecorder
+
+    batch = RolloutBatch(
+        input_ids=torch.tensor([[1, 3, 5, 6, 1], [0, 3, 0, 0, 0]]),
+        attention_mask=torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 0, 0]]), prompt_width=2,
+        response_ids=torch.tensor([[5, 6, 1], [0, 0, 0]]), loss_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]).bool(),
+        turn_ids=torch.tensor([[0, 0, 0], [-1, -1, -1]]), sample_logprobs=torch.zeros(2, 3),
+        rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]), terminated=torch.tensor([True, False]),
+        truncated=torch.tensor([False, True]), stats={})
+    RolloutRecorder(tmp_path, tokenizer(), 0, 1).record(1, batch)
+    records = [json.loads(line) for line in (tmp_path / "rollouts" / "iter-000001.rank-0.jsonl").read_text()
+               .splitlines()]
+    assert [r["transcript"] for r in records] == [
+        [["prompt", -1, "<eos> say"], ["policy", 0, "red green <eos>"]],  # special tokens kept as sampled
+        [["prompt", -1, "say"]]]  # nothing sampled: no response segment
