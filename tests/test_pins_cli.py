@@ -388,10 +388,15 @@ def test_evaluate_refusals_name_the_fix(monkeypatch, capsys):
     code, _, err = run(capsys, *EVAL, "--dataset", "hotpotqa=x")
     assert code == 1 and err == ("stppo eval: error: --dataset given for hotpotqa, which --benchmarks (nq) does not "
                                  "include; add it to --benchmarks or drop the --dataset\n")
+    code, _, err = run(capsys, "eval", "--agent", "oracle", "--benchmarks", "musique,nq", "--output-dir", "o",
+                       "--dataset", "popqa=x", "--dataset", "hotpotqa=y")
+    assert code == 1 and err.startswith("stppo eval: error: --dataset given for hotpotqa, popqa, which --benchmarks "
+                                        "(musique, nq) does not include")
     code, _, err = run(capsys, *EVAL, "--dataset", "nq=data/nq.jsonl")
-    assert code == 1 and err.startswith("stppo eval: error: --dataset nq=... is real data, but no --retriever was "
-                                        "given: the default demo corpus (a fictional encyclopedia) cannot answer it.")
-    assert "--retriever demo to search the demo corpus anyway" in err
+    assert code == 1 and err == (
+        "stppo eval: error: --dataset nq=... is real data, but no --retriever was given: the default demo corpus "
+        "(a fictional encyclopedia) cannot answer it. Pass --retriever bm25:DIR, dense:DIR or http://HOST:PORT "
+        "(stppo index bm25 --corpus ... builds one), or --retriever demo to search the demo corpus anyway\n")
     code, _, err = run(capsys, *EVAL, "--retriever", "bm52:idx")
     assert code == 1 and "did you mean bm25?" in err
     assert results.evaluate_all.calls == []  # nothing ran for any of them
