@@ -18,10 +18,10 @@ from stppo_agent.cli import build_parser, main
 from stppo_agent.cli.arguments import HelpFormatter, Parser, key_value, positive_int
 
 
-def plugin_file(tmp_path: Path) -> Path:
+def plugin_file(tmp_path: Path, tag: str = "") -> Path:
     """An empty plugin file named after the test's own folder: the loader refuses a second file of a module name it
     has imported from another path, which a rerun of the test in the same process would be."""
-    path = tmp_path / f"plugin_{tmp_path.name}.py"
+    path = tmp_path / f"plugin_{tmp_path.name}{tag}.py"
     path.write_text("LOADED = True\n")
     return path
 
@@ -371,7 +371,7 @@ def test_evaluate_every_option_reaches_evaluate_all(monkeypatch, capsys, tmp_pat
     results = _eval(monkeypatch)
     plugin = plugin_file(tmp_path)
     code, _, _ = run(capsys, "eval", "--agent", "search-copy", "--benchmarks", " NQ, ,HotpotQA ", "--dataset",
-                     "nq=demo", "--dataset", "hotpotqa=data/hp", "--split", "dev", "--limit", "5", "--retriever",
+                     "nq=demo", "--dataset", "HotpotQA=data/hp", "--split", "dev", "--limit", "5", "--retriever",
                      "bm25:idx", "--topk", "7", "--max-turns", "2", "--batch-size", "9", "--seed", "11",
                      "--max-new-tokens", "64", "--output-dir", str(tmp_path / "o"), "--import", str(plugin))
     assert code == 0
@@ -518,6 +518,10 @@ def test_index_dense_hands_every_option_to_the_build(monkeypatch, capsys):
 # ---------------------------------------------------------------- serve
 
 
+def assert_warm(retriever):
+    assert retriever.searched, "requests accepted before the index was loaded"
+
+
 class WarmRetriever:
     def __init__(self):
         self.searched = []
@@ -534,7 +538,7 @@ def _serve(monkeypatch):
 
     retriever = WarmRetriever()
     monkeypatch.setattr(retrieval, "make_retriever", Calls(retriever))
-    monkeypatch.setattr(server, "serve", Calls())
+    monkeypatch.setattr(server, "serve", Calls(lambda *_: assert_warm(retriever)))
     monkeypatch.setattr(shared_retrieval, "stop_with_parent", Calls())
     return retrieval.make_retriever, server.serve, shared_retrieval.stop_with_parent, retriever
 
@@ -655,7 +659,7 @@ def test_sft_every_option_reaches_the_config(monkeypatch, capsys):
 
     trained, loaded = _sft(monkeypatch)
     code, _, _ = run(capsys, "sft", "--model", "tiny", "--output-dir", "o", "--teacher", "oracle", "--benchmarks",
-                     " NQ, popqa,", "--dataset", "popqa=data/p", "--split", "dev", "--limit", "6", "--retriever",
+                     " NQ, popqa,", "--dataset", "PopQA=data/p", "--split", "dev", "--limit", "6", "--retriever",
                      "bm25:idx", "--max-turns", "2", "--max-observation-tokens", "50", "--max-total-tokens", "900",
                      "--steps", "7", "--batch-size", "2", "--lr", "3e-6", "--dtype", "bfloat16",
                      "--autocast-dtype", "auto", "--seed", "5", "--import", "my_pkg.teachers")
@@ -730,6 +734,18 @@ def test_train_flags_and_sets_reach_the_trainer(monkeypatch, capsys, tmp_path):
     run(capsys, "train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", "tiny", "--output-dir",
         str(tmp_path / "run"), "--overwrite")
     assert made[-1][1:] == (False, True) and made[-1][0].iterations == 100
+
+
+def test_train_imports_join_the_configs_plugins_after_them(monkeypatch, capsys, tmp_path):
+    from stppo_agent.training.config import TrainConfig
+
+    made, _ = _train(monkeypatch)
+    first, second = plugin_file(tmp_path), plugin_file(tmp_path, "_b")
+    config = tmp_path / "config.yaml"
+    config.write_text(TrainConfig(algo="grpo", env="stppo/Toy-v0", model="tiny", plugins=[str(first)]).to_yaml())
+    assert run(capsys, "train", "--config", str(config), "--output-dir", str(tmp_path / "run"),
+               "--import", str(second))[0] == 0
+    assert made[-1][0].plugins == [str(first), str(second)]
 
 
 def test_train_json_prints_the_numbers_only(monkeypatch, capsys, tmp_path):
