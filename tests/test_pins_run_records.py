@@ -123,11 +123,11 @@ def test_metrics_log_truncate_after_keeps_the_checkpoints_iterations_and_drops_a
                            '{"step": 4, "r": 4}\n{"step": 5, "r"')
     logger.truncate_after(3, report=notes.append)
     assert logger.path.read_text() == '{"step": 1, "r": 1}\n{"note": 0}\n{"step": 2, "r": 2}\n{"step": 3, "r": 3}\n'
-    assert notes == [f"{logger.path}: dropped a torn last record (line 6, an interrupted write)"]
+    assert notes == [f"{logger.path}: dropped a torn last record (line 7, an interrupted write)"]  # the file's line
     logger.truncate_after(2, report=notes.append)
     assert logger.path.read_text() == '{"step": 1, "r": 1}\n{"note": 0}\n{"step": 2, "r": 2}\n' and len(notes) == 1
-    logger.path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2 is not JSON \(.*\); fix or remove that line, then "
+    logger.path.write_text('{"step": 1}\n\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3 is not JSON \(.*\); fix or remove that line, then "
                                          r"--resume$"):
         logger.truncate_after(5, report=notes.append)
     logger.path.write_text("")
@@ -561,9 +561,11 @@ def test_run_folder_pick_checkpoint_of_an_unmonitored_run(tmp_path):
 def test_run_summary_human_bytes_in_decimal_units_at_the_boundaries():
     from stppo_agent.runs.run_summary import human_bytes
 
-    assert [human_bytes(n) for n in (0, 999, 1000, 1536000, 999_999, 10**9, 2.5e12, 10**15, 10**16)] == [
-        "0 B", "999 B", "1.0 kB", "1.5 MB", "1000.0 kB", "1.0 GB", "2.5 TB", "1000.0 TB", "10000.0 TB"]
-    assert human_bytes(999.6) == "1000 B"
+    assert [human_bytes(n) for n in (0, 999, 1000, 1536000, 999_949, 10**9, 2.5e12, 10**15, 10**16)] == [
+        "0 B", "999 B", "1.0 kB", "1.5 MB", "999.9 kB", "1.0 GB", "2.5 TB", "1000.0 TB", "10000.0 TB"]
+    # a size that rounds up to 1000 of a unit is shown in the next one (not "1000.0 kB")
+    assert [human_bytes(n) for n in (999_950, 999_999, 999_999_999, 999.6)] == ["1.0 MB", "1.0 MB", "1.0 GB",
+                                                                                "1.0 kB"]
 
 
 def test_run_summary_reward_line_first_best_last_and_the_earliest_of_equal_bests():

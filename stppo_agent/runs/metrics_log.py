@@ -36,14 +36,16 @@ class MetricsLogger:
         (what kill -9 during a write leaves) is dropped with a note; a corrupt line before it is an error."""
         if not self.path.exists():
             return
-        lines = [line for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-                 if line.strip()]
+        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        last = max((number for number, line in enumerate(lines, start=1) if line.strip()), default=0)
         records = []
-        for number, line in enumerate(lines, start=1):
+        for number, line in enumerate(lines, start=1):  # the file's own line numbers: the message names one to fix
+            if not line.strip():
+                continue
             try:
                 records.append((line, json.loads(line)))
             except json.JSONDecodeError as exc:
-                if number < len(lines):
+                if number < last:
                     raise ValueError(f"{self.path}, line {number} is not JSON ({exc}); fix or remove that line, "
                                      "then --resume") from exc
                 report(f"{self.path}: dropped a torn last record (line {number}, an interrupted write)")
