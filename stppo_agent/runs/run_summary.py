@@ -23,8 +23,9 @@ from stppo_agent.runs.metrics_log import read_metrics
 def human_bytes(size: float) -> str:
     """``1536000`` -> ``1.5 MB`` (decimal units, as ``du --si`` and disk vendors count)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        shown = f"{size:.0f}" if unit == "B" else f"{size:.1f}"
+        if float(shown) < 1000 or unit == "TB":  # as shown: 999,999 B is 1.0 MB, not 1000.0 kB
+            return f"{shown} {unit}"
         size /= 1000
     raise AssertionError("unreachable")
 
