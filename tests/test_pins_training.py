@@ -1317,12 +1317,12 @@ def test_demonstrations_are_the_rewarded_episodes_of_every_benchmark(monkeypatch
 
     monkeypatch.setattr(sft, "evaluate_benchmark", evaluate)
     cfg = sft.SFTConfig(model="m", output_dir="o", benchmarks=("nq", "hotpotqa"), datasets={"nq": "nq.jsonl"},
-                        split="dev", limit=5, teacher="hf:big", retriever="bm25:x", topk=2, max_turns=4, seed=3)
+                        split="dev", limit=5, teacher="hf:big", retriever="bm25:x", topk=2, max_turns=3, seed=3)
     assert sft.demonstrations(cfg) == [["nq", 1], ["nq", 3], ["hotpotqa", 1], ["hotpotqa", 3]]
     teacher, settings = seen[0]
     assert teacher == "hf:big" and seen[1][1].benchmark == "hotpotqa" and seen[1][1].dataset is None
     assert (settings.benchmark, settings.dataset, settings.split, settings.limit, settings.retriever, settings.topk,
-            settings.max_turns, settings.seed) == ("nq", "nq.jsonl", "dev", 5, "bm25:x", 2, 4, 3)
+            settings.max_turns, settings.seed) == ("nq", "nq.jsonl", "dev", 5, "bm25:x", 2, 3, 3)
     monkeypatch.setattr(sft, "evaluate_benchmark", lambda teacher, settings: {"episodes": [
         {"reward": 0.0, "transcript": []}]})
     with pytest.raises(ValueError, match=r"^the teacher 'hf:big' earned no reward on nq, hotpotqa: no demonstrations"):
@@ -1745,3 +1745,293 @@ def test_ddp_all_reduces_once_per_optimizer_step():
     t.actor_train, t.critic_train = DDPLike(t.actor, actor_log), DDPLike(t.critic, critic_log)
     PPOUpdate(t)._optimizer_step(make_batch().select([0, 1, 2, 3]))
     assert actor_log == ["no_sync"] * 3 and critic_log == ["no_sync"] * 3  # all but the last of 4 micro-batches
+
+
+def test_every_process_must_divide_both_batch_sizes(tiny_folder, tmp_path, monkeypatch):
+    from stppo_agent.distributed import process_group
+    from stppo_agent.training.trainer import Trainer
+
+    monkeypatch.setattr(process_group, "world_size", lambda: 2)
+    for prompts, mini in ((3, 2), (2, 3)):  # either one indivisible is refused
+        with pytest.raises(ValueError) as info:
+            Trainer(toy_run(tiny_folder, tmp_path / "run", prompts_per_iteration=prompts, mini_batch_size=mini,
+                            samples_per_prompt=2 if prompts == 3 else 3, micro_batch_size=1))
+        assert str(info.value) == (f"prompts_per_iteration ({prompts}) and mini_batch_size ({mini}) must be "
+                                   "multiples of the number of processes (2)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_fsdp2_joins_the_process_group_before_anything_else(tiny_folder, tmp_path, monkeypatch):
+    from stppo_agent.distributed import process_group
+    from stppo_agent.training.trainer import Trainer
+
+    def joined():
+        raise RuntimeError("joined the process group")
+
+    monkeypatch.setattr(process_group, "ensure_process_group", joined)
+    with pytest.raises(RuntimeError, match="joined the process group"):
+        Trainer(toy_run(tiny_folder, tmp_path / "run", strategy="fsdp2"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_a_later_rank_reseeds_and_only_the_first_writes_the_run(tiny_folder, tmp_path, monkeypatch, rank):
+    """Rank 0 keeps the one-process stream (seeded once, before the models are built); a later rank then reseeds
+    with its own seed, and neither logs, writes config.yaml nor saves a checkpoint (rank 0 does)."""
+    from stppo_agent.distributed import process_group
+    from stppo_agent.training.trainer import Trainer
+
+    seeds, seed_everything = [], process_group.seed_everything
+    monkeypatch.setattr(process_group, "seed_everything", lambda seed: seeds.append(seed) or seed_everything(seed))
+    monkeypatch.setattr(process_group, "rank", lambda: rank)
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
+                      report=lambda _: None)
+    assert seeds == ([11] if rank == 0 else [11, process_group.rank_seed(11, 1)])
+    assert trainer._bar is None and trainer.phase("rollout") is None  # no bar outside train(): phases show nowhere
+    assert trainer.rank == rank and (trainer.logger is None) == (rank == 1)
+    trainer.train()
+    assert (tmp_path / "config.yaml").exists() == (rank == 0) == (tmp_path / "metrics.jsonl").exists()
+    assert trainer.save() == tmp_path / "checkpoints" / "step-1"
+    assert (tmp_path / "checkpoints" / "step-1").is_dir() == (rank == 0)
+
+
+def test_the_folder_and_the_metrics_log_report_through_the_trainer(tiny_folder, tmp_path):
+    from stppo_agent.training.trainer import Trainer
+
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
+            report=lambda _: None).train()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 2, "rew')  # a torn last record, as kill -9 during a write leaves
+    reports = []
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"), resume=True,
+            report=reports.append)
+    assert reports[-1] == f"{tmp_path / 'metrics.jsonl'}: dropped a torn last record (line 2, an interrupted write)"
+    assert reports[0].startswith(f"resumed from {tmp_path / 'checkpoints' / 'step-1'} (iteration 1")
+    reports.clear()
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none"), overwrite=True, report=reports.append)
+    assert len(reports) == 1 and reports[0].startswith(f"--overwrite: removing the run in {tmp_path} (")
+
+
+def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny_folder, tmp_path, monkeypatch):
+    import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.training.trainer import Trainer
+
+    first = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none", actor_lr=0.5),
+                    report=lambda _: None)
+    first.train()
+    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none", actor_lr=0.5), resume=True,
+                    report=lambda _: None)
+    trained, resumed = first.actor.state_dict(), again.actor.state_dict()
+    assert all(torch.equal(trained[k], resumed[k]) for k in trained)  # not the folder's initial weights
+    assert not (tmp_path / "rollouts").exists() and again.recorder is None  # save_rollouts is off
+    loaded = []
+    monkeypatch.setattr(trainer_module, "build_models", lambda *args: loaded.append(args))
+    with pytest.raises(ValueError, match=r"^--resume cannot change seed \(11 -> 12\)"):  # before the models load
+        Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", actor_lr=0.5, seed=12),
+                resume=True, report=lambda _: None)
+    assert loaded == []
+
+
+def test_the_training_bar_counts_iterations_from_where_the_run_stands(tiny_folder, tmp_path, monkeypatch):
+    import time
+
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.updates, self.postfixes, self.phases, self.closed = kwargs, [], [], [], False
+            self.disable = kwargs["disable"]
+            bars.append(self)
+
+        def update(self, n):
+            self.updates.append(n)
+
+        def set_postfix(self, **values):
+            self.postfixes.append(values)
+
+        def set_postfix_str(self, text, refresh):
+            self.phases.append(text)
+
+        def close(self):
+            self.closed = True
+
+    real = tqdm.auto.tqdm  # transformers' loading bars go on through it
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *args, **kwargs: Bar(**kwargs) if kwargs.get("desc") == "training"
+                        else real(*args, **kwargs))
+    from stppo_agent.training.trainer import Trainer
+
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
+            report=lambda _: None).train()
+    assert bars[0].kwargs == dict(total=1, initial=0, desc="training", unit="it", disable=True)  # progress=False
+    started = time.perf_counter()
+    metrics = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, on_collapse="none", progress=True), resume=True,
+                      report=lambda _: None).train()
+    elapsed = time.perf_counter() - started
+    bar = bars[1]
+    assert bar.kwargs == dict(total=3, initial=1, desc="training", unit="it", disable=False) and bar.closed
+    assert bar.updates == [1, 1]
+    assert [phase for phase in bar.phases if phase in ("rollout", "scoring")] == ["rollout", "scoring"] * 2
+    assert bar.postfixes[-1] == {"reward": f"{metrics['reward']:.3f}",
+                                 "tok_s": f"{metrics['update_tokens_per_s']:.0f}"}
+    assert 0 < metrics["rollout_seconds"] <= metrics["iteration_seconds"] < elapsed
+
+
+def test_a_stop_decision_saves_then_stops_with_the_guards_advice(tiny_folder, tmp_path):
+    from stppo_agent.monitoring.collapse_guard import CollapseStopped, Decision
+    from stppo_agent.training.trainer import Trainer
+
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, save_every=10, on_collapse="none"),
+                      report=lambda _: None)
+    checks = []
+
+    def check(iteration, metrics):
+        checks.append((iteration, "reward" in metrics))
+        return Decision("stop", "reward collapsed.") if iteration == 2 else None
+
+    trainer.guard = SimpleNamespace(check=check, protected_steps=lambda: (1,))
+    with pytest.raises(CollapseStopped) as info:
+        trainer.train()
+    assert checks == [(1, True), (2, True)]
+    assert str(info.value) == ("reward collapsed. The state at the alarm is saved in "
+                               f"{tmp_path / 'checkpoints' / 'step-2'}.")
+    assert (tmp_path / "checkpoints" / "step-2").is_dir()
+
+
+def test_save_hands_the_gathered_states_and_the_guards_protected_steps(monkeypatch, tmp_path):
+    import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.training.trainer import Trainer
+
+    saved = []
+    monkeypatch.setattr(trainer_module, "save_checkpoint", lambda run_dir, iteration, **kw: saved.append(
+        (run_dir, iteration, kw)) or run_dir / "saved")
+    monkeypatch.setattr(trainer_module.trainer_state, "checkpoint_states", lambda t: ("tensors", "json"))
+    gathered = {"actor": "full actor", "critic": "full critic"}
+    monkeypatch.setattr(trainer_module, "full_model_state", lambda model: gathered[model])
+    shell = SimpleNamespace(run_dir=tmp_path, iteration=7, actor="actor", critic="critic", tokenizer="tok",
+                            config=SimpleNamespace(keep_checkpoints=3), sharded=True,
+                            guard=SimpleNamespace(protected_steps=lambda: (2, 4)))
+    shell.full_states = lambda: Trainer.full_states(shell)
+    assert Trainer.save(shell) == tmp_path / "saved"
+    assert saved == [(tmp_path, 7, dict(actor="actor", tokenizer="tok", critic="critic", tensor_state="tensors",
+                                        json_state="json", keep=3, actor_state="full actor",
+                                        critic_state="full critic", protect=(2, 4)))]
+    shell.critic, shell.guard = None, None
+    assert Trainer.full_states(shell) == ("full actor", None)
+    Trainer.save(shell)
+    assert saved[-1][2]["protect"] == () and saved[-1][2]["critic_state"] is None
+    shell.sharded = False
+    assert Trainer.full_states(shell) == (None, None)
+
+
+def test_train_on_cuda_measures_each_iterations_peak_memory(monkeypatch):
+    """The CUDA-only lines, on a shell trainer: this CPU has no device to measure."""
+    import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.training.trainer import Trainer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append(("peak", device)) or 3 * 2**29)
+    monkeypatch.setattr(trainer_module, "rollout_statistics",
+                        lambda batch, algo: calls.append(("statistics", algo)) or {"reward": 0.5})
+    device = SimpleNamespace(type="cuda")
+    shell = SimpleNamespace(config=SimpleNamespace(iterations=2, progress=False, rollout_staleness=0, save_every=10),
+                            iteration=0, device=device, algo="the algorithm", actor="actor", backend=object(),
+                            rollout=lambda: SimpleNamespace(loss_mask=torch.ones(2, 3)),
+                            stale_policy=SimpleNamespace(lag=0, advance=lambda actor: None),
+                            phase=lambda text: None, score=lambda batch: None,
+                            update=lambda batch: {"update_tokens_per_s": 10.0}, guard=None, logger=None,
+                            save=lambda: calls.append("save") or "path", report=print, run_dir="run", _bar=None)
+    metrics = Trainer.train(shell)
+    assert calls == [("reset", device), ("statistics", "the algorithm"), ("peak", device)] * 2 + ["save"]
+    assert metrics["gpu_peak_memory_gib"] == 1.5 and shell.iteration == 2
+
+
+def test_an_action_is_tokenised_without_the_special_tokens_a_prompt_gets():
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.training.sft import trajectory_from_transcript
+
+    words = word_tokenizer()
+
+    def with_bos(text, add_special_tokens=True):  # a tokenizer that adds BOS (SmolLM2's and Qwen's do not; Llama's do)
+        return {"input_ids": [1] * add_special_tokens + words(text, add_special_tokens=False)["input_ids"]}
+
+    t = trajectory_from_transcript(with_bos, TRANSCRIPT, 4)
+    assert t.prompt_ids[0] == 1 and 1 not in t.response_ids
+
+
+def test_the_sft_loss_reads_the_last_hidden_state_of_a_deeper_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stppo_agent.training.log_probs import token_logprobs
+    from stppo_agent.training.sft import action_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                         pad_token_id=0, bos_token_id=None, eos_token_id=1)).eval()
+    batch = make_batch()
+    with torch.no_grad():
+        assert torch.allclose(action_logprobs(model, batch), token_logprobs(model, batch)[0][batch.loss_mask],
+                              atol=1e-5)
+
+
+def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
+    """The model and tokenizer path, the config to the teacher, the observation cut, the length boundary, the
+    autocast dtype, the gradient clip, the bar and the time measured: what one short run hands each step."""
+    import time
+
+    import tqdm.auto
+
+    import stppo_agent.training.sft as sft
+    from stppo_agent.models.tiny import word_tokenizer
+
+    seen = {"clip": [], "bars": []}
+    transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": "red", "turn": 0},
+                    {"role": "env", "text": "green blue gold red", "turn": 0},
+                    {"role": "assistant", "text": "gold", "turn": 1}]]
+    monkeypatch.setattr(sft, "demonstrations", lambda config: seen.update(teacher_config=config) or transcripts)
+    monkeypatch.setattr(sft, "load_tokenizer", lambda path: seen.update(tokenizer=path) or word_tokenizer())
+    monkeypatch.setattr(sft, "load_actor", lambda path, dtype: tiny_lm(2))
+    autocast_forward = sft.autocast_forward
+    monkeypatch.setattr(sft, "autocast_forward", lambda model, dtype: seen.update(autocast=dtype) or
+                        autocast_forward(model, dtype))
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, norm: seen["clip"].append(norm) or
+                        clip(params, norm))
+    batches, to_batch = [], sft.to_batch
+    monkeypatch.setattr(sft, "to_batch", lambda trajectories, pad: batches.append(to_batch(trajectories, pad)) or
+                        batches[-1])
+
+    class Bar:
+        def __init__(self, steps, **kwargs):
+            self.steps, self.kwargs, self.postfixes = steps, kwargs, []
+            seen["bars"].append(self)
+
+        def __iter__(self):
+            return iter(self.steps)
+
+        def set_postfix(self, **values):
+            self.postfixes.append(values)
+
+        def close(self):
+            pass
+
+    real = tqdm.auto.tqdm
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *args, **kwargs: Bar(*args, **kwargs)
+                        if kwargs.get("desc") == "warm start" else real(*args, **kwargs))
+    prompt = len(word_tokenizer()("say red")["input_ids"])
+    cfg = sft.SFTConfig(model="the/model", output_dir=str(tmp_path / "out"), device="cpu", steps=1, batch_size=1,
+                        max_observation_tokens=1, max_total_tokens=prompt + 3, autocast_dtype="bfloat16", seed=5)
+    started = time.perf_counter()
+    summary = sft.train_sft(cfg, report=lambda _: None)  # steps=1, a one-token observation: the smallest allowed
+    elapsed = time.perf_counter() - started
+    assert seen["tokenizer"] == "the/model" and seen["teacher_config"].seed == 5
+    assert seen["autocast"] == "bfloat16" and seen["clip"] == [1.0]
+    assert batches[0].response_ids.shape[1] == 3  # red, green (the observation cut to 1), gold: exactly the limit
+    bar, = seen["bars"]
+    assert bar.kwargs == {"desc": "warm start", "unit": "step", "disable": False}
+    assert bar.postfixes == [{"loss": f"{summary['last_loss']:.3f}", "refresh": False}]
+    assert 0 < summary["seconds"] < elapsed
+    assert summary["config"]["autocast_dtype"] == "bfloat16" and summary["demonstrations"] == 1
