@@ -60,7 +60,7 @@ def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
     except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError; a cut-off file, EOFError
         if path.suffix != ".gz":
             raise
-        raise CorpusFormatError(f"{path}: not a readable gzip file ({exc or type(exc).__name__})") from exc
+        raise CorpusFormatError(f"{path}: not a readable gzip file ({str(exc) or type(exc).__name__})") from exc
     if isinstance(data, list):
         for number, record in enumerate(data):
             yield _passage(record, number, path)

@@ -1,0 +1,181 @@
+"""Pins for the retrieval index slice (issue 27): corpus reading and BM25 building (indexing), pyserini's start-up
+(_pyserini), the text encoder (encoder), the dense index build (dense_build) and search (dense). Defaults, boundaries
+and which value reaches which call, where tests/test_pins_data_backends.py leaves them open. No JVM, no model: a fake
+encoder that records its arguments and gives each passage a fixed vector, fake faiss classes, small tmp files."""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stppo_envs.retrieval import dense_build, indexing
+from stppo_envs.retrieval.indexing import CorpusFormatError, iter_contents
+
+PASSAGES = ['"Paris"\nParis is the capital of France', '"Rome"\nRome is a city', 'no title line here',
+            '"Nile"\nthe Nile is a river', '"Alps"\nmountains']
+
+
+def _corpus(tmp_path, passages=PASSAGES):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "contents": c}) + "\n" for i, c in enumerate(passages)))
+    return path
+
+
+class _FakeEncoder:
+    """Records how the build made it and what it was asked to embed; passage i (by its text) gets a fixed vector."""
+
+    made: list = []
+    calls: list = []
+
+    def __init__(self, settings, device=None, batch_size=64):
+        _FakeEncoder.made.append((settings, device, batch_size))
+
+    def encode_passages(self, passages):
+        _FakeEncoder.calls.append(list(passages))
+        return np.stack([_vector(p) for p in passages]).astype(np.float32)
+
+
+def _vector(passage: str) -> np.ndarray:
+    vector = np.zeros(4, dtype=np.float32)
+    vector[PASSAGES.index(passage) % 4] = 1.0 + PASSAGES.index(passage)
+    return vector
+
+
+@pytest.fixture
+def fake_encoder(monkeypatch):
+    _FakeEncoder.made, _FakeEncoder.calls = [], []
+    monkeypatch.setattr(dense_build, "TextEncoder", _FakeEncoder)
+    return _FakeEncoder
+
+
+# ---------------------------------------------------------------- dense_build
+
+
+def test_dense_build_defaults_reach_the_encoder_the_shards_and_the_progress_bar(tmp_path, fake_encoder, capsys,
+                                                                              monkeypatch):
+    corpus = _corpus(tmp_path)
+    dense_build.build_dense_index(corpus, tmp_path / "idx", str(tmp_path / "enc"))
+    ((settings, device, batch_size),) = fake_encoder.made
+    assert (settings.model, device, batch_size) == (str(tmp_path / "enc"), None, 64)
+    assert fake_encoder.calls == [PASSAGES]  # 5 passages: one shard of the default 4096
+    err = capsys.readouterr().err  # progress is on by default, counted in passages
+    assert "encoding passages: 100%" in err and "5/5 [" in err and "passage/s]" in err
+
+    def interrupt(self, passages):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fake_encoder, "encode_passages", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        dense_build.build_dense_index(corpus, tmp_path / "idx2", str(tmp_path / "enc"), device="cpu", batch_size=3)
+    assert fake_encoder.made[-1][1:] == ("cpu", 3)
+    text = (tmp_path / "idx2" / "shards" / "build.json").read_text()
+    record = json.loads(text)
+    assert record["shard_size"] == 4096 and record["passages"] == 5
+    assert text == json.dumps(record, indent=2) + "\n"  # both records are written for people to read
+    meta = (tmp_path / "idx" / "meta.json").read_text()
+    assert meta == json.dumps(json.loads(meta), indent=2) + "\n"
+
+
+def test_dense_build_accepts_shards_and_batches_of_one(tmp_path, fake_encoder):
+    import faiss
+
+    out = dense_build.build_dense_index(_corpus(tmp_path), tmp_path / "idx", "enc", shard_size=1, batch_size=1,
+                                        progress=False)
+    assert fake_encoder.made[0][2] == 1 and fake_encoder.calls == [[p] for p in PASSAGES]
+    index = faiss.read_index(str(out / "index.faiss"))
+    np.testing.assert_array_equal(np.stack([index.reconstruct(i) for i in range(5)]),
+                                  np.stack([_vector(p) for p in PASSAGES]))
+
+
+def test_dense_build_refuses_an_empty_corpus_naming_it(tmp_path, fake_encoder):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(CorpusFormatError, match=r"^.*empty.jsonl: no passages$"):
+        dense_build.build_dense_index(empty, tmp_path / "idx", "enc", progress=False)
+    assert not (tmp_path / "idx").exists() and fake_encoder.made == []
+
+
+def test_make_faiss_index_caps_ivf_lists_at_4096(monkeypatch):
+    import faiss
+
+    made = []
+
+    class FakeIVF:
+        def __init__(self, quantizer, dim, lists, metric):
+            made.append((type(quantizer).__name__, dim, lists, metric))
+
+        def train(self, vectors):
+            pass
+
+        def add(self, vectors):
+            pass
+
+    monkeypatch.setattr(faiss, "IndexIVFFlat", FakeIVF)
+    many = np.zeros((1_050_626, 1), dtype=np.float32)  # 4 * sqrt(n) = 4100: more than the cap
+    dense_build.make_faiss_index("ivf", 1, many)
+    assert made == [("IndexFlatIP", 1, 4096, faiss.METRIC_INNER_PRODUCT)]
+    dense_build.make_faiss_index("ivf", 1, many[:1_048_575])  # 4 * sqrt(n) just under 4096: int() rounds down
+    assert made[-1][2] == 4095
+
+
+# ---------------------------------------------------------------- indexing
+
+
+def test_indexing_reads_and_writes_corpora_as_utf8_whatever_the_locale(tmp_path, monkeypatch):
+    opened = []
+    real_open, real_gzip_open = open, gzip.open
+
+    def recording_open(file, mode="r", *args, **kwargs):
+        opened.append((Path(file).name, mode, kwargs.get("encoding")))
+        return real_open(file, mode, *args, **kwargs)
+
+    def recording_gzip_open(file, mode="rb", *args, **kwargs):
+        opened.append((Path(file).name, mode, kwargs.get("encoding")))
+        return real_gzip_open(file, mode, *args, **kwargs)
+
+    # the locale here is UTF-8 anyway; what is checked is that no read or write depends on it
+    monkeypatch.setattr(indexing, "open", recording_open, raising=False)
+    monkeypatch.setattr(indexing.gzip, "open", recording_gzip_open)
+    plain = tmp_path / "c.jsonl"
+    plain.write_text('{"id": "a", "contents": "é"}\n', encoding="utf-8")
+    packed = tmp_path / "c.json.gz"
+    with real_gzip_open(packed, "wt", encoding="utf-8") as handle:
+        handle.write(json.dumps([{"title": "É", "text": "x"}]))
+    assert list(iter_contents(plain)) == [("a", "é")] and list(iter_contents(packed)) == [("0", '"É"\nx')]
+    out = tmp_path / "out"
+    out.mkdir()
+    assert indexing.write_jsonl_collection(plain, out) == 1
+    assert {name for name, _, _ in opened} == {"c.jsonl", "c.json.gz", "corpus.jsonl"}
+    assert all(encoding is not None and codecs.lookup(encoding).name == "utf-8" for _, _, encoding in opened)
+    assert [mode for name, mode, _ in opened if name == "corpus.jsonl"] == ["w"]
+    assert {mode for name, mode, _ in opened if name == "c.json.gz"} == {"rt"}
+
+
+def test_a_title_object_corpus_takes_any_value_as_the_passage_text(tmp_path):
+    keyed = tmp_path / "k.json"
+    keyed.write_text(json.dumps({"T1": 42, "T2": ["a", 1]}, indent=1))
+    assert list(iter_contents(keyed)) == [("0", '"T1"\n42'), ("1", '"T2"\na1')]
+
+
+def test_read_errors_of_gzip_corpora_are_named_and_others_pass_through(tmp_path, monkeypatch):
+    def broken(exc):
+        def open_text(path):
+            raise exc
+        return open_text
+
+    packed = tmp_path / "c.jsonl.gz"
+    packed.write_bytes(b"")
+    monkeypatch.setattr(indexing, "_open_text", broken(EOFError()))
+    with pytest.raises(CorpusFormatError, match=r"c.jsonl.gz: not a readable gzip file \(EOFError\)$"):
+        list(iter_contents(packed))
+    plain = tmp_path / "c.jsonl"
+    plain.write_text("{}\n")
+    monkeypatch.setattr(indexing, "_open_text", broken(OSError("disk failed")))
+    with pytest.raises(OSError, match="^disk failed$") as info:
+        list(iter_contents(plain))
+    assert not isinstance(info.value, CorpusFormatError)
