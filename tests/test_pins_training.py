@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import typing
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -671,10 +672,10 @@ def test_update_counts_the_policy_tokens_it_trained_on(monkeypatch):
 
     t = fake_trainer(ppo_epochs=3, mini_batch_size=6, micro_batch_size=6)
     batch = make_batch()
-    clock = iter([0.0, 2.0])
+    clock = iter([5.0, 5.5])  # half a second (a lower bound of one second on the time would show)
     monkeypatch.setattr(ppo_update.time, "perf_counter", lambda: next(clock))
     metrics = ppo_update.PPOUpdate(t).update(batch)
-    assert metrics["update_tokens_per_s"] == pytest.approx(3 * int(batch.loss_mask.sum()) / 2.0)
+    assert metrics["update_tokens_per_s"] == pytest.approx(3 * int(batch.loss_mask.sum()) / 0.5)
     monkeypatch.undo()
     one_epoch = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4, critic=False)
     assert ppo_update.PPOUpdate(one_epoch).update(make_batch())["offpolicy/steps"] == 1.0  # only the first is on
@@ -698,9 +699,12 @@ def test_a_non_finite_step_is_skipped_then_the_run_stops():
     assert "skipped" not in updater._optimizer_step(good)
     assert t.nan_skips_in_a_row == 0 and t.nan_skips_total == 1 and t.optimizer_steps == 1
     updater._optimizer_step(bad)
-    with pytest.raises(TrainingDivergedError, match=r"^2 consecutive updates had NaN/inf losses or gradients; "
-                                                    r"stopping. The last valid checkpoint is in runs/pins/checkpoints"):
+    with pytest.raises(TrainingDivergedError) as info:
         updater._optimizer_step(bad)
+    assert str(info.value) == (
+        f"2 consecutive updates had NaN/inf losses or gradients; stopping. The last valid checkpoint is in "
+        f"{Path('runs/pins/checkpoints')}; lower the learning rate, raise max_grad_norm headroom, or check the data "
+        "and rewards, then --resume.")
     assert t.nan_skips_total == 3
 
 
@@ -719,6 +723,17 @@ def test_a_non_finite_critic_step_is_skipped_alone():
     t2 = fake_trainer(critic=False)
     out = PPOUpdate(t2)._optimizer_step(make_batch().select([0, 1, 2, 3]))
     assert "value_loss" not in out and t2.optimizer_steps == 1
+
+
+def test_a_critic_step_with_finite_losses_and_an_infinite_gradient_is_skipped(monkeypatch):
+    import stppo_agent.training.ppo_update as ppo_update
+
+    t = fake_trainer()
+    monkeypatch.setattr(ppo_update.process_group, "clip_grad_norm", lambda params, norm: torch.tensor(math.inf))
+    before = [p.detach().clone() for p in t.critic.parameters()]
+    out = ppo_update.PPOUpdate(t)._critic_step(make_batch().select([0, 1, 2, 3]))
+    assert out["skipped"] == 1.0 and math.isinf(out["critic_grad_norm"])
+    assert all(torch.equal(p.detach(), b) for p, b in zip(t.critic.parameters(), before))
 
 
 def test_synced_last_skips_the_all_reduce_until_the_last_micro_batch():
@@ -2035,3 +2050,128 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
     assert bar.postfixes == [{"loss": f"{summary['last_loss']:.3f}", "refresh": False}]
     assert 0 < summary["seconds"] < elapsed
     assert summary["config"]["autocast_dtype"] == "bfloat16" and summary["demonstrations"] == 1
+
+
+def test_the_off_policy_means_leave_out_the_first_step_alone():
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, step_diagnostics=True)
+    updater, steps = PPOUpdate(t), []
+    step = updater._optimizer_step
+    updater._optimizer_step = lambda mini: steps.append(step(mini)) or steps[-1]
+    metrics = updater.update(make_batch())
+    assert len(steps) == 4 and metrics["offpolicy/steps"] == 3.0
+    for key in ("clip_frac", "clip_bias_norm"):
+        assert len({s[key] for s in steps}) > 1  # the steps differ, so which one is left out shows
+        assert metrics[f"offpolicy/{key}"] == pytest.approx(sum(s[key] for s in steps[1:]) / 3, rel=1e-9)
+        assert metrics[key] == pytest.approx(sum(s[key] for s in steps) / 4, rel=1e-9)
+
+
+def test_with_two_processes_the_update_gathers_the_global_batch_and_takes_its_rows(monkeypatch):
+    import stppo_agent.training.ppo_update as ppo_update
+
+    t = fake_trainer(mini_batch_size=4, micro_batch_size=2, critic=False)
+    t.world, t.rank, t.tokenizer = 2, 1, SimpleNamespace(pad_token_id=7)
+    calls, rows, real_rows = [], [], ppo_update.mini_batch_rows
+    monkeypatch.setattr(ppo_update, "gather_global_batch", lambda batch, pad: calls.append(pad) or batch)
+    monkeypatch.setattr(ppo_update, "mini_batch_rows", lambda order, start, size, rank, world: rows.append(
+        (start, size, rank, world)) or real_rows(order, start, size, rank, world))
+    monkeypatch.setattr(ppo_update.process_group, "all_reduce_sum", lambda value: value * 2)  # two equal ranks
+    ppo_update.PPOUpdate(t).update(make_batch())
+    assert calls == [7] and rows == [(0, 4, 1, 2), (4, 4, 1, 2)] and t.optimizer_steps == 2
+    mini = make_batch().select([0, 1, 2])
+    tokens, seqs = ppo_update.PPOUpdate(t)._global_counts(mini)  # global counts / world: DDP averages gradients
+    assert float(tokens) == float(mini.loss_mask.sum()) and float(seqs) == float(mini.loss_mask.any(1).sum())
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_the_clip_bias_corrector_gets_the_algorithms_settings_and_an_anchor(monkeypatch, sharded):
+    import stppo_agent.training.ppo_update as ppo_update
+
+    made, anchors = [], []
+
+    class Corrector:
+        def __init__(self, params, kappa=1.0, through_grad=False, rescale=True):
+            made.append((len(params), kappa, through_grad, rescale))
+
+        def accumulate(self, bias, anchor=None):
+            anchors.append(anchor)
+
+        def all_reduce(self):
+            pass
+
+        def apply(self):
+            return {}
+
+    monkeypatch.setattr(ppo_update, "ClipBiasCorrector", Corrector)
+    t = fake_trainer("s_ppo", algorithm={"clip_bias_kappa": 2.5}, micro_batch_size=2)
+    t.sharded = sharded
+    ppo_update.PPOUpdate(t).actor_gradients(make_batch().select([0, 1, 2, 3]))
+    params = len([p for p in t.actor.parameters() if p.requires_grad])
+    assert made == [(params, 2.5, sharded, True)]
+    assert len(anchors) == 2 and all(isinstance(a, torch.Tensor) and a.requires_grad for a in anchors)
+    made.clear()
+    ppo_update.PPOUpdate(fake_trainer("ppo", step_diagnostics=True)).actor_gradients(make_batch().select([0, 1]))
+    assert made[0][1:] == (1.0, False, False)  # measured only: no rescaling
+
+
+def test_a_registered_losss_own_metrics_are_weighted_by_policy_tokens(monkeypatch):
+    from stppo_agent.algorithms import get_policy_loss, register_policy_loss
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    ppo_clip = get_policy_loss("ppo_clip")
+
+    def plain(**kwargs):
+        loss, bias, metrics = ppo_clip(**kwargs)
+        return loss, bias, {"micro_tokens": float(kwargs["loss_mask"].sum())}  # no parts: a plain number
+
+    register_policy_loss("pins_plain_metrics", plain)
+    t = fake_trainer("ppo", algorithm={"policy_loss": "pins_plain_metrics"}, micro_batch_size=1)
+    mini = make_batch().select([0, 2, 3])
+    tokens = [float(row.sum()) for row in mini.loss_mask]
+    out = PPOUpdate(t).actor_gradients(mini)
+    assert len(set(tokens)) > 1
+    assert out["micro_tokens"] == pytest.approx(sum(n * n for n in tokens) / sum(tokens))
+
+
+@pytest.mark.parametrize("broken", ["gradient", "another rank"])
+def test_a_step_is_skipped_on_an_infinite_gradient_or_another_ranks_bad_loss(monkeypatch, broken):
+    import stppo_agent.training.ppo_update as ppo_update
+
+    t = fake_trainer(critic=False)
+    if broken == "gradient":  # finite losses, an overflowing gradient
+        monkeypatch.setattr(ppo_update.process_group, "clip_grad_norm", lambda params, norm: torch.tensor(math.inf))
+    else:  # this rank's loss is finite, the all-reduced count of finite ranks is not the world
+        monkeypatch.setattr(ppo_update.process_group, "all_reduce_sum", lambda value: value * 0)
+    out = ppo_update.PPOUpdate(t)._optimizer_step(make_batch().select([0, 1, 2, 3]))
+    assert math.isnan(out["grad_norm"]) and out["skipped"] == 1.0 and t.optimizer_steps == 0
+
+
+def test_the_whole_batch_statistic_scores_under_the_sampling_settings(monkeypatch):
+    import stppo_agent.training.ppo_update as ppo_update
+    from stppo_agent.training.log_probs import token_logprobs
+
+    t = fake_trainer("m2po", micro_batch_size=2, temperature=0.7, critic=False)
+    seen = []
+
+    def statistic(logprobs, old_logprobs, loss_mask, turn_ids, config):
+        seen.append(logprobs)
+        return [{} for _ in logprobs]
+
+    monkeypatch.setattr(ppo_update, "WHOLE_BATCH_STATISTICS", {t.algo.policy_loss: statistic})
+    updater = ppo_update.PPOUpdate(t)
+    micros = updater._split(make_batch().select([0, 1, 2, 3]))
+    assert updater._whole_batch_keywords(micros) == [{}, {}]
+    with torch.no_grad():
+        for got, micro in zip(seen[0], micros):
+            want = token_logprobs(t.actor, micro, sampling=t.config.sampling())[0]
+            assert torch.allclose(got, want) and not torch.allclose(got, token_logprobs(t.actor, micro)[0])
+
+
+def test_sft_resolves_auto_precision_for_its_device(monkeypatch, tmp_path):
+    from stppo_agent.models.precision import resolve_autocast_dtype
+
+    transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": "red", "turn": 0}]]
+    summary, *_ = sft_run(monkeypatch, tmp_path, transcripts, steps=1, batch_size=1, autocast_dtype="auto")
+    assert summary["config"]["autocast_dtype"] == resolve_autocast_dtype("auto", torch.device("cpu"))
+    assert summary["config"]["autocast_dtype"] != "auto"
