@@ -179,3 +179,28 @@ def test_read_errors_of_gzip_corpora_are_named_and_others_pass_through(tmp_path,
     with pytest.raises(OSError, match="^disk failed$") as info:
         list(iter_contents(plain))
     assert not isinstance(info.value, CorpusFormatError)
+
+
+# ---------------------------------------------------------------- dense
+
+
+def test_dense_retriever_hands_its_device_and_the_index_settings_to_the_encoder(tmp_path, fake_encoder,
+                                                                                monkeypatch):
+    from stppo_envs.retrieval import dense
+
+    out = dense_build.build_dense_index(_corpus(tmp_path), tmp_path / "idx", "enc", progress=False)
+    made = []
+    monkeypatch.setattr(dense, "TextEncoder", lambda settings, device=None: made.append((settings, device)))
+    index, docs, _ = dense.DenseRetriever(out, device="cuda:3")._load()
+    assert index.ntotal == 5 and len(docs) == 5
+    dense.DenseRetriever(out, encoder="other")._load()
+    assert [(settings.model, device) for settings, device in made] == [("enc", "cuda:3"), ("other", None)]
+
+
+def test_a_title_object_corpus_written_on_one_line_is_not_taken_for_json_lines(tmp_path):
+    keyed = tmp_path / "hotpot.json"
+    keyed.write_text(json.dumps({"T1": ["s1. ", "s2."], "T2": ["x"]}))  # json.dump writes one line
+    assert list(iter_contents(keyed)) == [("0", '"T1"\ns1. s2.'), ("1", '"T2"\nx')]
+    one_passage = tmp_path / "one.json"  # a JSON-lines file of one passage under a .json name stays one
+    one_passage.write_text('{"id": "p", "text": "t", "title": "T"}\n')
+    assert list(iter_contents(one_passage)) == [("p", '"T"\nt')]

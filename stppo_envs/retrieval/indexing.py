@@ -46,7 +46,7 @@ def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
         with _open_text(path) as handle:
             first_line = handle.readline()
         with _open_text(path) as handle:
-            if inner_suffix == ".jsonl" or _is_json_object(first_line):
+            if inner_suffix == ".jsonl" or _is_passage_line(first_line):
                 for number, line in enumerate(handle, start=1):
                     if line.strip():
                         yield _passage(json_record(line, number, path), number - 1, path)
@@ -89,11 +89,14 @@ def json_record(line: str, number: int, path: Path) -> dict:
     return record
 
 
-def _is_json_object(line: str) -> bool:
+def _is_passage_line(line: str) -> bool:
+    """A first line that is a whole passage record: JSON lines. A title -> sentences object written on one line
+    (``json.dump``'s default) is a JSON object too, but not a passage."""
     try:
-        return isinstance(json.loads(line), dict)
+        record = json.loads(line)
     except json.JSONDecodeError:
         return False
+    return isinstance(record, dict) and ("contents" in record or "text" in record)
 
 
 def _passage(record: dict, number: int, path: Path) -> tuple[str, str]:
