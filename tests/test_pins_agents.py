@@ -5,7 +5,6 @@ and the tables' layout. Test names start with the module they pin (the mutation 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -544,13 +543,15 @@ def test_openai_agent_from_spec_refuses_malformed_specs():
 
 
 def test_openai_agent_sends_concurrency_requests_at_once_in_order(monkeypatch):
-    lock, state = threading.Lock(), {"now": 0, "most": 0}
+    lock, state, all_in = threading.Lock(), {"now": 0, "most": 0, "wait": 0.01}, threading.Event()
 
     def post(url, json, timeout, headers):
         with lock:
             state["now"] += 1
             state["most"] = max(state["most"], state["now"])
-        time.sleep(0.03)
+            if state["now"] == 4:
+                all_in.set()
+        all_in.wait(state["wait"])  # held until every request is in flight (a loaded machine starts threads late)
         with lock:
             state["now"] -= 1
         return Response(reply(json["messages"][0]["content"], finish="length"))
@@ -559,6 +560,7 @@ def test_openai_agent_sends_concurrency_requests_at_once_in_order(monkeypatch):
     episodes = [view(transcript=[Segment("user", f"p{i}", -1)]) for i in range(4)]
     assert OpenAIChatAgent("http://h", "m", concurrency=1).act(episodes) == ["p0", "p1", "p2", "p3"]
     assert state["most"] == 1
+    state["wait"] = 10.0
     assert OpenAIChatAgent("http://h", "m").act(episodes) == ["p0", "p1", "p2", "p3"]
     assert state["most"] == 4  # the default (16) sends every episode's request at once
     pools = []
