@@ -177,6 +177,8 @@ def test_step_diagnostics_on_resume_drops_the_steps_of_redone_iterations(tmp_pat
     assert step_diagnostics._iteration_of('{"step": 1}') == 0 and step_diagnostics._iteration_of('{"st') == 1 << 62
     assert step_diagnostics._iteration_of('{"iteration": null}') == step_diagnostics._iteration_of(
         '{"iteration": "x"}') == 1 << 62 and step_diagnostics._iteration_of('{"iteration": 7}') == 7
+    # a line that is JSON but not an object (a hand edit) is dropped like a torn one, not a crash of the resume
+    assert step_diagnostics._iteration_of("[1]") == step_diagnostics._iteration_of("7") == 1 << 62
 
 
 def test_step_diagnostics_for_trainer_follows_the_config(tmp_path):

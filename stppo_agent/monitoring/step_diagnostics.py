@@ -166,5 +166,5 @@ class StepDiagnostics:
 def _iteration_of(line: str) -> int:
     try:
         return int(json.loads(line).get("iteration", 0))
-    except (json.JSONDecodeError, TypeError, ValueError):
-        return 1 << 62  # a torn line: dropped
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return 1 << 62  # a torn line, or one that is not an object: dropped
