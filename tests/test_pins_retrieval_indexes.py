@@ -197,6 +197,21 @@ def test_dense_retriever_hands_its_device_and_the_index_settings_to_the_encoder(
     assert [(settings.model, device) for settings, device in made] == [("enc", "cuda:3"), ("other", None)]
 
 
+def test_dense_index_id_names_the_corpus_hash_the_index_type_and_the_encoder_never_a_path(tmp_path, fake_encoder):
+    from stppo_envs.retrieval import dense
+    from stppo_envs.retrieval.base import passages_sha256
+
+    out = dense_build.build_dense_index(_corpus(tmp_path, PASSAGES[:3]), tmp_path / "idx", str(tmp_path / "my-enc"),
+                                        index_type="hnsw", progress=False)
+    digest = passages_sha256([(f"d{i}", c) for i, c in enumerate(PASSAGES[:3])])[:16]
+    assert dense.DenseRetriever(out).index_id == f"dense:hnsw:corpus-sha256:{digest}:encoder:my-enc"
+    assert dense.DenseRetriever(out, encoder="org/enc").index_id.endswith(":encoder:org/enc")
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["corpus_sha256"], meta["passage_text"]  # as an old index records it
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert dense.DenseRetriever(out).index_id == "dense:hnsw:3-passages:encoder:my-enc:unquoted-titles"
+
+
 def test_a_title_object_corpus_written_on_one_line_is_not_taken_for_json_lines(tmp_path):
     keyed = tmp_path / "hotpot.json"
     keyed.write_text(json.dumps({"T1": ["s1. ", "s2."], "T2": ["x"]}))  # json.dump writes one line
