@@ -70,7 +70,8 @@ $(VERL_STAMP): $(STAMP) pyproject.toml Makefile
 # results, comparisons, the rollout loop and its budget), `SLICE=algorithms` (the algorithms' math), `SLICE=rollouts`
 # (sampling, generation, KV-cache reuse, batches, statistics), `SLICE=training` (the trainer and its units, sft),
 # `SLICE=data` (data loading and adapters, the retrieval backends and indexes), `SLICE=runs` (checkpoints, replay,
-# the collapse monitors); no SLICE: all of them. Settings in pyproject.toml [tool.mutmut]; results in mutants/
+# run records, the collapse monitors), `SLICE=cli` (the commands), `SLICE=models` (model loading and precision, the
+# process group and shared retrieval, plugins); no SLICE: all of them. Settings in pyproject.toml [tool.mutmut]; results in mutants/
 # (`.venv/bin/mutmut browse` to read the survivors); NOTES.md has the scores and the equivalent mutants per module.
 MUTANTS_envs := "stppo_envs.scoring.*" "stppo_envs.actions.*" "stppo_envs.env.*" "stppo_envs.vector.*" \
 	"stppo_envs.prompts.*" "stppo_envs.retrieval.base.*" "stppo_envs.retrieval.remote.*" "stppo_envs.retrieval.server.*"
@@ -83,6 +84,8 @@ MUTANTS_data := "stppo_envs.data.*" "stppo_envs.retrieval.bm25.*" "stppo_envs.re
 	"stppo_envs.retrieval.factory.*" "stppo_envs.retrieval._pyserini.*" "stppo_envs.toy.*" "stppo_envs.spaces.*" \
 	"stppo_envs.suggest.*"
 MUTANTS_runs := "stppo_agent.runs.*" "stppo_agent.monitoring.*"
+MUTANTS_cli := "stppo_agent.cli.*"
+MUTANTS_models := "stppo_agent.models.*" "stppo_agent.distributed.*" "stppo_agent.plugins.*"
 SLICE ?=
 MUTANTS ?= $(if $(SLICE),$(MUTANTS_$(SLICE)),)
 mutants: $(STAMP)
