@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import codecs
 import gzip
+import importlib.abc
+import importlib.util
 import json
+import os
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -219,3 +224,82 @@ def test_a_title_object_corpus_written_on_one_line_is_not_taken_for_json_lines(t
     one_passage = tmp_path / "one.json"  # a JSON-lines file of one passage under a .json name stays one
     one_passage.write_text('{"id": "p", "text": "t", "title": "T"}\n')
     assert list(iter_contents(one_passage)) == [("p", '"T"\nt')]
+
+
+# ---------------------------------------------------------------- _pyserini (no JVM: fake jnius_config and pyserini)
+
+
+class _FakePyserini(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of pyserini record the OpenAI key they see (pyserini builds an OpenAI client at import time)."""
+
+    def __init__(self):
+        self.imported = []
+
+    def find_spec(self, name, path, target=None):
+        if name == "pyserini" or name.startswith("pyserini."):
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        self.imported.append((module.__name__, os.environ.get("OPENAI_API_KEY")))
+
+
+@pytest.fixture
+def fake_jvm(monkeypatch, tmp_path):
+    from stppo_envs.retrieval import _pyserini
+
+    for name in [n for n in sys.modules if n == "pyserini" or n.startswith("pyserini.")]:
+        monkeypatch.delitem(sys.modules, name)
+    finder = _FakePyserini()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    options = []
+    jnius_config = types.SimpleNamespace(vm_running=False, add_options=lambda *o: options.extend(o))
+    monkeypatch.setitem(sys.modules, "jnius_config", jnius_config)
+    quieted = []
+    monkeypatch.setattr(_pyserini, "_quiet_lucene", lambda: quieted.append(True))
+    monkeypatch.setattr(_pyserini, "_choose_java_home", lambda: tmp_path / "jdk")
+    monkeypatch.setenv("JAVA_HOME", "/before")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("STPPO_VERBOSE", raising=False)
+    return types.SimpleNamespace(start=_pyserini.ensure_pyserini.__wrapped__, module=_pyserini, finder=finder,
+                                 options=options, jnius_config=jnius_config, quieted=quieted)
+
+
+def test_ensure_pyserini_drops_the_vector_module_only_where_the_runtime_lacks_it(fake_jvm, monkeypatch, tmp_path):
+    monkeypatch.setattr(fake_jvm.module, "_runtime_has_module", lambda home, module: False)
+    monkeypatch.setattr(fake_jvm.module, "_java_major_version", lambda home: 21)
+    fake_jvm.start()
+    assert os.environ["JAVA_HOME"] == str(tmp_path / "jdk") and fake_jvm.options == []
+    fake_jvm.jnius_config.add_options("--add-modules=jdk.incubator.vector", "-Xmx2g")
+    assert fake_jvm.options == ["-Xmx2g"]
+    assert ("pyserini.search.lucene", "unused-by-stppo") in fake_jvm.finder.imported  # the placeholder at import
+    assert "OPENAI_API_KEY" not in os.environ and fake_jvm.quieted == [True]  # ... and gone after it
+
+
+def test_ensure_pyserini_keeps_a_real_key_and_the_options_of_a_full_runtime(fake_jvm, monkeypatch):
+    monkeypatch.setattr(fake_jvm.module, "_runtime_has_module", lambda home, module: module == "jdk.incubator.vector")
+    monkeypatch.setattr(fake_jvm.module, "_java_major_version", lambda home: 24)
+    monkeypatch.setenv("OPENAI_API_KEY", "the user's")
+    monkeypatch.setenv("STPPO_VERBOSE", "1")  # `stppo --verbose` keeps Lucene's INFO lines
+    fake_jvm.start()
+    assert fake_jvm.options == ["--sun-misc-unsafe-memory-access=allow"]  # Java 24+: no Unsafe warnings
+    fake_jvm.jnius_config.add_options("--add-modules=jdk.incubator.vector")
+    assert fake_jvm.options[-1] == "--add-modules=jdk.incubator.vector"
+    assert ("pyserini.search.lucene", "the user's") in fake_jvm.finder.imported
+    assert os.environ["OPENAI_API_KEY"] == "the user's" and fake_jvm.quieted == []
+
+
+def test_ensure_pyserini_leaves_a_running_jvms_options_alone(fake_jvm, monkeypatch):
+    monkeypatch.setattr(fake_jvm.module, "_runtime_has_module", lambda home, module: False)
+    monkeypatch.setattr(fake_jvm.module, "_java_major_version", lambda home: 25)
+    fake_jvm.jnius_config.vm_running = True
+    original = fake_jvm.jnius_config.add_options
+    fake_jvm.start()
+    assert fake_jvm.jnius_config.add_options is original and fake_jvm.options == []
+    monkeypatch.setattr(fake_jvm.module, "_java_major_version", lambda home: 23)
+    fake_jvm.jnius_config.vm_running = False
+    fake_jvm.start()
+    assert fake_jvm.options == []  # Java 23 has no Unsafe warnings to silence
