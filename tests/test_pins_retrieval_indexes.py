@@ -217,6 +217,23 @@ def test_dense_index_id_names_the_corpus_hash_the_index_type_and_the_encoder_nev
     assert dense.DenseRetriever(out).index_id == "dense:hnsw:3-passages:encoder:my-enc:unquoted-titles"
 
 
+def test_a_loaded_dense_retriever_pickles_by_its_arguments_and_reloads_in_the_copy(tmp_path, fake_encoder,
+                                                                                   monkeypatch):
+    import pickle
+
+    from stppo_envs.retrieval import dense
+
+    out = dense_build.build_dense_index(_corpus(tmp_path), tmp_path / "idx", "enc", progress=False)
+    monkeypatch.setattr(dense, "TextEncoder", lambda settings, device=None: ("encoder", device))
+    retriever = dense.DenseRetriever(out, device="cpu", nprobe=5, ef_search=6)
+    loaded = retriever._load()
+    copy = pickle.loads(pickle.dumps(retriever))  # a faiss index does not pickle: it must not travel
+    assert copy._loaded is None and retriever._loaded is loaded
+    assert (copy.index_dir, copy.settings, copy.device, copy.nprobe, copy.ef_search) == (out, retriever.settings,
+                                                                                         "cpu", 5, 6)
+    assert copy._load()[0].ntotal == 5 and copy._load()[2] == ("encoder", "cpu")
+
+
 def test_a_title_object_corpus_written_on_one_line_is_not_taken_for_json_lines(tmp_path):
     keyed = tmp_path / "hotpot.json"
     keyed.write_text(json.dumps({"T1": ["s1. ", "s2."], "T2": ["x"]}))  # json.dump writes one line
