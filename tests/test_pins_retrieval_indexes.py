@@ -241,6 +241,12 @@ def test_a_title_object_corpus_written_on_one_line_is_not_taken_for_json_lines(t
     one_passage = tmp_path / "one.json"  # a JSON-lines file of one passage under a .json name stays one
     one_passage.write_text('{"id": "p", "text": "t", "title": "T"}\n')
     assert list(iter_contents(one_passage)) == [("p", '"T"\nt')]
+    # JSON lines under a .json name with misnamed fields stays JSON lines: the error names the passage's fields
+    misnamed = tmp_path / "misnamed.json"
+    misnamed.write_text('{"id": "a", "body": "x"}\n\n{"id": "b", "body": "y"}\n')
+    with pytest.raises(CorpusFormatError, match=r"misnamed.json: passage 0 has neither 'contents' nor 'text' "
+                                                r"\(fields: \['body', 'id'\]\)$"):
+        list(iter_contents(misnamed))
 
 
 # ---------------------------------------------------------------- _pyserini (no JVM: fake jnius_config and pyserini)

@@ -45,8 +45,9 @@ def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
     try:
         with _open_text(path) as handle:
             first_line = handle.readline()
+            more = any(line.strip() for line in handle)  # stops at the first non-blank line after the first
         with _open_text(path) as handle:
-            if inner_suffix == ".jsonl" or _is_passage_line(first_line):
+            if inner_suffix == ".jsonl" or _is_passage_line(first_line, more):
                 for number, line in enumerate(handle, start=1):
                     if line.strip():
                         yield _passage(json_record(line, number, path), number - 1, path)
@@ -89,14 +90,15 @@ def json_record(line: str, number: int, path: Path) -> dict:
     return record
 
 
-def _is_passage_line(line: str) -> bool:
-    """A first line that is a whole passage record: JSON lines. A title -> sentences object written on one line
-    (``json.dump``'s default) is a JSON object too, but not a passage."""
+def _is_passage_line(line: str, more: bool) -> bool:
+    """A first line that is a whole JSON object, followed by more lines or itself a passage: JSON lines. A title ->
+    sentences object written on one line (``json.dump``'s default) is the whole file and not a passage; a JSON-lines
+    file whose records misname their text field stays JSON lines, so that the error names a passage's fields."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
         return False
-    return isinstance(record, dict) and ("contents" in record or "text" in record)
+    return isinstance(record, dict) and (more or "contents" in record or "text" in record)
 
 
 def _passage(record: dict, number: int, path: Path) -> tuple[str, str]:
