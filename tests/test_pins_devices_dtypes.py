@@ -99,3 +99,126 @@ def test_turn_cache_after_generate_keeps_the_attention_masks_dtype():
     assert state.mask.tolist() == [[1, 1, 1], [0, 1, 0]]
     _, mask = extend_inputs(state, state.pending, pad_id=0)
     assert mask.dtype == torch.int32 and mask.tolist() == [[1, 1, 1, 1], [0, 1, 0, 1]]
+
+
+# -- policy losses, the KL reward penalty and the segment reductions under them ---------------------------------
+
+
+def _policy_batch():
+    generator = torch.Generator().manual_seed(3)
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    turn_ids = torch.where(loss_mask, torch.tensor([[0, 0, 0, 1, 1]]).expand(3, 5), -1)
+    old = -torch.rand(3, 5, generator=generator, dtype=F64) - 0.5
+    logprobs = (old + 0.6 * torch.randn(3, 5, generator=generator, dtype=F64)).requires_grad_()
+    advantages = torch.randn(3, 5, generator=generator, dtype=F64)
+    ref = old - 0.1 * torch.rand(3, 5, generator=generator, dtype=F64)
+    return dict(logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=loss_mask, turn_ids=turn_ids,
+                ref_logprobs=ref)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("level", ["token", "turn", "sequence"])
+@pytest.mark.parametrize("name", ["ppo_clip", "cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po"])
+def test_losses_are_computed_on_the_inputs_device_whatever_the_default_device(name, level, loss_agg):
+    from stppo_agent.algorithms.losses import get_policy_loss
+
+    config = AlgorithmConfig(ratio_level=level, loss_agg=loss_agg, kl_loss_coef=0.1)
+    batch = _policy_batch()
+    loss, _, metrics = get_policy_loss(name)(config=config, **batch)
+    with torch.device("meta"):
+        got, _, got_metrics = get_policy_loss(name)(config=config, **batch)
+    assert got.device.type == "cpu" and got.dtype == F64
+    torch.testing.assert_close(got, loss, rtol=0, atol=0)
+    assert repr(got_metrics) == repr(metrics)
+
+
+def test_losses_kl_reward_penalty_and_log_ratio_stay_on_the_inputs_device():
+    from stppo_agent.algorithms.losses import kl_reward_penalty, log_ratio_at_level
+
+    batch = _policy_batch()
+    config = AlgorithmConfig(kl_in_reward=0.5)
+    old, ref, mask = batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"]
+    with torch.device("meta"):
+        penalty = kl_reward_penalty(old, ref, mask, config)
+        log_ratio = log_ratio_at_level(batch["logprobs"], old, mask, batch["turn_ids"], "turn")
+    torch.testing.assert_close(penalty, torch.where(mask, 0.5 * (old - ref), 0.0), rtol=0, atol=0)
+    assert penalty.dtype == F64 and log_ratio.device.type == "cpu" and log_ratio.dtype == F64
+    assert log_ratio[0, 0] == 0 and log_ratio[0, 1] == log_ratio[0, 2] != 0
+
+
+def test_segments_reductions_stay_on_the_inputs_device():
+    from stppo_agent.algorithms.segments import (masked_mean, masked_sum, segment_counts, segment_sum,
+                                                 turn_segment_ids, whiten)
+
+    batch = _policy_batch()
+    x, mask, turns = batch["advantages"], batch["loss_mask"], batch["turn_ids"]
+    with torch.device("meta"):
+        ids, num = turn_segment_ids(turns, mask)
+        sums = segment_sum(x, ids, num)
+        counts = segment_counts(ids, num, mask, F64)
+        results = [masked_sum(x, mask), masked_mean(x, mask), whiten(x, mask)]
+    want_ids, want_num = turn_segment_ids(turns, mask)
+    assert ids.device.type == "cpu" and num == want_num and ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(sums, segment_sum(x, want_ids, want_num), rtol=0, atol=0)
+    assert counts.dtype == F64 and counts.sum() == mask.sum() and counts.device.type == "cpu"
+    torch.testing.assert_close(results[0], x[mask].sum(), rtol=0, atol=0)
+    torch.testing.assert_close(results[1], x[mask].mean(), rtol=0, atol=0)
+    for result in results:
+        assert result.device.type == "cpu" and result.dtype == F64
+    assert results[2][~mask].abs().sum() == 0 and abs(float(results[2][mask].mean())) < 1e-12
+
+
+def test_dynamic_sampling_informative_groups_stays_on_the_inputs_device():
+    from stppo_agent.algorithms.dynamic_sampling import informative_groups
+
+    rewards, group_ids = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0], dtype=F64), torch.tensor([4, 4, 9, 9, 1])
+    with torch.device("meta"):
+        keep = informative_groups(rewards, group_ids)
+    assert keep.device.type == "cpu" and keep.tolist() == [False, False, True, True, False]
+
+
+@pytest.mark.parametrize("level", ["token", "turn", "sequence"])
+def test_second_moment_keep_mask_stays_on_the_inputs_device(level, monkeypatch):
+    from stppo_agent.algorithms import second_moment
+
+    batch = _policy_batch()
+    log_ratio = torch.where(batch["loss_mask"], (batch["logprobs"] - batch["old_logprobs"]).detach(), 0.0)
+    args = (log_ratio, batch["loss_mask"], batch["turn_ids"], level, 0.05)
+    keep, moment = second_moment.m2po_keep_mask(*args)
+    assert 0 < int(keep.sum()) < int(batch["loss_mask"].sum())  # the cut binds: some kept, some dropped
+    # as rank 0 of 2 whose peer has no rows: the concatenation's buffers are built too
+    monkeypatch.setattr(second_moment, "world_size", lambda: 2)
+    monkeypatch.setattr(second_moment, "rank", lambda: 0)
+    nothing = torch.zeros(0, dtype=F64)
+    with torch.device("meta"):
+        got_keep, got_moment = second_moment.m2po_keep_mask(*args)
+        empty = second_moment.keep_items(nothing, nothing, 0.05)
+    assert got_keep.device.type == "cpu" and got_keep.tolist() == keep.tolist()
+    torch.testing.assert_close(got_moment, moment, rtol=0, atol=0)
+    assert empty.device.type == "cpu" and empty.dtype == torch.bool and empty.numel() == 0
+
+
+def test_clip_bias_apply_and_accumulate_stay_on_the_parameters_device():
+    from stppo_agent.algorithms.clip_bias import ClipBiasCorrector
+
+    a = torch.nn.Parameter(torch.tensor([3.0, 4.0], dtype=F64))
+    a.grad = torch.tensor([6.0, 8.0], dtype=F64)
+    unclipped = torch.tensor(1.0, dtype=F64)  # no grad: nothing clipped on this rank
+    with torch.device("meta"):
+        ClipBiasCorrector([a], through_grad=True).accumulate(unclipped)
+        metrics = ClipBiasCorrector([a], kappa=0.5).apply()  # nothing accumulated: ||C|| = 0, scale 1
+        empty = ClipBiasCorrector([]).apply()
+    assert metrics["clip_bias_norm"].device.type == "cpu" and float(metrics["clip_bias_norm"]) == 0.0
+    assert float(metrics["pg_grad_norm"]) == 10.0 and float(metrics["clip_bias_scale"]) == 1.0
+    assert a.grad.tolist() == [6.0, 8.0]
+    assert all(value.device.type == "cpu" for value in empty.values())
+
+
+def test_clip_bias_apply_reports_an_empty_bias_norm_on_the_parameters_device():
+    from stppo_agent.algorithms.clip_bias import ClipBiasCorrector
+
+    a = torch.nn.Parameter(torch.ones(3, device="meta"))
+    a.grad = torch.ones(3, device="meta")
+    metrics = ClipBiasCorrector([a]).apply()  # nothing accumulated: ||C|| is a created zero
+    assert {name: value.device.type for name, value in metrics.items()} == {
+        "clip_bias_norm": "meta", "pg_grad_norm": "meta", "clip_bias_scale": "meta"}

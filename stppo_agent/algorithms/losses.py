@@ -175,7 +175,8 @@ def _turn_clip_counts(turn_sums, turn_counts, config) -> tuple[torch.Tensor, tor
 def _ratio_metrics(metrics: LossMetrics, logprobs, old_logprobs, ratio, clipped, loss_mask, turn_sums, turn_counts,
                    config) -> None:
     """Clip fractions and ratio statistics, each with the parts that combine it exactly over micro-batches."""
-    token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, torch.zeros((), dtype=ratio.dtype))
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    token_log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero)
     tokens = loss_mask.sum()
     metrics.mean("clip_frac", masked_sum(clipped.to(ratio.dtype), loss_mask), tokens)
     metrics.mean("turn_clip_frac", *_turn_clip_counts(turn_sums, turn_counts, config))
