@@ -147,8 +147,14 @@ def test_losses_kl_reward_penalty_and_log_ratio_stay_on_the_inputs_device():
 
 
 def test_segments_reductions_stay_on_the_inputs_device():
-    from stppo_agent.algorithms.segments import (masked_mean, masked_sum, segment_counts, segment_sum,
-                                                 turn_segment_ids, whiten)
+    from stppo_agent.algorithms.segments import (
+        masked_mean,
+        masked_sum,
+        segment_counts,
+        segment_sum,
+        turn_segment_ids,
+        whiten,
+    )
 
     batch = _policy_batch()
     x, mask, turns = batch["advantages"], batch["loss_mask"], batch["turn_ids"]
