@@ -11,6 +11,9 @@ import torch
 
 from stppo_agent.algorithms.advantages import estimate_advantages
 from stppo_agent.algorithms.config import AlgorithmConfig
+from stppo_agent.rollouts.batch import Trajectory, left_pad, to_batch
+from stppo_agent.rollouts.hf_generation import StopOnStrings
+from stppo_agent.rollouts.sampling import SamplingSettings, sampling_logits
 from stppo_agent.rollouts.turn_cache import ChunkCache, after_generate, extend_inputs
 
 F64 = torch.float64
@@ -228,3 +231,76 @@ def test_clip_bias_apply_reports_an_empty_bias_norm_on_the_parameters_device():
     metrics = ClipBiasCorrector([a]).apply()  # nothing accumulated: ||C|| is a created zero
     assert {name: value.device.type for name, value in metrics.items()} == {
         "clip_bias_norm": "meta", "pg_grad_norm": "meta", "clip_bias_scale": "meta"}
+
+
+# -- rollout batches, sampling and the stop criterion --------------------------------------------------------
+
+
+def _trajectories():
+    a = Trajectory(env=None, group_id=1, prompt_ids=[11, 12, 13])
+    a.append([21, 22], policy=True, turn=0, logprobs=[-0.25, -0.75])
+    b = Trajectory(env=None, group_id=0, prompt_ids=[14])
+    b.append([24], policy=True, turn=0, logprobs=[-1.0])
+    a.reward, b.reward = 1.0, 0.0
+    return [a, b]
+
+
+def test_batch_left_pad_and_to_move_every_tensor_to_the_device_asked_for():
+    ids, mask = left_pad([[5, 6], [7]], 0, "meta")
+    assert ids.device.type == mask.device.type == "meta" and ids.dtype == mask.dtype == torch.long
+    moved = to_batch(_trajectories(), pad_id=0).to("meta")
+    tensors = {name: value.device.type for name, value in vars(moved).items() if isinstance(value, torch.Tensor)}
+    assert len(tensors) >= 9 and set(tensors.values()) == {"meta"}
+
+
+def test_batch_keeps_its_dtypes_whatever_the_default_dtype():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(F64)
+    try:
+        batch = to_batch(_trajectories(), pad_id=0)
+    finally:
+        torch.set_default_dtype(default)
+    assert batch.sample_logprobs.dtype == torch.float32 and batch.rewards.dtype == torch.float32
+    assert batch.sample_logprobs.tolist() == [[-0.25, -0.75], [-1.0, 0.0]]
+
+
+def test_batch_select_of_no_rows_is_an_empty_batch():
+    empty = to_batch(_trajectories(), pad_id=0).select([])
+    assert empty.input_ids.shape == (0, 5) and empty.rewards.shape == (0,) and empty.episode_info == []
+
+
+@pytest.mark.parametrize("where", [None, torch.tensor([[True, False, True]])])
+def test_sampling_logits_truncates_on_the_logits_device(where):
+    logits = torch.tensor([[[0.0, 1.0, 2.0, 3.0]] * 3], dtype=F64)
+    tokens = torch.tensor([[0, 1, 2]])
+    sampling = SamplingSettings(temperature=0.5, top_k=2)
+    expected = sampling_logits(logits, tokens, sampling, where)
+    with torch.device("meta"):
+        got = sampling_logits(logits, tokens, sampling, where)
+    assert got.device.type == "cpu" and got.dtype == F64
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got[0, 0].tolist() == [0.0, -torch.inf, 4.0, 6.0]  # top-2 kept, and the sampled token 0
+
+
+class _Tokenizer:
+    def batch_decode(self, rows, skip_special_tokens=False):
+        return ["".join(chr(96 + int(t)) for t in row) for row in rows]
+
+
+def test_stop_on_strings_answers_on_the_input_device():
+    stop = StopOnStrings(_Tokenizer(), ["cd"], prompt_width=1, candidate_ids=torch.tensor([4]))
+    input_ids = torch.tensor([[1, 3, 4], [1, 2, 4], [1, 3, 3]])
+    prompt_only = input_ids[:, :1]
+    with torch.device("meta"):
+        done = stop(input_ids, None)
+        early = stop(prompt_only, None)
+    assert done.device.type == "cpu" and done.tolist() == [True, False, False]
+    assert early.device.type == "cpu" and early.tolist() == [False, False, False]
+
+
+def test_stop_on_strings_moves_its_candidate_ids_to_the_input_device_once():
+    stop = StopOnStrings(_Tokenizer(), ["cd"], prompt_width=1, candidate_ids=torch.tensor([4]))
+    on_meta = torch.tensor([[1, 3, 4]], device="meta")
+    with pytest.raises(NotImplementedError, match="meta"):  # meta has no data to pick the candidate rows from
+        stop(on_meta, None)
+    assert stop.candidate_ids.device.type == "meta" and stop.candidate_ids.shape == (1,)
