@@ -335,7 +335,8 @@ def _unique_keys(path: Path, pairs: list[tuple[str, object]]) -> dict:
 
 
 def _csv_header(path: Path) -> list[str]:
-    with open(path, encoding="utf-8", newline="") as handle:
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which pandas drops but the csv module keeps
+    with open(path, encoding="utf-8-sig", newline="") as handle:
         return next(csv.reader(handle), [])
 
 
