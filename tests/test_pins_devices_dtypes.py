@@ -304,3 +304,30 @@ def test_stop_on_strings_moves_its_candidate_ids_to_the_input_device_once():
     with pytest.raises(NotImplementedError, match="meta"):  # meta has no data to pick the candidate rows from
         stop(on_meta, None)
     assert stop.candidate_ids.device.type == "meta" and stop.candidate_ids.shape == (1,)
+
+
+def test_hf_generation_feeds_generate_on_the_models_device():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+
+    tokenizer = word_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, eos_token_id=1)
+    with torch.device("meta"):  # no weights allocated: generate is stopped at its door
+        model = LlamaForCausalLM(config)
+    seen = {}
+
+    class Called(Exception):
+        pass
+
+    def generate(input_ids, attention_mask, **kwargs):
+        seen.update(ids=input_ids.device.type, mask=attention_mask.device.type, shape=tuple(input_ids.shape))
+        raise Called
+
+    model.generate = generate
+    backend = HFGenerationBackend(model, tokenizer, SamplingSettings(), stop_strings=())
+    with pytest.raises(Called):
+        backend.generate([[3, 4, 5], [6]], 2)
+    assert seen == {"ids": "meta", "mask": "meta", "shape": (2, 3)}
