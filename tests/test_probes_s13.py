@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import codecs
+import json
+
+import pytest
 
 from stppo_envs.data.loading import load_examples
+
+from .cli_in_process import stppo
 
 
 def test_a_csv_saved_with_a_utf8_bom_loads_like_one_without(tmp_path):
@@ -18,3 +23,24 @@ def test_a_csv_saved_with_a_utf8_bom_loads_like_one_without(tmp_path):
         [(e.id, e.question, tuple(e.golden_answers)) for e in load_examples("nq", dataset=plain)]
     assert [e.id for e in with_bom] == ["b1", "b2"]
 
+
+
+@pytest.mark.parametrize("names, twice", [("nq,hotpotqa,nq", "nq"), ("mmlu_med,mmlu-medical", "mmlu_med")])
+def test_eval_refuses_a_benchmark_named_twice(tmp_path, capsys, names, twice):
+    # evaluated twice it wrote two records of one benchmark: the QA average counted it twice, compare read one
+    done = stppo("eval", "--agent", "oracle", "--benchmarks", names, "--limit", "1",
+                 "--output-dir", str(tmp_path / "out"), capsys=capsys)
+    assert done.returncode == 1 and f"--benchmarks names {twice} twice" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_search_error_limit_outside_zero_to_one(tmp_path, capsys):
+    # -1 reported "searches failed (nq 0.0%; limit -100.0%)" for searches that never failed
+    with pytest.raises(SystemExit):
+        stppo("eval", "--agent", "oracle", "--benchmarks", "nq", "--limit", "1", "--max-search-error-rate", "-0.1",
+              "--output-dir", str(tmp_path / "out"), capsys=capsys)
+    assert "--max-search-error-rate: must be a share in [0, 1], got -0.1" in capsys.readouterr().err
+    done = stppo("eval", "--agent", "oracle", "--benchmarks", "nq", "--limit", "1", "--max-search-error-rate", "0",
+                 "--output-dir", str(tmp_path / "ok"), capsys=capsys)
+    assert done.returncode == 0
+    assert [r["benchmark"] for r in json.loads((tmp_path / "ok" / "results.json").read_text())] == ["nq"]

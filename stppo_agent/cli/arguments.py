@@ -12,6 +12,29 @@ def positive_int(text: str) -> int:
     return value
 
 
+def share(text: str) -> float:
+    """A rate in [0, 1] (NaN is outside)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], got {text}")
+    return value
+
+
+def distinct_benchmarks(names: str, option: str = "--benchmarks") -> list[str]:
+    """Comma-separated benchmark names, canonical; one named twice (``nq,nq``, ``mmlu_med,mmlu-medical``) would be
+    run twice and written as two records of one benchmark, so it is refused."""
+    from stppo_envs import benchmark_info
+
+    canonical = [benchmark_info(name.strip()).name for name in names.split(",") if name.strip()]
+    twice = next((name for i, name in enumerate(canonical) if name in canonical[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{option} names {twice} twice ({names}); name each benchmark once")
+    return canonical
+
+
 def key_value(item: str) -> tuple[str, str]:
     """``BENCH=PATH`` with the benchmark's canonical name (unknown names fail with a did-you-mean)."""
     key, sep, value = item.partition("=")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from stppo_agent.cli.arguments import key_value, positive_int
+from stppo_agent.cli.arguments import distinct_benchmarks, key_value, positive_int, share
 
 
 def add_parser(commands) -> None:
@@ -30,7 +30,7 @@ def add_parser(commands) -> None:
     ev.add_argument("--batch-size", type=positive_int, default=32, help="episodes in flight")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
     ev.add_argument("--max-new-tokens", type=positive_int, default=256, help="per turn, for LLM agents")
-    ev.add_argument("--max-search-error-rate", type=float, default=0.01,
+    ev.add_argument("--max-search-error-rate", type=share, default=0.01,
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
     ev.add_argument("--output-dir", required=True, help="results.json, results.csv, episodes.jsonl")
@@ -42,12 +42,10 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
     from stppo_agent.plugins.loader import load_plugins
     from stppo_agent.plugins.name_checks import check_retriever
-    from stppo_envs import benchmark_info
-
     load_plugins(args.imports)  # agents of your own (register_agent)
     if args.retriever is not None:
         check_retriever(args.retriever)
-    benchmarks = [benchmark_info(b.strip()).name for b in args.benchmarks.split(",") if b.strip()]
+    benchmarks = distinct_benchmarks(args.benchmarks)
     datasets = dict(key_value(item) for item in args.dataset)
     stray = sorted(set(datasets) - set(benchmarks))
     if stray:
