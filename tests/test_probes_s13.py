@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 
 import pytest
 
@@ -44,3 +45,23 @@ def test_eval_refuses_a_search_error_limit_outside_zero_to_one(tmp_path, capsys)
                  "--output-dir", str(tmp_path / "ok"), capsys=capsys)
     assert done.returncode == 0
     assert [r["benchmark"] for r in json.loads((tmp_path / "ok" / "results.json").read_text())] == ["nq"]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),  # clipping to norm 0 zeroed every gradient: no learning
+    ("max_grad_norm", -1.0, "max_grad_norm must be > 0"),  # a negative clip coefficient ascended the loss
+    ("max_search_error_rate", -1.0, "max_search_error_rate must be in [0, 1]"),  # stopped: "0% of searches failed"
+    ("max_search_error_rate", 1.5, "max_search_error_rate must be in [0, 1]"),
+    ("actor_lr", -1e-3, "actor_lr must be >= 0"),
+    ("critic_lr", -1e-3, "critic_lr must be >= 0"),
+    ("weight_decay", -0.1, "weight_decay must be >= 0"),
+    ("warmup_steps", -5, "warmup_steps must be >= 0"),
+    ("vllm_gpu_memory_utilization", 1.5, "vllm_gpu_memory_utilization must be in (0, 1]"),
+])
+def test_train_config_refuses_nonsensical_optimizer_and_stop_settings(field, value, says):
+    from stppo_agent.training.config import TrainConfig
+
+    config = TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", output_dir="unused", **{field: value})
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
+        config.validate()
+    TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", output_dir="unused").validate()

@@ -199,6 +199,7 @@ class TrainConfig:
                      "micro_batch_size", "generation_batch_size", "save_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_ranges(self)
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
@@ -272,6 +273,21 @@ class TrainConfig:
         if resolved is not None:
             values["algorithm"] = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
         return yaml.safe_dump(values, sort_keys=False)
+
+
+def _check_ranges(config: TrainConfig) -> None:
+    """Values with no meaning that a run would still have taken: max_grad_norm 0 scaled every gradient by 0 (no
+    learning, no error), a negative one by a negative factor (ascent); a max_search_error_rate below 0 stopped the
+    run for "0% of the searches failed"."""
+    for name in ("actor_lr", "critic_lr", "weight_decay", "warmup_steps"):
+        if not getattr(config, name) >= 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+    if not config.max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {config.max_grad_norm} (the gradient's norm is clipped to it)")
+    if not 0 <= config.max_search_error_rate <= 1:
+        raise ValueError(f"max_search_error_rate must be in [0, 1], got {config.max_search_error_rate}")
+    if not 0 < config.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, **flags: Any) -> TrainConfig:
