@@ -65,3 +65,14 @@ def test_train_config_refuses_nonsensical_optimizer_and_stop_settings(field, val
     with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
         config.validate()
     TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", output_dir="unused").validate()
+
+
+def test_eval_refuses_two_datasets_for_one_benchmark(tmp_path, capsys):
+    # the second silently replaced the first (a dict); which file was evaluated depended on the flags' order
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, answer in ((first, "x"), (second, "y")):
+        path.write_text(json.dumps({"id": "q1", "question": "Who?", "golden_answers": [answer]}) + "\n")
+    done = stppo("eval", "--agent", "oracle", "--benchmarks", "nq", "--retriever", "demo", "--dataset", f"nq={first}",
+                 "--dataset", f"NQ={second}", "--output-dir", str(tmp_path / "out"), capsys=capsys)
+    assert done.returncode == 1 and "--dataset names nq twice" in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if args.retriever is not None:
         check_retriever(args.retriever)
     benchmarks = distinct_benchmarks(args.benchmarks)
-    datasets = dict(key_value(item) for item in args.dataset)
+    pairs = [key_value(item) for item in args.dataset]
+    datasets = dict(pairs)
+    if len(datasets) < len(pairs):  # a dict would keep the last silently
+        twice = next(name for i, (name, _) in enumerate(pairs) if name in dict(pairs[:i]))
+        raise ValueError(f"--dataset names {twice} twice; give one source per benchmark")
     stray = sorted(set(datasets) - set(benchmarks))
     if stray:
         raise ValueError(f"--dataset given for {', '.join(stray)}, which --benchmarks ({', '.join(benchmarks)}) does "
