@@ -76,3 +76,20 @@ def test_eval_refuses_two_datasets_for_one_benchmark(tmp_path, capsys):
                  "--dataset", f"NQ={second}", "--output-dir", str(tmp_path / "out"), capsys=capsys)
     assert done.returncode == 1 and "--dataset names nq twice" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["corpus.jsonl", "corpus.json", "corpus.jsonl.gz"])
+def test_a_corpus_saved_with_a_utf8_bom_reads_like_one_without(tmp_path, name):
+    # a dataset file with a BOM loaded, the corpus beside it was refused: "Unexpected UTF-8 BOM"
+    import gzip
+
+    from stppo_envs.retrieval.indexing import iter_contents
+
+    records = [{"id": "d1", "contents": "\"Velmaria\"\nVelmaria is a country."}, {"id": "d2", "title": "Ostrand",
+                                                                               "text": "Ostrand is inland."}]
+    text = (json.dumps(records) if name == "corpus.json" else "\n".join(map(json.dumps, records)) + "\n")
+    data = codecs.BOM_UTF8 + text.encode("utf-8")
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    assert list(iter_contents(path)) == [("d1", "\"Velmaria\"\nVelmaria is a country."),
+                                         ("d2", "\"Ostrand\"\nOstrand is inland.")]

@@ -74,9 +74,14 @@ def iter_contents(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
 
 
 def _open_text(path: Path):
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+    handle = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+    try:
+        if handle.read(1) != "\ufeff":  # a byte-order mark (Windows editors, Excel) is not part of the first record
+            handle.seek(0)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
 
 
 def json_record(line: str, number: int, path: Path) -> dict:
