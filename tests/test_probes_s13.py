@@ -93,3 +93,13 @@ def test_a_corpus_saved_with_a_utf8_bom_reads_like_one_without(tmp_path, name):
     path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
     assert list(iter_contents(path)) == [("d1", "\"Velmaria\"\nVelmaria is a country."),
                                          ("d2", "\"Ostrand\"\nOstrand is inland.")]
+
+
+def test_a_keyed_pubmedqa_json_with_a_utf8_bom_loads_like_one_without(tmp_path):
+    # with the BOM its first line no longer started with "{": read as records, the PMIDs became field names
+    records = {"123": {"QUESTION": "Does X help?", "final_decision": "yes", "CONTEXTS": ["c"]},
+               "456": {"QUESTION": "Does Y help?", "final_decision": "no", "CONTEXTS": ["d"]}}
+    path = tmp_path / "ori_pqal.json"
+    path.write_bytes(codecs.BOM_UTF8 + json.dumps(records, indent=1).encode("utf-8"))
+    assert [(e.id, e.question) for e in load_examples("pubmedqa", dataset=path)] == \
+        [("123", "Does X help?"), ("456", "Does Y help?")]

@@ -301,8 +301,8 @@ def _load_headerless_mcq_csv(path: Path) -> datasets.Dataset:
 
 def _is_json_object_of_records(path: Path) -> bool:
     """PubMedQA ships ``{"PMID": {...}, ...}``; a JSON-lines file also starts with '{', but its first line is a
-    complete object."""
-    with open(path, encoding="utf-8") as handle:
+    complete object. utf-8-sig here and below: a byte-order mark at the start is not part of the JSON."""
+    with open(path, encoding="utf-8-sig") as handle:
         first_line = next((line.strip() for line in handle if line.strip()), "")
     if not first_line.startswith("{"):
         return False
@@ -316,7 +316,7 @@ def _is_json_object_of_records(path: Path) -> bool:
 def _load_keyed_json(files: list[Path]) -> datasets.Dataset:
     rows = []
     for path in files:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             for key, value in json.load(handle, object_pairs_hook=functools.partial(_unique_keys, path)).items():
                 if not isinstance(value, dict):
                     raise DatasetFormatError(f"{path}: value of key {key!r} is not an object")
