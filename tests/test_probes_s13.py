@@ -103,3 +103,34 @@ def test_a_keyed_pubmedqa_json_with_a_utf8_bom_loads_like_one_without(tmp_path):
     path.write_bytes(codecs.BOM_UTF8 + json.dumps(records, indent=1).encode("utf-8"))
     assert [(e.id, e.question) for e in load_examples("pubmedqa", dataset=path)] == \
         [("123", "Does X help?"), ("456", "Does Y help?")]
+
+
+def _sft_config(monkeypatch, capsys, *args):
+    import stppo_agent.training.sft as sft
+
+    seen = []
+
+    def captured(config):
+        seen.append(config)
+        raise ValueError("captured")  # the training itself is not the point
+
+    monkeypatch.setattr(sft, "train_sft", captured)
+    done = stppo("sft", "--model", "tiny", "--output-dir", "unused", *args, capsys=capsys)
+    return done, (seen[0] if seen else None)
+
+
+def test_sft_uses_the_dataset_given_for_a_benchmark_spelt_another_way(monkeypatch, capsys):
+    # --benchmarks NQ --dataset nq=PATH: the dataset was keyed "nq", looked up as "NQ", and the demo set played
+    done, config = _sft_config(monkeypatch, capsys, "--benchmarks", "NQ,mmlu-medical", "--dataset", "nq=data/nq.jsonl",
+                               "--dataset", "mmlu_med=data/mmlu")
+    assert "captured" in done.stderr
+    assert [config.datasets.get(name) for name in config.benchmarks] == ["data/nq.jsonl", "data/mmlu"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--benchmarks", "nq", "--dataset", "hotpotqa=data/h.jsonl"), "--dataset given for hotpotqa"),
+    (("--benchmarks", "nq,NQ"), "--benchmarks names nq twice"),
+])
+def test_sft_refuses_a_stray_dataset_and_a_benchmark_named_twice(monkeypatch, capsys, args, says):
+    done, config = _sft_config(monkeypatch, capsys, *args)
+    assert done.returncode == 1 and says in done.stderr and config is None

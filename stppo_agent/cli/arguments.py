@@ -35,6 +35,22 @@ def distinct_benchmarks(names: str, option: str = "--benchmarks") -> list[str]:
     return canonical
 
 
+def benchmarks_and_datasets(names: str, items: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``--benchmarks`` and the ``--dataset BENCH=PATH`` pairs, both by canonical name (so ``--benchmarks NQ
+    --dataset nq=PATH`` finds its dataset); a dataset named twice, or for a benchmark not asked for, is refused."""
+    benchmarks = distinct_benchmarks(names)
+    pairs = [key_value(item) for item in items]
+    datasets = dict(pairs)
+    if len(datasets) < len(pairs):  # a dict would keep the last silently
+        twice = next(name for i, (name, _) in enumerate(pairs) if name in dict(pairs[:i]))
+        raise ValueError(f"--dataset names {twice} twice; give one source per benchmark")
+    stray = sorted(set(datasets) - set(benchmarks))
+    if stray:
+        raise ValueError(f"--dataset given for {', '.join(stray)}, which --benchmarks ({', '.join(benchmarks)}) does "
+                         "not include; add it to --benchmarks or drop the --dataset")
+    return benchmarks, datasets
+
+
 def key_value(item: str) -> tuple[str, str]:
     """``BENCH=PATH`` with the benchmark's canonical name (unknown names fail with a did-you-mean)."""
     key, sep, value = item.partition("=")

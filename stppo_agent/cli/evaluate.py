@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from stppo_agent.cli.arguments import distinct_benchmarks, key_value, positive_int, share
+from stppo_agent.cli.arguments import benchmarks_and_datasets, positive_int, share
 
 
 def add_parser(commands) -> None:
@@ -45,16 +45,7 @@ def run(args: argparse.Namespace) -> int:
     load_plugins(args.imports)  # agents of your own (register_agent)
     if args.retriever is not None:
         check_retriever(args.retriever)
-    benchmarks = distinct_benchmarks(args.benchmarks)
-    pairs = [key_value(item) for item in args.dataset]
-    datasets = dict(pairs)
-    if len(datasets) < len(pairs):  # a dict would keep the last silently
-        twice = next(name for i, (name, _) in enumerate(pairs) if name in dict(pairs[:i]))
-        raise ValueError(f"--dataset names {twice} twice; give one source per benchmark")
-    stray = sorted(set(datasets) - set(benchmarks))
-    if stray:
-        raise ValueError(f"--dataset given for {', '.join(stray)}, which --benchmarks ({', '.join(benchmarks)}) does "
-                         "not include; add it to --benchmarks or drop the --dataset")
+    benchmarks, datasets = benchmarks_and_datasets(args.benchmarks, args.dataset)
     real = sorted(name for name, source in datasets.items() if source not in ("", "demo"))
     if args.retriever is None and real:
         raise ValueError(f"--dataset {real[0]}=... is real data, but no --retriever was given: the default demo corpus "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stppo_agent.cli.arguments import key_value, positive_int
+from stppo_agent.cli.arguments import benchmarks_and_datasets, positive_int
 
 
 def add_parser(commands) -> None:
@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     load_plugins(args.imports)  # a teacher of your own (register_agent)
     check_model(args.model)
     check_retriever(args.retriever)
-    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    datasets = dict(key_value(item) for item in args.dataset)
+    canonical, by_name = benchmarks_and_datasets(args.benchmarks, args.dataset)
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]  # as given, as before; only the lookup is by canonical name
+    datasets = {name: by_name[key] for name, key in zip(benchmarks, canonical) if key in by_name}
     limits = {name: getattr(args, name) for name in ("max_observation_tokens", "max_total_tokens")
               if getattr(args, name) is not None}  # unset: SFTConfig's defaults, which are training's
     summary = train_sft(SFTConfig(model=resolve_model(args.model), output_dir=args.output_dir, benchmarks=benchmarks,
