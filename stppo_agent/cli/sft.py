@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     check_model(args.model)
     check_retriever(args.retriever)
     canonical, by_name = benchmarks_and_datasets(args.benchmarks, args.dataset)
-    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]  # as given, as before; only the lookup is by canonical name
+    # the names as given, as before; only the dataset lookup goes by canonical name
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     datasets = {name: by_name[key] for name, key in zip(benchmarks, canonical) if key in by_name}
     limits = {name: getattr(args, name) for name in ("max_observation_tokens", "max_total_tokens")
               if getattr(args, name) is not None}  # unset: SFTConfig's defaults, which are training's

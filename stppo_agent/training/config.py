@@ -283,7 +283,7 @@ def _check_ranges(config: TrainConfig) -> None:
         if not getattr(config, name) >= 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
     if not config.max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0, got {config.max_grad_norm} (the gradient's norm is clipped to it)")
+        raise ValueError(f"max_grad_norm must be > 0, got {config.max_grad_norm} (gradients are clipped to that norm)")
     if not 0 <= config.max_search_error_rate <= 1:
         raise ValueError(f"max_search_error_rate must be in [0, 1], got {config.max_search_error_rate}")
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
