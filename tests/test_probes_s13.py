@@ -134,3 +134,24 @@ def test_sft_uses_the_dataset_given_for_a_benchmark_spelt_another_way(monkeypatc
 def test_sft_refuses_a_stray_dataset_and_a_benchmark_named_twice(monkeypatch, capsys, args, says):
     done, config = _sft_config(monkeypatch, capsys, *args)
     assert done.returncode == 1 and says in done.stderr and config is None
+
+
+def test_replay_refuses_another_rollout_staleness_than_the_recorded_one(tmp_path):
+    # the recorded tokens were sampled by weights K iterations old; a replay with another K took its behaviour
+    # log-probs from other weights than those that sampled them (iteration 3 of a K=1 recording replayed with K=2
+    # logged other ratios and clip fractions, while temperature, top_p and top_k are refused)
+    from stppo_agent.training.replay import replay_config
+    from stppo_agent.training.trainer import Trainer
+
+    from .test_trainer import toy_config
+    from .tiny_models import tiny_llama, word_tokenizer
+
+    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    run = tmp_path / "run"
+    Trainer(toy_config(model, run, "ppo", iterations=1, prompts_per_iteration=2, samples_per_prompt=2,
+                       mini_batch_size=4, micro_batch_size=4, ppo_epochs=1, save_rollouts=True,
+                       rollout_staleness=1)).train()
+    for other in (0, 2):
+        with pytest.raises(ValueError, match=r"rollout_staleness=1 recorded, rollout_staleness=%d asked" % other):
+            replay_config(run, "grpo", str(tmp_path / "unused"), [f"rollout_staleness={other}"])
+    assert replay_config(run, "grpo", str(tmp_path / "unused"), ["stale_objective=decoupled"]).rollout_staleness == 1

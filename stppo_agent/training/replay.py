@@ -43,6 +43,8 @@ from stppo_agent.training.config import TrainConfig, load_config
 
 # The distribution the recorded tokens were sampled from: a property of the data, never changed by a replay.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+# and which weights sampled them: with rollout_staleness K the behaviour log-probs come from the weights K updates back
+RECORDED_FIELDS = (*SAMPLING_FIELDS, "rollout_staleness")
 
 # Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
 _REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retriever": False}
@@ -121,7 +123,7 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
     config = load_config(None, list(overrides), **values)
-    changed = [name for name in SAMPLING_FIELDS if getattr(config, name) != getattr(original, name)]
+    changed = [name for name in RECORDED_FIELDS if getattr(config, name) != getattr(original, name)]
     if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
         raise ValueError(f"a replay scores the recorded tokens with the settings that sampled them; "
                          f"{', '.join(f'{n}={getattr(original, n)}' for n in changed)} recorded, "
