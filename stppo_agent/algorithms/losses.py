@@ -245,7 +245,9 @@ def value_loss(*, values, old_values, returns, loss_mask, config, global_num_tok
     :class:`LossMetrics`: each with the parts that combine it exactly over micro-batches and ranks).
     """
     returns = returns.detach()
-    clipped_values = old_values + (values - old_values).clamp(-config.value_clip, config.value_clip)
+    # clamp V itself (as verl's clip_by_value does): inside the range the clipped value IS V, so the two errors are
+    # equal and no token counts as clipped; old + (V - old) rounds away from V when their magnitudes differ
+    clipped_values = torch.clamp(values, old_values - config.value_clip, old_values + config.value_clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
     per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
