@@ -92,3 +92,13 @@ def test_letter_column_csv_with_one_option_is_refused(tmp_path):
     (tmp_path / "one_test.csv").write_text("question,A,answer\nWhich?,only,A\n", encoding="utf-8")
     with pytest.raises(DatasetFormatError, match="unrecognised multiple-choice record"):
         load_examples("mmlu_med", str(tmp_path / "one_test.csv"))
+
+
+@pytest.mark.parametrize("split", ["bogus", "tset"])
+def test_the_demo_set_refuses_a_split_it_cannot_mean(split):
+    """The demo set has train and test; dev/validation name its test part too. Another name must not evaluate the
+    test split while the results record the name given."""
+    with pytest.raises(ValueError, match=rf"^the demo set has no split {split!r}: use train, or test \(also "):
+        load_examples("nq", split=split)
+    assert load_examples("nq", split="validation") == load_examples("nq", split="test")
+    assert load_examples("nq", split="train") != load_examples("nq", split="test")

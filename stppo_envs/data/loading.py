@@ -119,7 +119,10 @@ def _load_cached(benchmark: str, key: tuple[str | None, tuple], split: str, limi
     source = key[0]
     if source is None:
         table = _load_files([DEMO_DIR / f"{info.demo_subset}.jsonl"], family)
-        demo_split = "train" if split == "train" else "test"  # the demo set has train and test only
+        if split.lower() not in SPLIT_NAMES:  # any other name would evaluate the test part under that name
+            raise ValueError(f"the demo set has no split {split!r}: use train, or test (also dev, validation, "
+                             "valid or val: the demo's evaluation part)")
+        demo_split = "train" if split.lower() == "train" else "test"  # the demo set has train and test only
         table = table.filter(lambda row: row["split"] == demo_split)
         label = f"demo-{info.demo_subset}"
     else:
