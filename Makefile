@@ -72,7 +72,8 @@ $(VERL_STAMP): $(STAMP) pyproject.toml Makefile
 # `SLICE=data` (data loading and adapters, the retrieval backends and indexes), `SLICE=runs` (checkpoints, replay,
 # run records, the collapse monitors), `SLICE=cli` (the commands), `SLICE=models` (model loading and precision, the
 # process group and shared retrieval, plugins); no SLICE: all of them. Settings in pyproject.toml [tool.mutmut]; results in mutants/
-# (`.venv/bin/mutmut browse` to read the survivors); NOTES.md has the scores and the equivalent mutants per module.
+# (`.venv/bin/mutmut browse` to read the survivors); NOTES.md has the scores and the equivalent mutants per module,
+# taken in one process with tests/mutants_in_process.py (faster; its docstring says how).
 MUTANTS_envs := "stppo_envs.scoring.*" "stppo_envs.actions.*" "stppo_envs.env.*" "stppo_envs.vector.*" \
 	"stppo_envs.prompts.*" "stppo_envs.retrieval.base.*" "stppo_envs.retrieval.remote.*" "stppo_envs.retrieval.server.*"
 MUTANTS_evaluation := "stppo_agent.evaluation.*" "stppo_agent.rollouts.turn_loop.*"
