@@ -19,13 +19,18 @@ import sys
 import time
 from collections import defaultdict
 
-import mutmut.mutation.trampoline as trampoline
 import pytest
 from _pytest.runner import runtestprotocol
-from mutmut.utils.format_utils import mangled_name_from_mutant_name
 
 _reached_now: set[str] = set()
-trampoline.record_trampoline_hit = lambda name, caller=None: _reached_now.add(name)
+
+
+def _record_reached_functions() -> None:
+    """mutmut's "stats" trampoline reports each mutated function a test reaches; keep the names. (Imported here:
+    mutmut is installed by `make mutants` only, and the test session imports this file for its doctests.)"""
+    import mutmut.mutation.trampoline as trampoline
+
+    trampoline.record_trampoline_hit = lambda name, caller=None: _reached_now.add(name)
 
 
 class _Timeout(BaseException):
@@ -46,6 +51,8 @@ class MutantLoop:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session):
+        from mutmut.utils.format_utils import mangled_name_from_mutant_name
+
         signal.signal(signal.SIGALRM, _alarm)
         reached = defaultdict(list)
         os.environ["MUTANT_UNDER_TEST"] = "stats"
@@ -81,4 +88,5 @@ class MutantLoop:
 if __name__ == "__main__":
     out_file, names_file, *pytest_args = sys.argv[1:]
     names = open(names_file).read().split()
+    _record_reached_functions()
     sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args], plugins=[MutantLoop(out_file, names)]))
