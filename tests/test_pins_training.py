@@ -1847,35 +1847,52 @@ def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny
     assert loaded == []
 
 
+class RecordedBar:
+    """A tqdm bar that records what it is told (see :func:`record_bars`)."""
+
+    def __init__(self, iterable=None, **kwargs):
+        self.iterable, self.kwargs, self.disable = iterable, kwargs, kwargs.get("disable", False)
+        self.updates, self.postfixes, self.phases, self.closed = [], [], [], False
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def update(self, n):
+        self.updates.append(n)
+
+    def set_postfix(self, **values):
+        self.postfixes.append(values)
+
+    def set_postfix_str(self, text, refresh):
+        self.phases.append(text)
+
+    def close(self):
+        self.closed = True
+
+
+def record_bars(monkeypatch, desc: str) -> list[RecordedBar]:
+    """The bars named ``desc`` that ``tqdm.auto.tqdm`` makes from now on, recorded; transformers' loading bars go
+    on through the real one."""
+    import tqdm.auto
+
+    bars, real = [], tqdm.auto.tqdm
+
+    def make(*args, **kwargs):
+        if kwargs.get("desc") != desc:
+            return real(*args, **kwargs)
+        bars.append(RecordedBar(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", make)
+    return bars
+
+
 def test_the_training_bar_counts_iterations_from_where_the_run_stands(tiny_folder, tmp_path, monkeypatch):
     import time
 
-    import tqdm.auto
-
-    bars = []
-
-    class Bar:
-        def __init__(self, **kwargs):
-            self.kwargs, self.updates, self.postfixes, self.phases, self.closed = kwargs, [], [], [], False
-            self.disable = kwargs["disable"]
-            bars.append(self)
-
-        def update(self, n):
-            self.updates.append(n)
-
-        def set_postfix(self, **values):
-            self.postfixes.append(values)
-
-        def set_postfix_str(self, text, refresh):
-            self.phases.append(text)
-
-        def close(self):
-            self.closed = True
-
-    real = tqdm.auto.tqdm  # transformers' loading bars go on through it
-    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *args, **kwargs: Bar(**kwargs) if kwargs.get("desc") == "training"
-                        else real(*args, **kwargs))
     from stppo_agent.training.trainer import Trainer
+
+    bars = record_bars(monkeypatch, "training")
 
     Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
             report=lambda _: None).train()
@@ -1997,12 +2014,10 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
     autocast dtype, the gradient clip, the bar and the time measured: what one short run hands each step."""
     import time
 
-    import tqdm.auto
-
     import stppo_agent.training.sft as sft
     from stppo_agent.models.tiny import word_tokenizer
 
-    seen = {"clip": [], "bars": []}
+    seen = {"clip": []}
     transcripts = [[TRANSCRIPT[0], {"role": "assistant", "text": "red", "turn": 0},
                     {"role": "env", "text": "green blue gold red", "turn": 0},
                     {"role": "assistant", "text": "gold", "turn": 1}]]
@@ -2018,24 +2033,7 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
     batches, to_batch = [], sft.to_batch
     monkeypatch.setattr(sft, "to_batch", lambda trajectories, pad: batches.append(to_batch(trajectories, pad)) or
                         batches[-1])
-
-    class Bar:
-        def __init__(self, steps, **kwargs):
-            self.steps, self.kwargs, self.postfixes = steps, kwargs, []
-            seen["bars"].append(self)
-
-        def __iter__(self):
-            return iter(self.steps)
-
-        def set_postfix(self, **values):
-            self.postfixes.append(values)
-
-        def close(self):
-            pass
-
-    real = tqdm.auto.tqdm
-    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *args, **kwargs: Bar(*args, **kwargs)
-                        if kwargs.get("desc") == "warm start" else real(*args, **kwargs))
+    bars = record_bars(monkeypatch, "warm start")
     prompt = len(word_tokenizer()("say red")["input_ids"])
     cfg = sft.SFTConfig(model="the/model", output_dir=str(tmp_path / "out"), device="cpu", steps=1, batch_size=1,
                         max_observation_tokens=1, max_total_tokens=prompt + 3, autocast_dtype="bfloat16", seed=5)
@@ -2045,8 +2043,8 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
     assert seen["tokenizer"] == "the/model" and seen["teacher_config"].seed == 5
     assert seen["autocast"] == "bfloat16" and seen["clip"] == [1.0]
     assert batches[0].response_ids.shape[1] == 3  # red, green (the observation cut to 1), gold: exactly the limit
-    bar, = seen["bars"]
-    assert bar.kwargs == {"desc": "warm start", "unit": "step", "disable": False}
+    bar, = bars
+    assert bar.kwargs == {"desc": "warm start", "unit": "step", "disable": False} and bar.closed
     assert bar.postfixes == [{"loss": f"{summary['last_loss']:.3f}", "refresh": False}]
     assert 0 < summary["seconds"] < elapsed
     assert summary["config"]["autocast_dtype"] == "bfloat16" and summary["demonstrations"] == 1
