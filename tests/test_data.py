@@ -171,3 +171,19 @@ def test_missing_entries_of_answer_and_option_lists_are_not_the_text_none(tmp_pa
     mcq = tmp_path / "generic_test.jsonl"
     mcq.write_text(json.dumps({"question": "Pick", "choices": ["x", None, "None"], "answer": 2}) + "\n")
     assert dict(load_examples("medqa", str(mcq))[0].choices) == {"A": "x", "C": "None"}
+
+
+def test_a_split_column_in_a_users_file_selects_that_splits_rows(tmp_path):
+    # one file holding every split (as the demo set does): a test evaluation must not see the train questions
+    rows = [{"id": f"q{i}", "question": f"question {i}?", "golden_answers": [f"a{i}"], "split": split}
+            for i, split in enumerate(["train", "test", "Train", "test", "train"])]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [e.id for e in load_examples("nq", path, split="test")] == ["q1", "q3"]
+    assert [e.id for e in load_examples("nq", path, split="TRAIN")] == ["q0", "q2", "q4"]  # names match in any case
+    folder = tmp_path / "folder"  # a folder whose files name no split: the column decides there too
+    folder.mkdir()
+    (folder / "part.jsonl").write_text(path.read_text())
+    assert [e.id for e in load_examples("nq", folder, split="test")] == ["q1", "q3"]
+    with pytest.raises(DatasetFormatError, match=r"split column.* \['test', 'train'\].* no row of split 'dev'"):
+        load_examples("nq", path, split="dev")

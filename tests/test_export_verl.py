@@ -31,3 +31,14 @@ def test_an_unknown_benchmark_is_one_line_with_a_suggestion(tmp_path, capsys):
     assert main(["export", "verl", "--benchmarks", "hotpotq", "--split", "test", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "did you mean hotpotqa?" in err
+
+
+def test_a_benchmark_named_twice_is_refused_before_anything_is_written(tmp_path, capsys):
+    # mmlu_med and mmlu-medical are one benchmark: exported twice, the second would overwrite the first's file and
+    # print its path twice, so a verl config listing both paths trains on every row twice
+    out = tmp_path / "out"
+    assert main(["export", "verl", "--benchmarks", "nq,mmlu_med,mmlu-medical", "--split", "test",
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "names mmlu_med twice" in err
+    assert not out.exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from stppo_agent.cli.arguments import positive_int
+from stppo_agent.cli.arguments import distinct_benchmarks, positive_int
 
 
 def add_parser(commands) -> None:
@@ -28,7 +28,7 @@ def add_parser(commands) -> None:
 def run_verl(args: argparse.Namespace) -> int:
     from stppo_agent.integrations.verl.data import export_verl
 
-    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    benchmarks = distinct_benchmarks(args.benchmarks)  # one named twice would write its file twice
     for path in export_verl(benchmarks, args.split, args.out, dataset=args.dataset, limit=args.limit,
                             max_turns=args.max_turns, format_reward=args.format_reward):
         print(path)

@@ -127,6 +127,8 @@ def _load_cached(benchmark: str, key: tuple[str | None, tuple], split: str, limi
         label = f"demo-{info.demo_subset}"
     else:
         table = _load_source(info, source, split, family)
+        if Path(source).exists():  # a hub split is chosen by load_dataset
+            table = _rows_of_split(table, source, split)
         label = benchmark
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -140,6 +142,21 @@ def _load_cached(benchmark: str, key: tuple[str | None, tuple], split: str, limi
     return tuple(
         example_from_record(row, label, f"{label}-{split}-{row.pop(_ROW_COLUMN)}", family) for row in table
     )
+
+
+def _rows_of_split(table: datasets.Dataset, source: str, split: str) -> datasets.Dataset:
+    """A local dataset with a ``split`` column (one file holding every split, as the demo set does) serves only
+    the rows of ``split`` (names compared in any case): all of them would put train questions in a test run."""
+    if "split" not in table.column_names:
+        return table
+    values = [str(value).lower() if value is not None else None for value in table["split"]]
+    keep = [row for row, value in enumerate(values) if value == split.lower()]
+    if not keep:
+        present = sorted({value for value in values if value is not None})
+        raise DatasetFormatError(
+            f"{source} has a split column with values {present} and no row of split {split!r}; pass --split with "
+            "one of those")
+    return table.select(keep)
 
 
 def _check_unique_ids(table: datasets.Dataset, label: str, split: str) -> None:
