@@ -253,6 +253,16 @@ def test_batch_left_pad_and_to_move_every_tensor_to_the_device_asked_for():
     assert len(tensors) >= 9 and set(tensors.values()) == {"meta"}
 
 
+def test_batch_is_built_on_the_host_whatever_the_default_device():
+    # a GPU user may set torch's default device; the batch is assembled on the host (one copy to the device later,
+    # by .to), so no part of it may follow the default while the prompt is built on "cpu"
+    with torch.device("meta"):
+        batch = to_batch(_trajectories(), pad_id=0)
+    tensors = {name: value.device.type for name, value in vars(batch).items() if isinstance(value, torch.Tensor)}
+    assert len(tensors) >= 9 and set(tensors.values()) == {"cpu"}
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22], [0, 0, 14, 24, 0]]
+
+
 def test_batch_keeps_its_dtypes_whatever_the_default_dtype():
     default = torch.get_default_dtype()
     torch.set_default_dtype(F64)

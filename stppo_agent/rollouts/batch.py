@@ -129,6 +129,13 @@ class RolloutBatch:
 
 
 def to_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
+    """The trajectories as one padded batch, built on the host whatever torch's default device (a GPU user's
+    may be CUDA): the trainer moves it with ``.to`` once."""
+    with torch.device("cpu"):
+        return _assemble(trajectories, pad_id)
+
+
+def _assemble(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
     batch = len(trajectories)
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     response_width = max(1, max(len(t.response_ids) for t in trajectories))
