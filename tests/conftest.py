@@ -9,7 +9,12 @@ from typing import Sequence
 
 import pytest
 
-from stppo_envs.retrieval import Hit, RetrievalError
+# Tests use local files only: a name that is not a local path must fail at once, as it does on a machine
+# without the hub, instead of waiting on the network (set before anything imports huggingface_hub, which reads
+# it once; subprocesses inherit it)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from stppo_envs.retrieval import Hit, RetrievalError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
