@@ -57,6 +57,12 @@ LADDER = {
     "extreme": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 100},
     # a control, not on the default ladder: extreme's lr with one on-policy step per iteration
     "lr_only": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 100},
+    # not on the default ladder: a bfloat16 sampler against the float32 learner (a bfloat16 inference engine's
+    # gap), uncorrected, at none's and at strong's knobs
+    "mismatch": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1, "generation_autocast_dtype": "bfloat16",
+                 "algorithm.rollout_correction": "none"},
+    "strong_mismatch": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "generation_autocast_dtype": "bfloat16",
+                        "algorithm.rollout_correction": "none"},
 }
 DEFAULT_LEVELS = ["none", "mild", "strong", "stale", "extreme"]
 Z95 = 1.959963984540054

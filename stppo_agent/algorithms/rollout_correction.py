@@ -28,12 +28,13 @@ from .losses import KL_LOG_RATIO_CLAMP, log_ratio_at_level
 from .segments import masked_mean, quantile
 
 
-def resolve_rollout_correction(algo, generation_backend: str):
-    """``auto`` settings for a backend: on with vLLM (TIS at the cap of 2, at turn level for turn-level
-    algorithms, else per token), off with transformers generate (the mismatch is only numerical there)."""
+def resolve_rollout_correction(algo, generation_backend: str, generation_autocast_dtype: str | None = None):
+    """``auto`` settings for a backend: on with vLLM or a bfloat16 sampler (TIS at the cap of 2, at turn level for
+    turn-level algorithms, else per token), off with transformers generate computing as the learner (the mismatch
+    is only numerical there)."""
     correction, level = algo.rollout_correction, algo.rollout_correction_level
     if correction == "auto":
-        correction = "tis" if generation_backend == "vllm" else "none"
+        correction = "tis" if generation_backend == "vllm" or generation_autocast_dtype else "none"
     if level == "auto":
         level = "turn" if algo.ratio_level == "turn" else "token"
     return dataclasses.replace(algo, rollout_correction=correction, rollout_correction_level=level)

@@ -45,8 +45,12 @@ class HFGenerationBackend:
     """
 
     def __init__(self, model, tokenizer, sampling: SamplingSettings = SamplingSettings(),
-                 stop_strings: Sequence[str] = STOP_STRINGS, batch_size: int = 64, reuse_cache: bool = True):
+                 stop_strings: Sequence[str] = STOP_STRINGS, batch_size: int = 64, reuse_cache: bool = True,
+                 autocast_dtype: str | None = None):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        # generation_autocast_dtype: every generating forward, the head's too (a model wrapped by autocast_forward
+        # keeps its float32 head), under this autocast
+        self.autocast_dtype = getattr(torch, autocast_dtype) if autocast_dtype else None
         self.stop_strings, self.batch_size, self.reuse_cache = tuple(stop_strings), batch_size, reuse_cache
         self.eos_ids = _eos_ids(model, tokenizer)
         self.turns = TurnCaches(batch_size)
@@ -104,7 +108,8 @@ class HFGenerationBackend:
             candidates = stop_candidate_ids(self.tokenizer, self.stop_strings)
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [StopOnStrings(self.tokenizer, self.stop_strings, input_ids.shape[1], candidates)])
-        with project_generation(self.model, config):
+        with project_generation(self.model, config), \
+                torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         self.model.train(was_training)
         generated = output.sequences[:, input_ids.shape[1]:]

@@ -96,6 +96,12 @@ class TrainConfig:
     """With rollout_staleness > 0: coupled (the PPO ratio is taken against the lagged behaviour policy) or
     decoupled (AReaL's decoupled PPO: the ratio against the current weights before the update, the lag as a capped,
     stop-gradient importance weight: rollout_correction, mis unless set, capped at rollout_correction_cap)."""
+    generation_autocast_dtype: str | None = None
+    """Off-policy stressor: bfloat16 runs the sampler's forward passes, output head included, under bfloat16
+    autocast while scoring and training stay in float32 -- the precision gap between a bfloat16 inference engine
+    (vLLM serving a float32-trained policy) and its learner, on the HF backend. The gap is logged as
+    rollout_logprob_diff; algorithm.rollout_correction=auto corrects it with TIS, as with vLLM (none leaves it
+    uncorrected). Needs dtype=float32 and autocast_dtype unset. None: the sampler computes as the learner."""
     strategy: str = "ddp"
     """Data-parallel strategy under torchrun: ddp (whole model per rank) or fsdp2 (parameters, gradients and
     optimizer state sharded over the ranks by torch.distributed.fsdp.fully_shard; also runs in one process)."""
@@ -183,7 +189,7 @@ class TrainConfig:
         algo = dataclasses.replace(preset, **values)
         if self.rollout_staleness > 0 and self.stale_objective == "decoupled" and algo.rollout_correction == "auto":
             algo = dataclasses.replace(algo, rollout_correction="mis")  # the behaviour weight of decoupled PPO
-        return resolve_rollout_correction(algo, self.generation_backend)
+        return resolve_rollout_correction(algo, self.generation_backend, self.generation_autocast_dtype)
 
     def rollout_limits(self) -> RolloutLimits:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
@@ -219,6 +225,7 @@ class TrainConfig:
                 raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
                                  "mixed precision)")
             validate_autocast_dtype(self.autocast_dtype, self.dtype)
+        _check_generation_precision(self)
         self.sampling()  # a bad temperature / top_p / top_k fails here, before minutes of model loading
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
@@ -288,6 +295,21 @@ def _check_ranges(config: TrainConfig) -> None:
         raise ValueError(f"max_search_error_rate must be in [0, 1], got {config.max_search_error_rate}")
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}")
+
+
+def _check_generation_precision(config: TrainConfig) -> None:
+    """generation_autocast_dtype opens a gap between the sampler and a float32 learner; where the learner is not
+    float32 there is no gap to open (autocast's float32 head would even hide most of it), so it is refused."""
+    name = config.generation_autocast_dtype
+    if name is None:
+        return
+    if name != "bfloat16":
+        raise ValueError(f"generation_autocast_dtype must be bfloat16 (or unset), got {name!r}")
+    if config.generation_backend != "hf":
+        raise ValueError("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)")
+    if config.dtype != "float32" or config.autocast_dtype is not None or config.fsdp_compute_dtype is not None:
+        raise ValueError("generation_autocast_dtype=bfloat16 samples in bfloat16 against a float32 learner: it needs "
+                         "dtype=float32 and neither autocast_dtype nor fsdp_compute_dtype")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, **flags: Any) -> TrainConfig:

@@ -86,4 +86,5 @@ def generation_backend(trainer, checkpoint: Path | None):
                                      gpu_memory_utilization=trainer.config.vllm_gpu_memory_utilization)
     return HFGenerationBackend(trainer.stale_policy.model, trainer.tokenizer, trainer.config.sampling(),
                                batch_size=trainer.config.generation_batch_size,
-                               reuse_cache=trainer.config.reuse_kv_cache)
+                               reuse_cache=trainer.config.reuse_kv_cache,
+                               autocast_dtype=trainer.config.generation_autocast_dtype)

@@ -142,7 +142,8 @@ def recorded_correction(original: TrainConfig) -> dict:
     kept = {"rollout_correction": recorded.rollout_correction,
             "rollout_correction_cap": recorded.rollout_correction_cap}
     automatic = resolve_rollout_correction(dataclasses.replace(recorded, rollout_correction_level="auto"),
-                                           original.generation_backend).rollout_correction_level
+                                           original.generation_backend,
+                                           original.generation_autocast_dtype).rollout_correction_level
     if recorded.rollout_correction_level != automatic:  # set by hand for that run: keep it
         kept["rollout_correction_level"] = recorded.rollout_correction_level
     return kept
