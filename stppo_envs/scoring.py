@@ -58,9 +58,19 @@ def exact_match(prediction: str | None, golden_answers: str | Sequence[str]) -> 
     return float(any(normalized == normalize_answer(gold) for gold in golden_list(golden_answers)))
 
 
+# HotpotQA's official F1 (hotpot_evaluate_v1.py), which FlashRAG's F1 and 2Wiki's reuse: a yes/no answer is right
+# or wrong, so it earns nothing unless it equals the gold exactly -- else the hedge "yes no" would get 2/3 on
+# every yes/no question, and a reward=f1 policy would learn to give it.
+_ALL_OR_NOTHING = frozenset({"yes", "no", "noanswer"})
+
+
 def _token_f1(prediction: str, gold: str) -> float:
-    pred_tokens = normalize_answer(prediction).split()
-    gold_tokens = normalize_answer(gold).split()
+    normalized_prediction, normalized_gold = normalize_answer(prediction), normalize_answer(gold)
+    if normalized_prediction != normalized_gold and (
+            normalized_prediction in _ALL_OR_NOTHING or normalized_gold in _ALL_OR_NOTHING):
+        return 0.0
+    pred_tokens = normalized_prediction.split()
+    gold_tokens = normalized_gold.split()
     common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
     overlap = sum(common.values())
     if overlap == 0:
@@ -71,14 +81,15 @@ def _token_f1(prediction: str, gold: str) -> float:
 
 
 def f1_score(prediction: str | None, golden_answers: str | Sequence[str]) -> float:
-    """Token-level F1 (SQuAD), maximised over the golden answers (a bare string is one answer).
+    """Token-level F1 (SQuAD), maximised over the golden answers (a bare string is one answer); a yes/no answer or
+    gold scores 1 or 0 (HotpotQA's and FlashRAG's rule: ``"yes no"`` is no partly right answer to ``"yes"``).
 
     >>> f1_score("Eiffel Tower in Paris", ["the Eiffel Tower"])
     0.6666666666666666
     >>> f1_score("", ["x"])
     0.0
-    >>> f1_score("a", "abc")
-    0.0
+    >>> f1_score("a", "abc"), f1_score("yes no", "yes")
+    (0.0, 0.0)
     """
     golden = golden_list(golden_answers)
     if prediction is None or not golden:
