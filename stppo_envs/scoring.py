@@ -107,22 +107,27 @@ _LINE_PREFIX = re.compile(r"^\s*(?:#+|>)\s+", re.MULTILINE)  # "> B", "## B"; no
 _BARE_LETTER = re.compile(r"^[(\[{]?\s*([A-Za-z])\s*[)\]}]?\s*[.:!]?$")
 # "(b) text", "[B] text" -- a bracketed letter then anything.
 _BRACKETED_LETTER = re.compile(r"^[(\[{]\s*([A-Za-z])\s*[)\]}](?=\s|[.:,;]|$)")
-# "B. text", "b) text", "B: text", "B - text": the delimiter must be followed by white space, so "B-cell",
-# "C.difficile" and "e.g." are words, not letters.
-_DELIMITED_LETTER = re.compile(r"^([A-Za-z])(?:[.:)]|\s*-)(?=\s|$)")
+# "B. text", "b) text", "B: text", "B - text", "B – text": the delimiter must be followed by white space, so
+# "B-cell", "C.difficile" and "e.g." are words, not letters.
+_DELIMITED_LETTER = re.compile(r"^([A-Za-z])(?:[.:)]|\s*[-\u2013\u2014])(?=\s|$)")
+# A letter beside its own option's text, in either order: "B (insulin)", "B insulin", "B—insulin", "insulin (B)".
+_LETTER_FIRST = re.compile(r"^[(\[{]?\s*([A-Za-z])(?:\s*[)\]}]|\s*[-\u2013\u2014.:,]|\s)\s*(.+)$", re.DOTALL)
+_LETTER_LAST = re.compile(r"^(.+?)\s*[-\u2013\u2014:,]?\s*[(\[{]\s*([A-Za-z])\s*[)\]}]\s*[.!]?$", re.DOTALL)
 # After "answer is": "B because ...", "b, since ..." also name a letter.
 _LETTER_THEN_WORD = re.compile(r"^([A-Za-z])(?=[,;!?]|\s+\S)")
 _WORDS_NOT_LETTERS = frozenset("aAI")  # "a drug", "A drug", "I think": an article or pronoun, not an option
 # "A or B", "a, c", "A/B", "B and C": a hedge names no single option.
 _HEDGE = re.compile(r"^[(\[]?[A-Za-z][)\]]?\s*(?:,|/|&|\bor\b|\band\b)\s*[(\[]?[A-Za-z]\b")
-_ANSWER_LEAD_IN = re.compile(r"\banswer\s*(?:(?:is|would be|will be|should be)\b)?\s*[:\-]?\s*",
+_ANSWER_LEAD_IN = re.compile(r"\banswer\s*(?:(?:is|would be|will be|should be)\b)?\s*[:\-\u2013\u2014]?\s*",
                              re.IGNORECASE)
-_OPTION_LEAD_IN = re.compile(r"\b(?:option|choice)\s*(?:(?:is|would be|will be|should be)\b)?\s*[:\-]?\s*",
+_OPTION_LEAD_IN = re.compile(r"\b(?:option|choice)\s*(?:(?:is|would be|will be|should be)\b)?\s*[:\-\u2013\u2014]?\s*",
                              re.IGNORECASE)
 
 
 def _strip_markup(text: str) -> str:
-    text = _LATEX_WRAPPER.sub(r"\1", text)
+    unwrapped = None
+    while unwrapped != text:  # nested wrappers, innermost first: \boxed{\text{B}}
+        unwrapped, text = text, _LATEX_WRAPPER.sub(r"\1", text)
     text = _LINE_PREFIX.sub("", _MARKUP_CHARS.sub("", text))
     return text.strip()
 
@@ -146,6 +151,11 @@ def _named_choice(text: str, choices: Mapping[str, str], after_lead_in: bool) ->
             return named[0]
     if _HEDGE.match(text):
         return None
+    for found, letter_at, text_at in ((_LETTER_FIRST.match(text), 1, 2), (_LETTER_LAST.match(text), 2, 1)):
+        if found and found.group(letter_at).upper() in choices:
+            own = normalize_answer(choices[found.group(letter_at).upper()])
+            if own and normalize_answer(found.group(text_at)) == own:
+                return found.group(letter_at).upper()
     match = _BRACKETED_LETTER.match(text) or _DELIMITED_LETTER.match(text)
     if match is None and after_lead_in:
         match = _LETTER_THEN_WORD.match(text)
@@ -159,8 +169,8 @@ def _named_choice(text: str, choices: Mapping[str, str], after_lead_in: bool) ->
 def extract_choice(prediction: str | None, choices: Mapping[str, str]) -> str | None:
     """The option letter a free-text prediction names, or None.
 
-    Markup is dropped first (``**B**``, ``*B*``, `` `B` ``, ``$\\boxed{B}$``, ``# B``). Then, on the whole
-    prediction, the first rule that names an option decides:
+    Markup is dropped first (``**B**``, ``*B*``, `` `B` ``, ``$\\boxed{B}$``, ``\\boxed{\\text{B}}``,
+    ``# B``). Then, on the whole prediction, the first rule that names an option decides:
 
     1. nothing but one letter, in either case, optionally bracketed or followed by ``.``/``:``: ``B``, ``b``,
        ``(b)``, ``[B]``, ``b.``, or such a letter alone on the first line -- the letter, even where some
@@ -169,8 +179,10 @@ def extract_choice(prediction: str | None, choices: Mapping[str, str]) -> str | 
        options, not letters C, B, D. Compared verbatim up to case, spacing and a final period first (so
        ``Rh-ve`` is not ``Rh+ve``, nor ``15.6`` ``156``), then SQuAD-normalised (punctuation and articles
        do not count) where that names exactly one option;
-    3. a leading letter, either case, bracketed (``(b) text``) or followed by ``.``, ``)``, ``:`` or `` -``
-       and white space (``B. text``, ``b) text``); ``B-cell`` and ``e.g.`` are words, not letters;
+    3. a letter beside its own option's text, in either order (``B (insulin)``, ``B insulin``, ``B—insulin``,
+       ``insulin (B)``); else a leading letter, either case, bracketed (``(b) text``) or followed by ``.``,
+       ``)``, ``:`` or a dash (`` -``, `` –``) and white space (``B. text``, ``b) text``); ``B-cell`` and
+       ``e.g.`` are words, not letters;
     4. the same rules on what follows the last "answer is" / "answer:" phrase (``The answer is b``,
        ``Final answer: **B**``, ``the answer is insulin``), else the last "option" / "choice" phrase
        (``the correct option is C``); there a letter followed by a word also counts (``the answer is B

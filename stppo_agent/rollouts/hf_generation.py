@@ -48,8 +48,8 @@ class HFGenerationBackend:
                  stop_strings: Sequence[str] = STOP_STRINGS, batch_size: int = 64, reuse_cache: bool = True,
                  autocast_dtype: str | None = None):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
-        # generation_autocast_dtype: every generating forward, the head's too (a model wrapped by autocast_forward
-        # keeps its float32 head), under this autocast
+        # generation_autocast_dtype: every generating forward runs under this autocast, the output head's too,
+        # while the learner's forwards stay float32 (the gap a bfloat16 inference engine opens)
         self.autocast_dtype = getattr(torch, autocast_dtype) if autocast_dtype else None
         self.stop_strings, self.batch_size, self.reuse_cache = tuple(stop_strings), batch_size, reuse_cache
         self.eos_ids = _eos_ids(model, tokenizer)

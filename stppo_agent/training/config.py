@@ -211,21 +211,7 @@ class TrainConfig:
                              f"({self.micro_batch_size})")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be {' or '.join(STRATEGIES)}, got {self.strategy!r}")
-        if self.fsdp_compute_dtype is not None:
-            if self.strategy != "fsdp2":
-                raise ValueError("fsdp_compute_dtype needs strategy=fsdp2 (DDP computes in `dtype`)")
-            if self.fsdp_compute_dtype not in ("bfloat16", "float16"):
-                raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {self.fsdp_compute_dtype!r}")
-        from stppo_agent.models.precision import refuse_float16_training, validate_autocast_dtype
-
-        refuse_float16_training("fsdp_compute_dtype", self.fsdp_compute_dtype)  # no loss scaler: see there
-        refuse_float16_training("dtype", self.dtype)
-        if self.autocast_dtype is not None:
-            if self.strategy == "fsdp2":
-                raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
-                                 "mixed precision)")
-            validate_autocast_dtype(self.autocast_dtype, self.dtype)
-        _check_generation_precision(self)
+        _check_precision(self)
         self.sampling()  # a bad temperature / top_p / top_k fails here, before minutes of model loading
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
@@ -295,6 +281,26 @@ def _check_ranges(config: TrainConfig) -> None:
         raise ValueError(f"max_search_error_rate must be in [0, 1], got {config.max_search_error_rate}")
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}")
+
+
+def _check_precision(config: TrainConfig) -> None:
+    """Weights, FSDP2 compute, autocast and sampler precision: no float16 where gradients are taken (no loss
+    scaler), each setting with the strategy it belongs to."""
+    if config.fsdp_compute_dtype is not None:
+        if config.strategy != "fsdp2":
+            raise ValueError("fsdp_compute_dtype needs strategy=fsdp2 (DDP computes in `dtype`)")
+        if config.fsdp_compute_dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {config.fsdp_compute_dtype!r}")
+    from stppo_agent.models.precision import refuse_float16_training, validate_autocast_dtype
+
+    refuse_float16_training("fsdp_compute_dtype", config.fsdp_compute_dtype)  # no loss scaler: see there
+    refuse_float16_training("dtype", config.dtype)
+    if config.autocast_dtype is not None:
+        if config.strategy == "fsdp2":
+            raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
+                             "mixed precision)")
+        validate_autocast_dtype(config.autocast_dtype, config.dtype)
+    _check_generation_precision(config)
 
 
 def _check_generation_precision(config: TrainConfig) -> None:
