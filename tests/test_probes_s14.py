@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from stppo_envs.scoring import f1_score
@@ -46,3 +48,81 @@ def test_a_letter_beside_other_text_still_names_no_option(prediction):
     from stppo_envs.scoring import extract_choice
 
     assert extract_choice(prediction, DRUGS) is None
+
+
+def _tiny_smollm2_model(path):
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
+
+    from .tiny_models import tiny_llama
+
+    return tiny_llama(path, load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
+
+
+def test_eval_cuts_observations_where_told_and_says_how_often_it_cut(tmp_path):
+    # A wiki-18 observation of 5 passages is ~800 SmolLM2 tokens (3 passages: 410-600): the hf: agent cut every one
+    # to a fixed 512 tokens -- passages 4 and 5 and the closing tag gone -- and the results said topk=5, nothing else.
+    from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
+    from stppo_agent.evaluation.results import format_table
+
+    model = _tiny_smollm2_model(tmp_path / "tiny")
+    settings = EvalSettings("nq", limit=2, max_turns=3, max_new_tokens=4)
+    default = evaluate_benchmark(f"hf:{model}", settings)
+    cut = evaluate_benchmark(f"hf:{model}", dataclasses.replace(settings, max_observation_tokens=16))
+    # the random model's turns are invalid: each is answered by Search-R1's ~60-token corrective message
+    assert [e["turns"] for e in cut["episodes"]] == [3, 3]
+    assert [e["observations_cut"] for e in cut["episodes"]] == [2, 2]  # both observations the agent read
+    assert cut["metrics"]["observation_cut_rate"] == 1.0
+    assert [e["observations_cut"] for e in default["episodes"]] == [0, 0]
+    assert default["metrics"]["observation_cut_rate"] == 0.0
+    # recorded where it is not the default, so compare refuses a 16-token cut beside a 512-token one; results made
+    # before the setting existed (all at 512) stay comparable with the default
+    assert cut["provenance"]["max_observation_tokens"] == 16 and "max_observation_tokens" not in default["provenance"]
+    assert "obs cut" in format_table([default, cut]) and "obs cut" not in format_table([default])
+
+
+def test_eval_warns_where_observations_were_cut(capsys):
+    from stppo_agent.cli.evaluate import warn_of_cut_observations
+
+    results = [{"benchmark": "nq", "metrics": {"observation_cut_rate": 0.25}, "provenance": {}},
+               {"benchmark": "hotpotqa", "metrics": {"observation_cut_rate": 0.0}, "provenance": {}},
+               {"benchmark": "popqa", "metrics": {"observation_cut_rate": 0.5},
+                "provenance": {"max_observation_tokens": 9}},
+               {"benchmark": "medqa", "metrics": {}, "provenance": {}}]  # a scripted agent cuts nothing
+    warn_of_cut_observations(results)
+    err = capsys.readouterr().err
+    assert "observations were cut (nq 25.0% at 512 tokens, popqa 50.0% at 9 tokens;" in err
+    assert "hotpotqa" not in err
+    warn_of_cut_observations(results[1:2] + results[3:])
+    assert capsys.readouterr().err == ""
+
+
+def test_the_eval_observation_cut_defaults_to_trainings():
+    from stppo_agent.evaluation.evaluate import EvalSettings
+    from stppo_agent.rollouts.turn_loop import RolloutLimits
+
+    assert EvalSettings("nq").max_observation_tokens == RolloutLimits.max_observation_tokens == 512
+
+
+def test_the_cut_rate_counts_the_observations_the_agent_read():
+    from stppo_agent.evaluation.evaluate import summarize
+
+    def rec(turns, cut):
+        return {"em": 0.0, "f1": 0.0, "turns": turns, "search_calls": 0, "search_errors": 0, "invalid_actions": 0,
+                "response_chars": 1, "terminated": True, "observations_cut": cut}
+
+    # an episode of t turns read t - 1 observations (the last turn's is never read)
+    assert summarize([rec(3, 1), rec(1, 0), rec(2, 1)], False)["observation_cut_rate"] == pytest.approx(2 / 3)
+    uncounted = {k: v for k, v in rec(2, 0).items() if k != "observations_cut"}  # a scripted agent reads none
+    assert "observation_cut_rate" not in summarize([rec(2, 0), uncounted], False)
+
+
+def test_evaluate_all_hands_the_observation_budget_to_every_benchmark(monkeypatch):
+    from stppo_agent.evaluation import evaluate as evaluate_module
+    from stppo_agent.evaluation.results import evaluate_all
+
+    seen = []
+    monkeypatch.setattr(evaluate_module, "evaluate_benchmark", lambda agent, settings: seen.append(settings) or {})
+    evaluate_all("oracle", ["nq", "hotpotqa"], {}, None, None, "demo", 3, 4, 32, 0, 256, 1024)
+    evaluate_all("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
+    assert [s.max_observation_tokens for s in seen] == [1024, 1024, 512]

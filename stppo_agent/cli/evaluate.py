@@ -57,7 +57,19 @@ def run(args: argparse.Namespace) -> int:
                            args.max_turns, args.batch_size, args.seed, args.max_new_tokens)
     write_results(results, Path(args.output_dir))
     print(format_table(results))
+    warn_of_cut_observations(results)
     return search_error_verdict(results, args.max_search_error_rate)
+
+
+def warn_of_cut_observations(results: Sequence[dict[str, Any]]) -> None:
+    """Say on stderr where an hf: agent's observations were cut: it read fewer passages than ``--topk`` says."""
+    cut = {r["benchmark"]: (r["metrics"]["observation_cut_rate"], r["provenance"].get("max_observation_tokens", 512))
+           for r in results if r["metrics"].get("observation_cut_rate", 0.0) > 0}
+    if cut:
+        detail = ", ".join(f"{name} {rate:.1%} at {limit} tokens" for name, (rate, limit) in cut.items())
+        print(f"stppo eval: warning: observations were cut ({detail}; share of those the agent read), as in "
+              "training (max_observation_tokens): the agent did not see every passage --topk asked for.",
+              file=sys.stderr)
 
 
 def search_error_verdict(results: Sequence[dict[str, Any]], limit: float) -> int:

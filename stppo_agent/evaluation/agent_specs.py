@@ -124,10 +124,10 @@ def _missing_folder(path: Path) -> str:
     return f"{path} does not exist; {shown}{did_you_mean(missing, names)}"
 
 
-def _hf_agent(path: str, max_new_tokens: int) -> Agent:
+def _hf_agent(path: str, max_new_tokens: int, max_observation_tokens: int | None = None) -> Agent:
     """One loaded model serves every benchmark of an evaluation; a checkpoint rewritten at the same path (a run
     trained again with --overwrite) is loaded afresh."""
-    return _cached_hf_agent(path, max_new_tokens, _folder_stamp(path))
+    return _cached_hf_agent(path, max_new_tokens, _folder_stamp(path), max_observation_tokens)
 
 
 def _folder_stamp(path: str) -> tuple:
@@ -138,19 +138,23 @@ def _folder_stamp(path: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_hf_agent(path: str, max_new_tokens: int, stamp: tuple) -> Agent:
+def _cached_hf_agent(path: str, max_new_tokens: int, stamp: tuple, max_observation_tokens: int | None = None) -> Agent:
     from stppo_agent.evaluation.hf_agent import HFAgent
 
-    return HFAgent(path, max_new_tokens=max_new_tokens)
+    budget = {} if max_observation_tokens is None else {"max_observation_tokens": max_observation_tokens}
+    return HFAgent(path, max_new_tokens=max_new_tokens, **budget)
 
 
-def build_agent(spec: str, examples: Sequence[Example], max_new_tokens: int = 256) -> Agent:
-    """An agent from its spec string; ``examples`` are given to agents that need them (the oracle)."""
+def build_agent(spec: str, examples: Sequence[Example], max_new_tokens: int = 256,
+                max_observation_tokens: int | None = None) -> Agent:
+    """An agent from its spec string; ``examples`` are given to agents that need them (the oracle).
+    ``max_observation_tokens``: where an hf: agent cuts each observation (None: its default, training's)."""
     check_agent_spec(spec)
     if spec in SCRIPTED_AGENTS:
         return SCRIPTED_AGENTS[spec](examples)
     if spec.startswith("hf:"):
-        return _hf_agent(spec[3:], max_new_tokens)
+        budget = () if max_observation_tokens is None else (max_observation_tokens,)
+        return _hf_agent(spec[3:], max_new_tokens, *budget)
     from stppo_agent.evaluation.openai_agent import OpenAIChatAgent
 
     return OpenAIChatAgent.from_spec(spec[len("openai:"):], max_tokens=max_new_tokens)

@@ -25,6 +25,10 @@ from stppo_envs.retrieval import make_retriever
 from stppo_envs.retrieval.base import portable_name
 from stppo_envs.vector import serve_searches
 
+DEFAULT_MAX_OBSERVATION_TOKENS = 512
+"""Training's default (``RolloutLimits.max_observation_tokens``): a model is evaluated on observations cut as it was
+trained on them. The only value before the setting existed, so provenance records it only where it differs."""
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
@@ -40,6 +44,7 @@ class EvalSettings:
     batch_size: int = 32
     seed: int = 0
     max_new_tokens: int = 256  # per turn, for LLM agents
+    max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS  # per observation, for hf: agents
 
 
 def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[int], seed: int = 0) -> list[dict]:
@@ -73,6 +78,8 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
                     chunk_records[slot]["episode_id"] = chunk_episode_ids[slot]
                     if hasattr(agent, "generated_tokens"):  # LLM agents count their tokens; scripted ones have none
                         chunk_records[slot]["response_tokens"] = agent.generated_tokens(chunk_episode_ids[slot])
+                    if hasattr(agent, "observations_cut"):  # agents that cut observations to a token budget
+                        chunk_records[slot]["observations_cut"] = agent.observations_cut(chunk_episode_ids[slot])
                     del active[slot]
                     bar.update(1)
         records += [chunk_records[slot] for slot in range(len(chunk))]
@@ -136,6 +143,10 @@ def summarize(records: Sequence[dict], multiple_choice: bool) -> dict[str, float
     })
     if records and all("response_tokens" in r for r in records):
         metrics["mean_response_tokens"] = mean("response_tokens")
+    if records and all("observations_cut" in r for r in records):
+        # of the observations the agent read: every turn's but the last (that episode's end)
+        read = sum(r["turns"] - 1 for r in records)
+        metrics["observation_cut_rate"] = sum(r["observations_cut"] for r in records) / max(1, read)
     return metrics
 
 
@@ -149,7 +160,10 @@ def evaluate_benchmark(agent_spec: str, settings: EvalSettings, agent_factory=No
             for _ in range(max(1, settings.batch_size))]
     examples = envs[0].examples
     envs = envs[: min(len(envs), len(examples))]
-    agent = (agent_factory or build_agent)(agent_spec, examples, settings.max_new_tokens)
+    if agent_factory is None:
+        agent = build_agent(agent_spec, examples, settings.max_new_tokens, settings.max_observation_tokens)
+    else:
+        agent = agent_factory(agent_spec, examples, settings.max_new_tokens)
     started = time.time()
     records = run_episodes(envs, agent, list(range(len(examples))), seed=settings.seed)
     multiple_choice = examples[0].is_multiple_choice
@@ -164,7 +178,7 @@ def evaluate_benchmark(agent_spec: str, settings: EvalSettings, agent_factory=No
 
 def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dict[str, Any]:
     """Everything that must match for two results to be comparable."""
-    return {
+    recorded = {
         "agent": agent_spec,
         "benchmark": settings.benchmark,
         "dataset": portable_name(settings.dataset) if settings.dataset else "demo",
@@ -180,6 +194,9 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "max_new_tokens": settings.max_new_tokens,
         "stppo_version": stppo_envs.__version__,
     }
+    if settings.max_observation_tokens != DEFAULT_MAX_OBSERVATION_TOKENS:
+        recorded["max_observation_tokens"] = settings.max_observation_tokens
+    return recorded
 
 
 def portable_spec(spec) -> str:

@@ -35,12 +35,14 @@ class HFAgent:
         self.max_new_tokens, self.max_observation_tokens = max_new_tokens, max_observation_tokens
         self._contexts: dict[str, list[int]] = {}
         self._generated: dict[str, int] = {}
+        self._cut: dict[str, int] = {}
 
     def act(self, episodes: Sequence[EpisodeView]) -> list[str]:
         if all(episode.turn == 0 for episode in episodes):  # a new set of episodes: the last set's state goes
             self.backend.end_rollout()
             self._contexts.clear()
             self._generated.clear()
+            self._cut.clear()
         contexts = [self._context(ep) for ep in episodes]
         keys = [episode.episode_id for episode in episodes]
         if len(set(keys)) != len(keys):
@@ -59,12 +61,18 @@ class HFAgent:
         """Tokens this agent generated in episode ``episode_id`` (for the evaluation's token count)."""
         return self._generated.get(episode_id, 0)
 
+    def observations_cut(self, episode_id: str) -> int:
+        """Observations of episode ``episode_id`` cut to ``max_observation_tokens`` (passages the agent never saw)."""
+        return self._cut.get(episode_id, 0)
+
     def _context(self, episode: EpisodeView) -> list[int]:
         key = episode.episode_id
         if episode.turn == 0:
-            self._generated[key] = 0
+            self._generated[key], self._cut[key] = 0, 0
             self._contexts[key] = encode_prompt(self.tokenizer, episode.transcript[0].text)
         else:
-            self._contexts[key] += encode_observation(self.tokenizer, episode.transcript[-1].text,
-                                                      self.max_observation_tokens)
+            # one token past the budget tells a cut observation from one that fits exactly
+            ids = encode_observation(self.tokenizer, episode.transcript[-1].text, self.max_observation_tokens + 1)
+            self._cut[key] = self._cut.get(key, 0) + (len(ids) > self.max_observation_tokens)
+            self._contexts[key] += ids[:self.max_observation_tokens]
         return self._contexts[key]
