@@ -126,3 +126,30 @@ def test_evaluate_all_hands_the_observation_budget_to_every_benchmark(monkeypatc
     evaluate_all("oracle", ["nq", "hotpotqa"], {}, None, None, "demo", 3, 4, 32, 0, 256, 1024)
     evaluate_all("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
     assert [s.max_observation_tokens for s in seen] == [1024, 1024, 512]
+
+
+@pytest.mark.parametrize("content, closed, action", [
+    # a server that does not say which stop string it hit stopped at the one closing the *last* open tag: the
+    # first unclosed tag (one the model only mentioned while thinking) got the closing, and the search was lost
+    ("<think>use <answer> or search?</think>\n<search> capital of France", "search", "search"),
+    ("<think>no <search> yet</think> <answer> Paris", "answer", "answer"),
+    ("<search> q </search> <answer> a", "answer", "search"),  # the turn's first complete block decides
+])
+def test_openai_agent_closes_the_tag_the_server_stopped_in(monkeypatch, content, closed, action):
+    from stppo_agent.evaluation import openai_agent
+    from stppo_agent.evaluation.agents import EpisodeView
+    from stppo_envs import Segment
+    from stppo_envs.actions import parse_action
+
+    class Response:
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"choices": [{"message": {"content": content}, "finish_reason": "stop"}]}
+
+    monkeypatch.setattr(openai_agent.requests, "post", lambda *args, **kwargs: Response())
+    agent = openai_agent.OpenAIChatAgent("http://h/v1", "m")
+    [text] = agent.act([EpisodeView("q1", "Capital of France?", None, (Segment("user", "prompt", -1),), 0)])
+    assert parse_action(text).type.value == action
+    assert text == f"{content}</{closed}>"

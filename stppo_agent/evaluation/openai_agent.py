@@ -17,7 +17,9 @@ import requests
 from stppo_agent.evaluation.agents import EpisodeView
 from stppo_agent.rollouts.generation import STOP_STRINGS
 
-_OPEN_TAG = re.compile(r"<(search|answer)>(?![\s\S]*</\1>)")
+# The last opening tag with no closing after it: a server stopped at the stop string that closes it (an earlier
+# unclosed tag is one the model only mentioned, "<think>use <answer> or search?</think>").
+_LAST_OPEN_TAG = re.compile(r"[\s\S]*<(search|answer)>(?![\s\S]*</\1>)")
 
 
 class OpenAIChatAgent:
@@ -57,7 +59,7 @@ class OpenAIChatAgent:
         stop = choice.get("stop_reason")
         if isinstance(stop, str) and stop in STOP_STRINGS:
             return text + stop
-        unclosed = _OPEN_TAG.search(text)
+        unclosed = _LAST_OPEN_TAG.match(text)
         if choice.get("finish_reason") == "stop" and unclosed:
             return text + f"</{unclosed.group(1)}>"
         return text
