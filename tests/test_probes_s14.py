@@ -153,3 +153,23 @@ def test_openai_agent_closes_the_tag_the_server_stopped_in(monkeypatch, content,
     [text] = agent.act([EpisodeView("q1", "Capital of France?", None, (Segment("user", "prompt", -1),), 0)])
     assert parse_action(text).type.value == action
     assert text == f"{content}</{closed}>"
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_an_agent_that_returns_another_number_of_actions_than_episodes_is_refused(extra):
+    # zip() paired what it could: an extra action went nowhere, a missing one left its episode to be asked again
+    # (forever, for an agent that always drops one)
+    from stppo_agent.evaluation.agents import NoSearchAgent
+    from stppo_agent.evaluation.evaluate import run_episodes
+    from stppo_envs import SearchQAEnv
+
+    class OffByOne(NoSearchAgent):
+        name = "off-by-one"
+
+        def act(self, episodes):
+            return super().act(episodes) + ["<answer> x </answer>"] * extra if extra > 0 else \
+                super().act(episodes)[:extra]
+
+    envs = [SearchQAEnv("nq", limit=2) for _ in range(2)]
+    with pytest.raises(ValueError, match=f"agent off-by-one returned {2 + extra} actions for 2 episodes"):
+        run_episodes(envs, OffByOne(), [0, 1])

@@ -66,6 +66,9 @@ def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[in
         while active:
             slots = list(active)
             actions = agent.act([_view(active[s], chunk_episode_ids[s]) for s in slots])
+            if len(actions) != len(slots):  # zip would pair what it could: lost actions, episodes asked forever
+                raise ValueError(f"agent {getattr(agent, 'name', type(agent).__name__)} returned {len(actions)} "
+                                 f"actions for {len(slots)} episodes")
             parsed = {s: active[s].begin_step(a) for s, a in zip(slots, actions)}
             hits, errors = serve_searches(retriever, topk,
                                           {s: p for s, p in parsed.items() if active[s].needs_search(p)})
