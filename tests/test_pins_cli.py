@@ -361,7 +361,7 @@ def test_evaluate_defaults_reach_evaluate_all(monkeypatch, capsys):
     results = _eval(monkeypatch)
     assert run(capsys, *EVAL) == (0, "TABLE\n", "")
     args, kwargs = results.evaluate_all.only
-    assert (args, kwargs) == (("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0, 256), {})
+    assert (args, kwargs) == (("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0, 256, 512), {})
     written, _ = results.write_results.only
     assert written == ([{"benchmark": "nq", "metrics": {}}], Path("out"))
     assert results.format_table.only == (([{"benchmark": "nq", "metrics": {}}],), {})
@@ -373,10 +373,11 @@ def test_evaluate_every_option_reaches_evaluate_all(monkeypatch, capsys, tmp_pat
     code, _, _ = run(capsys, "eval", "--agent", "search-copy", "--benchmarks", " NQ, ,HotpotQA ", "--dataset",
                      "nq=demo", "--dataset", "HotpotQA=data/hp", "--split", "dev", "--limit", "5", "--retriever",
                      "bm25:idx", "--topk", "7", "--max-turns", "2", "--batch-size", "9", "--seed", "11",
-                     "--max-new-tokens", "64", "--output-dir", str(tmp_path / "o"), "--import", str(plugin))
+                     "--max-new-tokens", "64", "--max-observation-tokens", "700", "--output-dir", str(tmp_path / "o"),
+                     "--import", str(plugin))
     assert code == 0
     assert results.evaluate_all.only == (("search-copy", ["nq", "hotpotqa"], {"nq": "demo", "hotpotqa": "data/hp"},
-                                          "dev", 5, "bm25:idx", 7, 2, 9, 11, 64), {})
+                                          "dev", 5, "bm25:idx", 7, 2, 9, 11, 64, 700), {})
     assert results.write_results.only[0][1] == tmp_path / "o"
     import sys
 

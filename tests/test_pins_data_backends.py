@@ -263,13 +263,15 @@ def test_generic_choices_with_an_index_or_a_letter():
 def test_example_from_record_dispatches_on_the_family():
     record = {"question": "Q", "choices": ["x", "y"], "answer": "A", "golden_answers": ["x"]}
     assert example_from_record(record, "b", "f", "mcq").is_multiple_choice
-    assert not example_from_record(record, "b", "f", "qa").is_multiple_choice
+    with pytest.raises(DatasetFormatError, match="multiple-choice record"):  # its options would be dropped
+        example_from_record(record, "b", "f", "qa")
     # an exported record: answer_letter decides, whatever the family
     exported = {"question": "Q", "choices": {"A": "x", "B": "y"}, "answer_letter": "b", "golden_answers": ["y"]}
     back = example_from_record(exported, "b", "f", "qa")
     assert (back.answer_letter, back.id, back.benchmark, back.golden_answers) == ("B", "f", "b", ("y", "B"))
     assert not example_from_record({**exported, "choices": None}, "b", "f", "qa").is_multiple_choice
-    assert not example_from_record({**exported, "answer_letter": ""}, "b", "f", "qa").is_multiple_choice
+    with pytest.raises(DatasetFormatError, match="multiple-choice record"):  # options without an answer letter
+        example_from_record({**exported, "answer_letter": ""}, "b", "f", "qa")
 
 
 # ---------------------------------------------------------------- loading
@@ -293,7 +295,8 @@ def test_the_default_split_is_the_benchmarks_and_the_family_can_be_overridden(tm
     assert [e.question for e in load_examples("nq", tmp_path, split="dev")] == ["dev q"]
     mcq = _jsonl(tmp_path / "m.jsonl", [{"question": "Q", "choices": ["x", "y"], "answer": "B"}])
     assert load_examples("searchqa", mcq, family="mcq")[0].answer_letter == "B"
-    assert not load_examples("searchqa", mcq)[0].is_multiple_choice
+    with pytest.raises(DatasetFormatError, match="family='mcq'"):
+        load_examples("searchqa", mcq)
 
 
 def test_ids_follow_the_row_through_shuffles_and_limits(tmp_path):

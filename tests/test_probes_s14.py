@@ -173,3 +173,38 @@ def test_an_agent_that_returns_another_number_of_actions_than_episodes_is_refuse
     envs = [SearchQAEnv("nq", limit=2) for _ in range(2)]
     with pytest.raises(ValueError, match=f"agent off-by-one returned {2 + extra} actions for 2 episodes"):
         run_episodes(envs, OffByOne(), [0, 1])
+
+
+@pytest.mark.parametrize("benchmark", ["searchqa", "nq"])
+@pytest.mark.parametrize("record", [
+    {"id": "1", "question": "Which drug lowers glucose?", "choices": ["aspirin", "insulin"], "answer": "B"},
+    {"id": "1", "question": "Which drug lowers glucose?", "options": {"A": "aspirin", "B": "insulin"},
+     "answer_idx": "B", "answer": "insulin"},
+    {"id": "1", "question": "Which drug lowers glucose?", "opa": "aspirin", "opb": "insulin", "cop": 2,
+     "answer": "insulin"},
+])
+def test_a_multiple_choice_record_is_refused_by_an_open_qa_benchmark(tmp_path, benchmark, record):
+    # It loaded as open QA: the prompt lost the options and the gold became the letter "B" (or the option's text),
+    # so the model was scored against an answer key it was never shown -- silently.
+    import json
+
+    from stppo_envs import DatasetFormatError
+    from stppo_envs.data.loading import load_examples
+
+    path = tmp_path / f"{benchmark}_test.jsonl"
+    path.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    with pytest.raises(DatasetFormatError, match=r"multiple-choice record .* family='mcq'"):
+        load_examples(benchmark, path)
+    assert load_examples(benchmark, path, family="mcq")[0].answer_letter == "B"
+
+
+def test_an_open_qa_record_with_an_empty_choices_field_still_loads(tmp_path):
+    import json
+
+    from stppo_envs.data.loading import load_examples
+
+    path = tmp_path / "nq_test.jsonl"
+    rows = [{"id": "1", "question": "Capital of France?", "golden_answers": ["Paris"], "choices": []},
+            {"id": "2", "question": "Capital of Peru?", "golden_answers": ["Lima"], "choices": None}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    assert [(e.golden_answers, e.choices) for e in load_examples("nq", path)] == [(("Paris",), None), (("Lima",), None)]

@@ -30,6 +30,9 @@ def add_parser(commands) -> None:
     ev.add_argument("--batch-size", type=positive_int, default=32, help="episodes in flight")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
     ev.add_argument("--max-new-tokens", type=positive_int, default=256, help="per turn, for LLM agents")
+    ev.add_argument("--max-observation-tokens", type=positive_int, default=512,
+                    help="tokens of each observation an hf: agent reads, the rest cut (training's "
+                         "max_observation_tokens, whose default this is); 5 wiki-18 passages take ~800 SmolLM2 tokens")
     ev.add_argument("--max-search-error-rate", type=share, default=0.01,
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                          "search the demo corpus anyway")
     retriever = args.retriever or "demo"
     results = evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, retriever, args.topk,
-                           args.max_turns, args.batch_size, args.seed, args.max_new_tokens)
+                           args.max_turns, args.batch_size, args.seed, args.max_new_tokens, args.max_observation_tokens)
     write_results(results, Path(args.output_dir))
     print(format_table(results))
     warn_of_cut_observations(results)
@@ -68,7 +71,8 @@ def warn_of_cut_observations(results: Sequence[dict[str, Any]]) -> None:
     if cut:
         detail = ", ".join(f"{name} {rate:.1%} at {limit} tokens" for name, (rate, limit) in cut.items())
         print(f"stppo eval: warning: observations were cut ({detail}; share of those the agent read), as in "
-              "training (max_observation_tokens): the agent did not see every passage --topk asked for.",
+              "training (max_observation_tokens): the agent did not see every passage --topk asked for; "
+              "--max-observation-tokens raises the limit.",
               file=sys.stderr)
 
 

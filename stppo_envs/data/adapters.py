@@ -100,7 +100,15 @@ def _as_answer_list(value: Any) -> list[str]:
 
 
 def qa_example(record: Record, benchmark: str, fallback_id: str) -> Example:
-    """Any open-domain QA row (FlashRAG or raw release format) -> Example."""
+    """Any open-domain QA row (FlashRAG or raw release format) -> Example. A row with options is refused: read as
+    open QA it would lose its options from the prompt and be scored against its answer key ("B") as an answer."""
+    options = next((name for name in _OPTION_FIELDS if _holds_options(record.get(name))), None)
+    if options is not None:
+        raise DatasetFormatError(
+            f"{benchmark}: record {record_id(record, fallback_id)!r} is a multiple-choice record (it has "
+            f"{options!r}), but {benchmark} is open QA: load it as a multiple-choice benchmark (medqa, medmcqa, "
+            "pubmedqa, mmlu_med) or with family='mcq' (SearchQAEnv, load_examples)"
+        )
     question = str(_first_field(record, _QUESTION_FIELDS, benchmark, "question"))
     answers: list[str] = []
     for name in ("golden_answers", "answer", "answers", "Answer", "possible_answers", "answer_aliases"):
@@ -129,6 +137,18 @@ def _mcq(record: Record, benchmark: str, fallback_id: str, choices: dict[str, st
         id=record_id(record, fallback_id), question=question, golden_answers=(choices[letter], letter),
         benchmark=benchmark, choices=choices, answer_letter=letter, metadata=_metadata(record),
     )
+
+
+_OPTION_FIELDS = ("choices", "options", "opa")  # generic / MedQA / MedMCQA
+
+
+def _holds_options(value: Any) -> bool:
+    """A field that holds at least one option (FlashRAG's QA rows may carry an empty ``choices``)."""
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_present(v) for v in value)
+    return _present(value)
 
 
 def _present(value: Any) -> bool:
