@@ -13,6 +13,12 @@ import re
 import string
 from typing import Mapping, Sequence
 
+SCORING_VERSION = 2
+"""Bump when the score of some answer changes. ``stppo eval`` records it in each result's provenance, so ``stppo
+compare`` refuses results scored by different versions (a result without it predates 2). 2: F1 scores a yes/no
+answer or gold all or nothing (HotpotQA's and FlashRAG's rule); a letter beside its own option's text ("B
+(insulin)"), in nested LaTeX (``$\\boxed{\\text{B}}$``) or before a dash names that option."""
+
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 

@@ -70,6 +70,18 @@ def test_compare_refuses_mismatched_provenance(tmp_path, capsys):
     assert "not comparable" in capsys.readouterr().err
 
 
+def test_compare_refuses_a_result_scored_by_an_older_scorer(tmp_path):
+    # the scorer changed (SCORING_VERSION 2): a result written before it, which records no version, may hold other
+    # scores for the same answers, so it is not compared with a new one
+    _eval(tmp_path / "new")
+    old = load_results(tmp_path / "new")
+    for record in old:
+        del record["provenance"]["scoring_version"]
+    assert {r["provenance"]["scoring_version"] for r in load_results(tmp_path / "new")} == {2}
+    with pytest.raises(ProvenanceMismatchError, match=r"scoring_version: \[None, 2\]"):
+        compare([old, load_results(tmp_path / "new")], ["old", "new"])
+
+
 def test_plot_draws_every_group(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

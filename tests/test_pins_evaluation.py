@@ -116,7 +116,7 @@ def test_a_result_records_every_setting_it_ran_under(recording_env):
         "dataset_sha256": examples_hash(examples), "limit": 5, "retriever": "IndexedRetriever",
         "retriever_id": "bm25:corpus-sha256:ab12", "topk": 2, "max_turns": 3,
         "prompt_template": template_hash(env.template, env.mcq_template, "question_mark"),
-        "seed": 40, "max_new_tokens": 17, "stppo_version": stppo_envs.__version__}
+        "seed": 40, "max_new_tokens": 17, "stppo_version": stppo_envs.__version__, "scoring_version": 2}
     assert set(result) == {"benchmark", "metrics", "provenance", "episodes", "timing"}
     assert result["benchmark"] == "nq"
     # the settings reached the episodes they describe

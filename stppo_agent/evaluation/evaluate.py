@@ -23,6 +23,7 @@ from stppo_envs import SearchQAEnv
 from stppo_envs.prompts import template_hash
 from stppo_envs.retrieval import make_retriever
 from stppo_envs.retrieval.base import portable_name
+from stppo_envs.scoring import SCORING_VERSION
 from stppo_envs.vector import serve_searches
 
 DEFAULT_MAX_OBSERVATION_TOKENS = 512
@@ -196,6 +197,7 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "seed": settings.seed,
         "max_new_tokens": settings.max_new_tokens,
         "stppo_version": stppo_envs.__version__,
+        "scoring_version": SCORING_VERSION,
     }
     if settings.max_observation_tokens != DEFAULT_MAX_OBSERVATION_TOKENS:
         recorded["max_observation_tokens"] = settings.max_observation_tokens
