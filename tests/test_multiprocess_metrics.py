@@ -113,6 +113,22 @@ def test_the_search_error_rate_over_ranks_is_exact_when_one_rank_had_only_failur
     assert combined["search_errors"] == pytest.approx(1.0) and combined["search_calls"] == pytest.approx(0.5)
 
 
+def test_the_observation_cut_rate_over_ranks_is_weighted_by_observations():
+    # rank 0: 2 trajectories, 1 observation each, both cut; rank 1: 2 trajectories, 3 each, none cut: 2 of 8
+    from types import SimpleNamespace
+
+    from stppo_agent.rollouts.statistics import combine_rollout_statistics, rollout_parts
+
+    def share(observations: float, cut_rate: float) -> SimpleNamespace:
+        stats = {"turns": 3.0, "observations": observations, "observation_cut_rate": cut_rate}
+        return SimpleNamespace(stats=stats, batch_size=2, loss_mask=torch.ones(2, 3, dtype=torch.bool),
+                               old_logprobs=None)
+
+    combined = combine_rollout_statistics([rollout_parts(share(1.0, 1.0), None), rollout_parts(share(3.0, 0.0), None)])
+    assert combined["observation_cut_rate"] == pytest.approx(2 / 8)
+    assert combined["observations"] == pytest.approx(2.0)
+
+
 class FixedShares:
     """A rollout source serving this rank's share (prompts rank::world) of a batch saved to disk."""
 

@@ -103,10 +103,12 @@ def trajectories():
     a.append([23], policy=True, turn=1, logprobs=[-2.0])
     a.reward, a.turns, a.search_calls, a.search_errors, a.invalid_actions = 1.0, 2, 1, 0, 0
     a.answered, a.terminated, a.finish_reason = True, True, "answer"
+    a.observations, a.observations_cut = 1, 1
     b = Trajectory(env=None, group_id=0, prompt_ids=[14], info={"example_id": "b"})
     b.append([24], policy=True, turn=0, logprobs=[-1.0])
     b.reward, b.turns, b.search_calls, b.search_errors, b.invalid_actions = -0.5, 3, 0, 2, 1
     b.truncated, b.finish_reason = True, "max_total_tokens"
+    b.observations, b.observations_cut = 3, 0
     return [a, b]
 
 
@@ -129,7 +131,8 @@ def test_batch_to_batch_left_pads_prompts_right_pads_responses_and_averages_the_
     assert batch.stats == pytest.approx({
         "reward": 0.25, "response_tokens": 2.0, "turns": 2.5, "search_calls": 0.5, "search_errors": 1.0,
         "answer_rate": 0.5, "invalid_action_rate": 0.2, "search_error_rate": 2 / 3,
-        "truncated_max_total_tokens": 0.5})
+        "truncated_max_total_tokens": 0.5, "observations": 2.0,
+        "observation_cut_rate": 0.25})  # cut observations over all observations, not a mean of per-row shares
     assert batch.old_logprobs is None and batch.ref_logprobs is None and batch.values is None
     assert batch.lengths().tolist() == [7, 2]
 

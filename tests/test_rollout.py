@@ -209,3 +209,23 @@ def test_per_trajectory_counters_flags_and_keys(smollm2_tokenizer):
     assert len(set(first)) == 3 and backend.calls[1] == first and backend.calls[2] == first[:2]
     # actions reach the env (and so the transcripts in episodes.jsonl) without special tokens
     assert all(tok.eos_token not in segment.text for env in envs for segment in env.transcript)
+
+
+@pytest.mark.parametrize("room", [0, -1])
+def test_observations_cut_to_their_budget_are_counted(smollm2_tokenizer, room):
+    # a cut observation hides passages from the policy: the share cut is a metric, as `stppo eval` reports it
+    tok = smollm2_tokenizer
+    search = char_by_char(tok, "<search> München </search>")
+    answer = char_by_char(tok, "<answer> Isar </answer>") + [tok.eos_token_id]
+    probe = gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=3).unwrapped
+    probe.reset(options={"index": 0})
+    observation = probe.step(tok.decode(search))[0]
+    length = len(tok(observation, add_special_tokens=False)["input_ids"])
+    envs = [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=3).unwrapped for _ in range(2)]
+    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=200, max_observation_tokens=length + room,
+                           max_prompt_tokens=400, max_total_tokens=2000)
+    batch = collect_rollouts(ScriptedBackend([search, answer]), tok, envs, [{"index": 0}] * 2, [0, 1], limits)
+    # an observation exactly as long as the budget is whole; one token more and it is cut
+    assert batch.stats["observation_cut_rate"] == (0.0 if room == 0 else 1.0)
+    observed = int((~batch.loss_mask & batch.attention_mask[:, batch.prompt_width:].bool())[0].sum())
+    assert observed == length + room

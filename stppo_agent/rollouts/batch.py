@@ -43,6 +43,8 @@ class Trajectory:
     invalid_actions: int = 0
     search_errors: int = 0
     answered: bool = False
+    observations: int = 0  # env observations appended to the transcript
+    observations_cut: int = 0  # of those, cut to max_observation_tokens (passages the policy never saw)
     info: dict = dataclasses.field(default_factory=dict)  # what reset said of the episode (example_id, ...)
 
     def counters(self) -> dict[str, int]:
@@ -161,6 +163,9 @@ def _assemble(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
         "search_errors": sum(t.search_errors for t in trajectories) / batch,  # with search_calls: the attempts
         **episode_rates([t.counters() for t in trajectories]),
         "truncated_max_total_tokens": sum(t.finish_reason == "max_total_tokens" for t in trajectories) / batch,
+        "observations": sum(t.observations for t in trajectories) / batch,
+        "observation_cut_rate": sum(t.observations_cut for t in trajectories) / max(1, sum(t.observations
+                                                                                         for t in trajectories)),
     }
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, response_ids], dim=1),

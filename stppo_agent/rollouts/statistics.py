@@ -90,6 +90,8 @@ ROLLOUT_STAT_POPULATIONS = {
     "search_errors": "trajectories",
     "answer_rate": "trajectories",
     "truncated_max_total_tokens": "trajectories",
+    "observations": "trajectories",
+    "observation_cut_rate": "observations",
     "invalid_action_rate": "turns",
     "search_error_rate": "searches",
     "advantage/mean": "policy_tokens",
@@ -121,7 +123,8 @@ def rollout_parts(batch, algo) -> dict[str, Any]:
     stats = dict(batch.stats)
     trajectories = batch.batch_size
     parts = {"stats": stats, "trajectories": float(trajectories), "policy_tokens": float(batch.loss_mask.sum()),
-             "turns": stats.get("turns", 0.0) * trajectories}
+             "turns": stats.get("turns", 0.0) * trajectories,
+             "observations": stats.get("observations", 0.0) * trajectories}
     parts["searches"] = _search_attempts(stats, trajectories)
     if "rollout_correction/weight_p99" in stats and batch.old_logprobs is not None:
         parts["weights"] = rollout_weights(batch, algo.rollout_correction_level).cpu()

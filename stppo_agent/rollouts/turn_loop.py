@@ -123,7 +123,12 @@ def _run_turn(backend, tokenizer, active: list[Trajectory], turn: int, limits: R
             trajectory.answered = info.get("prediction") is not None
             trajectory.finish_reason = "answer" if terminated else "max_turns"
             continue
-        obs_ids = encode_observation(tokenizer, observation, limits.max_observation_tokens)
+        # one token past the budget tells a cut observation from one that fits exactly
+        obs_ids = encode_observation(tokenizer, observation, limits.max_observation_tokens + 1)
+        trajectory.observations += 1
+        if len(obs_ids) > limits.max_observation_tokens:
+            trajectory.observations_cut += 1
+            obs_ids = obs_ids[:limits.max_observation_tokens]
         room = limits.max_total_tokens - len(trajectory.prompt_ids) - len(trajectory.response_ids)
         if len(obs_ids) >= room:  # no space left to generate after this observation
             trajectory.append(obs_ids[:room], policy=False, turn=turn)
