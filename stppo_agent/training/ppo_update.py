@@ -60,11 +60,21 @@ class PPOUpdate:
         return metrics
 
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
-        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation."""
+        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation. ``max_nan_skips``
+        counts these steps: one whose actor and critic both failed is one skipped update, and a critic that fails
+        every step stops the run though the actor steps (counted per model, the actor's success reset the count
+        before the critic's failure raised it, and a step where both failed counted twice)."""
         trainer = self.trainer
         metrics = self._actor_step(mini)
+        failed = ["actor"] if "skipped" in metrics else []
         if trainer.critic is not None:
-            metrics.update(self._critic_step(mini))
+            critic = self._critic_step(mini)
+            failed += ["critic"] if "skipped" in critic else []
+            metrics.update(critic)
+        if failed:
+            self._count_skip(" and ".join(failed))
+        else:
+            trainer.nan_skips_in_a_row = 0
         return metrics
 
     def _split(self, mini: RolloutBatch) -> list[RolloutBatch]:
@@ -154,7 +164,6 @@ class PPOUpdate:
         if trainer.diagnostics is not None:  # the gradient the optimizer is about to apply
             params = [p for p in trainer.actor.parameters() if p.requires_grad]
             out.update(trainer.diagnostics.finish_step(params, out, trainer.optimizer_steps))
-        trainer.nan_skips_in_a_row = 0
         trainer.actor_optimizer.step()
         trainer.actor_scheduler.step()
         trainer.optimizer_steps += 1
@@ -162,9 +171,12 @@ class PPOUpdate:
 
     def _skip_step(self, metrics: dict[str, float], which: str) -> dict[str, float]:
         trainer = self.trainer
-        trainer.actor_optimizer.zero_grad(set_to_none=True)
-        if trainer.critic_optimizer is not None:
-            trainer.critic_optimizer.zero_grad(set_to_none=True)
+        getattr(trainer, f"{which}_optimizer").zero_grad(set_to_none=True)
+        metrics["skipped"] = 1.0
+        return metrics
+
+    def _count_skip(self, which: str) -> None:
+        trainer = self.trainer
         trainer.nan_skips_in_a_row += 1
         trainer.nan_skips_total += 1
         trainer.report(f"iteration {trainer.iteration + 1}: non-finite {which} loss or gradient; update skipped "
@@ -174,8 +186,6 @@ class PPOUpdate:
                 f"{trainer.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
                 f"The last valid checkpoint is in {trainer.run_dir / 'checkpoints'}; lower the learning rate, "
                 "raise max_grad_norm headroom, or check the data and rewards, then --resume.")
-        metrics["skipped"] = 1.0
-        return metrics
 
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
         trainer = self.trainer
