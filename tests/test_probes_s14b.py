@@ -53,3 +53,35 @@ def test_a_clean_step_after_a_skipped_one_resets_the_count():
     updater._optimizer_step(_poisoned(actor=False, critic=True))
     assert "skipped" not in updater._optimizer_step(_poisoned(actor=False, critic=False))
     assert t.nan_skips_in_a_row == 0 and t.nan_skips_total == 1
+
+
+# -- a resumed run's recording holds its own iterations only ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from .tiny_models import tiny_llama, word_tokenizer
+
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+
+
+def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(tiny_model, tmp_path):
+    """Killed after recording iterations 3 and 4 but before checkpoint step-4, then resumed from step-2 for
+    iterations=3: the recording of iteration 4 came from the dead run, and a replay (which replays every recorded
+    iteration) trained on a batch this run never saw."""
+    import shutil
+
+    from stppo_agent.runs.recording import recorded_iterations
+    from stppo_agent.training.replay import replay_config
+    from stppo_agent.training.trainer import Trainer
+
+    from .test_trainer import toy_config
+
+    small = dict(prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
+                 save_every=2, keep_checkpoints=3, save_rollouts=True, on_collapse="none")
+    Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=4, **small)).train()
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")  # the kill came before iteration 4's checkpoint
+    assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3, 4]
+    Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=3, **small), resume=True, report=lambda _: None).train()
+    assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3]
+    assert not list((tmp_path / "rollouts").glob("iter-000004.*"))
+    assert replay_config(tmp_path, None, str(tmp_path / "replay")).iterations == 3

@@ -77,7 +77,18 @@ class RolloutRecorder:
             actor_state, critic_state = trainer.full_states()
             own_critic = trainer.critic if trainer.config.critic_model else None
             recorder.save_initial(trainer.actor, own_critic, actor_state, critic_state if own_critic else None)
+        elif trainer.rank == 0:
+            recorder.drop_after(trainer.iteration)
         return recorder
+
+    def drop_after(self, iteration: int) -> None:
+        """On resume: remove every rank's recordings of iterations after ``iteration``, as the metrics are cut
+        back. They come from the run that died after the checkpoint; a replay takes every recorded iteration, so
+        one the resumed run does not redo (it stops earlier) would be trained on though this run never saw it."""
+        for path in self.folder.glob("iter-*.rank-*"):
+            number = path.name.split(".")[0].removeprefix("iter-")
+            if number.isdigit() and int(number) > iteration:
+                path.unlink(missing_ok=True)
 
     def save_initial(self, actor, critic, actor_state: dict | None = None, critic_state: dict | None = None) -> None:
         """The weights every recorded batch's first update starts from (call before the first update; rank 0
