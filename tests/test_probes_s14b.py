@@ -85,3 +85,33 @@ def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(ti
     assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3]
     assert not list((tmp_path / "rollouts").glob("iter-000004.*"))
     assert replay_config(tmp_path, None, str(tmp_path / "replay")).iterations == 3
+
+
+# -- a skipped (non-finite) step neither blinds the collapse monitor nor passes for healthy -------------------------
+
+def test_an_iteration_with_a_skipped_step_logs_the_applied_steps_means_and_how_many_were_skipped():
+    """One of the iteration's steps is non-finite and skipped: the iteration's means were NaN (grad_norm, pg_loss,
+    ...), which the collapse monitor ignores, so the iteration where the trouble began was judged on nothing."""
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    batch = make_batch()
+    batch.advantages[0, 0] = math.nan  # row 0's mini-batch is skipped, the other one steps
+    metrics = PPOUpdate(t).update(batch)
+    assert t.optimizer_steps == 1 and t.nan_skips_total == 1
+    assert metrics["skipped_steps"] == 1
+    assert math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["pg_loss"])
+    clean = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    assert "skipped_steps" not in PPOUpdate(clean).update(make_batch())
+
+
+def test_skipped_steps_trip_the_monitor_from_the_first_iteration_and_twice_in_a_row_raise_the_alarm():
+    from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings
+
+    monitor = CollapseMonitor(MonitorSettings(warmup=3, window=4, patience=2))
+    first = monitor.observe(1, {"grad_norm": 1.0, "skipped_steps": 1})  # warming up: the limit applies anyway
+    assert [trip.key for trip in first.trips] == ["skipped_steps"] and not first.alarm
+    assert first.metrics()["collapse/tripped"] == 1
+    assert not monitor.observe(2, {"grad_norm": 1.0}).trips  # absent: nothing was skipped
+    monitor.observe(3, {"grad_norm": 1.0, "skipped_steps": 2})
+    assert monitor.observe(4, {"grad_norm": 1.0, "skipped_steps": 1}).alarm

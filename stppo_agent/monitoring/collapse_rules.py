@@ -68,6 +68,9 @@ SIGNALS = (
     Signal("response_tokens", "length", "both", 0.15, log=True),
 )
 
+SKIPPED_KEY = "skipped_steps"
+"""Optimizer steps the iteration skipped for a NaN/inf loss or gradient (logged only when there were some): any
+trips, from the first iteration on, as a signal's absolute limit does."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +181,9 @@ class CollapseMonitor:
         drawdown = self._drawdown(iteration, metrics.get(REWARD_KEY), learn)
         if drawdown is not None:
             trips.append(drawdown)
+        skipped = finite_number(metrics.get(SKIPPED_KEY))
+        if skipped:  # a NaN/inf loss or gradient: its other signals are missing from that step, so it trips itself
+            trips.append(Trip(SKIPPED_KEY, "non-finite", skipped, math.inf, 0.0, 0.0, limit=0.0))
         families = {trip.family for trip in trips}
         self.streaks = {family: self.streaks.get(family, 0) + 1 for family in families}
         if not trips:

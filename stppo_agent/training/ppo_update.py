@@ -43,7 +43,7 @@ class PPOUpdate:
         if trainer.world > 1:
             batch = gather_global_batch(batch, trainer.tokenizer.pad_token_id)
         size = config.mini_batch_size
-        total_steps, step = config.ppo_epochs * math.ceil(batch.batch_size / size), 0
+        total_steps, step, skipped = config.ppo_epochs * math.ceil(batch.batch_size / size), 0, 0
         for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
             for start in range(0, batch.batch_size, size):
@@ -52,8 +52,13 @@ class PPOUpdate:
                 trainer.phase(f"update step {step}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)
                 tokens += int(mini.loss_mask.sum())
+                if "skipped" in step_metrics:  # its NaN would make the iteration's means NaN: the monitor ignores
+                    skipped += 1               # those, and was blind where the trouble began; it reads the count
+                    step_metrics = {k: v for k, v in step_metrics.items() if k != "skipped" and math.isfinite(v)}
                 means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet
         metrics = means.means()
+        if skipped:
+            metrics["skipped_steps"] = skipped
         metrics["update_tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
         metrics["nan_skips_total"] = trainer.nan_skips_total
         metrics["actor_lr"] = trainer.actor_scheduler.get_last_lr()[0]
