@@ -94,24 +94,24 @@ def test_an_iteration_with_a_skipped_step_logs_the_applied_steps_means_and_how_m
     ...), which the collapse monitor ignores, so the iteration where the trouble began was judged on nothing."""
     from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
     batch = make_batch()
-    batch.advantages[0, 0] = math.nan  # row 0's mini-batch is skipped, the other one steps
+    batch.advantages[0, 0] = math.nan  # in each epoch row 0's mini-batch is skipped, the other one steps
     metrics = PPOUpdate(t).update(batch)
-    assert t.optimizer_steps == 1 and t.nan_skips_total == 1
-    assert metrics["skipped_steps"] == 1
+    assert t.optimizer_steps == 2 and t.nan_skips_total == 2
+    assert metrics["skipped"] == 2  # a count of steps, not a mean of flags (which was 1.0)
     assert math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["pg_loss"])
     clean = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
-    assert "skipped_steps" not in PPOUpdate(clean).update(make_batch())
+    assert "skipped" not in PPOUpdate(clean).update(make_batch())
 
 
 def test_skipped_steps_trip_the_monitor_from_the_first_iteration_and_twice_in_a_row_raise_the_alarm():
     from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings
 
     monitor = CollapseMonitor(MonitorSettings(warmup=3, window=4, patience=2))
-    first = monitor.observe(1, {"grad_norm": 1.0, "skipped_steps": 1})  # warming up: the limit applies anyway
-    assert [trip.key for trip in first.trips] == ["skipped_steps"] and not first.alarm
+    first = monitor.observe(1, {"grad_norm": 1.0, "skipped": 1})  # warming up: the limit applies anyway
+    assert [trip.key for trip in first.trips] == ["skipped"] and not first.alarm
     assert first.metrics()["collapse/tripped"] == 1
     assert not monitor.observe(2, {"grad_norm": 1.0}).trips  # absent: nothing was skipped
-    monitor.observe(3, {"grad_norm": 1.0, "skipped_steps": 2})
-    assert monitor.observe(4, {"grad_norm": 1.0, "skipped_steps": 1}).alarm
+    monitor.observe(3, {"grad_norm": 1.0, "skipped": 2})
+    assert monitor.observe(4, {"grad_norm": 1.0, "skipped": 1}).alarm

@@ -68,7 +68,7 @@ SIGNALS = (
     Signal("response_tokens", "length", "both", 0.15, log=True),
 )
 
-SKIPPED_KEY = "skipped_steps"
+SKIPPED_KEY = "skipped"
 """Optimizer steps the iteration skipped for a NaN/inf loss or gradient (logged only when there were some): any
 trips, from the first iteration on, as a signal's absolute limit does."""
 

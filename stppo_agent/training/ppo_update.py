@@ -57,8 +57,8 @@ class PPOUpdate:
                     step_metrics = {k: v for k, v in step_metrics.items() if k != "skipped" and math.isfinite(v)}
                 means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet
         metrics = means.means()
-        if skipped:
-            metrics["skipped_steps"] = skipped
+        if skipped:  # a count (benchmarks/stability.py reads "skipped" > 0 as a collapse)
+            metrics["skipped"] = skipped
         metrics["update_tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
         metrics["nan_skips_total"] = trainer.nan_skips_total
         metrics["actor_lr"] = trainer.actor_scheduler.get_last_lr()[0]
