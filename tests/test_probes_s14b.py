@@ -64,7 +64,8 @@ def tiny_model(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
-def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(tiny_model, tmp_path):
+@pytest.mark.parametrize("still_recording", [True, False])
+def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(tiny_model, tmp_path, still_recording):
     """Killed after recording iterations 3 and 4 but before checkpoint step-4, then resumed from step-2 for
     iterations=3: the recording of iteration 4 came from the dead run, and a replay (which replays every recorded
     iteration) trained on a batch this run never saw."""
@@ -81,10 +82,12 @@ def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(ti
     Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=4, **small)).train()
     shutil.rmtree(tmp_path / "checkpoints" / "step-4")  # the kill came before iteration 4's checkpoint
     assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3, 4]
-    Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=3, **small), resume=True, report=lambda _: None).train()
-    assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3]
+    resumed = toy_config(tiny_model, tmp_path, "grpo", iterations=3, **dict(small, save_rollouts=still_recording))
+    Trainer(resumed, resume=True, report=lambda _: None).train()
+    kept = [1, 2, 3] if still_recording else [1, 2]  # not recording: the dead run's iteration 3 goes too
+    assert recorded_iterations(tmp_path / "rollouts", 0) == kept
     assert not list((tmp_path / "rollouts").glob("iter-000004.*"))
-    assert replay_config(tmp_path, None, str(tmp_path / "replay")).iterations == 3
+    assert replay_config(tmp_path, None, str(tmp_path / "replay")).iterations == len(kept)
 
 
 # -- a skipped (non-finite) step neither blinds the collapse monitor nor passes for healthy -------------------------

@@ -50,6 +50,17 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
             "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
 
 
+def drop_recordings_after(run_dir: Path, iteration: int) -> None:
+    """On resume (recording or not): remove every rank's recordings of iterations after ``iteration``, as the
+    metrics are cut back. They come from the run that died after the checkpoint; a replay takes every recorded
+    iteration, so one the resumed run does not redo (it stops earlier, or no longer records) was trained on though
+    this run never saw it."""
+    for path in (Path(run_dir) / "rollouts").glob("iter-*.rank-*"):
+        number = path.name.split(".")[0].removeprefix("iter-")
+        if number.isdigit() and int(number) > iteration:
+            path.unlink(missing_ok=True)
+
+
 def batch_file(folder: Path, iteration: int, rank: int, suffix: str) -> Path:
     return folder / f"iter-{iteration:06d}.rank-{rank}.{suffix}"
 
@@ -77,18 +88,7 @@ class RolloutRecorder:
             actor_state, critic_state = trainer.full_states()
             own_critic = trainer.critic if trainer.config.critic_model else None
             recorder.save_initial(trainer.actor, own_critic, actor_state, critic_state if own_critic else None)
-        elif trainer.rank == 0:
-            recorder.drop_after(trainer.iteration)
         return recorder
-
-    def drop_after(self, iteration: int) -> None:
-        """On resume: remove every rank's recordings of iterations after ``iteration``, as the metrics are cut
-        back. They come from the run that died after the checkpoint; a replay takes every recorded iteration, so
-        one the resumed run does not redo (it stops earlier) would be trained on though this run never saw it."""
-        for path in self.folder.glob("iter-*.rank-*"):
-            number = path.name.split(".")[0].removeprefix("iter-")
-            if number.isdigit() and int(number) > iteration:
-                path.unlink(missing_ok=True)
 
     def save_initial(self, actor, critic, actor_state: dict | None = None, critic_state: dict | None = None) -> None:
         """The weights every recorded batch's first update starts from (call before the first update; rank 0

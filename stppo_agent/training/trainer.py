@@ -27,7 +27,7 @@ from stppo_agent.rollouts.statistics import rollout_statistics
 from stppo_agent.runs import run_folder, trainer_state
 from stppo_agent.runs.checkpoint import full_model_state, save_checkpoint
 from stppo_agent.runs.metrics_log import MetricsLogger
-from stppo_agent.runs.recording import RolloutRecorder
+from stppo_agent.runs.recording import RolloutRecorder, drop_recordings_after
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.live_rollouts import LiveRollouts
 from stppo_agent.training.model_setup import build_models
@@ -76,6 +76,8 @@ class Trainer:
                                         wandb_project=config.wandb_project, config=dataclasses.asdict(config))
             self.logger.truncate_after(self.iteration, report)
             (self.run_dir / "config.yaml").write_text(config.to_yaml(resolved=self.algo))
+        if checkpoint is not None and process_group.is_main():
+            drop_recordings_after(self.run_dir, self.iteration)
         self.recorder = RolloutRecorder.for_trainer(self) if config.save_rollouts else None
         self.diagnostics = StepDiagnostics.for_trainer(self)
         self.guard = CollapseGuard(self) if config.on_collapse != "none" else None
