@@ -413,3 +413,20 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_loaded_again(tmp_path):
     stamp = weights.stat().st_mtime_ns + 1_000_000
     os.utime(weights, ns=(stamp, stamp))
     assert build_agent(f"hf:{model}", [], 4) is not first
+
+
+def test_eval_cuts_observations_where_training_does_by_default():
+    """A model is evaluated on observations cut as it was trained on them: the library's and the CLI's default
+    (a literal there, to keep `stppo eval --help` free of torch) follow RolloutLimits'."""
+    import argparse
+
+    from stppo_agent.cli.evaluate import add_parser
+    from stppo_agent.evaluation.evaluate import DEFAULT_MAX_OBSERVATION_TOKENS
+    from stppo_agent.rollouts.turn_loop import RolloutLimits
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["eval", "--agent", "oracle", "--benchmarks", "nq", "--output-dir", "o"])
+    cli_default = args.max_observation_tokens
+    assert DEFAULT_MAX_OBSERVATION_TOKENS == RolloutLimits.max_observation_tokens == cli_default
+    assert EvalSettings("nq").max_observation_tokens == DEFAULT_MAX_OBSERVATION_TOKENS

@@ -8,7 +8,6 @@ import pytest
 
 from .test_pins_training import fake_trainer, make_batch
 
-
 # -- max_nan_skips counts optimizer steps (mini-batches), whichever model's half was non-finite --------------------
 
 def _poisoned(actor: bool, critic: bool):

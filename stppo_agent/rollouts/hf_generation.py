@@ -3,6 +3,7 @@ and KV caches kept across a trajectory's turns."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from typing import Hashable, Sequence
@@ -108,8 +109,10 @@ class HFGenerationBackend:
             candidates = stop_candidate_ids(self.tokenizer, self.stop_strings)
             kwargs["stopping_criteria"] = StoppingCriteriaList(
                 [StopOnStrings(self.tokenizer, self.stop_strings, input_ids.shape[1], candidates)])
-        with project_generation(self.model, config), \
-                torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        # torch.autocast refuses a device type it has no autocast for (meta, ...) even when disabled: not entered
+        sampler_precision = (contextlib.nullcontext() if self.autocast_dtype is None
+                             else torch.autocast(device.type, dtype=self.autocast_dtype))
+        with project_generation(self.model, config), sampler_precision:
             output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         self.model.train(was_training)
         generated = output.sequences[:, input_ids.shape[1]:]
