@@ -100,6 +100,12 @@ class StepDiagnostics:
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration, self.minibatch, self.reference = iteration, 0, None
+        self.discard_step()
+
+    def discard_step(self) -> None:
+        """Forget what a step observed without finishing it (a skipped, non-finite step): its ratios belong to no
+        applied step, and left in place they were counted in the next one's tails."""
+        self.token_log_ratios, self.turn_log_ratios = [], []
 
     @torch.no_grad()
     def observe_micro(self, micro, logprobs: torch.Tensor) -> None:

@@ -165,6 +165,8 @@ class PPOUpdate:
         trainer = self.trainer
         out = self.actor_gradients(mini)
         if not math.isfinite(out["grad_norm"]):
+            if trainer.diagnostics is not None:  # its ratios would otherwise count in the next step's tails
+                trainer.diagnostics.discard_step()
             return self._skip_step(out, "actor")
         if trainer.diagnostics is not None:  # the gradient the optimizer is about to apply
             params = [p for p in trainer.actor.parameters() if p.requires_grad]
