@@ -40,7 +40,8 @@ class TrainConfig:
     env: str = "stppo/NQ-v0"
     """Comma-separated env ids; prompts are drawn from their union (e.g. stppo/NQ-v0,stppo/HotpotQA-v0)."""
     env_kwargs: dict = dataclasses.field(default_factory=dict)
-    """Keyword arguments for gymnasium.make (dataset, split, retriever, topk, ...), shared by every env id."""
+    """Keyword arguments for gymnasium.make (dataset, split, retriever, topk, ...), shared by every env id. Search
+    envs train on ``split: train`` unless it names another (alone they serve the evaluation split)."""
     share_retriever: bool = True
     """With several processes and a local retriever spec, one process per node serves the index to that node's ranks
     over HTTP (stppo_agent/distributed/shared_retrieval.py)."""

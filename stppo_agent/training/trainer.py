@@ -33,6 +33,7 @@ from stppo_agent.training.live_rollouts import LiveRollouts
 from stppo_agent.training.model_setup import build_models
 from stppo_agent.training.ppo_update import PPOUpdate
 from stppo_agent.training.scoring import score_batch
+from stppo_agent.training.training_split import with_training_split
 
 
 class Trainer:
@@ -62,6 +63,8 @@ class Trainer:
         self._bar = None  # the progress bar while train() runs
         process_group.seed_everything(config.seed)  # the same on every rank: models are built identically
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
+        self.config = config = with_training_split(
+            config, trainer_state.checkpoint_config(checkpoint) if checkpoint is not None else None, report)
         trainer_state.check_resume_settings(self, checkpoint)  # a refused change fails before the models load
         build_models(self, checkpoint)
         self.updater = PPOUpdate(self)
