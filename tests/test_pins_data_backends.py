@@ -423,8 +423,8 @@ def test_a_folder_gives_the_files_of_the_split_or_refuses(tmp_path):
     with pytest.raises(DatasetFormatError) as info:
         loading._files_in(tmp_path, "dev")
     assert str(info.value) == (f"{tmp_path} has no file of split 'dev' (its files name splits ['test', 'train']: "
-                               "a_test.jsonl, b_test.jsonl, c_train.jsonl); pass --split with one of those, or the "
-                               "file itself as the dataset")
+                               "a_test.jsonl, b_test.jsonl, c_train.jsonl); pass --split with one of those "
+                               f"({loading.SPLIT_HINT}), or the file itself as the dataset")
     plain = tmp_path / "plain"
     plain.mkdir()
     for name in ("q2.jsonl", "q1.jsonl"):

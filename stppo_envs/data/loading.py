@@ -155,7 +155,7 @@ def _rows_of_split(table: datasets.Dataset, source: str, split: str) -> datasets
         present = sorted({value for value in values if value is not None})
         raise DatasetFormatError(
             f"{source} has a split column with values {present} and no row of split {split!r}; pass --split with "
-            "one of those")
+            f"one of those ({SPLIT_HINT})")
     return table.select(keep)
 
 
@@ -208,6 +208,7 @@ def _load_source(info: BenchmarkInfo, source: str, split: str, family: str) -> d
 
 
 SPLIT_NAMES = ("train", "dev", "validation", "valid", "val", "test")
+SPLIT_HINT = "stppo train: --set env_kwargs.split=NAME; it reads the train split by default"
 
 
 def _split_of(path: Path) -> set[str]:
@@ -227,7 +228,7 @@ def _files_in(folder: Path, split: str) -> list[Path]:
         splits = sorted({name for names in named.values() for name in names})
         raise DatasetFormatError(
             f"{folder} has no file of split {split!r} (its files name splits {splits}: {', '.join(sorted(named))}); "
-            "pass --split with one of those, or the file itself as the dataset")
+            f"pass --split with one of those ({SPLIT_HINT}), or the file itself as the dataset")
     return files
 
 
