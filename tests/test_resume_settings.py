@@ -115,3 +115,20 @@ def test_rollbacks_compound_the_learning_rate_cut_and_resume_keeps_it(tiny_model
     # a new actor_lr on resume is the rate used from then on: the rollbacks' cut was a cut of the old one
     again = Trainer(small(tiny_model, out, 4, actor_lr=1e-4), resume=True, report=lambda _: None)
     assert again.actor_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+def test_a_recording_run_keeps_its_sampling_on_resume_and_a_plain_run_may_change_it(tiny_model, tmp_path):
+    """stppo replay reads temperature & co. from the run's config.yaml for every recorded iteration: a resume that
+    changed them would have the replay recompute the earlier iterations' log-probs at the new temperature."""
+    recorded = tmp_path / "recorded"
+    Trainer(small(tiny_model, recorded, 1, save_rollouts=True)).train()
+    for key, value in (("temperature", 0.7), ("top_p", 0.9), ("top_k", 5), ("generation_autocast_dtype", "bfloat16")):
+        with pytest.raises(ValueError, match=f"--resume cannot change {key} .* iterations 1..1 were recorded"):
+            Trainer(small(tiny_model, recorded, 2, save_rollouts=True, **{key: value}), resume=True,
+                    report=lambda _: None)
+    plain = tmp_path / "plain"
+    Trainer(small(tiny_model, plain, 1)).train()
+    said = []
+    Trainer(small(tiny_model, plain, 2, temperature=0.7), resume=True, report=said.append).train()
+    assert any("temperature" in line for line in said), said
+    assert [r["step"] for r in read_metrics(plain)] == [1, 2]

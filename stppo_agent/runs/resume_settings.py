@@ -2,7 +2,8 @@
 
 Most settings may change: learning rates and weight decay (applied to the restored optimizers and schedules by
 :func:`stppo_agent.runs.trainer_state.apply_learning_rates`), iterations, the update's geometry (mini-batch,
-micro-batch, epochs), clipping and the other algorithm coefficients, sampling, limits, the collapse monitor,
+micro-batch, epochs), clipping and the other algorithm coefficients, sampling (not in a run that records its
+rollouts: :data:`RECORDED_SAMPLING`), limits, the collapse monitor,
 checkpointing, logging, the device and the strategy. Every change is printed when the run resumes.
 
 Refused, each for its reason (:data:`FIXED`): what the checkpoint's weights, optimizer state, random streams or
@@ -31,6 +32,9 @@ FIXED = {
 }
 # env_kwargs that decide which examples an env holds: the prompt sampler's saved position indexes them
 EXAMPLE_KWARGS = ("dataset", "split", "limit", "shuffle_seed", "benchmark", "family")
+# how a recording run's rollouts were sampled: stppo replay reads them from the run's config.yaml for every recorded
+# iteration (its behaviour log-probs, its rollout correction), so a resume may not change them under the recordings
+RECORDED_SAMPLING = ("temperature", "top_p", "top_k", "generation_backend", "generation_autocast_dtype")
 # changes no one needs to be told about
 QUIET = {"output_dir"}
 
@@ -60,6 +64,9 @@ def check(previous: Mapping[str, Any], current: Mapping[str, Any], iteration: in
         reason = FIXED.get(key)
         if reason is None and key.startswith("env_kwargs.") and key.split(".", 1)[1] in EXAMPLE_KWARGS:
             reason = "the checkpoint's prompt position indexes the examples this selects"
+        if reason is None and key in RECORDED_SAMPLING and previous.get("save_rollouts") and iteration > 0:
+            reason = (f"iterations 1..{iteration} were recorded sampled with {key}={_show(old)}, and stppo replay "
+                      "takes one setting for every recorded iteration")
         if reason is None and key == "save_rollouts" and new and not old and iteration > 0:
             reason = (f"the recording would lack the initial weights and iterations 1..{iteration}, so stppo replay "
                       "could not use it")
