@@ -117,3 +117,26 @@ def test_skipped_steps_trip_the_monitor_from_the_first_iteration_and_twice_in_a_
     assert not monitor.observe(2, {"grad_norm": 1.0}).trips  # absent: nothing was skipped
     monitor.observe(3, {"grad_norm": 1.0, "skipped": 2})
     assert monitor.observe(4, {"grad_norm": 1.0, "skipped": 1}).alarm
+
+
+def test_a_skipped_step_with_a_finite_loss_adds_nothing_to_the_means_nor_to_the_off_policy_steps():
+    """An inf gradient under a finite loss: the step is skipped, and its pg_loss / clip_frac describe no applied
+    step (they were averaged in with the applied ones, and the step counted in offpolicy/steps)."""
+    from stppo_agent.training.ppo_update import PPOUpdate
+
+    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    updater = PPOUpdate(t)
+    real, calls = updater.actor_gradients, []
+
+    def second_step_explodes(mini):
+        calls.append(1)
+        out = real(mini)
+        if len(calls) == 2:  # the first off-policy step
+            out.update(grad_norm=math.inf, pg_loss=1e6, clip_frac=1.0)
+        return out
+
+    updater.actor_gradients = second_step_explodes
+    metrics = updater.update(make_batch())
+    assert metrics["skipped"] == 1 and t.optimizer_steps == 3
+    assert metrics["pg_loss"] < 1e3 and metrics["clip_frac"] < 1.0
+    assert metrics["offpolicy/steps"] == 2  # steps 3 and 4; step 1 is on-policy, step 2 was skipped

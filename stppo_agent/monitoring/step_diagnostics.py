@@ -46,12 +46,14 @@ class StepMeans:
         self.sums: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
 
-    def add(self, metrics: dict[str, float], on_policy: bool) -> None:
+    def add(self, metrics: dict[str, float], on_policy: bool, applied: bool = True) -> None:
+        """One optimizer step's metrics; ``applied`` False: the actor's step was skipped (non-finite), so it is no
+        off-policy step the actor took."""
         for key, value in metrics.items():
             self._add(key, value)
             if not on_policy and key in OFF_POLICY_KEYS:
                 self._add(f"offpolicy/{key}", value)
-        if not on_policy:
+        if not on_policy and applied:
             self._add("offpolicy/steps", 1.0)
 
     def _add(self, key: str, value: float) -> None:

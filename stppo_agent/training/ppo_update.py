@@ -52,10 +52,12 @@ class PPOUpdate:
                 trainer.phase(f"update step {step}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)
                 tokens += int(mini.loss_mask.sum())
+                actor_stepped = math.isfinite(step_metrics["grad_norm"])  # what decides an actor skip
                 if "skipped" in step_metrics:  # its NaN would make the iteration's means NaN: the monitor ignores
                     skipped += 1               # those, and was blind where the trouble began; it reads the count
                     step_metrics = {k: v for k, v in step_metrics.items() if k != "skipped" and math.isfinite(v)}
-                means.add(step_metrics, on_policy=epoch == 0 and start == 0)  # the actor has not moved yet
+                means.add(step_metrics, on_policy=epoch == 0 and start == 0,  # the actor has not moved yet
+                          applied=actor_stepped)
         metrics = means.means()
         if skipped:  # a count (benchmarks/stability.py reads "skipped" > 0 as a collapse)
             metrics["skipped"] = skipped
@@ -177,10 +179,12 @@ class PPOUpdate:
         return out
 
     def _skip_step(self, metrics: dict[str, float], which: str) -> dict[str, float]:
+        """Drop the step's gradient; of its metrics keep only the gradient norm that shows why: a loss can be
+        finite where the gradient is not, and its pg_loss, clip_frac, ... describe no applied step."""
         trainer = self.trainer
         getattr(trainer, f"{which}_optimizer").zero_grad(set_to_none=True)
-        metrics["skipped"] = 1.0
-        return metrics
+        norm = "grad_norm" if which == "actor" else "critic_grad_norm"
+        return {"skipped": 1.0, norm: metrics[norm]}
 
     def _count_skip(self, which: str) -> None:
         trainer = self.trainer
