@@ -417,11 +417,13 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_loaded_again(tmp_path):
 
 def test_eval_cuts_observations_where_training_does_by_default():
     """A model is evaluated on observations cut as it was trained on them: the library's and the CLI's default
-    (a literal there, to keep `stppo eval --help` free of torch) follow RolloutLimits'."""
+    (a literal in the torch-free evaluation.agents) follow RolloutLimits', as does HFAgent's."""
     import argparse
+    import inspect
 
     from stppo_agent.cli.evaluate import add_parser
-    from stppo_agent.evaluation.evaluate import DEFAULT_MAX_OBSERVATION_TOKENS
+    from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS
+    from stppo_agent.evaluation.hf_agent import HFAgent
     from stppo_agent.rollouts.turn_loop import RolloutLimits
 
     parser = argparse.ArgumentParser()
@@ -430,3 +432,5 @@ def test_eval_cuts_observations_where_training_does_by_default():
     cli_default = args.max_observation_tokens
     assert DEFAULT_MAX_OBSERVATION_TOKENS == RolloutLimits.max_observation_tokens == cli_default
     assert EvalSettings("nq").max_observation_tokens == DEFAULT_MAX_OBSERVATION_TOKENS
+    hf_default = inspect.signature(HFAgent).parameters["max_observation_tokens"].default
+    assert hf_default == RolloutLimits.max_observation_tokens

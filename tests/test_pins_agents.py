@@ -127,7 +127,7 @@ def test_agent_specs_build_agent_picks_the_agent_the_spec_names(monkeypatch):
     assert type(build_agent("oracle", [QA])) is OracleAgent
     assert build_agent("gold-search", [QA]).act([view(turn=0, max_turns=1)])[0].endswith("Shakespeare </answer>")
     seen = []
-    monkeypatch.setattr(agent_specs, "_hf_agent", lambda path, tokens: seen.append((path, tokens)) or "hf")
+    monkeypatch.setattr(agent_specs, "_hf_agent", lambda path, tokens, cut: seen.append((path, tokens)) or "hf")
     assert build_agent("hf:some/model", [QA], max_new_tokens=33) == "hf" and seen == [("some/model", 33)]
     assert build_agent("hf:other", []) == "hf" and seen[-1] == ("other", 256)
     agent = build_agent("openai:http://h:1/v1#m:7b", [], max_new_tokens=12)
@@ -173,7 +173,7 @@ def test_agent_specs_the_hf_agent_cache_keys_on_path_tokens_and_the_folders_file
     made = []
 
     class Fake:
-        def __init__(self, path, max_new_tokens):
+        def __init__(self, path, max_new_tokens, max_observation_tokens):
             made.append((path, max_new_tokens))
 
     monkeypatch.setattr(hf_agent, "HFAgent", Fake)
@@ -185,6 +185,7 @@ def test_agent_specs_the_hf_agent_cache_keys_on_path_tokens_and_the_folders_file
     first = agent_specs._hf_agent(str(folder), 8)
     assert agent_specs._hf_agent(str(folder), 8) is first and made == [(str(folder), 8)]
     assert agent_specs._hf_agent(str(folder), 9) is not first  # another token limit: another agent
+    assert agent_specs._hf_agent(str(folder), 8, 700) is not first  # another observation cut: another agent
     stat = (folder / "w.bin").stat()
     assert agent_specs._folder_stamp(str(folder)) == (("w.bin", 2, stat.st_mtime_ns),)
     (folder / "w.bin").write_bytes(b"123")

@@ -12,6 +12,7 @@ from stppo_agent.cli.arguments import benchmarks_and_datasets, positive_int, sha
 
 def add_parser(commands) -> None:
     from stppo_agent.evaluation.agent_specs import SPEC_HELP
+    from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS
     from stppo_agent.plugins.loader import add_import_argument
 
     ev = commands.add_parser("eval", help="evaluate an agent per benchmark")
@@ -30,7 +31,7 @@ def add_parser(commands) -> None:
     ev.add_argument("--batch-size", type=positive_int, default=32, help="episodes in flight")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
     ev.add_argument("--max-new-tokens", type=positive_int, default=256, help="per turn, for LLM agents")
-    ev.add_argument("--max-observation-tokens", type=positive_int, default=512,
+    ev.add_argument("--max-observation-tokens", type=positive_int, default=DEFAULT_MAX_OBSERVATION_TOKENS,
                     help="tokens of each observation an hf: agent reads, the rest cut (training's "
                          "max_observation_tokens, whose default this is); 5 wiki-18 passages take ~800 SmolLM2 tokens")
     ev.add_argument("--max-search-error-rate", type=share, default=0.01,
@@ -66,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
 
 def warn_of_cut_observations(results: Sequence[dict[str, Any]]) -> None:
     """Say on stderr where an hf: agent's observations were cut: it read fewer passages than ``--topk`` says."""
-    cut = {r["benchmark"]: (r["metrics"]["observation_cut_rate"], r["provenance"].get("max_observation_tokens", 512))
+    from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS  # provenance omits the default
+
+    cut = {r["benchmark"]: (r["metrics"]["observation_cut_rate"],
+                            r["provenance"].get("max_observation_tokens", DEFAULT_MAX_OBSERVATION_TOKENS))
            for r in results if r["metrics"].get("observation_cut_rate", 0.0) > 0}
     if cut:
         detail = ", ".join(f"{name} {rate:.1%} at {limit} tokens" for name, (rate, limit) in cut.items())

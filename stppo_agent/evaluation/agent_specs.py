@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 from typing import Callable, Sequence
 
-from stppo_agent.evaluation.agents import SCRIPTED_AGENTS, Agent
+from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, SCRIPTED_AGENTS, Agent
 from stppo_envs import Example
 from stppo_envs.suggest import did_you_mean
 
@@ -124,7 +124,7 @@ def _missing_folder(path: Path) -> str:
     return f"{path} does not exist; {shown}{did_you_mean(missing, names)}"
 
 
-def _hf_agent(path: str, max_new_tokens: int, max_observation_tokens: int | None = None) -> Agent:
+def _hf_agent(path: str, max_new_tokens: int, max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> Agent:
     """One loaded model serves every benchmark of an evaluation; a checkpoint rewritten at the same path (a run
     trained again with --overwrite) is loaded afresh."""
     return _cached_hf_agent(path, max_new_tokens, _folder_stamp(path), max_observation_tokens)
@@ -138,23 +138,21 @@ def _folder_stamp(path: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_hf_agent(path: str, max_new_tokens: int, stamp: tuple, max_observation_tokens: int | None = None) -> Agent:
+def _cached_hf_agent(path: str, max_new_tokens: int, stamp: tuple, max_observation_tokens: int) -> Agent:
     from stppo_agent.evaluation.hf_agent import HFAgent
 
-    budget = {} if max_observation_tokens is None else {"max_observation_tokens": max_observation_tokens}
-    return HFAgent(path, max_new_tokens=max_new_tokens, **budget)
+    return HFAgent(path, max_new_tokens=max_new_tokens, max_observation_tokens=max_observation_tokens)
 
 
 def build_agent(spec: str, examples: Sequence[Example], max_new_tokens: int = 256,
-                max_observation_tokens: int | None = None) -> Agent:
+                max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> Agent:
     """An agent from its spec string; ``examples`` are given to agents that need them (the oracle).
-    ``max_observation_tokens``: where an hf: agent cuts each observation (None: its default, training's)."""
+    ``max_observation_tokens``: where an hf: agent cuts each observation (default: training's)."""
     check_agent_spec(spec)
     if spec in SCRIPTED_AGENTS:
         return SCRIPTED_AGENTS[spec](examples)
     if spec.startswith("hf:"):
-        budget = () if max_observation_tokens is None else (max_observation_tokens,)
-        return _hf_agent(spec[3:], max_new_tokens, *budget)
+        return _hf_agent(spec[3:], max_new_tokens, max_observation_tokens)
     from stppo_agent.evaluation.openai_agent import OpenAIChatAgent
 
     return OpenAIChatAgent.from_spec(spec[len("openai:"):], max_tokens=max_new_tokens)

@@ -25,6 +25,11 @@ from typing import Callable, Mapping, Protocol, Sequence
 from stppo_envs import Example, Segment
 from stppo_envs.scoring import normalize_answer
 
+DEFAULT_MAX_OBSERVATION_TOKENS = 512
+"""Training's default (``RolloutLimits.max_observation_tokens``; a test holds them equal, this module stays free
+of torch): a model is evaluated on observations cut as it was trained on them. The only value before the setting
+existed, so provenance records it only where it differs."""
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeView:

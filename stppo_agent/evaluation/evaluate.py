@@ -16,7 +16,7 @@ import time
 from typing import Any, Sequence
 
 import stppo_envs
-from stppo_agent.evaluation.agents import Agent, EpisodeView
+from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, Agent, EpisodeView
 from stppo_agent.evaluation.comparison import searched_index_id
 from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_envs import SearchQAEnv
@@ -25,10 +25,6 @@ from stppo_envs.retrieval import make_retriever
 from stppo_envs.retrieval.base import portable_name
 from stppo_envs.scoring import SCORING_VERSION
 from stppo_envs.vector import serve_searches
-
-DEFAULT_MAX_OBSERVATION_TOKENS = 512
-"""Training's default (``RolloutLimits.max_observation_tokens``): a model is evaluated on observations cut as it was
-trained on them. The only value before the setting existed, so provenance records it only where it differs."""
 
 
 @dataclasses.dataclass(frozen=True)

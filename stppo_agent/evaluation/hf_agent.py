@@ -13,13 +13,14 @@ import torch
 from stppo_agent.evaluation.agents import EpisodeView
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.rollouts.sampling import SamplingSettings
-from stppo_agent.rollouts.turn_loop import encode_observation, encode_prompt
+from stppo_agent.rollouts.turn_loop import RolloutLimits, encode_observation, encode_prompt
 
 
 class HFAgent:
     """Greedy (or sampled) generation with a causal LM checkpoint."""
 
-    def __init__(self, path: str, *, max_new_tokens: int = 256, max_observation_tokens: int = 512,
+    def __init__(self, path: str, *, max_new_tokens: int = 256,
+                 max_observation_tokens: int = RolloutLimits.max_observation_tokens,
                  sampling: SamplingSettings = SamplingSettings(greedy=True), device: str | None = None,
                  batch_size: int = 16, dtype: str = "float32", reuse_cache: bool = True):
         from stppo_agent.models.default_model import resolve_model
