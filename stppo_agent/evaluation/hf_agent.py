@@ -13,7 +13,7 @@ import torch
 from stppo_agent.evaluation.agents import EpisodeView
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.rollouts.sampling import SamplingSettings
-from stppo_agent.rollouts.turn_loop import RolloutLimits, encode_observation, encode_prompt
+from stppo_agent.rollouts.turn_loop import RolloutLimits, cut_observation, encode_prompt
 
 
 class HFAgent:
@@ -72,8 +72,7 @@ class HFAgent:
             self._generated[key], self._cut[key] = 0, 0
             self._contexts[key] = encode_prompt(self.tokenizer, episode.transcript[0].text)
         else:
-            # one token past the budget tells a cut observation from one that fits exactly
-            ids = encode_observation(self.tokenizer, episode.transcript[-1].text, self.max_observation_tokens + 1)
-            self._cut[key] = self._cut.get(key, 0) + (len(ids) > self.max_observation_tokens)
-            self._contexts[key] += ids[:self.max_observation_tokens]
+            ids, cut = cut_observation(self.tokenizer, episode.transcript[-1].text, self.max_observation_tokens)
+            self._cut[key] = self._cut.get(key, 0) + cut
+            self._contexts[key] += ids
         return self._contexts[key]

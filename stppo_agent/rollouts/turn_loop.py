@@ -64,6 +64,13 @@ def encode_observation(tokenizer, text: str, max_tokens: int) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
 
 
+def cut_observation(tokenizer, text: str, max_tokens: int) -> tuple[list[int], bool]:
+    """:func:`encode_observation`, and whether it cut anything (passages the policy never saw): one token past the
+    budget tells a cut observation from one that fits exactly."""
+    ids = encode_observation(tokenizer, text, max_tokens + 1)
+    return ids[:max_tokens], len(ids) > max_tokens
+
+
 def collect_rollouts(backend: GenerationBackend, tokenizer, envs: Sequence[gym.Env],
                      reset_options: Sequence[dict], group_ids: Sequence[int], limits: RolloutLimits,
                      seeds: Sequence[int | None] | None = None,
@@ -123,12 +130,9 @@ def _run_turn(backend, tokenizer, active: list[Trajectory], turn: int, limits: R
             trajectory.answered = info.get("prediction") is not None
             trajectory.finish_reason = "answer" if terminated else "max_turns"
             continue
-        # one token past the budget tells a cut observation from one that fits exactly
-        obs_ids = encode_observation(tokenizer, observation, limits.max_observation_tokens + 1)
+        obs_ids, cut = cut_observation(tokenizer, observation, limits.max_observation_tokens)
         trajectory.observations += 1
-        if len(obs_ids) > limits.max_observation_tokens:
-            trajectory.observations_cut += 1
-            obs_ids = obs_ids[:limits.max_observation_tokens]
+        trajectory.observations_cut += cut
         room = limits.max_total_tokens - len(trajectory.prompt_ids) - len(trajectory.response_ids)
         if len(obs_ids) >= room:  # no space left to generate after this observation
             trajectory.append(obs_ids[:room], policy=False, turn=turn)

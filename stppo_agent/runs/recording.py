@@ -56,8 +56,8 @@ def drop_recordings_after(run_dir: Path, iteration: int) -> None:
     iteration, so one the resumed run does not redo (it stops earlier, or no longer records) was trained on though
     this run never saw it."""
     for path in (Path(run_dir) / "rollouts").glob("iter-*.rank-*"):
-        number = path.name.split(".")[0].removeprefix("iter-")
-        if number.isdigit() and int(number) > iteration:
+        number = _iteration_of(path)
+        if number is not None and number > iteration:
             path.unlink(missing_ok=True)
 
 
@@ -160,6 +160,11 @@ def read_format(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def _iteration_of(path: Path) -> int | None:
+    number = path.name.split(".")[0].removeprefix("iter-")
+    return int(number) if number.isdigit() else None
+
+
 def _rank_of(path: Path) -> int | None:
     rank = path.name.split(".")[1].removeprefix("rank-") if path.name.count(".") >= 2 else ""
     return int(rank) if rank.isdigit() else None
@@ -211,13 +216,8 @@ def load_iteration(folder: Path, iteration: int, pad_id: int):
 
 
 def recorded_iterations(folder: Path, rank: int) -> list[int]:
-    out = []
-    for path in folder.glob(f"iter-*.rank-{rank}.safetensors"):
-        try:
-            out.append(int(path.name.split(".")[0].removeprefix("iter-")))
-        except ValueError:
-            continue
-    return sorted(out)
+    numbers = (_iteration_of(path) for path in folder.glob(f"iter-*.rank-{rank}.safetensors"))
+    return sorted(number for number in numbers if number is not None)
 
 
 def load_batch(folder: Path, iteration: int, rank: int):
