@@ -32,7 +32,7 @@ def train(model: Path, out: Path, iterations: int, resume: bool = False) -> subp
                  "tensorboard=false"):
         command += ["--set", item]
     done = subprocess.run(command + (["--resume"] if resume else []), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-1500:] + "\n--- stderr ---\n" + done.stderr[-3000:]
     return done
 
 

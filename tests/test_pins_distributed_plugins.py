@@ -119,9 +119,10 @@ def test_process_group_for_a_command_meets_at_a_barrier_then_leaves(monkeypatch)
     monkeypatch.setattr(dist, "is_initialized", lambda: state["up"])
     monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(pg.gc, "collect", lambda: calls.append("collect"))
     with pg.process_group_for_command():
         calls.append("work")
-    assert calls == ["init", "work", "barrier", "destroy"]
+    assert calls == ["init", "work", "collect", "barrier", "destroy"]
     calls.clear()
     with pytest.raises(RuntimeError, match="failed"):
         with pg.process_group_for_command():
@@ -133,6 +134,32 @@ def test_process_group_for_a_command_meets_at_a_barrier_then_leaves(monkeypatch)
     with pg.process_group_for_command():
         pass
     assert calls == ["init"]
+
+
+def test_what_a_command_left_in_reference_cycles_is_gone_before_it_leaves_the_group(monkeypatch):
+    """A trainer sits in reference cycles and its DDP model holds the group: freed only by the cyclic collector,
+    it outlived destroy_process_group and took gloo's threads down in interpreter finalization (an abort)."""
+    import gc
+    import weakref
+
+    class Holder:  # stands for the trainer and its DDP model
+        pass
+
+    state, alive_at_destroy = {"up": False}, []
+    monkeypatch.setattr(pg, "init_from_env", lambda: state.update(up=True))
+    monkeypatch.setattr(dist, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: alive_at_destroy.append(held() is not None))
+    gc.disable()  # only the command's own collection may free the cycle
+    try:
+        with pg.process_group_for_command():
+            holder = Holder()
+            holder.itself = holder
+            held = weakref.ref(holder)
+            del holder
+    finally:
+        gc.enable()
+    assert alive_at_destroy == [False]
 
 
 def test_process_group_a_one_process_group_for_fsdp2(monkeypatch):

@@ -13,6 +13,8 @@ so that one data-parallel step computes exactly the gradient of the whole global
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import gc
 import os
 import random
 import socket
@@ -38,11 +40,18 @@ def process_group_for_command():
     another rank exits, failing a run that finished. After an error the group is left as it is: other ranks may
     still be inside a collective, and torchrun stops them."""
     init_from_env()
+    if dist.is_initialized():
+        if not faulthandler.is_enabled():  # (pytest enables its own)
+            faulthandler.enable()  # a rank that aborts in C++ prints where its Python threads were (stderr)
     yield
     if dist.is_initialized():
-        # Every rank is done talking before any tears gloo down: leaving alone still aborted a rank of a finished
-        # 2-process run once (a fresh-clone CI run in session 12, ~7 torchrun runs under load), the rank that left
-        # first while the other was still writing its summary.
+        # The command's objects go first, while the interpreter is whole: a trainer sits in reference cycles, and its
+        # DDP model's reducer holds the group, so without a collection here the group outlived
+        # destroy_process_group and gloo's worker threads were torn down in interpreter finalization -- the abort of
+        # a finished run that a barrier alone did not stop (session 15's CI, after 99 clean runs in session 12).
+        gc.collect()
+        # Every rank is done talking before any tears gloo down (the rank that left first while the other was
+        # still writing its summary aborted once, session 12).
         dist.barrier()
         dist.destroy_process_group()
 
