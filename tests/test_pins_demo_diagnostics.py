@@ -382,11 +382,12 @@ def test_demo_trainer_counts_an_iteration_done_at_the_next_iterations_first_phas
     from stppo_agent.training.trainer import Trainer
 
     made, phases = [], []
-    monkeypatch.setattr(Trainer, "__init__", lambda self, config, report: made.append((config, report)))
+    monkeypatch.setattr(Trainer, "__init__", lambda self, config, report, overwrite: made.append(
+        (config, report, overwrite)))
     monkeypatch.setattr(Trainer, "phase", lambda self, text: phases.append(text))
     progress = Recorder()
     trainer = demo.DemoTrainer("config", progress)
-    assert made == [("config", progress.say)] and trainer.progress is progress
+    assert made == [("config", progress.say, True)] and trainer.progress is progress
     trainer.iteration = 0
     trainer.phase("rollout")
     trainer.iteration = 1

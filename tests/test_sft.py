@@ -206,3 +206,9 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
         results = json.loads((out / folder / "results.json").read_text())
         assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
         assert results[0]["provenance"]["agent"] == agent and results[0]["metrics"]["n"] == 2
+    # the demo owns its folder: running it again replaces the first run instead of refusing at the RL step
+    capsys.readouterr()
+    assert main(["demo", "--model", str(tiny_model), "--output-dir", str(out), "--sft-steps", "0",
+                 "--iterations", "1", "--limit", "1"]) == 0
+    assert f"--overwrite: removing the run in {out / 'train'}" in capsys.readouterr().out
+    assert f"model: {tiny_model}" in (out / "train" / "config.yaml").read_text()  # the second run's own config

@@ -72,7 +72,9 @@ class DemoTrainer(Trainer):
 
     def __init__(self, config, progress: DemoProgress):
         self.progress = progress
-        super().__init__(config, report=progress.say)
+        # The demo owns its output folder: a second `make demo` replaces the first one's run, as it replaces its
+        # warm start and evaluations, instead of refusing after minutes of warm start and evaluation.
+        super().__init__(config, report=progress.say, overwrite=True)
 
     def phase(self, text: str) -> None:
         super().phase(text)
