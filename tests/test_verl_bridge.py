@@ -373,6 +373,28 @@ def test_a_response_cut_after_an_observation_has_no_final_turn():
     assert verl_reward.compute_score("nq", tool_agent, ground_truth, {"format_reward": 0.2})["score"] == 1.0
 
 
+def test_an_observation_the_budget_cut_still_ends_its_turn():
+    """The agent loop keeps an observation's first max_observation_tokens tokens (Search-R1's cut): the closing
+    </information> is gone, and the next turn must still be read as a turn of its own, wherever the cut fell."""
+    ground_truth = {"target": ["Paris"], "choices": [], "answer_letter": ""}
+    observation = "\n\n<information>Doc 1(Title: \"France\") Its capital is not Lyon.\nDoc 2(Title: \"x\") y</information>\n\n"
+    opening = observation.index("<information>") + len("<information>")
+    for cut in range(opening, len(observation) + 1):
+        response = "<search> capital </search>" + observation[:cut] + "<answer> Paris </answer>"
+        scored = verl_reward.compute_score("nq", response, ground_truth, {"max_turns": 2, "format_reward": 0.2})
+        assert (scored["score"], scored["turns"], scored["invalid_actions"]) == (1.0, 2.0, 0.0), cut
+        # the answer turn is the second of two: with one turn allowed it never happened
+        assert verl_reward.compute_score("nq", response, ground_truth, {"max_turns": 1})["score"] == 0.0, cut
+    # a cut observation, a second search, a whole observation, the answer: three turns
+    response = ("<search> a </search>" + observation[:40] + "<think> more </think><search> b </search>" + observation
+                + "<answer> Paris </answer>")
+    assert verl_reward.split_turns(response) == ["<search> a </search>\n\n",
+                                                  "<think> more </think><search> b </search>\n\n",
+                                                  "\n\n<answer> Paris </answer>"]
+    # verl's length limit cut the response inside an observation: no final turn
+    assert verl_reward.split_turns("<search> a </search>" + observation[:40]) == ["<search> a </search>\n\n"]
+
+
 # -- point 4: the search tool against a live `stppo serve` ------------------------------------------------------------
 def _free_port() -> int:
     import socket

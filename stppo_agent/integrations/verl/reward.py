@@ -6,7 +6,8 @@
 verl hands over the decoded response of a whole episode (every assistant turn and every observation, as one
 string), the row's ``reward_model.ground_truth`` and ``extra_info`` as :mod:`.data` wrote them. The turns are
 recovered from the observations the env inserts between them (``<information>`` blocks, failed searches, the
-invalid-action message), then replayed with the env's own rules: each turn's action is its first complete
+invalid-action message; an ``<information>`` block the observation budget cut ends where the next turn opens a
+tag), then replayed with the env's own rules: each turn's action is its first complete
 ``<search>``/``<answer>`` block (``stppo_envs.actions.parse_action``); the first answer ends the episode; turns past
 ``max_turns`` never happened; the answer is scored by exact match (QA) or by the option it names (multiple choice,
 ``stppo_envs.scoring``); ``format_reward`` as the env's. A turn holding a ``<tool_call>`` (verl's tool agent calls
@@ -24,7 +25,14 @@ from typing import Any, Mapping
 from stppo_envs import scoring
 from stppo_envs.actions import INVALID_ACTION_MESSAGE, ActionType, parse_action
 
-OBSERVATION = re.compile(r"<information>.*?</information>|" + re.escape(INVALID_ACTION_MESSAGE.strip()), re.DOTALL)
+# An observation is a whole <information> block, or one the observation budget cut (the agent loop keeps its first
+# max_observation_tokens tokens, as Search-R1 does, so its closing tag is gone): a cut block ends where the policy's
+# next turn opens a tag, at the next observation, or at the end of the response. Text the policy writes before its
+# first tag in that turn reads as part of the cut block; a passage that quotes a tag ends a cut block early.
+_ACTION_TAG = r"<(?:think|search|answer|tool_call)>"
+OBSERVATION = re.compile(r"<information>(?:(?!<information>).)*?</information>"
+                         rf"|<information>(?:(?!<information>).)*?(?={_ACTION_TAG}|<information>|\Z)"
+                         "|" + re.escape(INVALID_ACTION_MESSAGE.strip()), re.DOTALL)
 TOOL_CALL = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
