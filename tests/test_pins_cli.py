@@ -160,6 +160,13 @@ def test_verbosity_third_party_output_off_and_on(monkeypatch):
 
     monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    # datasets reads the variable once, at its import, and then that setting wins over enable/disable (its
+    # documented rule): set in the test's environment (`make mutants` sets it) or by an earlier test before
+    # datasets was first imported, it would decide this test. The subject here is our switch, not that rule.
+    import importlib
+
+    ds_tqdm = importlib.import_module("datasets.utils.tqdm")  # the module: datasets.utils exports a class tqdm too
+    monkeypatch.setattr(ds_tqdm, "HF_DATASETS_DISABLE_PROGRESS_BARS", None)
     hub_was_off = hub_utils.are_progress_bars_disabled()
     try:
         set_third_party_output(False)
