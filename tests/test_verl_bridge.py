@@ -377,7 +377,8 @@ def test_an_observation_the_budget_cut_still_ends_its_turn():
     """The agent loop keeps an observation's first max_observation_tokens tokens (Search-R1's cut): the closing
     </information> is gone, and the next turn must still be read as a turn of its own, wherever the cut fell."""
     ground_truth = {"target": ["Paris"], "choices": [], "answer_letter": ""}
-    observation = "\n\n<information>Doc 1(Title: \"France\") Its capital is not Lyon.\nDoc 2(Title: \"x\") y</information>\n\n"
+    observation = ("\n\n<information>Doc 1(Title: \"France\") Its capital is not Lyon.\nDoc 2(Title: \"x\") y"
+                   "</information>\n\n")
     opening = observation.index("<information>") + len("<information>")
     for cut in range(opening, len(observation) + 1):
         response = "<search> capital </search>" + observation[:cut] + "<answer> Paris </answer>"
