@@ -1,0 +1,150 @@
+"""Pins of ``Trainer.__init__``'s wiring with every collaborator stubbed in the trainer module (fast: no model is
+built): the defaults of ``resume``/``overwrite``, the order of the config's resolutions, the multiple-of-world
+check, the seeds of rank 0 and of another rank, what resume, the logger, config.yaml, the recorder and the guard
+receive, and what a non-main process leaves unset."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from stppo_agent.training import trainer as trainer_module
+
+
+@dataclasses.dataclass
+class FakeConfig:
+    output_dir: str = "run"
+    device: str = "cpu"
+    strategy: str = "ddp"
+    prompts_per_iteration: int = 4
+    mini_batch_size: int = 2
+    seed: int = 7
+    tensorboard: bool = True
+    wandb_project: str = "wb"
+    save_rollouts: bool = False
+    on_collapse: str = "none"
+    stage: str = "raw"
+
+    def validate(self):
+        CALLS.append(("validate", self.stage))
+
+    def algorithm_config(self):
+        return f"algo<{self.stage}>"
+
+    def to_yaml(self, resolved):
+        return f"yaml {self.stage} {resolved}"
+
+
+CALLS: list = []
+
+
+class Logger:
+    def __init__(self, run_dir, **kwargs):
+        CALLS.append(("logger", run_dir, kwargs))
+
+    def truncate_after(self, iteration, report):
+        CALLS.append(("truncate_after", iteration, report))
+
+
+def _stub(monkeypatch, *, rank=0, world=1, checkpoint=None):
+    CALLS.clear()
+
+    def record(name, result=None):
+        return lambda *args, **kwargs: CALLS.append((name, args, kwargs)) or result
+
+    monkeypatch.setattr(trainer_module, "resolve_device", lambda d: f"dev<{d}>")
+    monkeypatch.setattr(trainer_module, "with_resolved_precision",
+                        lambda c, d: dataclasses.replace(c, stage=f"{c.stage}+prec({d})"))
+    monkeypatch.setattr(trainer_module, "with_training_split",
+                        lambda c, ck, report: dataclasses.replace(c, stage=f"{c.stage}+split({ck},{report.__name__})"))
+    monkeypatch.setattr(trainer_module, "process_group", SimpleNamespace(
+        ensure_process_group=record("ensure_process_group"), rank=lambda: rank, world_size=lambda: world,
+        seed_everything=record("seed"), rank_seed=lambda seed, r: seed * 100 + r, is_main=lambda: rank == 0))
+    monkeypatch.setattr(trainer_module, "run_folder",
+                        SimpleNamespace(prepare_on_all_ranks=record("prepare", checkpoint)))
+    monkeypatch.setattr(trainer_module, "trainer_state", SimpleNamespace(
+        checkpoint_config=lambda ck: f"cfg<{ck}>", check_resume_settings=record("check_resume"),
+        resume=record("resume")))
+    monkeypatch.setattr(trainer_module, "build_models", record("build_models"))
+    monkeypatch.setattr(trainer_module, "PPOUpdate", lambda t: ("updater", t))
+    monkeypatch.setattr(trainer_module, "LiveRollouts", lambda t: ("live", t))
+    monkeypatch.setattr(trainer_module, "MetricsLogger", Logger)
+    monkeypatch.setattr(trainer_module, "drop_recordings_after", record("drop"))
+    monkeypatch.setattr(trainer_module, "RolloutRecorder", SimpleNamespace(for_trainer=lambda t: ("recorder", t)))
+    monkeypatch.setattr(trainer_module, "StepDiagnostics", SimpleNamespace(for_trainer=lambda t: ("diag", t)))
+    monkeypatch.setattr(trainer_module, "CollapseGuard", lambda t: ("guard", t))
+
+
+def report(message):
+    pass
+
+
+def _calls(name):
+    return [c[1:] for c in CALLS if c[0] == name]
+
+
+def test_defaults_and_wiring_of_a_new_run(monkeypatch, tmp_path):
+    _stub(monkeypatch)
+    t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path)), report=report)
+    assert _calls("prepare") == [((tmp_path,), {"resume": False, "overwrite": False, "report": report})]
+    assert t.device == "dev<cpu>" and t.run_dir == tmp_path and t.rank == 0 and t.world == 1
+    assert t.config.stage == "raw+prec(dev<cpu>)+split(None,report)" and t.algo == "algo<raw+prec(dev<cpu>)>"
+    assert _calls("validate") == [("raw",)]
+    assert (t.iteration, t.optimizer_steps, t.nan_skips_in_a_row, t.nan_skips_total) == (0, 0, 0, 0)
+    assert t.actor_lr_scale == 1.0 and t._bar is None and t.sharded is False
+    assert t.report is report and t.batch_hook is None
+    assert _calls("ensure_process_group") == [] and _calls("seed") == [((7,), {})]
+    assert _calls("check_resume") == [((t, None), {})] and _calls("build_models") == [((t, None), {})]
+    assert t.updater == ("updater", t) and t.source == ("live", t)
+    assert _calls("resume") == [] and _calls("drop") == []
+    config = dataclasses.asdict(t.config)
+    assert _calls("logger") == [(tmp_path, {"tensorboard": True, "wandb_project": "wb", "config": config})]
+    assert _calls("truncate_after") == [(0, report)]
+    assert (tmp_path / "config.yaml").read_text() == f"yaml {t.config.stage} algo<raw+prec(dev<cpu>)>"
+    assert t.recorder is None and t.diagnostics == ("diag", t) and t.guard is None
+
+
+def test_resume_source_recorder_guard_and_sharding(monkeypatch, tmp_path):
+    _stub(monkeypatch, checkpoint="CK")
+    source = lambda t: ("mine", t)  # noqa: E731
+    t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path), strategy="fsdp2", save_rollouts=True,
+                                          on_collapse="stop"), resume=True, overwrite=True, report=report,
+                               rollout_source=source)
+    assert _calls("prepare")[0][1] == {"resume": True, "overwrite": True, "report": report}
+    assert t.sharded is True and len(_calls("ensure_process_group")) == 1
+    assert t.config.stage.endswith("+split(cfg<CK>,report)")
+    assert _calls("check_resume") == [((t, "CK"), {})] and _calls("build_models") == [((t, "CK"), {})]
+    assert _calls("resume") == [((t, "CK"), {})] and _calls("drop") == [((tmp_path, 0), {})]
+    assert t.source == ("mine", t) and t.recorder == ("recorder", t) and t.guard == ("guard", t)
+
+
+def test_another_rank_reseeds_and_writes_nothing(monkeypatch, tmp_path):
+    _stub(monkeypatch, rank=1, world=2, checkpoint="CK")
+    t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path)), report=report)
+    assert _calls("seed") == [((7,), {}), ((701,), {})]
+    assert t.logger is None and not (tmp_path / "config.yaml").exists()
+    assert _calls("logger") == [] and _calls("drop") == [] and _calls("resume") == [((t, "CK"), {})]
+
+
+def test_rank_two_reseeds_too(monkeypatch, tmp_path):
+    _stub(monkeypatch, rank=2, world=2)
+    trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path)), report=report)
+    assert _calls("seed") == [((7,), {}), ((702,), {})]
+
+
+@pytest.mark.parametrize("prompts,mini", [(3, 2), (4, 3), (3, 3)])
+def test_sizes_must_be_multiples_of_the_world(monkeypatch, tmp_path, prompts, mini):
+    _stub(monkeypatch, world=2)
+    with pytest.raises(ValueError, match=rf"prompts_per_iteration \({prompts}\) and mini_batch_size \({mini}\) "
+                                         r"must be multiples of the number of processes \(2\)"):
+        trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path), prompts_per_iteration=prompts,
+                                          mini_batch_size=mini), report=report)
+    assert _calls("prepare") == []
+
+
+def test_print_is_the_default_report(monkeypatch, tmp_path):
+    _stub(monkeypatch)
+    t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path)))
+    assert t.report is print and _calls("prepare")[0][1]["report"] is print
