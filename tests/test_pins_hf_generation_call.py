@@ -8,23 +8,12 @@ import torch
 
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 
+from .tiny_models import tiny_generation_model
+
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from stppo_agent.models.tiny import word_tokenizer
-
-    tokenizer = word_tokenizer()
-    state = torch.random.get_rng_state()
-    torch.manual_seed(11)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    model = LlamaForCausalLM(config)
-    torch.random.set_rng_state(state)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    return model, tokenizer
+    return tiny_generation_model()
 
 
 def _autocast_seen(model, backend) -> set:

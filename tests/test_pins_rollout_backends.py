@@ -42,6 +42,8 @@ from stppo_agent.rollouts.statistics import (
 )
 from stppo_agent.rollouts.turn_cache import ChunkCache, TurnCaches, after_generate, extend_inputs
 
+from .tiny_models import tiny_generation_model
+
 
 def two_ranks(monkeypatch, others):
     """This process plays rank 0 of a world whose other ranks gathered ``others``."""
@@ -852,20 +854,7 @@ def test_append_cache_new_cache_replaces_only_full_attention_layers():
 @pytest.fixture(scope="module")
 def tiny():
     """A random 2-layer Llama over the word tokenizer (<pad>=0 <eos>=1 <unk>=2 say ok red green blue gold)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from stppo_agent.models.tiny import word_tokenizer
-
-    tokenizer = word_tokenizer()
-    state = torch.random.get_rng_state()
-    torch.manual_seed(11)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    model = LlamaForCausalLM(config)
-    torch.random.set_rng_state(state)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    return model, tokenizer
+    return tiny_generation_model()
 
 
 def forward_logprobs(model, context, tokens, sampling):

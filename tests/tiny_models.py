@@ -28,3 +28,21 @@ def toy_train_command(model: Path, out: Path, iterations: int, resume: bool = Fa
                  "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0", *extra):
         command += ["--set", item]
     return command + (["--resume"] if resume else [])
+
+
+def tiny_generation_model():
+    """(a random 2-layer Llama in memory, the word tokenizer: <pad>=0 <eos>=1 <unk>=2 say ok red green blue gold),
+    built under seed 11 without moving the global torch generator: the generation backends' pin tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = word_tokenizer()
+    state = torch.random.get_rng_state()
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model = LlamaForCausalLM(config)
+    torch.random.set_rng_state(state)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    return model, tokenizer
