@@ -40,9 +40,8 @@ def process_group_for_command():
     another rank exits, failing a run that finished. After an error the group is left as it is: other ranks may
     still be inside a collective, and torchrun stops them."""
     init_from_env()
-    if dist.is_initialized():
-        if not faulthandler.is_enabled():  # (pytest enables its own)
-            faulthandler.enable()  # a rank that aborts in C++ prints where its Python threads were (stderr)
+    if dist.is_initialized() and not faulthandler.is_enabled():  # (pytest enables its own)
+        faulthandler.enable()  # a rank that aborts in C++ prints where its Python threads were (stderr)
     yield
     if dist.is_initialized():
         # The command's objects go first, while the interpreter is whole: a trainer sits in reference cycles, and its
