@@ -429,8 +429,8 @@ def test_eval_cuts_observations_where_training_does_by_default():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["eval", "--agent", "oracle", "--benchmarks", "nq", "--output-dir", "o"])
-    cli_default = args.max_observation_tokens
-    assert DEFAULT_MAX_OBSERVATION_TOKENS == RolloutLimits.max_observation_tokens == cli_default
-    assert EvalSettings("nq").max_observation_tokens == DEFAULT_MAX_OBSERVATION_TOKENS
+    # unset (None) on the command line and in the settings: an hf: agent is then built with the default
+    assert args.max_observation_tokens is None and EvalSettings("nq").max_observation_tokens is None
+    assert DEFAULT_MAX_OBSERVATION_TOKENS == RolloutLimits.max_observation_tokens
     hf_default = inspect.signature(HFAgent).parameters["max_observation_tokens"].default
     assert hf_default == RolloutLimits.max_observation_tokens

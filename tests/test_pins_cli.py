@@ -368,7 +368,7 @@ def test_evaluate_defaults_reach_evaluate_all(monkeypatch, capsys):
     results = _eval(monkeypatch)
     assert run(capsys, *EVAL) == (0, "TABLE\n", "")
     args, kwargs = results.evaluate_all.only
-    assert (args, kwargs) == (("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0, 256, 512), {})
+    assert (args, kwargs) == (("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0, 256, None), {})
     written, _ = results.write_results.only
     assert written == ([{"benchmark": "nq", "metrics": {}}], Path("out"))
     assert results.format_table.only == (([{"benchmark": "nq", "metrics": {}}],), {})

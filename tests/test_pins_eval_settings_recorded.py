@@ -69,7 +69,7 @@ def _record(**provenance):
 def test_compare_refuses_an_observation_cut_recorded_on_one_side_only(first_default):
     default, cut = _record(), _record(max_observation_tokens=256)
     records = [default, cut] if first_default else [cut, default]
-    expected = [None, 256] if first_default else [256, None]
+    expected = [512, 256] if first_default else [256, 512]  # absent: the default, 512
     assert provenance_differences(records) == {"max_observation_tokens": expected}
     with pytest.raises(ProvenanceMismatchError, match="max_observation_tokens"):
         compare([[r] for r in records], ["A", "B"])

@@ -98,10 +98,11 @@ def test_eval_warns_where_observations_were_cut(capsys):
 
 
 def test_the_eval_observation_cut_defaults_to_trainings():
-    from stppo_agent.evaluation.evaluate import EvalSettings
+    from stppo_agent.evaluation.evaluate import EvalSettings, observation_cut
     from stppo_agent.rollouts.turn_loop import RolloutLimits
 
-    assert EvalSettings("nq").max_observation_tokens == RolloutLimits.max_observation_tokens == 512
+    # unset, an agent that does not say what it reads is taken to read what training did
+    assert observation_cut(object(), EvalSettings("nq")) == RolloutLimits.max_observation_tokens == 512
 
 
 def test_the_cut_rate_counts_the_observations_the_agent_read():
@@ -125,7 +126,7 @@ def test_evaluate_all_hands_the_observation_budget_to_every_benchmark(monkeypatc
     monkeypatch.setattr(evaluate_module, "evaluate_benchmark", lambda agent, settings: seen.append(settings) or {})
     evaluate_all("oracle", ["nq", "hotpotqa"], {}, None, None, "demo", 3, 4, 32, 0, 256, 1024)
     evaluate_all("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
-    assert [s.max_observation_tokens for s in seen] == [1024, 1024, 512]
+    assert [s.max_observation_tokens for s in seen] == [1024, 1024, None]  # None: the agent's own (hf: 512)
 
 
 @pytest.mark.parametrize("content, closed, action", [

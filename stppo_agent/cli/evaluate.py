@@ -31,9 +31,11 @@ def add_parser(commands) -> None:
     ev.add_argument("--batch-size", type=positive_int, default=32, help="episodes in flight")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed")
     ev.add_argument("--max-new-tokens", type=positive_int, default=256, help="per turn, for LLM agents")
-    ev.add_argument("--max-observation-tokens", type=positive_int, default=DEFAULT_MAX_OBSERVATION_TOKENS,
-                    help="tokens of each observation an hf: agent reads, the rest cut (training's "
-                         "max_observation_tokens, whose default this is); 5 wiki-18 passages take ~800 SmolLM2 tokens")
+    ev.add_argument("--max-observation-tokens", type=positive_int, default=None,
+                    help=f"tokens of each observation an hf: agent reads, the rest cut (default "
+                         f"{DEFAULT_MAX_OBSERVATION_TOKENS}, training's max_observation_tokens); 5 wiki-18 "
+                         "passages take ~800 SmolLM2 tokens. hf: agents only (openai: and scripted agents read "
+                         "whole observations)")
     ev.add_argument("--max-search-error-rate", type=share, default=0.01,
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")

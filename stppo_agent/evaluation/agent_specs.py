@@ -145,14 +145,19 @@ def _cached_hf_agent(path: str, max_new_tokens: int, stamp: tuple, max_observati
 
 
 def build_agent(spec: str, examples: Sequence[Example], max_new_tokens: int = 256,
-                max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> Agent:
+                max_observation_tokens: int | None = None) -> Agent:
     """An agent from its spec string; ``examples`` are given to agents that need them (the oracle).
-    ``max_observation_tokens``: where an hf: agent cuts each observation (default: training's)."""
+    ``max_observation_tokens``: where an hf: agent cuts each observation (None: training's default); other agents
+    read whole observations and refuse a cut they would not apply."""
     check_agent_spec(spec)
+    if spec.startswith("hf:"):
+        return _hf_agent(spec[3:], max_new_tokens, max_observation_tokens or DEFAULT_MAX_OBSERVATION_TOKENS)
+    if max_observation_tokens is not None:
+        raise ValueError(f"agent {spec!r} reads whole observations; --max-observation-tokens "
+                         f"{max_observation_tokens} applies to hf: agents only (an openai: server limits "
+                         "observations by its own context length)")
     if spec in SCRIPTED_AGENTS:
         return SCRIPTED_AGENTS[spec](examples)
-    if spec.startswith("hf:"):
-        return _hf_agent(spec[3:], max_new_tokens, max_observation_tokens)
     from stppo_agent.evaluation.openai_agent import OpenAIChatAgent
 
     return OpenAIChatAgent.from_spec(spec[len("openai:"):], max_tokens=max_new_tokens)

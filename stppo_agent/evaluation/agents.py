@@ -27,8 +27,9 @@ from stppo_envs.scoring import normalize_answer
 
 DEFAULT_MAX_OBSERVATION_TOKENS = 512
 """Training's default (``RolloutLimits.max_observation_tokens``; a test holds them equal, this module stays free
-of torch): a model is evaluated on observations cut as it was trained on them. The only value before the setting
-existed, so provenance records it only where it differs."""
+of torch): an ``hf:`` model is evaluated on observations cut as it was trained on them. The only value before the
+setting existed, so provenance records the cut only where it differs (``null`` for an agent that reads whole
+observations: ``openai:``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,10 @@ class EpisodeView:
 
 
 class Agent(Protocol):
-    """Batched policy: one action text per episode view."""
+    """Batched policy: one action text per episode view.
+
+    An LLM agent that cuts each observation to a token budget says so in ``max_observation_tokens`` (``None``: it
+    reads whole observations); evaluation records it, so results cut differently do not compare silently."""
 
     name: str
 
@@ -164,3 +168,7 @@ SCRIPTED_AGENTS: dict[str, Callable[[Sequence[Example]], Agent]] = {
     "search-copy": lambda examples: SearchCopyAgent(),
     "gold-search": GoldSearchAgent,
 }
+
+BASELINE_AGENTS = frozenset(SCRIPTED_AGENTS)
+"""The built-in scripted agents: they neither generate nor tokenise, so an LLM's limits (new tokens, the
+observation cut) do not bear on their scores (plugins registered later may be LLMs, so they are not among them)."""

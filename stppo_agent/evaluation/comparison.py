@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from stppo_agent.evaluation.agents import BASELINE_AGENTS, DEFAULT_MAX_OBSERVATION_TOKENS
 from stppo_agent.evaluation.tables import fixed_width_table
 
 # Provenance fields that may differ between records that are still comparable: they identify the contestant,
@@ -13,6 +14,14 @@ from stppo_agent.evaluation.tables import fixed_width_table
 # dataset_sha256 and retriever_id: the same index under two paths, or local and served, compares; a rebuilt index
 # at the same path does not).
 CONTESTANT_FIELDS = ("agent", "dataset", "retriever")
+
+# An LLM's limits: a built-in scripted baseline neither generates nor tokenises, so its score does not depend on
+# them and it compares with a model evaluated under any of them.
+LLM_FIELDS = ("max_new_tokens", "max_observation_tokens")
+
+# What a field's absence means: records omit the observation cut at its default (the only value before the
+# setting existed); ``null`` is an agent that read whole observations (openai:).
+ABSENT_MEANS = {"max_observation_tokens": DEFAULT_MAX_OBSERVATION_TOKENS}
 
 
 def searched_index_id(index_id: str) -> str:
@@ -54,11 +63,13 @@ def load_results(path: str | Path) -> list[dict[str, Any]]:
 
 def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     """Fields (other than the contestant's identity) whose values differ across records of one benchmark."""
-    keys = sorted({k for r in records for k in r["provenance"]} - set(CONTESTANT_FIELDS))
+    keys = sorted(({k for r in records for k in r["provenance"]} | set(ABSENT_MEANS)) - set(CONTESTANT_FIELDS))
     differences = {}
     for key in keys:
-        values = [_comparable(key, r["provenance"].get(key)) for r in records]
-        if any(v != values[0] for v in values):
+        values = [_comparable(key, r["provenance"].get(key, ABSENT_MEANS.get(key))) for r in records]
+        bearing = [v for v, r in zip(values, records)
+                   if not (key in LLM_FIELDS and r["provenance"].get("agent") in BASELINE_AGENTS)]
+        if any(v != bearing[0] for v in bearing):
             differences[key] = values
     return differences
 

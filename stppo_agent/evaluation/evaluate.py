@@ -41,7 +41,7 @@ class EvalSettings:
     batch_size: int = 32
     seed: int = 0
     max_new_tokens: int = 256  # per turn, for LLM agents
-    max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS  # per observation, for hf: agents
+    max_observation_tokens: int | None = None  # per observation, hf: agents only (None: training's default)
 
 
 def run_episodes(envs: Sequence[SearchQAEnv], agent: Agent, indices: Sequence[int], seed: int = 0) -> list[dict]:
@@ -170,14 +170,22 @@ def evaluate_benchmark(agent_spec: str, settings: EvalSettings, agent_factory=No
     return {
         "benchmark": settings.benchmark,
         "metrics": summarize(records, multiple_choice),
-        "provenance": provenance(agent_spec, settings, envs[0]),
+        "provenance": provenance(agent_spec, settings, envs[0], observation_cut(agent, settings)),
         "episodes": records,
         "timing": {"started": started, "seconds": time.time() - started},
     }
 
 
-def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dict[str, Any]:
-    """Everything that must match for two results to be comparable."""
+def observation_cut(agent: Agent, settings: EvalSettings) -> int | None:
+    """Tokens of each observation the agent read: what it says (``None``: whole observations), else the setting."""
+    if hasattr(agent, "max_observation_tokens"):
+        return agent.max_observation_tokens
+    return settings.max_observation_tokens or DEFAULT_MAX_OBSERVATION_TOKENS
+
+
+def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv,
+               cut: int | None = DEFAULT_MAX_OBSERVATION_TOKENS) -> dict[str, Any]:
+    """Everything that must match for two results to be comparable; ``cut``: :func:`observation_cut`."""
     recorded = {
         "agent": agent_spec,
         "benchmark": settings.benchmark,
@@ -195,8 +203,8 @@ def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv) -> dic
         "stppo_version": stppo_envs.__version__,
         "scoring_version": SCORING_VERSION,
     }
-    if settings.max_observation_tokens != DEFAULT_MAX_OBSERVATION_TOKENS:
-        recorded["max_observation_tokens"] = settings.max_observation_tokens
+    if cut != DEFAULT_MAX_OBSERVATION_TOKENS:
+        recorded["max_observation_tokens"] = cut
     return recorded
 
 

@@ -25,6 +25,10 @@ _LAST_OPEN_TAG = re.compile(r"[\s\S]*<(search|answer)>(?![\s\S]*</\1>)")
 class OpenAIChatAgent:
     """Greedy by default; one request per episode, sent concurrently."""
 
+    max_observation_tokens = None
+    """It sends whole observations: the server tokenises them, and only its context length limits them (so its
+    results do not compare silently with an ``hf:`` agent's, which cuts them as training did)."""
+
     def __init__(self, base_url: str, model: str, *, max_tokens: int = 256, temperature: float = 0.0,
                  timeout: float = 120.0, concurrency: int = 16, api_key: str | None = None):
         self.name = f"openai:{base_url}#{model}"

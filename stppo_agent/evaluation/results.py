@@ -8,13 +8,12 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS
 from stppo_agent.evaluation.tables import fixed_width_table
 
 
 def evaluate_all(agent: str, benchmarks: Sequence[str], datasets: dict[str, str], split, limit, retriever,
                  topk, max_turns, batch_size, seed, max_new_tokens: int = 256,
-                 max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS) -> list[dict[str, Any]]:
+                 max_observation_tokens: int | None = None) -> list[dict[str, Any]]:
     from stppo_agent.evaluation.agent_specs import resolve_agent_spec
     from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
     from stppo_envs import benchmark_info
