@@ -1,4 +1,4 @@
-"""Session 15 skeptic probes: settings a user picks that silently corrupted training data, metrics or scores."""
+"""A skipped (non-finite) step's importance ratios stay out of the next step's tails (session 15 skeptic probes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Session 14 skeptic probes, training side: settings a user picks that silently corrupted training."""
+"""NaN-skipped steps counted and logged right, and resume dropping recordings the checkpoint did not train on
+(session 14 skeptic probes: settings a user picks that silently corrupted training)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Probes of user-facing promises (session 13): each test failed on the code before its fix."""
+"""Input a user gives by mistake is refused with the fix named, and files saved with a UTF-8 BOM load like others
+(probes of session 13: each test failed on the code before its fix)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Probes of scoring, env and evaluation promises (session 14): each test failed on the code before its fix."""
+"""Scoring, env and evaluation edge cases: yes/no F1, option letters, the eval observation cut, openai: stop tags
+(probes of session 14: each test failed on the code before its fix)."""
 
 from __future__ import annotations
 
