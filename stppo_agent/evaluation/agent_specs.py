@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 from typing import Callable, Sequence
 
-from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, SCRIPTED_AGENTS, Agent
+from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, SCRIPTED_AGENTS, Agent, observation_budget
 from stppo_envs import Example
 from stppo_envs.suggest import did_you_mean
 
@@ -151,7 +151,7 @@ def build_agent(spec: str, examples: Sequence[Example], max_new_tokens: int = 25
     read whole observations and refuse a cut they would not apply."""
     check_agent_spec(spec)
     if spec.startswith("hf:"):
-        return _hf_agent(spec[3:], max_new_tokens, max_observation_tokens or DEFAULT_MAX_OBSERVATION_TOKENS)
+        return _hf_agent(spec[3:], max_new_tokens, observation_budget(max_observation_tokens))
     if max_observation_tokens is not None:
         raise ValueError(f"agent {spec!r} reads whole observations; --max-observation-tokens "
                          f"{max_observation_tokens} applies to hf: agents only (an openai: server limits "

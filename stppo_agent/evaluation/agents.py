@@ -32,6 +32,11 @@ setting existed, so provenance records the cut only where it differs (``null`` f
 observations: ``openai:``)."""
 
 
+def observation_budget(setting: int | None) -> int:
+    """The cut an ``hf:`` agent applies for an evaluation's ``max_observation_tokens`` (unset: training's)."""
+    return setting or DEFAULT_MAX_OBSERVATION_TOKENS
+
+
 @dataclasses.dataclass(frozen=True)
 class EpisodeView:
     """What an agent may see of one episode in progress."""

@@ -16,7 +16,7 @@ import time
 from typing import Any, Sequence
 
 import stppo_envs
-from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, Agent, EpisodeView
+from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, Agent, EpisodeView, observation_budget
 from stppo_agent.evaluation.comparison import searched_index_id
 from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_envs import SearchQAEnv
@@ -180,11 +180,10 @@ def observation_cut(agent: Agent, settings: EvalSettings) -> int | None:
     """Tokens of each observation the agent read: what it says (``None``: whole observations), else the setting."""
     if hasattr(agent, "max_observation_tokens"):
         return agent.max_observation_tokens
-    return settings.max_observation_tokens or DEFAULT_MAX_OBSERVATION_TOKENS
+    return observation_budget(settings.max_observation_tokens)
 
 
-def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv,
-               cut: int | None = DEFAULT_MAX_OBSERVATION_TOKENS) -> dict[str, Any]:
+def provenance(agent_spec: str, settings: EvalSettings, env: SearchQAEnv, cut: int | None) -> dict[str, Any]:
     """Everything that must match for two results to be comparable; ``cut``: :func:`observation_cut`."""
     recorded = {
         "agent": agent_spec,
