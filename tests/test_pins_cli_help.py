@@ -120,9 +120,10 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--batch-size': 'episodes in flight',
             '--seed': 'sampling seed',
             '--max-new-tokens': 'per turn, for LLM agents',
-            '--max-observation-tokens': ("tokens of each observation an hf: agent reads, the rest cut (training's "
-                                         "max_observation_tokens, whose default this is); 5 wiki-18 passages take "
-                                         "~800 SmolLM2 tokens"),
+            '--max-observation-tokens': ("tokens of each observation an hf: agent reads, the rest cut (default 512, "
+                                         "training's max_observation_tokens); 5 wiki-18 passages take ~800 SmolLM2 "
+                                         "tokens. hf: agents only (openai: and scripted agents read whole "
+                                         "observations)"),
             '--max-search-error-rate': ('exit non-zero (results still written, flagged) when more than this share '
                                         'of searches failed on any benchmark: its scores measure a broken retriever '
                                         '(default 0.01)'),
