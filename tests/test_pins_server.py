@@ -305,7 +305,8 @@ def test_the_body_limit_admits_exactly_the_limit_declared_or_chunked():
     for status, headers, body in answers:
         if status == 413:
             assert json.loads(body) == {"detail": "request body over 100 bytes"}
-            assert headers == [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            assert headers == [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                               (b"connection", b"close")]
 
 
 def test_a_refused_upload_gets_one_answer_and_the_app_sees_a_client_that_left():

@@ -157,7 +157,9 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits()):
 class BodyLimit:
     """ASGI wrapper that enforces the request-body limit *while reading*: a declared Content-Length over the limit
     is refused before any byte is read, and a chunked upload (no Content-Length) is cut off as soon as it passes
-    the limit, so memory stays bounded whatever a client sends. Outermost, so the 413 is its own answer."""
+    the limit, so memory stays bounded whatever a client sends. The 413 says ``Connection: close`` and the server
+    closes the connection after it: a client still sending is cut off near the limit, not read to its end (time
+    and bandwidth stay bounded too). Outermost, so the 413 is its own answer."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -201,7 +203,8 @@ class BodyLimit:
     async def _refuse(self, send) -> None:
         body = json.dumps({"detail": f"request body over {self.limit} bytes"}).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 

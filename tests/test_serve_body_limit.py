@@ -1,0 +1,90 @@
+"""`stppo serve` refuses a request body over --max-body-mb with 413 and then closes the connection: a client still
+sending a chunked upload is cut off near the limit instead of being read to its end."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from stppo_agent.distributed.process_group import free_port
+
+from .processes import wait_until_serving
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """`stppo serve --retriever demo --max-body-mb 1` on a free port."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", "demo", "--port",
+                               str(port), "--max-body-mb", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_until_serving(url, server):
+            pytest.fail("stppo serve did not start")
+        yield url
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def stream_chunked(port: int, total: int, chunk: int = 64 * 1024) -> tuple[int, bytes]:
+    """POST /retrieve as a chunked upload of ``total`` bytes from a raw socket with a small send buffer (so what
+    counts as sent is what the server let in, give or take 64 kB); returns (bytes sent before the server cut the
+    connection, or all of them; what the server answered)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        frame = b"%x\r\n" % chunk + b" " * chunk + b"\r\n"
+        sent = 0
+        try:
+            while sent < total:
+                sock.sendall(frame)
+                sent += chunk
+            sock.sendall(b"0\r\n\r\n")
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        answer = b""
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                answer += data
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return sent, answer
+
+
+def test_a_chunked_upload_over_the_limit_is_cut_off_within_a_megabyte_of_it(server_url):
+    port = int(server_url.rsplit(":", 1)[1])
+    sent, answer = stream_chunked(port, 64 * MIB)
+    assert sent < 2 * MIB, f"the server read {sent / MIB:.1f} MiB of a 64 MiB upload past its 1 MiB limit"
+    assert answer.startswith(b"HTTP/1.1 413") and b"request body over 1048576 bytes" in answer, answer[:300]
+    assert b"connection: close" in answer.lower()
+    # the server itself carries on: a request within the limit is answered
+    ok = requests.post(f"{server_url}/retrieve", json={"queries": ["Tulpondmere"], "topk": 1}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["result"][0]) == 1
+
+
+def test_a_chunked_upload_of_exactly_the_limit_is_read_and_answered(server_url):
+    port = int(server_url.rsplit(":", 1)[1])
+    query = b'{"queries": ["Tulpondmere"], "topk": 2}'
+    body = query + b" " * (MIB - len(query))  # JSON padded to the limit itself
+    frames = b"".join(b"%x\r\n" % len(part) + part + b"\r\n"
+                      for part in (body[i:i + 64 * 1024] for i in range(0, len(body), 64 * 1024)))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + frames + b"0\r\n\r\n")
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b'"id"') == 2, answer[:300]
