@@ -65,7 +65,9 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--dataset BENCH=PATH': 'a FlashRAG-style dataset for a benchmark (default: the bundled demo set)',
             '--split': 'dataset split the teacher plays',
             '--limit': 'examples per benchmark',
-            '--retriever': 'retriever spec (demo, bm25:DIR, dense:DIR, http://...)',
+            '--retriever': ('retriever spec: demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only '
+                            'the demo set may use implicitly: real data needs its own index or an explicit '
+                            '--retriever demo)'),
             '--max-turns': 'turns per demonstration (default 3: two searches)',
             '--max-observation-tokens': ("tokens of one observation kept (default: train's "
                                          'max_observation_tokens default)'),

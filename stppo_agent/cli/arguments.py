@@ -51,6 +51,11 @@ def benchmarks_and_datasets(names: str, items: list[str]) -> tuple[list[str], di
     return benchmarks, datasets
 
 
+def dataset_labels(datasets: dict[str, str]) -> dict[str, str]:
+    """``--dataset nq=...`` -> its source, by benchmark name: how error messages name each dataset."""
+    return {f"--dataset {name}=...": source for name, source in sorted(datasets.items())}
+
+
 def key_value(item: str) -> tuple[str, str]:
     """``BENCH=PATH`` with the benchmark's canonical name (unknown names fail with a did-you-mean)."""
     key, sep, value = item.partition("=")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from stppo_agent.cli.arguments import benchmarks_and_datasets, positive_int, share
+from stppo_agent.cli.arguments import benchmarks_and_datasets, dataset_labels, positive_int, share
 
 
 def add_parser(commands) -> None:
@@ -48,16 +48,13 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
     from stppo_agent.plugins.loader import load_plugins
     from stppo_agent.plugins.name_checks import check_retriever
+    from stppo_agent.rollouts.envs import refuse_real_data_without_retriever
+
     load_plugins(args.imports)  # agents of your own (register_agent)
     if args.retriever is not None:
         check_retriever(args.retriever)
     benchmarks, datasets = benchmarks_and_datasets(args.benchmarks, args.dataset)
-    real = sorted(name for name, source in datasets.items() if source not in ("", "demo"))
-    if args.retriever is None and real:
-        raise ValueError(f"--dataset {real[0]}=... is real data, but no --retriever was given: the default demo corpus "
-                         "(a fictional encyclopedia) cannot answer it. Pass --retriever bm25:DIR, dense:DIR or "
-                         "http://HOST:PORT (stppo index bm25 --corpus ... builds one), or --retriever demo to "
-                         "search the demo corpus anyway")
+    refuse_real_data_without_retriever(dataset_labels(datasets), args.retriever)
     retriever = args.retriever or "demo"
     results = evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, retriever, args.topk,
                            args.max_turns, args.batch_size, args.seed, args.max_new_tokens, args.max_observation_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stppo_agent.cli.arguments import benchmarks_and_datasets, positive_int
+from stppo_agent.cli.arguments import benchmarks_and_datasets, dataset_labels, positive_int
 
 
 def add_parser(commands) -> None:
@@ -22,7 +22,9 @@ def add_parser(commands) -> None:
                      help="a FlashRAG-style dataset for a benchmark (default: the bundled demo set)")
     sft.add_argument("--split", default="train", help="dataset split the teacher plays")
     sft.add_argument("--limit", type=positive_int, default=None, help="examples per benchmark")
-    sft.add_argument("--retriever", default="demo", help="retriever spec (demo, bm25:DIR, dense:DIR, http://...)")
+    sft.add_argument("--retriever", default=None,
+                     help="retriever spec: demo, bm25:DIR, dense:DIR, http://HOST:PORT (default: demo, which only the "
+                          "demo set may use implicitly: real data needs its own index or an explicit --retriever demo)")
     sft.add_argument("--max-turns", type=positive_int, default=3,
                      help="turns per demonstration (default 3: two searches)")
     sft.add_argument("--max-observation-tokens", type=positive_int, default=None,
@@ -44,12 +46,15 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.models.default_model import resolve_model
     from stppo_agent.plugins.loader import load_plugins
     from stppo_agent.plugins.name_checks import check_model, check_retriever
+    from stppo_agent.rollouts.envs import refuse_real_data_without_retriever
     from stppo_agent.training.sft import SFTConfig, train_sft
 
     load_plugins(args.imports)  # a teacher of your own (register_agent)
     check_model(args.model)
-    check_retriever(args.retriever)
+    if args.retriever is not None:
+        check_retriever(args.retriever)
     canonical, by_name = benchmarks_and_datasets(args.benchmarks, args.dataset)
+    refuse_real_data_without_retriever(dataset_labels(by_name), args.retriever)
     # the names as given, as before; only the dataset lookup goes by canonical name
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     datasets = {name: by_name[key] for name, key in zip(benchmarks, canonical) if key in by_name}
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
               if getattr(args, name) is not None}  # unset: SFTConfig's defaults, which are training's
     summary = train_sft(SFTConfig(model=resolve_model(args.model), output_dir=args.output_dir, benchmarks=benchmarks,
                                   datasets=datasets, split=args.split, limit=args.limit, teacher=args.teacher,
-                                  retriever=args.retriever, max_turns=args.max_turns, steps=args.steps,
+                                  retriever=args.retriever or "demo", max_turns=args.max_turns, steps=args.steps,
                                   batch_size=args.batch_size, lr=args.lr, dtype=args.dtype,
                                   autocast_dtype=args.autocast_dtype, seed=args.seed, **limits))
     print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}; saved {args.output_dir}")

@@ -64,6 +64,7 @@ def print_outcome(args: argparse.Namespace, metrics: dict, run_dir: str, title: 
 def _train(args: argparse.Namespace) -> tuple[dict, str]:
     from stppo_agent.plugins.loader import portable_specs
     from stppo_agent.plugins.name_checks import check_train_config
+    from stppo_agent.rollouts.envs import refuse_training_data_without_retriever
     from stppo_agent.runs.checkpoint import check_checkpoint_settings
     from stppo_agent.training.config import load_config
 
@@ -74,6 +75,7 @@ def _train(args: argparse.Namespace) -> tuple[dict, str]:
                          output_dir=args.output_dir, iterations=args.iterations)
     config.plugins = portable_specs([*config.plugins, *args.imports])
     check_train_config(config)  # plugins imported, then every name checked before a model loads
+    refuse_training_data_without_retriever(config.env, config.env_kwargs or {})
     check_checkpoint_settings(config.checkpoint_dtype, config.checkpoint_optimizer, config.on_collapse)
     # Only a config that passed every check pays for importing the trainer (transformers' modelling code, ~2 s).
     from stppo_agent.models.default_model import resolve_model
