@@ -99,3 +99,43 @@ def test_json_prints_the_last_iterations_metrics_instead(tmp_path, stppo):
     metrics = json.loads(out[out.index("{"):])
     record = json.loads((tmp_path / "toy" / "metrics.jsonl").read_text())
     assert metrics["reward"] == record["reward"] and "run folder" not in out
+
+
+def test_the_printed_eval_command_evaluates_the_data_and_settings_the_run_trained_on(tmp_path, stppo):
+    """Run as printed, the command evaluates each trained benchmark on the run's own dataset (its evaluation split),
+    with the run's retriever, top-k, turn and token limits and observation cut: what the results record."""
+    questions = [{"id": f"q{i}", "question": f"who wrote book number {i}", "golden_answers": [f"author {i}"]}
+                 for i in range(3)]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    trained = stppo("train", "--algo", "grpo", "--env", "stppo/NQ-v0,stppo/HotpotQA-v0", "--model", "tiny",
+                    "--output-dir", "run", "--iterations", "1", "--set", "samples_per_prompt=2",
+                    "--set", "prompts_per_iteration=2", "--set", "max_turns=2", "--set", "max_new_tokens_per_turn=3",
+                    "--set", "max_observation_tokens=40", "--set", "env_kwargs.dataset=mine.jsonl",
+                    "--set", "env_kwargs.retriever=demo", "--set", "env_kwargs.topk=2", "--set", "tensorboard=false",
+                    "--set", "progress=false").stdout
+    command = shlex.split(next(line for line in trained.splitlines() if "stppo eval" in line).split("evaluate", 1)[1])
+    assert "(" not in trained.split("evaluate", 1)[1].splitlines()[1]  # default prompts: no caveat line
+    stppo(*command[1:])
+    results = {r["benchmark"]: r for r in json.loads((tmp_path / "run" / "eval" / "results.json").read_text())}
+    assert sorted(results) == ["hotpotqa", "nq"]
+    for record in results.values():
+        provenance = record["provenance"]
+        assert (provenance["dataset"], record["metrics"]["n"]) == ("mine.jsonl", len(questions))
+        assert (provenance["retriever"], provenance["topk"], provenance["max_turns"]) == ("demo", 2, 2)
+        assert (provenance["max_new_tokens"], provenance["max_observation_tokens"]) == (3, 40)
+        assert provenance["agent"].endswith("checkpoints/step-1/actor")
+
+
+def test_the_summary_says_when_the_run_used_prompts_eval_cannot_set(tmp_path):
+    run = fake_run(tmp_path / "run", {"ratio_level": "token"}, [{"reward": 0.5}], 10)
+    plain = run_summary(run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["env_kwargs"].update(question_mark=False, template="Q: {question}")
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    lines = run_summary(run).splitlines()
+    caveat = lines[next(i for i, line in enumerate(lines) if "stppo eval" in line) + 1]
+    assert "env_kwargs template, question_mark, which stppo eval does not take" in caveat
+    assert len(lines) == len(plain.splitlines()) + 1
+    config["env_kwargs"].update(question_mark=True, template=None)  # the envs' defaults: nothing to say
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert run_summary(run).splitlines()[:-1] == plain.splitlines()[:-1]  # the last line: the folder's size

@@ -82,22 +82,44 @@ def alarms_line(records: Sequence[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+# env_kwargs that change what an episode shows the model, which `stppo eval` has no option for, with the envs'
+# defaults (what stppo eval uses)
+PROMPT_KWARGS = {"template": None, "mcq_template": None, "question_mark": True, "family": None}
+
+
 def eval_command(run_dir: str, config: dict[str, Any]) -> str:
     """The ``stppo eval`` line for the run's newest checkpoint, on the benchmarks it trained on (a run on other
-    envs, such as stppo/Toy-v0, gets nq: an eval needs a benchmark), under the rollout limits it trained with."""
+    envs, such as stppo/Toy-v0, gets nq on the demo set: an eval needs a benchmark) and their data (the evaluation
+    split of it), searched as in training (retriever, top-k), under the rollout limits it trained with (turns,
+    tokens per turn, the observation cut)."""
     import stppo_envs
 
     by_env = {stppo_envs.env_id(name): name for name in stppo_envs.BENCHMARKS}
-    benchmarks = [by_env[e.strip()] for e in str(config.get("env", "")).split(",") if e.strip() in by_env] or ["nq"]
-    words = ["stppo", "eval", "--agent", f"hf:{run_dir}@latest", "--benchmarks", ",".join(benchmarks)]
-    retriever = (config.get("env_kwargs") or {}).get("retriever")
-    if isinstance(retriever, str):
-        words += ["--retriever", retriever]
-    for flag, key in (("--max-turns", "max_turns"), ("--max-new-tokens", "max_new_tokens_per_turn")):
-        if isinstance(config.get(key), int):
-            words += [flag, str(config[key])]
+    trained = [by_env[e.strip()] for e in str(config.get("env", "")).split(",") if e.strip() in by_env]
+    words = ["stppo", "eval", "--agent", f"hf:{run_dir}@latest", "--benchmarks", ",".join(trained or ["nq"])]
+    env_kwargs = config.get("env_kwargs") or {}
+    if isinstance(env_kwargs.get("dataset"), str) and env_kwargs["dataset"]:
+        for benchmark in trained:  # training shares one dataset across its envs
+            words += ["--dataset", f"{benchmark}={env_kwargs['dataset']}"]
+    settings = [("--retriever", env_kwargs, "retriever"), ("--topk", env_kwargs, "topk"),
+                ("--max-turns", config, "max_turns"), ("--max-new-tokens", config, "max_new_tokens_per_turn"),
+                ("--max-observation-tokens", config, "max_observation_tokens")]
+    for flag, source, key in settings:
+        value = source.get(key)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            words += [flag, str(value)]
     words += ["--output-dir", str(Path(run_dir) / "eval")]
     return shlex.join(words)
+
+
+def eval_caveat(config: dict[str, Any]) -> str | None:
+    """What the ``stppo eval`` line cannot reproduce of the run's episodes, if anything."""
+    env_kwargs = config.get("env_kwargs") or {}
+    unmatched = [key for key, default in PROMPT_KWARGS.items() if env_kwargs.get(key, default) != default]
+    if not unmatched:
+        return None
+    return (f"the run set env_kwargs {', '.join(unmatched)}, which stppo eval does not take: it evaluates with the "
+            "default prompts")
 
 
 def run_summary(run_dir: str | Path, title: str = "run") -> str:
@@ -121,6 +143,8 @@ def run_summary(run_dir: str | Path, title: str = "run") -> str:
         lines += [f"  checkpoint  {Path(run_dir) / 'checkpoints' / newest.name} "
                   f"({human_bytes(folder_bytes(newest))}{kept})",
                   f"  evaluate    {eval_command(run_dir, config)}"]
+        caveat = eval_caveat(config)
+        lines += [f"              ({caveat})"] if caveat else []
     else:
         lines.append("  checkpoint  none written")
     steps_file = " (each optimizer step's: steps.jsonl)" if (folder / "steps.jsonl").exists() else ""
