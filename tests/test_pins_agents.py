@@ -201,17 +201,17 @@ def test_agent_specs_run_likeness_and_local_paths():
 
 
 def test_agent_specs_run_like_folders(tmp_path):
-    assert not agent_specs._is_run_like(tmp_path / "missing")
+    assert not agent_specs.is_run_like(tmp_path / "missing")
     (tmp_path / "file").write_text("x")
-    assert not agent_specs._is_run_like(tmp_path / "file")
-    assert not agent_specs._is_run_like(tmp_path)  # a folder with none of a run's files
+    assert not agent_specs.is_run_like(tmp_path / "file")
+    assert not agent_specs.is_run_like(tmp_path)  # a folder with none of a run's files
     for name in ("checkpoints", "config.yaml", "metrics.jsonl"):
         run = tmp_path / name.replace(".", "_")
         run.mkdir()
         (run / name).write_text("")
-        assert agent_specs._is_run_like(run)
+        assert agent_specs.is_run_like(run)
         (run / "config.json").write_text("{}")
-        assert not agent_specs._is_run_like(run)  # a model folder
+        assert not agent_specs.is_run_like(run)  # a model folder
 
 
 def make_run(root, steps=(3,), extra=()):
@@ -307,30 +307,30 @@ def test_agent_specs_resolve_lists_a_missing_folders_parent_with_a_suggestion(tm
     with pytest.raises(FileNotFoundError, match="does not exist; .*runs holds: tour"):
         resolve_agent_spec(f"hf:{tmp_path}/runs/tuor@best")
     (tmp_path / "none").mkdir()
-    assert agent_specs._missing_folder(tmp_path / "none" / "x") == f"{tmp_path}/none/x does not exist; " \
+    assert agent_specs.missing_folder(tmp_path / "none" / "x") == f"{tmp_path}/none/x does not exist; " \
                                                                    f"{tmp_path}/none is empty"
     many = tmp_path / "many"
     many.mkdir()
     for i in range(13):
         (many / f"f{i:02d}").write_text("")
-    text = agent_specs._missing_folder(many / "zzz")
+    text = agent_specs.missing_folder(many / "zzz")
     assert text.endswith("f09, f10, f11, ...") and "f12" not in text
     (many / "f12").unlink()
-    assert agent_specs._missing_folder(many / "zzz").endswith("f10, f11")  # exactly twelve: all shown
+    assert agent_specs.missing_folder(many / "zzz").endswith("f10, f11")  # exactly twelve: all shown
     (tmp_path / "plain").write_text("")
-    assert agent_specs._missing_folder(tmp_path / "plain" / "x") == f"{tmp_path}/plain/x does not exist"
+    assert agent_specs.missing_folder(tmp_path / "plain" / "x") == f"{tmp_path}/plain/x does not exist"
 
 
 def test_agent_specs_listing_counts_records_and_cuts_after_twelve(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"a": 1}\n')
     (tmp_path / "d").mkdir()
-    assert agent_specs._listing(tmp_path) == "d/, metrics.jsonl (1 record)"
+    assert agent_specs.folder_listing(tmp_path) == "d/, metrics.jsonl (1 record)"
     for i in range(12):
         (tmp_path / f"x{i:02d}").write_text("")
-    assert agent_specs._listing(tmp_path).endswith("x09, ... (2 more)")
-    assert agent_specs._listing(tmp_path, limit=14).endswith("x11")
+    assert agent_specs.folder_listing(tmp_path).endswith("x09, ... (2 more)")
+    assert agent_specs.folder_listing(tmp_path, limit=14).endswith("x11")
     (tmp_path / "metrics.jsonl").write_bytes(b'{"a": "\xff\xfe"}\n{}\n')  # a torn multi-byte character
-    assert "metrics.jsonl (2 records)" in agent_specs._listing(tmp_path)
+    assert "metrics.jsonl (2 records)" in agent_specs.folder_listing(tmp_path)
 
 
 def test_agent_specs_resolve_adds_the_listing_when_no_checkpoint_verifies(tmp_path):

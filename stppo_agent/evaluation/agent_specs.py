@@ -50,27 +50,29 @@ def resolve_agent_spec(spec: str) -> tuple[str, str | None]:
     if not spec.startswith("hf:"):
         return spec, None
     base, sep, which = spec[3:].rpartition("@")
-    asks_checkpoint = bool(sep) and (which in CHECKPOINT_CHOICES or which.isdigit() or _is_run_like(Path(base)))
+    # a folder named with an @ (tiny@500) is what was typed, not a checkpoint of another folder
+    asks_checkpoint = bool(sep) and not Path(spec[3:]).expanduser().is_dir() and (
+        which in CHECKPOINT_CHOICES or which.isdigit() or is_run_like(Path(base)))
     if asks_checkpoint and which not in CHECKPOINT_CHOICES and not which.isdigit():
         hint = did_you_mean(f"@{which}", [f"@{c}" for c in CHECKPOINT_CHOICES])
         raise ValueError(f"{spec}: choose @latest, @best, @healthy or a step number{hint}")
     run, which = (Path(base), which) if asks_checkpoint else (Path(spec[3:]), "latest")
-    if (asks_checkpoint or _is_run_like(run)) and (not is_run_folder(run) or not list_checkpoints(run)):
+    if (asks_checkpoint or is_run_like(run)) and (not is_run_folder(run) or not list_checkpoints(run)):
         raise FileNotFoundError(_no_checkpoint(run, which))
     if not is_run_folder(run):
         if not run.exists() and _is_local_path(spec[3:]):
-            raise FileNotFoundError(_missing_folder(run))
+            raise FileNotFoundError(missing_folder(run))
         check_model(spec)
         return spec, None
     try:
         folder, why = pick_checkpoint(run, which)
     except FileNotFoundError as exc:  # none verifies, or none is known healthy: say what is there
-        raise FileNotFoundError(f"{exc}; {run} holds: {_listing(run)}; checkpoints/ holds: "
+        raise FileNotFoundError(f"{exc}; {run} holds: {folder_listing(run)}; checkpoints/ holds: "
                                 f"{', '.join(sorted(p.name for p in (run / 'checkpoints').iterdir()))}") from exc
     return f"hf:{folder / 'actor'}", f"{spec} -> {why}"
 
 
-def _is_run_like(path: Path) -> bool:
+def is_run_like(path: Path) -> bool:
     """A folder a training run wrote (even one stopped before its first checkpoint), not a model folder."""
     return path.is_dir() and not (path / "config.json").exists() and any(
         (path / name).exists() for name in ("checkpoints", "config.yaml", "metrics.jsonl"))
@@ -83,7 +85,7 @@ def _is_local_path(text: str) -> bool:
 
 def _no_checkpoint(run: Path, which: str) -> str:
     if not run.exists():
-        return _missing_folder(run)
+        return missing_folder(run)
     if not run.is_dir():
         return f"{run} is a file, not a run folder"
     if (run / "config.json").exists():
@@ -92,14 +94,14 @@ def _no_checkpoint(run: Path, which: str) -> str:
     if checkpoints.is_dir():
         inside = sorted(p.name for p in checkpoints.iterdir())
         held = f"(checkpoints/ holds only {', '.join(inside)})" if inside else "(checkpoints/ is empty)"
-        return f"{run} holds no checkpoint {held}, so there is no @{which}; it holds: {_listing(run)}"
-    contents = _listing(run)
+        return f"{run} holds no checkpoint {held}, so there is no @{which}; it holds: {folder_listing(run)}"
+    contents = folder_listing(run)
     held = f"it holds: {contents}" if contents else "it is empty"
     return (f"{run} holds no checkpoint; {held}. A run writes checkpoints/step-N every save_every iterations and "
             "at its end")
 
 
-def _listing(folder: Path, limit: int = 12) -> str:
+def folder_listing(folder: Path, limit: int = 12) -> str:
     entries = sorted(folder.iterdir())
     names = []
     for entry in entries[:limit]:
@@ -111,7 +113,7 @@ def _listing(folder: Path, limit: int = 12) -> str:
     return ", ".join(names) + (f", ... ({len(entries) - limit} more)" if len(entries) > limit else "")
 
 
-def _missing_folder(path: Path) -> str:
+def missing_folder(path: Path) -> str:
     """``runs/tuor/toy does not exist; runs holds: tour (did you mean tour?)``."""
     existing, missing = path, None
     while not existing.exists() and existing != existing.parent:
