@@ -212,7 +212,17 @@ def test_cli_no_command_prints_the_help_and_exits_2(capsys):
     assert code == 2 and out.startswith("usage: stppo") and "{demo,sft,train,replay,eval" in out
 
 
-def test_cli_exit_status_is_the_handlers_or_0(monkeypatch, capsys):
+@pytest.fixture
+def run_folders(tmp_path, monkeypatch):
+    """Run folders r, r1 and r2 (each with a metrics.jsonl) in the current folder: `stppo plot` refuses a run
+    folder that is not there before the plotting these pins replace."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("r", "r1", "r2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text('{"step": 1}\n')
+
+
+def test_cli_exit_status_is_the_handlers_or_0(monkeypatch, capsys, run_folders):
     from stppo_agent.runs import plots
 
     monkeypatch.setattr(plots, "plot_runs", Calls([]))
@@ -223,7 +233,7 @@ def test_cli_exit_status_is_the_handlers_or_0(monkeypatch, capsys):
     assert run(capsys, "plot", "r", "--out", "o")[0] == 5  # a handler's own status passes through
 
 
-def test_cli_verbose_reaches_the_libraries(monkeypatch, capsys):
+def test_cli_verbose_reaches_the_libraries(monkeypatch, capsys, run_folders):
     from stppo_agent.runs import plots
 
     monkeypatch.setattr(plots, "plot_runs", Calls([]))
@@ -242,7 +252,7 @@ def _failing_plot(monkeypatch, exc):
     monkeypatch.setattr(plots, "plot_runs", fail)
 
 
-def test_cli_library_errors_are_one_line_and_exit_1(monkeypatch, capsys):
+def test_cli_library_errors_are_one_line_and_exit_1(monkeypatch, capsys, run_folders):
     from stppo_agent.runs.checkpoint import CorruptCheckpointError
     from stppo_agent.training.ppo_update import TrainingDivergedError
     from stppo_envs.retrieval import RetrievalError
@@ -265,7 +275,7 @@ def test_cli_library_errors_are_one_line_and_exit_1(monkeypatch, capsys):
         assert (code, out, err) == (1, "", f"stppo plot: error: {message}\n"), exc
 
 
-def test_cli_a_collapse_stop_exits_3_and_a_bug_is_not_swallowed(monkeypatch, capsys):
+def test_cli_a_collapse_stop_exits_3_and_a_bug_is_not_swallowed(monkeypatch, capsys, run_folders):
     from stppo_agent.monitoring.collapse_guard import CollapseStopped
 
     _failing_plot(monkeypatch, CollapseStopped("entropy collapse at iteration 4"))
@@ -293,7 +303,7 @@ def test_compare_hands_every_file_its_label_and_force(monkeypatch, capsys):
     assert "required: results" in usage_error(capsys, "compare")
 
 
-def test_plot_hands_the_runs_and_the_folder_and_prints_each_file(monkeypatch, capsys):
+def test_plot_hands_the_runs_and_the_folder_and_prints_each_file(monkeypatch, capsys, run_folders):
     from stppo_agent.runs import plots
 
     monkeypatch.setattr(plots, "plot_runs", Calls([Path("o/loss.png"), Path("o/reward.png")]))
