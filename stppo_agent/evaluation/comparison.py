@@ -19,6 +19,11 @@ CONTESTANT_FIELDS = ("agent", "dataset", "retriever")
 # them and it compares with a model evaluated under any of them.
 LLM_FIELDS = ("max_new_tokens", "max_observation_tokens")
 
+# How the examples were chosen: records whose examples are the same (equal dataset_sha256) compare whatever these
+# say (a --limit at or above the dataset's size, a split alias that reads the same rows); where the hashes differ
+# or one is missing, they are compared like any other field (and say why the examples differ).
+SELECTION_FIELDS = ("split", "limit")
+
 # What a field's absence means: records omit the observation cut at its default (the only value before the
 # setting existed); ``null`` is an agent that read whole observations (openai:).
 ABSENT_MEANS = {"max_observation_tokens": DEFAULT_MAX_OBSERVATION_TOKENS}
@@ -63,7 +68,11 @@ def load_results(path: str | Path) -> list[dict[str, Any]]:
 
 def provenance_differences(records: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     """Fields (other than the contestant's identity) whose values differ across records of one benchmark."""
-    keys = sorted(({k for r in records for k in r["provenance"]} | set(ABSENT_MEANS)) - set(CONTESTANT_FIELDS))
+    ignored = set(CONTESTANT_FIELDS)
+    hashes = [r["provenance"].get("dataset_sha256") for r in records]
+    if hashes and hashes[0] is not None and all(h == hashes[0] for h in hashes):
+        ignored |= set(SELECTION_FIELDS)
+    keys = sorted(({k for r in records for k in r["provenance"]} | set(ABSENT_MEANS)) - ignored)
     differences = {}
     for key in keys:
         values = [_comparable(key, r["provenance"].get(key, ABSENT_MEANS.get(key))) for r in records]
