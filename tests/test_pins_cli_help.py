@@ -130,6 +130,8 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
                                         'of searches failed on any benchmark: its scores measure a broken retriever '
                                         '(default 0.01)'),
             '--output-dir': 'results.json, results.csv, episodes.jsonl',
+            '--overwrite': ("replace another agent's results in --output-dir (a run's own checkpoints replace theirs "
+                            'without it)'),
             '--import FILE_OR_MODULE': IMPORT_HELP,
         },
         ('index',): {

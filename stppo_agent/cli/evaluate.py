@@ -40,12 +40,15 @@ def add_parser(commands) -> None:
                     help="exit non-zero (results still written, flagged) when more than this share of searches "
                          "failed on any benchmark: its scores measure a broken retriever (default 0.01)")
     ev.add_argument("--output-dir", required=True, help="results.json, results.csv, episodes.jsonl")
+    ev.add_argument("--overwrite", action="store_true",
+                    help="replace another agent's results in --output-dir (a run's own checkpoints replace theirs "
+                         "without it)")
     add_import_argument(ev)
     ev.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
+    from stppo_agent.evaluation.results import check_results_folder, evaluate_all, format_table, write_results
     from stppo_agent.plugins.loader import load_plugins
     from stppo_agent.plugins.name_checks import check_retriever
     from stppo_agent.rollouts.envs import refuse_real_data_without_retriever
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     benchmarks, datasets = benchmarks_and_datasets(args.benchmarks, args.dataset)
     refuse_real_data_without_retriever(dataset_labels(datasets), args.retriever)
     retriever = args.retriever or "demo"
+    check_results_folder(Path(args.output_dir), args.agent, args.overwrite)  # before minutes of episodes
     results = evaluate_all(args.agent, benchmarks, datasets, args.split, args.limit, retriever, args.topk,
                            args.max_turns, args.batch_size, args.seed, args.max_new_tokens, args.max_observation_tokens)
     write_results(results, Path(args.output_dir))

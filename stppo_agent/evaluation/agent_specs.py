@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -70,6 +71,26 @@ def resolve_agent_spec(spec: str) -> tuple[str, str | None]:
         raise FileNotFoundError(f"{exc}; {run} holds: {folder_listing(run)}; checkpoints/ holds: "
                                 f"{', '.join(sorted(p.name for p in (run / 'checkpoints').iterdir()))}") from exc
     return f"hf:{folder / 'actor'}", f"{spec} -> {why}"
+
+
+_CHECKPOINT_ACTOR = re.compile(r"^(?P<run>.+)/checkpoints/step-\d+/actor/?$")
+
+
+def agent_identity(spec: str) -> str:
+    """Who an agent spec names, typed or resolved: every checkpoint of a training run is that run (``hf:RUN@best``,
+    ``hf:RUN`` and ``hf:RUN/checkpoints/step-N/actor`` are one contestant, evaluated again as it trains); a local
+    folder is its absolute path; anything else is the spec itself."""
+    if not spec.startswith("hf:"):
+        return spec
+    path = spec[3:]
+    match = _CHECKPOINT_ACTOR.match(path)
+    if match:
+        path = match["run"]
+    else:
+        base, sep, _ = path.rpartition("@")
+        path = base if sep and not Path(path).expanduser().is_dir() else path
+    folder = Path(path).expanduser()
+    return f"hf:{folder.resolve()}" if folder.exists() else spec
 
 
 def is_run_like(path: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,17 +50,72 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     return fixed_width_table(header, rows)
 
 
+# put in place in this order: results.json, which `stppo compare` reads, last
+RESULT_FILES = ("episodes.jsonl", "results.csv", "results.json")
+
+
+def check_writable(path: Path, option: str = "--output-dir", beside: bool = False) -> None:
+    """Refuse, before any work, a ``path`` that cannot become a folder with files in it (a file in the way, a
+    read-only parent): found only at the end, it would cost the whole evaluation or fine-tune. ``beside``: the
+    folder is written next to ``path`` and renamed into its place, so it is ``path``'s parent that must take it."""
+    path = Path(path).expanduser()
+    existing = path
+    if beside:  # "." and ".." name no folder to be beside; their parent is found from the absolute path
+        existing = path.parent if path.name not in ("", "..") else Path(os.path.abspath(path)).parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{option} {path} cannot be a folder: {existing} is a file; choose another {option}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{option} {path} cannot be written: {existing} is not writable by this user; choose "
+                              f"another {option}")
+
+
+def check_results_folder(out: Path, agent: str, overwrite: bool = False) -> None:
+    """``stppo eval``'s ``--output-dir``, checked before the evaluation: writable, and not holding another agent's
+    results (they would be replaced silently) unless ``overwrite``. A training run's checkpoints count as one agent,
+    so a run evaluated again as it trains replaces its own results."""
+    from stppo_agent.evaluation.agent_specs import agent_identity
+    from stppo_agent.evaluation.comparison import load_results
+
+    check_writable(out)
+    previous = Path(out) / "results.json"
+    if overwrite or not previous.exists():
+        return
+    try:
+        records = load_results(previous)
+    except ValueError as exc:
+        raise FileExistsError(f"{exc}; pass --overwrite to replace it, or choose another --output-dir") from None
+    recorded = sorted({str((r.get("provenance") or {}).get("agent", "an unnamed agent")) for r in records})
+    others = [name for name in recorded if agent_identity(name) != agent_identity(agent)]
+    if others:
+        benchmarks = ", ".join(r["benchmark"] for r in records)
+        raise FileExistsError(f"{out} holds the results of another agent ({others[0]} on {benchmarks}); this "
+                              f"evaluation is of {agent}: choose another --output-dir, or pass --overwrite to replace "
+                              "them")
+
+
 def write_results(results: Sequence[dict[str, Any]], out: Path) -> None:
+    """results.json, results.csv and episodes.jsonl in ``out``: each written whole beside its old version, then
+    the three put in place, so a failure (a full disk, a kill) part-way leaves the previous results whole."""
     out.mkdir(parents=True, exist_ok=True)
     summary = [{k: v for k, v in r.items() if k != "episodes"} for r in results]
-    (out / "results.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    with open(out / "episodes.jsonl", "w", encoding="utf-8") as handle:
-        for result in results:
-            for episode in result["episodes"]:
-                handle.write(json.dumps({"benchmark": result["benchmark"], **episode}, sort_keys=True) + "\n")
-    metric_names = sorted({k for r in results for k in r["metrics"]})
-    with open(out / "results.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["benchmark", *metric_names])
-        for r in results:
-            writer.writerow([r["benchmark"], *(r["metrics"].get(k, "") for k in metric_names)])
+    staged = {name: out / f".{name}.partial-{os.getpid()}" for name in RESULT_FILES}
+    try:
+        with open(staged["episodes.jsonl"], "w", encoding="utf-8") as handle:
+            for result in results:
+                for episode in result["episodes"]:
+                    handle.write(json.dumps({"benchmark": result["benchmark"], **episode}, sort_keys=True) + "\n")
+        metric_names = sorted({k for r in results for k in r["metrics"]})
+        with open(staged["results.csv"], "w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["benchmark", *metric_names])
+            for r in results:
+                writer.writerow([r["benchmark"], *(r["metrics"].get(k, "") for k in metric_names)])
+        staged["results.json"].write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    except BaseException:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+        raise
+    for name in RESULT_FILES:
+        os.replace(staged[name], out / name)
