@@ -17,13 +17,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
+from stppo_agent.evaluation.agent_specs import resolve_agent_spec
 from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
 from stppo_agent.models.loading import load_actor, load_tokenizer, resolve_device
 from stppo_agent.models.precision import autocast_forward, validate_autocast_dtype, with_resolved_precision
@@ -109,7 +112,9 @@ def action_logprobs(model, batch) -> torch.Tensor:
 
 def train_sft(config: SFTConfig, report: Callable[[str], None] = print,
               on_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
-    """Fine-tune ``config.model`` on the teacher's demonstrations; save a Hugging Face folder in ``output_dir``.
+    """Fine-tune ``config.model`` on the teacher's demonstrations (``hf:RUN@latest`` and the other checkpoint specs
+    resolved as ``stppo eval`` resolves them); save a Hugging Face folder in ``output_dir``, which is checked before
+    any work (:func:`check_output_dir`) and replaced whole (:func:`replace_folder`).
     ``on_step(done, steps, loss)`` is called as the steps begin (``done`` 0, loss NaN: the demonstrations are
     ready and the model loaded) and after each optimizer step, instead of the report's step lines (the demo's
     progress display)."""
@@ -119,6 +124,11 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print,
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
     validate_autocast_dtype(config.autocast_dtype, config.dtype)  # before minutes of teacher episodes
+    check_output_dir(Path(config.output_dir))
+    teacher, chosen = resolve_agent_spec(config.teacher)  # hf:RUN@latest -> that checkpoint's actor
+    if chosen:
+        report(f"teacher {chosen}")
+    config = dataclasses.replace(config, teacher=teacher)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config.model)
@@ -161,13 +171,63 @@ def train_sft(config: SFTConfig, report: Callable[[str], None] = print,
         elif (step + 1) % 10 == 0 or step == 0:
             report(f"sft step {step + 1}/{config.steps}: loss {losses[-1]:.3f}")
     bar.close()
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "demonstrations": len(kept),
                "seconds": time.perf_counter() - started,
                "config": dataclasses.asdict(config)}
-    (out / "sft.json").write_text(json.dumps(summary, indent=1, default=list))
-    (out / "sft_losses.json").write_text(json.dumps(losses))
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        (folder / "sft_losses.json").write_text(json.dumps(losses))
+        (folder / SFT_RECORD).write_text(json.dumps(summary, indent=1, default=list))
+
+    replace_folder(Path(config.output_dir), write)
     return summary
+
+
+SFT_RECORD = "sft.json"  # written last: a folder holding it holds a whole model of an earlier `stppo sft`
+
+
+def check_output_dir(out: Path) -> None:
+    """Where the fine-tuned model may go, checked before any work: a writable place that is new, empty or an
+    earlier ``stppo sft`` output (replaced whole). A training run's folder is refused (``hf:RUN@...`` would no longer
+    reach its checkpoints), and so is another model or any other content (the new folder replaces it whole)."""
+    from stppo_agent.evaluation.agent_specs import folder_listing, is_run_like
+    from stppo_agent.evaluation.results import check_writable
+
+    check_writable(out, beside=True)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise NotADirectoryError(f"--output-dir {out} is a file; choose a new or empty folder")
+    if is_run_like(out) or (out / "checkpoints").is_dir():
+        raise FileExistsError(f"--output-dir {out} holds a training run ({folder_listing(out)}); stppo sft writes a "
+                              "model folder: choose a new or empty one")
+    if (out / SFT_RECORD).is_file():
+        return
+    if (out / "config.json").exists():
+        raise FileExistsError(f"--output-dir {out} holds another model (config.json; no {SFT_RECORD} of stppo sft); "
+                              "choose a new or empty folder")
+    if any(out.iterdir()):
+        raise FileExistsError(f"--output-dir {out} is not empty ({folder_listing(out)}) and holds no earlier stppo sft "
+                              "model; choose a new or empty folder")
+
+
+def replace_folder(out: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a folder beside ``out``, then put it in ``out``'s place: ``out`` never holds a partial model, and a
+    failure part-way leaves what it held before."""
+    out = Path(os.path.abspath(out))  # "." has no name to put a folder beside
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("partial", "replaced"))
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
