@@ -57,7 +57,8 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
         ('sft',): {
             '': "supervised warm start on a teacher agent's rewarded episodes",
             '--model': "Hugging Face folder or hub name; 'smollm2' for the default",
-            '--output-dir': 'where the fine-tuned Hugging Face folder goes',
+            '--output-dir': ('where the fine-tuned Hugging Face folder goes: a new or empty folder, or an earlier '
+                             'stppo sft output (replaced whole)'),
             '--teacher': ('agent spec whose rewarded episodes are the data (default gold-search: search the '
                           'question, then any supporting passage not yet seen, then give the golden answer); '
                           'hf:PATH or openai:URL#MODEL for rejection sampling'),

@@ -12,7 +12,9 @@ def add_parser(commands) -> None:
 
     sft = commands.add_parser("sft", help="supervised warm start on a teacher agent's rewarded episodes")
     sft.add_argument("--model", required=True, help="Hugging Face folder or hub name; 'smollm2' for the default")
-    sft.add_argument("--output-dir", required=True, help="where the fine-tuned Hugging Face folder goes")
+    sft.add_argument("--output-dir", required=True,
+                     help="where the fine-tuned Hugging Face folder goes: a new or empty folder, or an earlier stppo "
+                          "sft output (replaced whole)")
     sft.add_argument("--teacher", default="gold-search",
                      help="agent spec whose rewarded episodes are the data (default gold-search: search the "
                           "question, then any supporting passage not yet seen, then give the golden answer); "
