@@ -10,21 +10,7 @@ from pathlib import Path
 import pytest
 
 from .cli_in_process import stppo
-
-RECORDER = '''
-from pathlib import Path
-
-from stppo_agent.evaluation.agent_specs import register_agent
-from stppo_agent.evaluation.agents import OracleAgent
-
-
-def recorder(examples):
-    Path(__file__).with_suffix(".played").write_text("built")  # an evaluation started
-    return OracleAgent(examples)
-
-
-register_agent("recorder", recorder)
-'''
+from .recording_agent import recording_agent, was_built
 
 
 @pytest.fixture
@@ -46,13 +32,12 @@ def agents_in(out: Path) -> list[str]:
                                           ("notes.txt", "notes.txt is a file")])
 def test_an_output_folder_that_cannot_be_written_is_refused_before_any_episode(folder, capsys, out, problem):
     (folder / "notes.txt").write_text("a file\n")
-    plugin = folder / f"recorder_{folder.name}.py"
-    plugin.write_text(RECORDER)
+    plugin = recording_agent(folder, "recorder", "OracleAgent")
     done = evaluate(capsys, "recorder", out, "--import", str(plugin))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == f"stppo eval: error: --output-dir {out} cannot be a folder: {problem}; choose another " \
                           "--output-dir\n"
-    assert not plugin.with_suffix(".played").exists()  # no agent was built, no episode played
+    assert not was_built(plugin)  # no agent was built, no episode played
     assert (folder / "notes.txt").read_text() == "a file\n"
 
 

@@ -11,21 +11,7 @@ from pathlib import Path
 import pytest
 
 from .cli_in_process import stppo
-
-TEACHER = '''
-from pathlib import Path
-
-from stppo_agent.evaluation.agent_specs import register_agent
-from stppo_agent.evaluation.agents import GoldSearchAgent
-
-
-def teacher(examples):
-    Path(__file__).with_suffix(".played").write_text("built")  # the demonstrations started
-    return GoldSearchAgent(examples)
-
-
-register_agent("recording-teacher", teacher)
-'''
+from .recording_agent import recording_agent, was_built
 
 
 @pytest.fixture
@@ -39,9 +25,7 @@ def folder(tmp_path, monkeypatch):
 
 @pytest.fixture
 def teacher(tmp_path) -> Path:
-    plugin = tmp_path / f"teacher_{tmp_path.name}.py"
-    plugin.write_text(TEACHER)
-    return plugin
+    return recording_agent(tmp_path, "recording-teacher", "GoldSearchAgent")
 
 
 def sft(capsys, out: str, *options: str):
@@ -85,7 +69,7 @@ def test_a_folder_holding_something_else_is_refused_before_the_teacher_plays(fol
     before = contents(folder)
     done = sft(capsys, "target", "--teacher", "recording-teacher", "--import", str(teacher))
     assert (done.returncode, done.stderr) == (1, f"stppo sft: error: {message}\n")
-    assert not teacher.with_suffix(".played").exists()
+    assert not was_built(teacher)
     assert contents(folder) == before  # nothing written into it, nothing beside it
 
 
@@ -94,7 +78,7 @@ def test_a_folder_that_cannot_be_written_is_refused_before_the_teacher_plays(fol
     done = sft(capsys, "notes.txt/warm", "--teacher", "recording-teacher", "--import", str(teacher))
     assert (done.returncode, done.stderr) == (1, "stppo sft: error: --output-dir notes.txt/warm cannot be a folder: "
                                                  "notes.txt is a file; choose another --output-dir\n")
-    assert not teacher.with_suffix(".played").exists()
+    assert not was_built(teacher)
 
 
 def test_an_earlier_sft_model_is_replaced_whole_and_a_failed_save_leaves_it_whole(folder, capsys, monkeypatch):
