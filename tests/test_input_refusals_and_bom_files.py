@@ -123,7 +123,7 @@ def _sft_config(monkeypatch, capsys, *args):
 def test_sft_uses_the_dataset_given_for_a_benchmark_spelt_another_way(monkeypatch, capsys):
     # --benchmarks NQ --dataset nq=PATH: the dataset was keyed "nq", looked up as "NQ", and the demo set played
     done, config = _sft_config(monkeypatch, capsys, "--benchmarks", "NQ,mmlu-medical", "--dataset", "nq=data/nq.jsonl",
-                               "--dataset", "mmlu_med=data/mmlu")
+                               "--dataset", "mmlu_med=data/mmlu", "--retriever", "bm25:idx")
     assert "captured" in done.stderr
     assert [config.datasets.get(name) for name in config.benchmarks] == ["data/nq.jsonl", "data/mmlu"]
 
