@@ -67,7 +67,10 @@ def _plugin_registrations_end_with_the_test():
     # The plugin's module goes too: the loader skips a file whose module is imported already, so a later test
     # loading the same file would find it "loaded" and its rule unregistered. Only modules from outside the
     # interpreter and this checkout are plugins a test wrote; the folder the loader put on sys.path goes as well.
-    installed = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, REPO})
+    # A venv layered on another (the verl and TRL venvs: a .pth file puts the main venv's site-packages on
+    # sys.path) installs packages outside sys.prefix: every site-packages folder on the path counts as installed.
+    roots = {sys.prefix, sys.base_prefix, REPO, *(p for p in path_before if Path(p).name == "site-packages")}
+    installed = tuple(str(Path(p).resolve()) for p in roots)
     for name in set(sys.modules) - modules_before:
         origin = getattr(sys.modules[name], "__file__", None)
         if origin and not str(Path(origin).resolve()).startswith(installed):
