@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stppo_agent.distributed import process_group
 from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, load_full_optimizer_state, load_trainer_state
 from stppo_agent.runs.trainer_state import apply_learning_rates
 
@@ -52,8 +53,9 @@ def load_warm_optimizers(trainer, folder: Path) -> None:
         _check_fits(tensors["critic_optimizer"], trainer.critic, f"the critic of {folder}")
         load_full_optimizer_state(trainer.critic, trainer.critic_optimizer, tensors["critic_optimizer"])
     apply_learning_rates(trainer)  # the loaded param groups carry the old run's rates; this run's schedule starts
-    trainer.report(f"started from {folder}: its weights and optimizer state (after {state['optimizer_steps']} "
-                   "optimizer steps); iteration 0 of a new run")
+    if process_group.is_main():
+        trainer.report(f"started from {folder}: its weights and optimizer state (after {state['optimizer_steps']} "
+                       "optimizer steps); iteration 0 of a new run")
 
 
 def _check_fits(optimizer_state: dict[str, Any], model: torch.nn.Module, what: str) -> None:
