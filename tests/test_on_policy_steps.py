@@ -6,6 +6,7 @@ cosine takes it as its on-policy reference."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,6 +49,12 @@ def test_under_coupled_staleness_the_lagged_first_step_is_off_policy(tiny_model,
         assert record["offpolicy/steps"] == 1.0
         assert record["offpolicy/tail/ratio_max"] == pytest.approx(record["tail/ratio_max"])
         assert "grad_cos_to_first" not in record and "offpolicy/grad_cos_to_first" not in record
+    # the stability study reads such a run: off-policy steps without a cosine leave its cosine mean unset
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import stability
+
+    summary = stability.summarize(tmp_path)
+    assert summary["grad_cos_offpolicy_mean"] is None and summary["ratio_p99_offpolicy_mean"] > 1
 
 
 def test_stale_iterations_take_no_step_as_the_cosine_reference(tiny_model, tmp_path):
