@@ -250,7 +250,7 @@ def summarize(run: Path, iterations: int | None = None) -> dict:
         "ratio_max": max((s["ratio_max"] for s in steps if "ratio_max" in s), default=None),
         "turn_ratio_max": max((s["turn_ratio_max"] for s in steps if "turn_ratio_max" in s), default=None),
         "ratio_p99_offpolicy_mean": mean([s["ratio_p99"] for s in off if "ratio_p99" in s]),
-        "grad_cos_offpolicy_mean": mean([s["grad_cos_to_first"] for s in off]),
+        "grad_cos_offpolicy_mean": mean([s["grad_cos_to_first"] for s in off if "grad_cos_to_first" in s]),
         "kl_to_reference_last": series("kl_to_reference")[-1] if series("kl_to_reference") else None,
         "invalid_action_rate_mean": mean(series("invalid_action_rate")),
         "collapsed_at": collapsed_at,

@@ -177,6 +177,37 @@ def ref_cispo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, 
     return ref_aggregate_scaled(losses, agg)
 
 
+def ref_ppo_dual_clip(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, clip_c, agg="token-mean"):
+    """ppo_clip with verl's dual clip, from scalar tensor ops: (loss, bias surrogate, clip_frac, dual_clip_frac).
+    For A < 0 the token's loss is min(-c A, -min(rho A, clip(rho) A)): past rho = c it is the constant -c A, and
+    the rho A it gave up is part of the clipping bias, like an ordinary clip's."""
+    losses, biases, clipped, dual = {}, {}, 0, 0
+    tokens = _policy_tokens(mask)
+    for b, t in tokens:
+        rho = torch.exp(_level_log_ratio(logprobs, old, mask, turns, level, b, t))
+        a, value = float(advantages[b, t]), float(rho.detach())
+        surrogate = -torch.minimum(rho * a, rho.clamp(1 - eps_low, 1 + eps_high) * a)
+        is_dual = a < 0 and value > clip_c
+        losses[b, t] = torch.tensor(-clip_c * a, dtype=old.dtype) if is_dual else surrogate
+        is_clipped = (a > 0 and value > 1 + eps_high) or (a < 0 and value < 1 - eps_low) or is_dual
+        biases[b, t] = rho * a if is_clipped else torch.zeros((), dtype=old.dtype)
+        clipped, dual = clipped + is_clipped, dual + is_dual
+    count = max(1, len(tokens))
+    return ref_aggregate_scaled(losses, agg), ref_aggregate_scaled(biases, agg), clipped / count, dual / count
+
+
+def ref_effective_sample_size(logprobs, old, mask, turns, level):
+    """(sum w)^2 / (n sum w^2) over one weight per token, turn or trajectory (1 for none)."""
+    weights = {}
+    for b, t in _policy_tokens(mask):
+        key = (b, t) if level == "token" else (b, int(turns[b, t])) if level == "turn" else (b,)
+        weights[key] = math.exp(float(_level_log_ratio(logprobs, old, mask, turns, level, b, t)))
+    if not weights:
+        return 1.0
+    values = list(weights.values())
+    return sum(values) ** 2 / (len(values) * sum(w * w for w in values))
+
+
 def ref_sapo(logprobs, old, advantages, mask, turns, level, tau_pos, tau_neg, agg="seq-mean-token-mean"):
     losses = {}
     for b, t in _policy_tokens(mask):

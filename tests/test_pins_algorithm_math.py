@@ -668,8 +668,11 @@ def test_ppo_clip_by_hand_loss_clipped_set_bias_and_metrics():
     assert metrics["ratio/min"].item() == pytest.approx(0.5) and metrics.parts["ratio/min"].op == "min"
     kl = sum(r - 1 - math.log(r) for r in (1.5, 0.8, 1.2, 0.5, 1.0)) / 5
     assert metrics["approx_kl"].item() == pytest.approx(kl)
+    # effective sample size of the token ratios: (sum w)^2 / (n sum w^2)
+    assert metrics["ratio/ess"].item() == pytest.approx(5.0**2 / (5 * (2.25 + 0.64 + 1.44 + 0.25 + 1.0)))
+    torch.testing.assert_close(metrics.parts["ratio/ess"].sums, t64([5.0, 5.58, 5.0]))
     assert set(metrics) == {"pg_loss", "clip_frac", "turn_clip_frac", "ratio/mean", "ratio/max", "ratio/min",
-                            "approx_kl"}
+                            "ratio/ess", "approx_kl"}
     (grad,) = torch.autograd.grad(loss, logprobs, retain_graph=True)
     torch.testing.assert_close(grad, t64([[0.0, 0.0, -2.4 / 5], [0.0, 0.0, 0.0]]))  # clipped tokens: none
     (bias_grad,) = torch.autograd.grad(bias, logprobs)
@@ -1049,7 +1052,8 @@ from stppo_agent.algorithms.config import ALGORITHMS, register_algorithm  # noqa
 
 DEFAULTS = {
     "name": "custom", "advantage": "gae", "policy_loss": "ppo_clip", "ratio_level": "token",
-    "clip_bias_correction": False, "clip_bias_kappa": 1.0, "clip_low": 0.2, "clip_high": 0.2,
+    "clip_bias_correction": False, "clip_bias_kappa": 1.0, "clip_bias_order": "before_grad_clip", "clip_low": 0.2,
+    "clip_high": 0.2, "clip_ratio_c": None,
     "loss_agg": "token-mean", "loss_scale_factor": 1024.0, "tau_pos": 1.0, "tau_neg": 1.05, "is_cap": 20.0,
     "m2_threshold": 0.04, "dynamic_sampling": False, "max_resample_rounds": 10, "gamma": 1.0, "lam": 1.0,
     "whiten_advantages": True, "grpo_std_normalize": True, "use_critic": True, "value_clip": 0.5,

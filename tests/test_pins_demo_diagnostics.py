@@ -216,7 +216,8 @@ def test_step_diagnostics_step_means_count_off_policy_steps_apart():
     only_on.add({"clip_frac": 0.1}, on_policy=True)
     assert only_on.means() == {"clip_frac": 0.1}
     assert "grad_norm" not in OFF_POLICY_KEYS and {"clip_bias_scale", "tail/turn_outside_frac"} <= set(OFF_POLICY_KEYS)
-    assert len(OFF_POLICY_KEYS) == 11
+    assert {"dual_clip_frac", "ratio/ess", "clip_bias_changed"} <= set(OFF_POLICY_KEYS)
+    assert len(OFF_POLICY_KEYS) == 14
 
 
 # -- demo_progress.py --------------------------------------------------------------------------------------------

@@ -143,11 +143,11 @@ def test_plots_step_diagnostics_per_optimizer_step(tmp_path, captured_figures):
     assert STEP_PLOT_LOG_KEYS == {"ratio_max": 1.0, "clip_bias_norm": 0.1}
     write_records(tmp_path / "a", "metrics.jsonl", [{"step": 1, "reward": 0.1}])
     write_records(tmp_path / "a", "steps.jsonl", [
-        {"step": 1, "on_policy": True, "ratio_max": 1.0, "grad_cos_to_first": 1.0},
-        {"step": 2, "on_policy": False, "ratio_max": 3.0, "grad_cos_to_first": 0.5},
-        {"step": 3, "on_policy": True, "ratio_max": 1.5}, {"step": 4, "ratio_max": "inf"},
-        {"step": 5, "on_policy": 1, "ratio_max": 2.0}])
-    write_records(tmp_path / "b", "steps.jsonl", [{"step": 2, "on_policy": True, "ratio_max": 1.1}])
+        {"step": 1, "minibatch": 0, "on_policy": True, "ratio_max": 1.0, "grad_cos_to_first": 1.0},
+        {"step": 2, "minibatch": 1, "on_policy": False, "ratio_max": 3.0, "grad_cos_to_first": 0.5},
+        {"step": 3, "minibatch": 0, "on_policy": True, "ratio_max": 1.5}, {"step": 4, "ratio_max": "inf"},
+        {"step": 5, "minibatch": 0, "on_policy": False, "ratio_max": 2.0}])  # a lagged iteration's first step
+    write_records(tmp_path / "b", "steps.jsonl", [{"step": 2, "minibatch": 0, "on_policy": True, "ratio_max": 1.1}])
     written = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
     assert written[-1] == tmp_path / "out" / "steps.png" and len(written) == 7
     assert saved[-1] == ("steps.png", {"dpi": 100})

@@ -527,7 +527,8 @@ def fake_trainer(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **valu
     t = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), actor=actor, actor_train=actor, critic=value_model,
                         critic_train=value_model, device=torch.device("cpu"), world=1, rank=0, sharded=False,
                         diagnostics=None, iteration=0, optimizer_steps=0, nan_skips_in_a_row=0, nan_skips_total=0,
-                        reports=[], phases=[], run_dir=Path("runs/pins"))
+                        reports=[], phases=[], run_dir=Path("runs/pins"), stale_policy=SimpleNamespace(lag=0),
+                        source=None)
     t.report, t.phase = t.reports.append, t.phases.append
     t.actor_optimizer = torch.optim.SGD(actor.parameters(), lr=lr)
     t.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(t.actor_optimizer, lambda step: 1.0)
@@ -800,8 +801,8 @@ def test_step_diagnostics_hooks_see_every_micro_batch_and_the_step():
     calls = []
 
     class Diagnostics:
-        def begin_iteration(self, iteration):
-            calls.append(("begin", iteration))
+        def begin_iteration(self, iteration, on_policy_start):
+            calls.append(("begin", iteration, on_policy_start))
 
         def observe_micro(self, micro, logprobs):
             calls.append(("micro", micro.batch_size, logprobs.shape == micro.response_ids.shape))
@@ -814,7 +815,7 @@ def test_step_diagnostics_hooks_see_every_micro_batch_and_the_step():
     t.iteration, t.optimizer_steps, t.diagnostics = 4, 7, Diagnostics()
     metrics = PPOUpdate(t).update(make_batch())
     params = len([p for p in t.actor.parameters() if p.requires_grad])
-    assert calls == [("begin", 5), ("micro", 2, True), ("micro", 2, True), ("micro", 2, True),
+    assert calls == [("begin", 5, True), ("micro", 2, True), ("micro", 2, True), ("micro", 2, True),
                      ("finish", params, True, 7)]
     assert metrics["diag"] == 1.0
 
@@ -2098,7 +2099,7 @@ def test_the_clip_bias_corrector_gets_the_algorithms_settings_and_an_anchor(monk
         def all_reduce(self):
             pass
 
-        def apply(self):
+        def measure(self):
             return {}
 
     monkeypatch.setattr(ppo_update, "ClipBiasCorrector", Corrector)

@@ -11,7 +11,8 @@ Use per optimizer step::
         corrector.accumulate(bias_surrogate)      # one extra backward into a side buffer (retains the graph)
         loss.backward()
     # (data parallel: DDP has averaged .grad; corrector.all_reduce() averages C the same way)
-    metrics = corrector.apply()                   # scales .grad of the actor; before grad-norm clipping
+    metrics = corrector.apply()                   # scales .grad of the actor (before grad-norm clipping;
+                                                  # measure() / scale_gradients() split it around the clipping)
 
 With FSDP2-sharded parameters (``through_grad=True``) ``torch.autograd.grad`` cannot reach the parameters
 (forward runs on gathered copies), so C comes from a second ``backward`` into ``.grad``, which FSDP2
@@ -100,15 +101,36 @@ class ClipBiasCorrector:
 
     def apply(self) -> dict[str, torch.Tensor]:
         """Scale the actor's gradients; return ``clip_bias_norm``, ``pg_grad_norm``, ``clip_bias_scale``; reset C.
-        With ``rescale=False`` the gradients are left alone and ``clip_bias_scale`` is not reported."""
+        With ``rescale=False`` the gradients are left alone and ``clip_bias_scale`` is not reported. (``measure``
+        then ``scale_gradients`` is the same in two steps, for a scale applied after gradient clipping.)"""
+        metrics = self.measure()
+        if "clip_bias_scale" in metrics:
+            self.scale_gradients(metrics["clip_bias_scale"])
+        return metrics
+
+    def measure(self) -> dict[str, torch.Tensor]:
+        """``clip_bias_norm`` (||C||), ``pg_grad_norm`` (the actor's gradient norm now) and, with ``rescale``,
+        ``clip_bias_scale`` = max(1, ||C|| / kappa); resets C. The gradients are not touched."""
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
         bias_norm = global_norm(self._bias or [], device)
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        grad_norm = global_norm(grads, device)
+        grad_norm = global_norm([p.grad for p in self.parameters if p.grad is not None], device)
         self._bias = None
         if not self.rescale:
             return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm}
-        scale = torch.clamp(bias_norm / self.kappa, min=1.0)
-        for grad in grads:
+        return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm,
+                "clip_bias_scale": torch.clamp(bias_norm / self.kappa, min=1.0)}
+
+    def scale_gradients(self, scale: torch.Tensor) -> None:
+        """Divide the actor's gradients by ``scale``."""
+        for grad in (p.grad for p in self.parameters if p.grad is not None):
             local_tensor(grad).div_(scale.to(grad.dtype))
-        return {"clip_bias_norm": bias_norm, "pg_grad_norm": grad_norm, "clip_bias_scale": scale}
+
+
+def changed_update(scale: float, grad_norm: float, max_grad_norm: float, order: str) -> bool:
+    """Whether a clip-bias ``scale`` changed the gradient the optimizer receives, against what PPO hands it from
+    the same gradient g (of norm ``grad_norm``, clipped to ``max_grad_norm``). ``after_grad_clip``: whenever the
+    scale exceeds 1. ``before_grad_clip``: only when g / scale falls under the clip threshold -- at or above it,
+    clipping rescales both to the same vector of norm max_grad_norm."""
+    if not scale > 1:
+        return False
+    return order == "after_grad_clip" or grad_norm / scale < max_grad_norm

@@ -11,6 +11,9 @@ import dataclasses
 from .registry import Registry
 
 RATIO_LEVEL_NAMES = ("token", "turn", "sequence")
+CLIP_BIAS_ORDERS = ("before_grad_clip", "after_grad_clip")
+# built-in policy losses with a trust region of their own, which never read clip_ratio_c (ppo_clip's dual clip)
+_NO_DUAL_CLIP = ("cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po")
 LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "low_var_kl")
 
@@ -31,12 +34,20 @@ class AlgorithmConfig:
     """Divide the policy gradient by max(1, ||C|| / kappa), C the clipping-bias gradient (S-PPO, ST-PPO)."""
     clip_bias_kappa: float = 1.0
     """kappa of the clip-bias normalisation: a bias norm up to kappa leaves the gradient unchanged."""
+    clip_bias_order: str = "before_grad_clip"
+    """Where the clip-bias scale applies: before_grad_clip (the gradient is divided, then clipped to
+    max_grad_norm: a no-op whenever ||g|| / scale still exceeds max_grad_norm) or after_grad_clip (the clipped
+    gradient is divided, so a scale above 1 always shrinks the applied gradient)."""
     clip_low: float = 0.2
     """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages.
     GMPO reads it in log space, DPPO as its divergence threshold for negative advantages."""
     clip_high: float = 0.2
     """Upper clip epsilon: ratios above 1 + clip_high are clipped for positive advantages (GMPO: log space; DPPO:
     the divergence threshold for positive advantages)."""
+    clip_ratio_c: float | None = None
+    """Dual clip of the ppo_clip loss (verl's clip_ratio_c, 3.0 there): for A < 0 a ratio above c contributes the
+    constant -c * A, no gradient (the unclipped branch would weigh the token by its whole ratio). At the
+    ratio_level in use; None: off. Must be > 1."""
     loss_agg: str = "token-mean"
     """token-mean (sum over policy tokens / their number), seq-mean-token-mean, or seq-mean-token-sum-norm (each
     trajectory's token sum / loss_scale_factor, averaged over trajectories: Dr. GRPO's constant normaliser)."""
@@ -98,6 +109,12 @@ class AlgorithmConfig:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        _check_choice("clip_bias_order", self.clip_bias_order, CLIP_BIAS_ORDERS)
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be > 1 (or unset), got {self.clip_ratio_c}")
+        if self.clip_ratio_c is not None and self.policy_loss in _NO_DUAL_CLIP:
+            raise ValueError(f"clip_ratio_c is the dual clip of the ppo_clip loss; policy_loss {self.policy_loss} has "
+                             "a trust region of its own and does not read it: unset it")
         if self.clip_bias_kappa <= 0:
             raise ValueError(f"clip_bias_kappa must be > 0, got {self.clip_bias_kappa}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .metrics import LossMetrics
+from .metrics import LossMetrics, effective_sample_size
 from .registry import Registry
 from .segments import (
     broadcast_segments,
@@ -183,7 +183,23 @@ def _ratio_metrics(metrics: LossMetrics, logprobs, old_logprobs, ratio, clipped,
     metrics.mean("ratio/mean", masked_sum(ratio, loss_mask), tokens)
     metrics.extreme("ratio/max", torch.where(loss_mask, ratio, torch.full_like(ratio, -torch.inf)).max(), "max")
     metrics.extreme("ratio/min", torch.where(loss_mask, ratio, torch.full_like(ratio, torch.inf)).min(), "min")
+    metrics.summed("ratio/ess", *effective_sample_size(_level_weights(ratio, loss_mask, turn_sums, turn_counts,
+                                                                      config.ratio_level)))
     metrics.mean("approx_kl", masked_sum(torch.exp(token_log_ratio) - 1 - token_log_ratio, loss_mask), tokens)
+
+
+def _level_weights(ratio, loss_mask, turn_sums, turn_counts, level: str) -> torch.Tensor:
+    """One importance weight per sample at ``level``: each policy token's ratio, each (trajectory, turn)'s, or each
+    trajectory's (a segment's tokens share its ratio, so it is counted once)."""
+    if level == "turn":
+        present = turn_counts > 0
+        means = (turn_sums / turn_counts.clamp(min=1)).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        return torch.exp(means[present])
+    if level == "sequence":
+        rows = loss_mask.any(1)
+        first = loss_mask.to(torch.int8).argmax(1)  # every token of a row holds the row's ratio
+        return ratio.gather(1, first.unsqueeze(1)).squeeze(1)[rows]
+    return ratio[loss_mask]
 
 
 @register_policy_loss("ppo_clip")
@@ -205,6 +221,12 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     clipped = loss_mask & (((advantages > 0) & (ratio > 1 + config.clip_high))
                            | ((advantages < 0) & (ratio < 1 - config.clip_low)))
     metrics = LossMetrics()
+    dual_c = getattr(config, "clip_ratio_c", None)
+    if dual_c is not None:  # verl's dual clip: the A < 0 branch is worth at most -c * A, a constant
+        dual = loss_mask & (advantages < 0) & (ratio > dual_c)
+        surrogate = torch.where(dual, -dual_c * advantages, surrogate)
+        clipped = clipped | dual  # the removed term is rho * A: it belongs in C like the ordinary clip's
+        metrics.mean("dual_clip_frac", masked_sum(dual.to(ratio.dtype), loss_mask), loss_mask.sum())
     pg_loss = _aggregate_metric(metrics, "pg_loss", surrogate, loss_mask, **agg_kwargs)
     bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
     if not bool(clipped.any()):  # C's share is exactly 0: spare the corrector a whole backward pass

@@ -76,3 +76,18 @@ class LossMetrics(dict):
     def extreme(self, name: str, value: torch.Tensor, op: str) -> None:
         self[name] = value.detach()
         self.parts[name] = Extreme(value.detach(), op)
+
+
+def effective_sample_size(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """(value, sums, finish) of the normalised effective sample size of importance ``weights`` (1-D, one per
+    sample): (sum w)^2 / (n sum w^2), 1 when every weight is equal (on-policy), 1/n when one sample carries all
+    the weight, 1 for no samples. The sums (in float64) add over micro-batches and ranks."""
+    w = weights.detach().double()
+    sums = torch.stack([w.sum(), (w * w).sum(), torch.tensor(float(w.numel()), dtype=w.dtype, device=w.device)])
+    return _ess_from_sums(sums).to(weights.dtype), sums, _ess_from_sums
+
+
+def _ess_from_sums(sums: torch.Tensor) -> torch.Tensor:
+    total, squares, count = sums
+    defined = (count > 0) & (squares > 0)
+    return torch.where(defined, total * total / (count * squares).clamp(min=1e-300), torch.ones_like(total))

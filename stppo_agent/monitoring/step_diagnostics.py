@@ -1,23 +1,29 @@
 """Per-optimizer-step diagnostics of a PPO-family update, and the iteration means the trainer logs.
 
-Within one iteration the first mini-batch of the first epoch is *on-policy*: the actor has not moved since the
-old log-probs were taken, so every ratio is exactly 1 and nothing is clipped. Every later step is *off-policy*.
-That is where token- and turn-level clipping differ and where the clip-bias correction acts, so the iteration
-means are also given over the off-policy steps alone (``offpolicy/...``): averaged with the on-policy step they
-are diluted, and with one mini-batch per iteration they do not exist.
+Within one iteration the first mini-batch of the first epoch is *on-policy* when the ratio's denominator is the
+actor's own weights as the learner computes them (``stppo_agent.training.ppo_update.starts_on_policy``): the
+actor has not moved since the old log-probs were taken, so every ratio is 1 up to rounding and nothing is clipped.
+It is not when a lagged generator's log-probs are the denominator (``rollout_staleness`` with the coupled
+objective: pi / pi_{i-K}) or the sampler's own ones with a precision gap (``old_logprobs=sampler`` with a bfloat16
+sampler or vLLM). Every later step is *off-policy*. That is where token- and turn-level clipping differ and where
+the clip-bias correction acts, so the iteration means are also given over the off-policy steps alone
+(``offpolicy/...``): averaged with an on-policy step they are diluted, and with one on-policy mini-batch per
+iteration they do not exist.
 
 :class:`StepDiagnostics` (``step_diagnostics=true``; on by default in ``stppo replay``) writes one record per
 optimizer step to ``steps.jsonl``:
 
     iteration, step (optimizer steps so far), minibatch (0-based within the iteration), on_policy,
-    grad_cos_to_first   cosine between this step's actor gradient and the iteration's first (on-policy) one
+    grad_cos_to_first   cosine between this step's actor gradient and the iteration's first one, when that one was
+                        on-policy (absent in iterations without an on-policy step: there is no reference)
     ratio_max/p99/min   token ratios exp(logp - old_logp) over policy tokens
     turn_ratio_max/p99/min  turn ratios: exp of the mean token log-ratio of each (trajectory, turn)
     token_outside_frac, turn_outside_frac   share of policy tokens / of turns whose token / turn ratio left
                         [1 - clip_low, 1 + clip_high], whatever the algorithm's ratio level: what token-level
                         and turn-level PPO would clip here, up to the sign of the advantage
-    clip_frac, turn_clip_frac, clip_bias_norm (||C||, measured for every algorithm), clip_bias_scale
-    (ST-PPO / S-PPO only), grad_norm, pg_grad_norm
+    clip_frac, turn_clip_frac, dual_clip_frac (with algorithm.clip_ratio_c), ratio/ess (the effective sample size
+    of the ratios at the algorithm's level), clip_bias_norm (||C||, measured for every algorithm),
+    clip_bias_scale and clip_bias_changed (ST-PPO / S-PPO only), grad_norm, pg_grad_norm
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ from stppo_agent.algorithms.segments import quantile, segment_counts, segment_su
 from stppo_agent.distributed import process_group
 from stppo_agent.runs.metrics_log import json_value
 
-OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "clip_bias_scale", "clip_bias_norm", "grad_cos_to_first",
-                   "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max", "tail/turn_ratio_p99",
-                   "tail/token_outside_frac", "tail/turn_outside_frac")
+OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "dual_clip_frac", "ratio/ess", "clip_bias_scale", "clip_bias_norm",
+                   "clip_bias_changed", "grad_cos_to_first", "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max",
+                   "tail/turn_ratio_p99", "tail/token_outside_frac", "tail/turn_outside_frac")
+# the loss and update metrics each steps.jsonl record repeats
+RECORDED_KEYS = ("clip_frac", "turn_clip_frac", "dual_clip_frac", "ratio/ess", "clip_bias_norm", "clip_bias_scale",
+                 "clip_bias_changed", "grad_norm", "pg_grad_norm")
 
 
 class StepMeans:
@@ -81,7 +90,7 @@ class StepDiagnostics:
         # CISPO's clip_low may be 1 (no lower bound): its log is -inf, which no ratio falls below
         self.log_low = math.log(1 - clip_low) if clip_low < 1 else -math.inf
         self.log_high = math.log1p(clip_high)
-        self.iteration, self.minibatch, self.reference = 0, 0, None
+        self.iteration, self.minibatch, self.reference, self.on_policy_start = 0, 0, None, True
         self.token_log_ratios: list[torch.Tensor] = []
         self.turn_log_ratios: list[torch.Tensor] = []
         if path is not None and path.exists():  # on resume: drop the steps of iterations that will be redone
@@ -100,8 +109,10 @@ class StepDiagnostics:
                    trainer.iteration, trainer.algo.clip_low, trainer.algo.clip_high,
                    gradients=config.step_diagnostics)
 
-    def begin_iteration(self, iteration: int) -> None:
+    def begin_iteration(self, iteration: int, on_policy_start: bool = True) -> None:
+        """``on_policy_start``: whether the iteration's first step is on-policy (the gradient reference)."""
         self.iteration, self.minibatch, self.reference = iteration, 0, None
+        self.on_policy_start = on_policy_start
         self.discard_step()
 
     def discard_step(self) -> None:
@@ -127,17 +138,17 @@ class StepDiagnostics:
         """Record this step; returns the diagnostics that also go into the iteration means."""
         tails = self._tails()
         out: dict[str, float] = {f"tail/{key}": value for key, value in tails.items()}
+        on_policy = self.minibatch == 0 and self.on_policy_start
         record = {"iteration": self.iteration, "step": optimizer_steps + 1, "minibatch": self.minibatch,
-                  "on_policy": self.minibatch == 0, **tails}
-        if self.gradients:
+                  "on_policy": on_policy, **tails}
+        if self.gradients and (on_policy or self.reference is not None):
             flat = torch.cat([process_group.local_tensor(p.grad).reshape(-1).float() if p.grad is not None
                               else torch.zeros(process_group.local_tensor(p).numel(), device=p.device)
                               for p in parameters])
             if self.reference is None:
                 self.reference = flat.clone()
             out["grad_cos_to_first"] = record["grad_cos_to_first"] = self._cosine(flat, self.reference)
-        for key in ("clip_frac", "turn_clip_frac", "clip_bias_norm", "clip_bias_scale", "grad_norm",
-                    "pg_grad_norm"):
+        for key in RECORDED_KEYS:
             if key in metrics:
                 record[key] = metrics[key]
         if self.path is not None and process_group.is_main():

@@ -125,7 +125,7 @@ def _plot_steps(steps: dict[str, list[dict]], styles: dict[str, dict], path: Pat
             if points:
                 axis.plot(*zip(*points), label=run, **dict(styles[run], markersize=3))
                 drawn = True
-        starts = sorted({r["step"] for records in steps.values() for r in records if r.get("on_policy")})
+        starts = sorted({r["step"] for records in steps.values() for r in records if r.get("minibatch") == 0})
         for start in starts[1:]:
             axis.axvline(start - 0.5, color="grey", linestyle=":", linewidth=0.8)
         if key in STEP_PLOT_LOG_KEYS:  # one extreme token or step would flatten every other point

@@ -21,6 +21,13 @@ from stppo_agent.plugins.loader import load_plugins
 from stppo_agent.rollouts.sampling import SamplingSettings
 from stppo_agent.rollouts.turn_loop import RolloutLimits
 from stppo_agent.runs.config_yaml import NumberLoader
+from stppo_agent.training.config_checks import (
+    check_init_from,
+    check_old_logprobs,
+    check_precision,
+    check_ranges,
+    check_staleness,
+)
 from stppo_envs.suggest import closest
 
 
@@ -46,7 +53,13 @@ class TrainConfig:
     """With several processes and a local retriever spec, one process per node serves the index to that node's ranks
     over HTTP (stppo_agent/distributed/shared_retrieval.py)."""
     model: str = ""
-    """Actor: a local Hugging Face folder or hub name."""
+    """Actor: a local Hugging Face folder or hub name (with init_from: the reference policy only; unset, the
+    checkpoint's actor)."""
+    init_from: str | None = None
+    """A checkpoint folder (RUN/checkpoints/step-N) whose actor, critic and AdamW state start this run instead of a
+    cold optimizer: a new run (iteration 0, its own folder, schedule, seed and prompt order) whose first steps use
+    the warm start's moments. Needs the checkpoint's optimizer state (checkpoint_optimizer=all, or its newest
+    checkpoint). Read once, at iteration 0: --resume continues from the run's own checkpoints."""
     critic_model: str | None = None
     """Critic backbone (default: the actor's initial weights with a new value head)."""
     output_dir: str = "runs/stppo"
@@ -93,6 +106,12 @@ class TrainConfig:
     """Off-policy stressor: iteration i's rollouts are sampled by the policy as it was K iterations earlier (after
     max(0, i - K) updates), the data an asynchronous trainer's learner receives; the lag is logged as `staleness`
     and kept in checkpoints (stppo_agent/training/stale_policy.py). 0: generation by the current policy."""
+    old_logprobs: str = "recompute"
+    """The PPO ratio's denominator: recompute (a forward of the behaviour weights before the update, in the
+    learner's precision) or sampler (the log-probs the sampler computed while generating, as vLLM-based trainers
+    and verl's rollout-log-prob mode take them: no extra forward, and a sampler/learner precision gap then reaches
+    the ratio and the clip). With sampler, rollout_correction auto is none (the ratio holds the gap) and tis / mis
+    are refused; stale_objective=decoupled needs recomputed log-probs."""
     stale_objective: str = "coupled"
     """With rollout_staleness > 0: coupled (the PPO ratio is taken against the lagged behaviour policy) or
     decoupled (AReaL's decoupled PPO: the ratio against the current weights before the update, the lag as a capped,
@@ -178,6 +197,10 @@ class TrainConfig:
     """Log to Weights & Biases too when set (needs `pip install wandb`)."""
     progress: bool = True
 
+    def __post_init__(self):
+        if self.init_from and not self.model:  # the warm start's actor is then the reference policy as well
+            self.model = str(Path(self.init_from) / "actor")
+
     def algorithm_config(self) -> AlgorithmConfig:
         load_plugins(self.plugins)
         preset = ALGORITHMS[self.algo]
@@ -190,6 +213,8 @@ class TrainConfig:
         algo = dataclasses.replace(preset, **values)
         if self.rollout_staleness > 0 and self.stale_objective == "decoupled" and algo.rollout_correction == "auto":
             algo = dataclasses.replace(algo, rollout_correction="mis")  # the behaviour weight of decoupled PPO
+        if self.old_logprobs == "sampler" and algo.rollout_correction == "auto":
+            algo = dataclasses.replace(algo, rollout_correction="none")  # the ratio itself holds the gap
         return resolve_rollout_correction(algo, self.generation_backend, self.generation_autocast_dtype)
 
     def rollout_limits(self) -> RolloutLimits:
@@ -206,18 +231,20 @@ class TrainConfig:
                      "micro_batch_size", "generation_batch_size", "save_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        _check_ranges(self)
+        check_ranges(self)
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size "
                              f"({self.micro_batch_size})")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be {' or '.join(STRATEGIES)}, got {self.strategy!r}")
-        _check_precision(self)
+        check_precision(self)
         self.sampling()  # a bad temperature / top_p / top_k fails here, before minutes of model loading
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()
-        self.validate_staleness()
+        check_old_logprobs(self)  # before the staleness checks: its refusal of the decoupled objective says more
+        check_staleness(self)
+        check_init_from(self)
         from stppo_agent.runs.checkpoint import check_checkpoint_settings
 
         check_checkpoint_settings(self.checkpoint_dtype, self.checkpoint_optimizer, self.on_collapse)
@@ -232,22 +259,6 @@ class TrainConfig:
                              f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
                              f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
-
-    def validate_staleness(self) -> None:
-        from stppo_agent.training.stale_policy import OBJECTIVES
-
-        if self.rollout_staleness < 0:
-            raise ValueError(f"rollout_staleness must be >= 0, got {self.rollout_staleness}")
-        if self.stale_objective not in OBJECTIVES:
-            raise ValueError(f"stale_objective must be {' or '.join(OBJECTIVES)}, got {self.stale_objective!r}")
-        if self.rollout_staleness == 0:
-            return
-        if self.strategy == "fsdp2" or self.generation_backend == "vllm":
-            raise ValueError("rollout_staleness > 0 needs strategy=ddp and generation_backend=hf (the lagged copy of "
-                             "the weights is a whole module; sharded and vLLM copies are not implemented)")
-        if self.stale_objective == "decoupled" and self.algorithm_config().rollout_correction == "none":
-            raise ValueError("stale_objective=decoupled weights each token by pi_prox / pi_behav: set "
-                             "algorithm.rollout_correction to mis or tis (auto picks mis), not none")
 
     def validate_collapse_settings(self) -> None:
         from stppo_agent.monitoring.collapse_rules import ACTIONS, MonitorSettings
@@ -267,56 +278,6 @@ class TrainConfig:
         if resolved is not None:
             values["algorithm"] = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
         return yaml.safe_dump(values, sort_keys=False)
-
-
-def _check_ranges(config: TrainConfig) -> None:
-    """Values with no meaning that a run would still have taken: max_grad_norm 0 scaled every gradient by 0 (no
-    learning, no error), a negative one by a negative factor (ascent); a max_search_error_rate below 0 stopped the
-    run for "0% of the searches failed"."""
-    for name in ("actor_lr", "critic_lr", "weight_decay", "warmup_steps"):
-        if not getattr(config, name) >= 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
-    if not config.max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0, got {config.max_grad_norm} (gradients are clipped to that norm)")
-    if not 0 <= config.max_search_error_rate <= 1:
-        raise ValueError(f"max_search_error_rate must be in [0, 1], got {config.max_search_error_rate}")
-    if not 0 < config.vllm_gpu_memory_utilization <= 1:
-        raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {config.vllm_gpu_memory_utilization}")
-
-
-def _check_precision(config: TrainConfig) -> None:
-    """Weights, FSDP2 compute, autocast and sampler precision: no float16 where gradients are taken (no loss
-    scaler), each setting with the strategy it belongs to."""
-    if config.fsdp_compute_dtype is not None:
-        if config.strategy != "fsdp2":
-            raise ValueError("fsdp_compute_dtype needs strategy=fsdp2 (DDP computes in `dtype`)")
-        if config.fsdp_compute_dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"fsdp_compute_dtype must be bfloat16 or float16, got {config.fsdp_compute_dtype!r}")
-    from stppo_agent.models.precision import refuse_float16_training, validate_autocast_dtype
-
-    refuse_float16_training("fsdp_compute_dtype", config.fsdp_compute_dtype)  # no loss scaler: see there
-    refuse_float16_training("dtype", config.dtype)
-    if config.autocast_dtype is not None:
-        if config.strategy == "fsdp2":
-            raise ValueError("autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype (FSDP2's own "
-                             "mixed precision)")
-        validate_autocast_dtype(config.autocast_dtype, config.dtype)
-    _check_generation_precision(config)
-
-
-def _check_generation_precision(config: TrainConfig) -> None:
-    """generation_autocast_dtype opens a gap between the sampler and a float32 learner; where the learner is not
-    float32 there is no gap to open (autocast's float32 head would even hide most of it), so it is refused."""
-    name = config.generation_autocast_dtype
-    if name is None:
-        return
-    if name != "bfloat16":
-        raise ValueError(f"generation_autocast_dtype must be bfloat16 (or unset), got {name!r}")
-    if config.generation_backend != "hf":
-        raise ValueError("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)")
-    if config.dtype != "float32" or config.autocast_dtype is not None or config.fsdp_compute_dtype is not None:
-        raise ValueError("generation_autocast_dtype=bfloat16 samples in bfloat16 against a float32 learner: it needs "
-                         "dtype=float32 and neither autocast_dtype nor fsdp_compute_dtype")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, **flags: Any) -> TrainConfig:

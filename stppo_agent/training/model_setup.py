@@ -14,6 +14,7 @@ from stppo_agent.models.loading import load_policy_models
 from stppo_agent.models.precision import DTYPES
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.training.stale_policy import StalePolicy
+from stppo_agent.training.warm_start import load_warm_optimizers, warm_start_folder
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -31,13 +32,16 @@ def warmup(steps: int) -> Callable[[int], float]:
 
 
 def build_models(trainer, checkpoint: Path | None) -> None:
-    """The actor, critic and frozen reference (from ``checkpoint`` on resume), sharded (FSDP2) or wrapped for DDP,
-    their optimizers and schedulers, and the generation backend, set on ``trainer``."""
+    """The actor, critic and frozen reference (from ``checkpoint`` on resume, from ``init_from`` when a new run
+    starts from another's checkpoint), sharded (FSDP2) or wrapped for DDP, their optimizers (the warm start's
+    state with ``init_from``) and schedulers, and the generation backend, set on ``trainer``."""
     config, algo = trainer.config, trainer.algo
     need_reference = algo.kl_in_reward > 0 or algo.kl_loss_coef > 0
-    # On resume the actor and critic come from the checkpoint; the reference is always the initial policy.
-    actor_path = str(checkpoint / "actor") if checkpoint is not None else config.model
-    critic_path = str(checkpoint / "critic") if checkpoint is not None else config.critic_model
+    warm = warm_start_folder(config, algo.use_critic) if checkpoint is None and config.init_from else None
+    # The actor and critic come from the checkpoint on resume or warm start; the reference is always `model`.
+    start = checkpoint if checkpoint is not None else warm
+    actor_path = str(start / "actor") if start is not None else config.model
+    critic_path = str(start / "critic") if start is not None else config.critic_model
     models = load_policy_models(actor_path, critic_path=critic_path, use_critic=algo.use_critic,
                                 need_reference=need_reference, dtype=config.dtype,
                                 gradient_checkpointing=config.gradient_checkpointing, reference_path=config.model,
@@ -69,12 +73,15 @@ def build_models(trainer, checkpoint: Path | None) -> None:
                                                      weight_decay=config.weight_decay)
         trainer.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.critic_optimizer,
                                                                      warmup(config.warmup_steps))
+    if warm is not None:
+        load_warm_optimizers(trainer, warm)
     # the weights that generate: the actor's own, or with rollout_staleness an independent lagged copy
     trainer.stale_policy = StalePolicy(trainer.actor, config.rollout_staleness, config.autocast_dtype)
-    trainer.backend = generation_backend(trainer, checkpoint)
+    trainer.backend = generation_backend(trainer, start)
 
 
 def generation_backend(trainer, checkpoint: Path | None):
+    """The rollout backend; ``checkpoint``: the folder whose actor the run continues from (resume or warm start)."""
     if trainer.config.generation_backend == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights can be synced
         from stppo_agent.rollouts.vllm_generation import VLLMGenerationBackend

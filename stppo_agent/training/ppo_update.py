@@ -10,6 +10,7 @@ import time
 import torch
 
 from stppo_agent.algorithms import WHOLE_BATCH_STATISTICS, ClipBiasCorrector, get_policy_loss, value_loss
+from stppo_agent.algorithms.clip_bias import changed_update
 from stppo_agent.distributed import process_group
 from stppo_agent.monitoring.step_diagnostics import StepMeans
 from stppo_agent.rollouts.batch import RolloutBatch
@@ -22,12 +23,30 @@ class TrainingDivergedError(RuntimeError):
     """Too many consecutive updates had NaN/inf losses or gradients."""
 
 
+def starts_on_policy(trainer) -> bool:
+    """Whether an iteration's first optimizer step is on-policy: the ratio's denominator is the actor's own
+    weights as the learner computes them, so every ratio is 1 up to rounding and nothing is clipped. Recomputed
+    log-probs (old_logprobs=recompute) are the actor's unless a lagged generator's weights take their place
+    (rollout_staleness with the coupled objective; the decoupled one recomputes with the current weights and puts
+    the lag into a separate behaviour weight). The sampler's own log-probs (old_logprobs=sampler) are the actor's
+    only with no lag, a sampler that computes as the learner does (transformers generate without
+    generation_autocast_dtype: not vLLM, not a bfloat16 sampler) and batches this rule sampled (a replay through
+    another rule says otherwise: ``sampled_by_actor`` on its rollout source)."""
+    config = trainer.config
+    lagged = trainer.stale_policy.lag > 0
+    if config.old_logprobs == "recompute":
+        return not lagged or config.stale_objective == "decoupled"
+    same_precision = config.generation_backend == "hf" and config.generation_autocast_dtype is None
+    return not lagged and same_precision and getattr(trainer.source, "sampled_by_actor", True)
+
+
 class PPOUpdate:
     """The update step of a :class:`~stppo_agent.training.trainer.Trainer`, reading its models, optimizers and
     settings."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.last_lr: float | None = None  # the learning rate of the last applied actor step
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """PPO epochs over this rank's scored share of the batch. The mini-batches are global: with several
@@ -38,8 +57,10 @@ class PPOUpdate:
         means = StepMeans()
         tokens, started = 0, time.perf_counter()
         generator = torch.Generator().manual_seed(config.seed + trainer.iteration)
+        on_policy_start = starts_on_policy(trainer)
         if trainer.diagnostics is not None:
-            trainer.diagnostics.begin_iteration(trainer.iteration + 1)
+            trainer.diagnostics.begin_iteration(trainer.iteration + 1, on_policy_start)
+        self.last_lr = None
         if trainer.world > 1:
             batch = gather_global_batch(batch, trainer.tokenizer.pad_token_id)
         size = config.mini_batch_size
@@ -56,14 +77,15 @@ class PPOUpdate:
                 if "skipped" in step_metrics:  # its NaN would make the iteration's means NaN: the monitor ignores
                     skipped += 1               # those, and was blind where the trouble began; it reads the count
                     step_metrics = {k: v for k, v in step_metrics.items() if k != "skipped" and math.isfinite(v)}
-                means.add(step_metrics, on_policy=epoch == 0 and start == 0,  # the actor has not moved yet
+                means.add(step_metrics, on_policy=on_policy_start and epoch == 0 and start == 0,  # not moved yet
                           applied=actor_stepped)
         metrics = means.means()
         if skipped:  # a count (benchmarks/stability.py reads "skipped" > 0 as a collapse)
             metrics["skipped"] = skipped
         metrics["update_tokens_per_s"] = tokens / max(time.perf_counter() - started, 1e-9)
         metrics["nan_skips_total"] = trainer.nan_skips_total
-        metrics["actor_lr"] = trainer.actor_scheduler.get_last_lr()[0]
+        # the rate the iteration's last actor step used (the schedule has moved on to the next step's)
+        metrics["actor_lr"] = self.last_lr if self.last_lr is not None else trainer.actor_scheduler.get_last_lr()[0]
         return metrics
 
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
@@ -139,10 +161,22 @@ class PPOUpdate:
             loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
             step_metrics.add(metrics, micro.loss_mask.sum())
         out = step_metrics.reduce()
+        scale = None
         if corrector is not None:
             corrector.all_reduce()
-            out.update({k: float(v) for k, v in corrector.apply().items()})
-        grad_norm = process_group.clip_grad_norm(params, trainer.config.max_grad_norm)
+            measured = corrector.measure()
+            scale = measured.get("clip_bias_scale")
+            out.update({k: float(v) for k, v in measured.items()})
+        after = algo.clip_bias_order == "after_grad_clip"
+        if scale is not None and not after:
+            corrector.scale_gradients(scale)
+        max_norm = trainer.config.max_grad_norm
+        grad_norm = process_group.clip_grad_norm(params, max_norm)  # the norm it saw, before clipping
+        if scale is not None and after:
+            corrector.scale_gradients(scale)
+        if scale is not None:  # 1 where the gradient handed to the optimizer differs from PPO's
+            out["clip_bias_changed"] = float(changed_update(out["clip_bias_scale"], out["pg_grad_norm"], max_norm,
+                                                            algo.clip_bias_order))
         ok = bool(process_group.all_reduce_sum(finite) == trainer.world) and bool(torch.isfinite(grad_norm))
         out["grad_norm"] = float(grad_norm) if ok else math.nan
         return out
@@ -173,6 +207,7 @@ class PPOUpdate:
         if trainer.diagnostics is not None:  # the gradient the optimizer is about to apply
             params = [p for p in trainer.actor.parameters() if p.requires_grad]
             out.update(trainer.diagnostics.finish_step(params, out, trainer.optimizer_steps))
+        self.last_lr = trainer.actor_optimizer.param_groups[0]["lr"]
         trainer.actor_optimizer.step()
         trainer.actor_scheduler.step()
         trainer.optimizer_steps += 1

@@ -10,7 +10,9 @@ its logged update metrics exactly.
 Replaying iteration k through algorithm B means: the batch that A's policy sampled at iteration k, scored and
 updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
 recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
-(old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B.
+(old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B. (A replay through
+another algorithm therefore uses ``old_logprobs=recompute``; ``--set old_logprobs=sampler`` takes the recorded
+sampler's log-probs instead, A's, and no step is then on-policy for B.)
 
 The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
 the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay through another
@@ -58,8 +60,11 @@ class RecordedRollouts:
     rank r takes prompts ``r::world``, as a live run with this many processes would have sampled them; every row
     of every iteration is used either way."""
 
-    def __init__(self, trainer, run_dir: Path):
+    def __init__(self, trainer, run_dir: Path, sampled_by_actor: bool = True):
+        """``sampled_by_actor``: the replay applies the recorded run's algorithm settings, so its actor is the one
+        that sampled each batch (what the on-policy flag of ``old_logprobs=sampler`` needs to know)."""
         self.folder = Path(run_dir) / "rollouts"
+        self.sampled_by_actor = sampled_by_actor
         meta = read_format(self.folder)
         mine = tokenizer_fingerprint(trainer.tokenizer)
         if mine != meta["tokenizer"]:
@@ -122,6 +127,13 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
                   step_diagnostics=True, model=str(folder / "initial" / "actor"))
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
+    if original.init_from:  # the run's weights and AdamW state came from there, and `model` was its reference
+        if not Path(original.init_from).is_dir():
+            raise ValueError(f"{run_dir} started from {original.init_from} (init_from), whose optimizer state a replay "
+                             "needs: that checkpoint is gone")
+        values.update(model=original.model, critic_model=None)
+    if not same_algo:  # another rule scores with its own weights (old_logprobs=sampler, set here, takes the run's)
+        values["old_logprobs"] = "recompute"
     config = load_config(None, list(overrides), **values)
     changed = [name for name in RECORDED_FIELDS if getattr(config, name) != getattr(original, name)]
     if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
@@ -167,9 +179,11 @@ def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Se
     config = replay_config(run_dir, algo, output_dir, overrides, iterations)
     if Path(output_dir).resolve() == Path(run_dir).resolve():
         raise ValueError("the replay's --output-dir must differ from the recorded run's folder")
-    trainer = Trainer(config, report=report, rollout_source=lambda t: RecordedRollouts(t, Path(run_dir)))
+    original = recorded_config(run_dir)
+    same_rule = config.algorithm_config() == original.algorithm_config()
+    trainer = Trainer(config, report=report,
+                      rollout_source=lambda t: RecordedRollouts(t, Path(run_dir), sampled_by_actor=same_rule))
     if process_group.is_main():
-        original = recorded_config(run_dir)
         report(describe_correction(config, original, overrides))
         (Path(output_dir) / "replay.json").write_text(json.dumps(
             {"replay_of": str(Path(run_dir).resolve()), "recorded_algo": original.algo,

@@ -25,10 +25,15 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
     # micro-batch), and one model at a time, so at most one full copy of weights is held.
     # The PPO ratio's denominator: the policy that sampled the batch (the actor itself unless rollout_staleness lags
-    # the generator), or for decoupled PPO the proximal policy, the actor before this update.
-    behaviour = trainer.stale_policy.model if trainer.config.stale_objective == "coupled" else trainer.actor
-    with process_group.gathered(behaviour):
-        batch.old_logprobs = batched_no_grad(sampled_logprobs, behaviour, batch, micro)
+    # the generator), or for decoupled PPO the proximal policy, the actor before this update; with
+    # old_logprobs=sampler, what the sampler computed while generating, in its own precision (no forward here).
+    sampler_logprobs = trainer.config.old_logprobs == "sampler"
+    if sampler_logprobs:
+        batch.old_logprobs = batch.sample_logprobs.to(trainer.device, torch.float32, copy=True)
+    else:
+        behaviour = trainer.stale_policy.model if trainer.config.stale_objective == "coupled" else trainer.actor
+        with process_group.gathered(behaviour):
+            batch.old_logprobs = batched_no_grad(sampled_logprobs, behaviour, batch, micro)
     if trainer.reference is not None:
         with process_group.gathered(trainer.reference):
             batch.ref_logprobs = batched_no_grad(sampled_logprobs, trainer.reference, batch, micro)
@@ -50,8 +55,9 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     mask = batch.loss_mask
     batch.stats["advantage/mean"] = float(batch.advantages[mask].mean()) if mask.any() else 0.0
     batch.stats["advantage/std"] = float(batch.advantages[mask].std()) if mask.sum() > 1 else 0.0
-    weights, mismatch = rollout_correction_weights(batch.old_logprobs, batch.sample_logprobs, mask,
-                                                   batch.turn_ids, trainer.algo)
+    # (with the sampler's log-probs as old ones there is no second measurement to compare: no mismatch metrics)
+    weights, mismatch = (None, {}) if sampler_logprobs else rollout_correction_weights(
+        batch.old_logprobs, batch.sample_logprobs, mask, batch.turn_ids, trainer.algo)
     batch.stats.update(mismatch)
     if weights is not None:  # w' >= 0 times the advantage = w' times each token's clipped surrogate
         batch.advantages = batch.advantages * weights
