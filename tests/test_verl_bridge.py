@@ -32,6 +32,7 @@ from stppo_agent.algorithms import ALGORITHMS, get_policy_loss  # noqa: E402
 from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
 from stppo_agent.integrations.verl import reward as verl_reward  # noqa: E402
+from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
 from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
 from stppo_envs.retrieval import Hit  # noqa: E402
 
@@ -188,7 +189,8 @@ def microbatched_loss(loss_mode, agg, mask, old, new, advantages, split=2):
     return total_loss, total_grad
 
 
-@pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items() if not p.clip_bias_correction])
+@pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items()
+                                    if not p.clip_bias_correction and not_in_verl(p) is None])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_presets_equal_this_projects_own_losses_with_explicit_turn_ids(preset, agg):
     """Two micro-batches through verl's ppo_loss (turn ids from the mask) add up to our loss on the whole batch with
@@ -233,7 +235,8 @@ def test_rollout_is_weights_scale_the_turn_level_loss():
 @pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items() if p.clip_bias_correction])
 def test_presets_with_the_clip_bias_correction_refuse_without_its_engine(preset):
     mask, _, old, new, advantages = random_batch()
-    expected = "clip-bias norm.*VERL_ENGINE_VENDOR=stppo.*stppo_turn_ppo"
+    level = ALGORITHMS[preset].ratio_level  # the loss that gives the same ratio without the correction
+    expected = f"clip-bias norm.*VERL_ENGINE_VENDOR=stppo.*{'stppo_turn_ppo' if level == 'turn' else 'stppo_ppo '}"
     with pytest.raises(bridge.ClipBiasEngineMissingError, match=expected):
         call_ppo_loss(actor_config(f"stppo_{preset}"), mask, old, new, advantages)
     assert get_policy_loss_fn(f"stppo_{preset}") is not None
@@ -484,7 +487,7 @@ def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
 
     preset = ALGORITHMS[name]
     if preset.advantage == "turn_gae" or preset.dynamic_sampling:
-        with pytest.raises(NotInVerlError):
+        with pytest.raises(NotInVerlError, match=f"preset {name}: .*use stppo_"):
             verl_overrides(name)
         return
     base = OmegaConf.load(Path(verl_config.__file__).parent / "_generated_ppo_trainer.yaml")
@@ -494,8 +497,10 @@ def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
     with open_dict(merged):  # Hydra's "+key=value" adds a key verl's config does not declare
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o[1:] for o in overrides if o.startswith("+")]))
     engine_selected = merged.ray_kwargs.ray_init.runtime_env.get("env_vars", {}).get("VERL_ENGINE_VENDOR")
-    assert engine_selected == ("stppo" if preset.clip_bias_correction else None)
-    assert (merged.actor_rollout_ref.actor.strategy == "fsdp2") == preset.clip_bias_correction
+    # the engine applies the correction and hands the turn record to turn-level losses
+    needs_engine = preset.clip_bias_correction or preset.ratio_level == "turn"
+    assert engine_selected == ("stppo" if needs_engine else None)
+    assert (merged.actor_rollout_ref.actor.strategy == "fsdp2") == needs_engine
     actor = merged.actor_rollout_ref.actor
     assert actor.policy_loss.loss_mode == f"stppo_{name}" and f"stppo_{name}" in POLICY_LOSS_REGISTRY
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (preset.clip_low, preset.clip_high)
