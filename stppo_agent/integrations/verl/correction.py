@@ -3,8 +3,9 @@ its bias surrogate ``agg(c_t * rho_t * A_t)`` to the engine (:func:`offer`), whi
 micro-batch with ``torch.autograd.grad`` into buffers of its own (:class:`ClipBiasBuffers`), averages C over the
 data-parallel ranks like the gradient and divides the gradient by ``max(1, ||C|| / kappa)`` before verl clips it.
 
-Why not through ``.grad`` (as this project's own FSDP2 path does): verl's engine accumulates micro-batches with
-FSDP2's no-sync mode by default, where the loss gradient of the micro-batches so far lives in FSDP's unsharded
+Why not through ``.grad`` (as this project's own FSDP2 path does): with ``use_no_sync_for_gradient_accumulation``
+on (the default of verl's engine config; verl's trainer config turns it off), verl's engine accumulates
+micro-batches in FSDP2's no-sync mode, where the loss gradient of the micro-batches so far lives in FSDP's unsharded
 buffers, out of reach of a parked ``.grad``; a second backward into ``.grad`` then mixes C into the loss gradient.
 ``autograd.grad`` leaves every ``.grad`` (sharded or not) alone, so both accumulation modes are right.
 
@@ -201,8 +202,9 @@ class ClipBiasBuffers:
                 raise RuntimeError("clip-bias correction: ranks disagree on the parameters C is taken over")
 
     def norm(self) -> torch.Tensor:
-        """||C|| of the global batch, then reset. Zero without a collective when nothing clipped on any rank (the
-        decision to take C is the same on every rank, so either all ranks hold buffers or none does)."""
+        """||C|| of the global batch, then reset. Zero without a further collective when nothing clipped on any rank
+        (the decision to take C, one scalar all-reduce per micro-batch in :meth:`accumulate`, is the same on every
+        rank, so either all ranks hold buffers or none does)."""
         buffers, self.buffers, self.shapes = self.buffers, [], None
         if not buffers:
             return torch.zeros(())
