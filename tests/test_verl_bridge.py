@@ -34,9 +34,9 @@ from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
 from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
 from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
-from stppo_envs.retrieval import Hit  # noqa: E402
 
 from .tiny_models import word_tokenizer  # noqa: E402
+from .verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -291,21 +291,9 @@ def test_with_the_engine_collecting_the_loss_hands_over_this_projects_bias_surro
 
 
 # -- the parquet export through verl's RLHFDataset ------------------------------------------------------------------
-PER_BENCHMARK = 6
-
-
-class OnePassage:
-    def search(self, query, k=3):
-        return [Hit("7", 1.0, "Title", f"a passage about {query}")][:k]
-
-    def batch_search(self, queries, k=3):
-        return [self.search(q, k) for q in queries]
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("verl_data")
-    return export.export_verl(list(BENCHMARKS), "test", out, limit=PER_BENCHMARK, max_turns=3, format_reward=0.2)
+    return export_every_benchmark(tmp_path_factory.mktemp("verl_data"))
 
 
 def test_every_benchmark_is_exported_to_its_own_parquet(exported):

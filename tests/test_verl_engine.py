@@ -25,12 +25,17 @@ else:
 
 import torch  # noqa: E402
 
-from tests.verl_workers import launch_workers, make_batch, register_cpu_platform, response_log_probs  # noqa: E402
+from tests.verl_workers import (  # noqa: E402
+    CLIP_HIGH,
+    CLIP_LOW,
+    GRAD_TOL,
+    launch_workers,
+    make_batch,
+    register_cpu_platform,
+    response_log_probs,
+    tiny_model_configs,
+)
 
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
-# float32 everywhere; verl's engine and this project's computation differ in summation order (FSDP2 reduce-scatter
-# and gloo averaging across ranks, padded vs. unpadded forward), so equal up to float32 rounding.
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 NORM_REL = 1e-4
 
 
@@ -74,13 +79,7 @@ def worker(args: dict) -> None:
     from tensordict import TensorDict
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import (
-        FSDPActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        PolicyLossConfig,
-    )
+    from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig, PolicyLossConfig
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -93,12 +92,8 @@ def worker(args: dict) -> None:
     rows = len(batch["prompts"])
     per_rank = rows // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    model = HFModelConfig(path=args["model"], use_remove_padding=False, load_tokenizer=True,
-                          override_config={"attn_implementation": "sdpa"})
-    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
-                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                      "buffer_dtype": "fp32"},
-                                     use_no_sync_for_gradient_accumulation=args["no_sync"], seed=0)
+    model, engine_config = tiny_model_configs(args["model"],
+                                              use_no_sync_for_gradient_accumulation=args["no_sync"])
     optimizer = FSDPOptimizerConfig(lr=1e-3, total_training_steps=1, clip_grad=1e9)
     engine_kwargs = dict(model_config=model, engine_config=engine_config, optimizer_config=optimizer,
                          checkpoint_config=CheckpointConfig())

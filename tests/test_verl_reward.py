@@ -7,38 +7,19 @@ Needs no verl except for the loading test; the module is in the verl venv's test
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from stppo_agent.integrations.verl import data as export
 from stppo_agent.integrations.verl import reward as verl_reward
 from stppo_agent.integrations.verl.turns import TURN_TEXTS
 from stppo_envs import BENCHMARKS, SearchQAEnv
-from stppo_envs.retrieval import Hit
+from tests.verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark, parquet_rows
 
-PER_BENCHMARK = 4
 QA = {"target": ["Paris"], "choices": [], "answer_letter": ""}
-
-
-class OnePassage:
-    def search(self, query, k=3):
-        return [Hit("7", 1.0, "Title", f"a passage about {query}")][:k]
-
-    def batch_search(self, queries, k=3):
-        return [self.search(q, k) for q in queries]
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("verl_data")
-    return export.export_verl(list(BENCHMARKS), "test", out, limit=PER_BENCHMARK, max_turns=3, format_reward=0.2)
-
-
-def parquet_rows(path: Path) -> list[dict]:
-    import datasets
-
-    return list(datasets.load_dataset("parquet", data_files=str(path))["train"])
+    return export_every_benchmark(tmp_path_factory.mktemp("verl_data"))
 
 
 def scripts_for(example) -> list[list[str]]:

@@ -32,10 +32,17 @@ import torch  # noqa: E402
 from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_policy_loss  # noqa: E402
 from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
 from stppo_agent.integrations.verl.turns import TURN_SPANS, spans_from_mask, turn_ids_from_mask  # noqa: E402
-from tests.verl_workers import launch_workers, make_batch, register_cpu_platform, response_log_probs  # noqa: E402
+from tests.verl_workers import (  # noqa: E402
+    CLIP_HIGH,
+    CLIP_LOW,
+    GRAD_TOL,
+    launch_workers,
+    make_batch,
+    register_cpu_platform,
+    response_log_probs,
+    tiny_model_configs,
+)
 
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)  # float32; verl's padded, micro-batched forward vs. ours on the whole batch
 CORRECTION = [name for name, preset in ALGORITHMS.items() if preset.clip_bias_correction]
 TURN_LEVEL = ["turn_ppo", "st_ppo"]
 
@@ -94,14 +101,7 @@ def worker(args: dict) -> None:
     from verl import DataProto
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import (
-        FSDPActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        PolicyLossConfig,
-        TrainingWorkerConfig,
-    )
+    from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig, PolicyLossConfig, TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -109,13 +109,9 @@ def worker(args: dict) -> None:
     import stppo_agent.integrations.verl.plugin  # noqa: F401  (as actor_rollout_ref.model.external_lib would)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    model_config, engine_config = tiny_model_configs(args["model"])
     training = TrainingWorker(TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=HFModelConfig(path=args["model"], use_remove_padding=False, load_tokenizer=True,
-                                   override_config={"attn_implementation": "sdpa"}),
-        engine_config=FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, seed=0,
-                                       mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                        "buffer_dtype": "fp32"}),
+        model_type="language_model", model_config=model_config, engine_config=engine_config,
         optimizer_config=FSDPOptimizerConfig(optimizer="SGD", lr=1.0, weight_decay=0.0, clip_grad=1e9,
                                              total_training_steps=1),
         checkpoint_config=CheckpointConfig()))

@@ -1,15 +1,16 @@
 """What the tests of the bridge's verl agent loops share (tests/test_verl_env_agent_loop.py,
-tests/test_verl_tool_agent.py): rows as verl's dataset hands them over, a scripted stand-in for verl's
-``server_manager``, and an agent loop built the way verl's ``AgentLoopWorker`` builds it (hydra, from an agent loop
-config entry)."""
+tests/test_verl_tool_agent.py): the tokenizer, a scripted stand-in for verl's ``server_manager``, an agent loop
+built the way verl's ``AgentLoopWorker`` builds it (hydra, from an agent loop config entry), and an episode on a
+row (tests/verl_rows.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from pathlib import Path
 
 from omegaconf import OmegaConf
+
+from tests.verl_rows import row_kwargs
 
 
 @functools.lru_cache(maxsize=1)
@@ -18,20 +19,6 @@ def smollm2_tokenizer():
     from stppo_agent.models.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_path()))
-
-
-def parquet_rows(path: Path) -> list[dict]:
-    """The rows of an exported parquet file, as verl's RLHFDataset reads them (through ``datasets``)."""
-    import datasets
-
-    return list(datasets.load_dataset("parquet", data_files=str(path))["train"])
-
-
-def row_kwargs(row: dict) -> dict:
-    """The keyword arguments verl's AgentLoopWorker passes to ``run`` for a row (its non-tensor fields)."""
-    return {"extra_info": row["extra_info"], "data_source": row["data_source"], "raw_prompt": row["prompt"],
-            "reward_model": row["reward_model"], "agent_name": row["agent_name"], "tools_kwargs": {},
-            "index": row["extra_info"]["index"]}
 
 
 class ScriptedServer:

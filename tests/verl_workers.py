@@ -18,6 +18,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PLATFORM = "stppo_test_cpu"
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+# float32 everywhere; verl's engine and this project's computation differ in summation order (FSDP2 reduce-scatter
+# and gloo averaging across ranks, padded and micro-batched vs. unpadded whole-batch forward): equal up to rounding
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
 # -- the batch: prompts + multi-turn responses (observation runs with mask 0), old log-probs off the current ones ----
@@ -161,6 +165,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def tiny_model_configs(model_path: str, **engine_settings):
+    """verl's model and FSDP2 engine configs for the tiny Llama on CPU: sdpa attention, padded inputs, float32
+    parameters and reduction (so that verl and this project's computation agree up to float32 rounding)."""
+    from verl.workers.config import FSDPEngineConfig, HFModelConfig
+
+    model = HFModelConfig(path=model_path, use_remove_padding=False, load_tokenizer=True,
+                          override_config={"attn_implementation": "sdpa"})
+    engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, seed=0,
+                              mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+                              **engine_settings)
+    return model, engine
 
 
 def launch_workers(script: str, args: dict, world: int, timeout: float = 900) -> tuple[list[int], list[str]]:
