@@ -255,6 +255,15 @@ def test_a_turn_level_loss_reads_turns_from_the_record_not_from_the_mask():
     assert not torch.allclose(from_mask, loss)  # the runs of the mask read three turns where there are two
     with turns.recorded([row[:1] for row in spans]), pytest.raises(ValueError, match="outside its recorded turns"):
         call_ppo_loss(actor_config("stppo_turn_ppo"), holed, old, new, advantages)
+    # a row from a loop that writes no record (None) is read from its mask (row 0: its hole splits its first turn)
+    partial_ids = torch.where(torch.arange(len(spans))[:, None] == 0, bridge.turn_ids_from_mask(holed), true_ids)
+    new_ours = new.clone().requires_grad_(True)
+    expected, _, _ = get_policy_loss("ppo_clip")(logprobs=new_ours, old_logprobs=old, advantages=advantages,
+                                                 loss_mask=holed, turn_ids=partial_ids, config=config)
+    with turns.recorded([None if row == 0 else row_spans for row, row_spans in enumerate(spans)]):
+        partial, _, _ = call_ppo_loss(actor_config("stppo_turn_ppo"), holed, old, new, advantages)
+    torch.testing.assert_close(partial, expected.detach(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(partial, loss)
 
 
 @pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items() if p.clip_bias_correction])

@@ -83,14 +83,15 @@ def log_prob_vjp(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor,
 
 
 def c_backward_roots(bias_surrogate: torch.Tensor, kernel_calls: Sequence[KernelCall]):
-    """(roots, grad_outputs) of the backward that gives C: from the kernels' logits when every recorded kernel
-    output leads to the surrogate, else from the surrogate itself."""
+    """(roots, grad_outputs) of the backward that gives C: from the logits of the recorded kernel calls whose output
+    leads to the surrogate, else (none does, or none was recorded) from the surrogate itself."""
     if kernel_calls:
         grads = torch.autograd.grad(bias_surrogate, [call.log_probs for call in kernel_calls], retain_graph=True,
                                     allow_unused=True)
-        if all(grad is not None for grad in grads):
-            return ([call.logits for call in kernel_calls],
-                    [log_prob_vjp(call.logits, call.labels, grad) for call, grad in zip(kernel_calls, grads)])
+        used = [(call, grad) for call, grad in zip(kernel_calls, grads) if grad is not None]
+        if used:
+            return ([call.logits for call, _ in used],
+                    [log_prob_vjp(call.logits, call.labels, grad) for call, grad in used])
     return [bias_surrogate], None
 
 

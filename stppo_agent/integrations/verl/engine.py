@@ -51,12 +51,12 @@ def preset_of(loss_function):
 
 
 def turn_record(micro_batch) -> list | None:
-    """The micro-batch's turn spans per row (:data:`.turns.TURN_SPANS`), or None when any row has none."""
+    """The micro-batch's turn spans per row (:data:`.turns.TURN_SPANS`; None for a row from a loop that writes
+    none), or None when the batch carries no record."""
     if turns.TURN_SPANS not in micro_batch.keys():
         return None
     spans = micro_batch[turns.TURN_SPANS]
-    spans = spans.tolist() if hasattr(spans, "tolist") else list(spans)
-    return None if any(row is None for row in spans) else spans
+    return spans.tolist() if hasattr(spans, "tolist") else list(spans)
 
 
 @contextmanager

@@ -63,14 +63,18 @@ def turn_ids_from_mask(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, ids, torch.full_like(ids, -1))
 
 
-def turn_ids_from_spans(spans_per_row: Sequence[Sequence[Sequence[int]]], response_mask: torch.Tensor) -> torch.Tensor:
-    """Turn ids from the record: turn k covers its span whatever the mask says inside it; -1 where the mask is 0.
-    A token of the mask outside every span means the record is not this batch's: refused."""
+def turn_ids_from_spans(spans_per_row: Sequence, response_mask: torch.Tensor) -> torch.Tensor:
+    """Turn ids from the record: turn k covers its span whatever the mask says inside it; -1 where the mask is 0. A
+    row recorded as None (from an agent loop that writes no record) is read from its mask. A token of the mask
+    outside every span of its row means the record is not this batch's: refused."""
     mask = response_mask.bool()
     if len(spans_per_row) != mask.shape[0]:
         raise ValueError(f"turn record: {len(spans_per_row)} rows for a batch of {mask.shape[0]}")
-    ids = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+    ids = turn_ids_from_mask(mask)
     for row, spans in enumerate(spans_per_row):
+        if spans is None:
+            continue
+        ids[row] = -1
         for turn, (start, end) in enumerate(spans):
             ids[row, int(start):int(end)] = turn
     uncovered = mask & (ids < 0)
@@ -94,15 +98,14 @@ def recorded(spans_per_row: Sequence | None):
 
 
 def turn_ids(response_mask: torch.Tensor, loss_name: str, warn: bool = True) -> torch.Tensor:
-    """The turn ids a loss uses: from the record handed over by the engine, else from the mask's runs (``warn``:
-    say so once per process and loss, since a token rejected inside a turn then splits it)."""
+    """The turn ids a loss uses: from the record handed over by the engine, else (for the whole micro-batch, or a
+    row without a record) from the mask's runs; ``warn``: say so once per process and loss, since a token rejected
+    inside a turn then splits it."""
     spans = getattr(_state, "spans", None)
-    if spans is not None:
-        return turn_ids_from_spans(spans, response_mask)
-    if warn and loss_name not in _warned:
+    if warn and (spans is None or any(row is None for row in spans)) and loss_name not in _warned:
         _warned.add(loss_name)
-        logger.warning("%s: no turn record reached the loss, so turns are read from runs of the response mask, and a "
-                       "token that verl's rollout_rs=token_* rejects inside a turn splits it in two; the stppo engine "
-                       "(VERL_ENGINE_VENDOR=stppo) hands the record of the stppo_env and stppo_tool_agent loops over "
-                       "(docs/verl.md)", loss_name)
-    return turn_ids_from_mask(response_mask)
+        logger.warning("%s: no turn record reached the loss for some rows, so their turns are read from runs of the "
+                       "response mask, and a token that verl's rollout_rs=token_* rejects inside a turn splits it in "
+                       "two; the stppo engine (VERL_ENGINE_VENDOR=stppo) hands the record of the stppo_env and "
+                       "stppo_tool_agent loops over (docs/verl.md)", loss_name)
+    return turn_ids_from_mask(response_mask) if spans is None else turn_ids_from_spans(spans, response_mask)
