@@ -47,8 +47,10 @@ test-main: $(STAMP)
 
 test-verl: $(VERL_STAMP)
 	STPPO_REQUIRE_VERL=1 OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q tests/test_verl_bridge.py \
-		tests/test_verl_engine.py tests/test_stabilizers_reference.py stppo_agent/integrations tests/test_rollout.py \
-		tests/test_turn_cache.py > $(VERL_VENV)/tests.log 2>&1 || { cat $(VERL_VENV)/tests.log; exit 1; }
+		tests/test_verl_engine.py tests/test_verl_training_worker.py tests/test_verl_env_agent_loop.py \
+		tests/test_verl_tool_agent.py tests/test_verl_reward.py tests/test_stabilizers_reference.py \
+		stppo_agent/integrations tests/test_rollout.py tests/test_turn_cache.py \
+		> $(VERL_VENV)/tests.log 2>&1 || { cat $(VERL_VENV)/tests.log; exit 1; }
 	@echo "verl venv: $$(tail -n 1 $(VERL_VENV)/tests.log)"
 
 # The verl bridge's tests run against verl itself, in a virtual environment of its own: verl 0.9 pins

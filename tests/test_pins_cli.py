@@ -473,11 +473,14 @@ def test_export_verl_hands_every_option_to_export_verl(monkeypatch, capsys):
     assert run(capsys, "export", "verl", "--benchmarks", "nq", "--split", "test", "--out", "o") == \
         (0, "o/nq_test.parquet\n", "")
     assert data.export_verl.only == ((["nq"], "test", "o"), {"dataset": None, "limit": None, "max_turns": 4,
-                                                             "format_reward": 0.0})
+                                                             "reward": "auto", "format_reward": 0.0,
+                                                             "question_mark": True, "agent_name": "stppo_env"})
     run(capsys, "export", "verl", "--benchmarks", " nq, ,hotpotqa", "--split", "train", "--out", "p", "--dataset",
-        "hub", "--limit", "3", "--max-turns", "2", "--format-reward", "0.1")
-    assert data.export_verl.calls[-1] == ((["nq", "hotpotqa"], "train", "p"), {"dataset": "hub", "limit": 3,
-                                                                               "max_turns": 2, "format_reward": 0.1})
+        "hub", "--limit", "3", "--max-turns", "2", "--format-reward", "0.1", "--reward", "em", "--no-question-mark",
+        "--agent-loop", "stppo_tool_agent")
+    assert data.export_verl.calls[-1] == ((["nq", "hotpotqa"], "train", "p"), {
+        "dataset": "hub", "limit": 3, "max_turns": 2, "reward": "em", "format_reward": 0.1, "question_mark": False,
+        "agent_name": "stppo_tool_agent"})
 
 
 def test_export_refuses_a_missing_format_or_option(monkeypatch, capsys):

@@ -188,7 +188,12 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
                           'demo set when unset'),
             '--limit': 'first N examples of each benchmark',
             '--max-turns': 'env steps per episode, recorded per row for the agent loop and the reward function',
+            '--reward': ("the env's reward: exact match, token F1 or option accuracy (auto: acc for multiple choice, "
+                         'em otherwise)'),
             '--format-reward': 'reward of a well-formed wrong answer',
+            '--no-question-mark': "keep open-domain questions as the dataset gives them (the env adds '?' by default)",
+            '--agent-loop': ("the verl agent loop that plays the rows: the env itself, or verl's tool agent with the "
+                             'search tool (its prompt asks for the tool call)'),
         },
     }
 

@@ -1,6 +1,7 @@
 """The verl bridge (stppo_agent/integrations/verl, docs/verl.md): presets as verl policy losses through verl's own
-``ppo_loss`` call site, the parquet export through verl's ``RLHFDataset``, the reward function against the env, and
-the search tool against a live ``stppo serve``.
+``ppo_loss`` call site, a preset's settings as overrides of verl's trainer config, and the parquet export through
+verl's ``RLHFDataset``. The agent loops, the search tool, the reward function, the engine and whole updates through
+verl's ``TrainingWorker`` have test files of their own (tests/test_verl_*.py).
 
 verl is not a dependency of the project: without it this whole module is skipped by the marker below, which a CI
 that installs verl (docs/verl.md, "Install") turns into a requirement with ``STPPO_REQUIRE_VERL=1``.
@@ -31,11 +32,11 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from stppo_agent.algorithms import ALGORITHMS, get_policy_loss  # noqa: E402
 from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
-from stppo_agent.integrations.verl import reward as verl_reward  # noqa: E402
+from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
 from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
-from stppo_envs.retrieval import Hit  # noqa: E402
 
 from .tiny_models import word_tokenizer  # noqa: E402
+from .verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -150,7 +151,7 @@ def test_import_verl_registers_the_losses_through_the_entry_point(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-# -- point 2: parity through verl's own call site ------------------------------------------------------------------
+# -- parity through verl's own call site -------------------------------------------------------------------------
 @pytest.mark.parametrize("agg", VERL_AGG_MODES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_stppo_ppo_is_verl_vanilla_to_the_bit_through_ppo_loss(agg, weighted):
@@ -188,7 +189,8 @@ def microbatched_loss(loss_mode, agg, mask, old, new, advantages, split=2):
     return total_loss, total_grad
 
 
-@pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items() if not p.clip_bias_correction])
+@pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items()
+                                    if not p.clip_bias_correction and not_in_verl(p) is None])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_presets_equal_this_projects_own_losses_with_explicit_turn_ids(preset, agg):
     """Two micro-batches through verl's ppo_loss (turn ids from the mask) add up to our loss on the whole batch with
@@ -230,10 +232,45 @@ def test_rollout_is_weights_scale_the_turn_level_loss():
     torch.testing.assert_close(halved[2], plain[2] / 2)
 
 
+def test_a_turn_level_loss_reads_turns_from_the_record_not_from_the_mask():
+    """A token dropped from the mask inside a turn (verl's rollout rejection) leaves its turn whole when the engine
+    hands the record over; a record that leaves policy tokens outside its turns is refused."""
+    from stppo_agent.integrations.verl import turns
+
+    mask, turn_ids, old, new, advantages = random_batch(seed=3, spread=0.6)
+    spans = [turns.spans_from_mask(row.tolist()) for row in mask.long()]
+    holed = mask.clone()
+    holed[0, 1] = holed[2, 3] = False  # inside row 0's first turn (3 tokens) and row 2's second (2 tokens)
+    true_ids = torch.where(holed, turn_ids, torch.full_like(turn_ids, -1))
+    config = dataclasses.replace(ALGORITHMS["turn_ppo"], clip_low=0.2, clip_high=0.28)
+    new_ours = new.clone().requires_grad_(True)
+    expected, _, _ = get_policy_loss("ppo_clip")(logprobs=new_ours, old_logprobs=old, advantages=advantages,
+                                                 loss_mask=holed, turn_ids=true_ids, config=config)
+    (expected_grad,) = torch.autograd.grad(expected, new_ours)
+    with turns.recorded(spans):
+        loss, _, grad = call_ppo_loss(actor_config("stppo_turn_ppo"), holed, old, new, advantages)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-7)
+    from_mask, _, _ = call_ppo_loss(actor_config("stppo_turn_ppo"), holed, old, new, advantages)
+    assert not torch.allclose(from_mask, loss)  # the runs of the mask read three turns where there are two
+    with turns.recorded([row[:1] for row in spans]), pytest.raises(ValueError, match="outside its recorded turns"):
+        call_ppo_loss(actor_config("stppo_turn_ppo"), holed, old, new, advantages)
+    # a row from a loop that writes no record (None) is read from its mask (row 0: its hole splits its first turn)
+    partial_ids = torch.where(torch.arange(len(spans))[:, None] == 0, bridge.turn_ids_from_mask(holed), true_ids)
+    new_ours = new.clone().requires_grad_(True)
+    expected, _, _ = get_policy_loss("ppo_clip")(logprobs=new_ours, old_logprobs=old, advantages=advantages,
+                                                 loss_mask=holed, turn_ids=partial_ids, config=config)
+    with turns.recorded([None if row == 0 else row_spans for row, row_spans in enumerate(spans)]):
+        partial, _, _ = call_ppo_loss(actor_config("stppo_turn_ppo"), holed, old, new, advantages)
+    torch.testing.assert_close(partial, expected.detach(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(partial, loss)
+
+
 @pytest.mark.parametrize("preset", [name for name, p in ALGORITHMS.items() if p.clip_bias_correction])
 def test_presets_with_the_clip_bias_correction_refuse_without_its_engine(preset):
     mask, _, old, new, advantages = random_batch()
-    expected = "clip-bias norm.*VERL_ENGINE_VENDOR=stppo.*stppo_turn_ppo"
+    level = ALGORITHMS[preset].ratio_level  # the loss that gives the same ratio without the correction
+    expected = f"clip-bias norm.*VERL_ENGINE_VENDOR=stppo.*{'stppo_turn_ppo' if level == 'turn' else 'stppo_ppo '}"
     with pytest.raises(bridge.ClipBiasEngineMissingError, match=expected):
         call_ppo_loss(actor_config(f"stppo_{preset}"), mask, old, new, advantages)
     assert get_policy_loss_fn(f"stppo_{preset}") is not None
@@ -262,22 +299,10 @@ def test_with_the_engine_collecting_the_loss_hands_over_this_projects_bias_surro
     torch.testing.assert_close(bias.detach(), ours, rtol=1e-6, atol=0)
 
 
-# -- point 5: the parquet export through verl's RLHFDataset, and the reward function against the env ------------------
-PER_BENCHMARK = 6
-
-
-class OnePassage:
-    def search(self, query, k=3):
-        return [Hit("7", 1.0, "Title", f"a passage about {query}")][:k]
-
-    def batch_search(self, queries, k=3):
-        return [self.search(q, k) for q in queries]
-
-
+# -- the parquet export through verl's RLHFDataset ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("verl_data")
-    return export.export_verl(list(BENCHMARKS), "test", out, limit=PER_BENCHMARK, max_turns=3, format_reward=0.2)
+    return export_every_benchmark(tmp_path_factory.mktemp("verl_data"))
 
 
 def test_every_benchmark_is_exported_to_its_own_parquet(exported):
@@ -304,176 +329,6 @@ def test_the_parquet_loads_through_verls_rlhf_dataset_with_the_envs_prompts(expo
     assert len(dataset[PER_BENCHMARK * list(BENCHMARKS).index("medqa")]["reward_model"]["ground_truth"]["choices"]) >= 2
 
 
-def scripts_for(example) -> list[list[str]]:
-    """Episodes with right, wrong, invalid, late and missing answers (the letter, a lower-case letter and the
-    option's text for multiple choice)."""
-    gold = example.answer_letter if example.is_multiple_choice else example.golden_answers[0]
-    answers = [gold, "certainly not this"]
-    if example.is_multiple_choice:
-        answers += [f"({gold.lower()})", example.choices[gold]]
-    episodes = [[f"<think>t</think><search> {example.question} </search>", f"<answer> {a} </answer>"]
-                for a in answers]
-    episodes += [
-        ["I think it is", f"<answer>{gold}</answer>"],                              # an invalid turn, then right
-        ["<search> q1 </search>", "<search> q2 </search>", f"<answer>{gold}</answer>"],  # the last turn answers
-        ["<search> q1 </search>", "<search> q2 </search>", "<search> q3 </search>"],    # truncated
-        [f"<answer>{gold}</answer><search> more </search>"],                       # first block decides
-        ["<search>unclosed", "<search> q </search>", "nothing"],                  # two invalid turns, no answer
-    ]
-    return episodes
-
-
-def play(env: SearchQAEnv, index: int, actions: list[str]) -> tuple[str, float]:
-    """(the response as the agent loop returns it: every turn and observation after the prompt, the env's reward)."""
-    env.reset(options={"index": index})
-    text, total = "", 0.0
-    for action in actions:
-        observation, step_reward, terminated, truncated, _ = env.step(action)
-        text += action + observation
-        total += step_reward
-        if terminated or truncated:
-            break
-    return text, total
-
-
-@pytest.mark.parametrize("benchmark", list(BENCHMARKS))
-def test_the_reward_function_scores_every_episode_as_the_env_does(exported, benchmark):
-    path = next(p for p in exported if p.name.startswith(f"{benchmark}_"))
-    rows = datasets_rows(path)
-    env = SearchQAEnv(benchmark, split="test", retriever=OnePassage(), limit=PER_BENCHMARK, max_turns=3,
-                      format_reward=0.2)
-    seen = set()
-    for row in rows:
-        example = env.examples[row["extra_info"]["index"]]
-        for actions in scripts_for(example):
-            response, expected = play(env, row["extra_info"]["index"], actions)
-            got = verl_reward.compute_score(row["data_source"], response, row["reward_model"]["ground_truth"],
-                                            row["extra_info"])
-            assert got["score"] == expected, (actions, response)
-            seen.add(expected)
-    assert {0.0, 0.8, 1.0} <= seen  # wrong, right after an invalid turn, right
-
-
-def datasets_rows(path: Path) -> list[dict]:
-    import datasets
-
-    return list(datasets.load_dataset("parquet", data_files=str(path))["train"])
-
-
-def test_a_response_cut_after_an_observation_has_no_final_turn():
-    """verl's length limit can end a response on an observation: no answer, scored as truncated (0)."""
-    ground_truth = {"target": ["Paris"], "choices": [], "answer_letter": ""}
-    cut = "<search> q </search>\n\n<information>Doc 1(Title: \"x\") <answer> Paris </answer></information>\n\n"
-    assert verl_reward.compute_score("nq", cut, ground_truth, {"max_turns": 4})["score"] == 0.0
-    assert verl_reward.compute_score("nq", cut + "<answer> Paris </answer>", ground_truth, {})["score"] == 1.0
-    # an answer after max_turns never happened: the env had truncated the episode
-    assert verl_reward.compute_score("nq", cut + "<answer> Paris </answer>", ground_truth, {"max_turns": 1})[
-        "score"] == 0.0
-    tool_agent = "<tool_call>{\"name\": \"search\"}</tool_call>\n<information>x</information>\n<answer>Paris</answer>"
-    assert verl_reward.compute_score("nq", tool_agent, ground_truth, {"format_reward": 0.2})["score"] == 1.0
-
-
-def test_an_observation_the_budget_cut_still_ends_its_turn():
-    """The agent loop keeps an observation's first max_observation_tokens tokens (Search-R1's cut): the closing
-    </information> is gone, and the next turn must still be read as a turn of its own, wherever the cut fell."""
-    ground_truth = {"target": ["Paris"], "choices": [], "answer_letter": ""}
-    observation = ("\n\n<information>Doc 1(Title: \"France\") Its capital is not Lyon.\nDoc 2(Title: \"x\") y"
-                   "</information>\n\n")
-    opening = observation.index("<information>") + len("<information>")
-    for cut in range(opening, len(observation) + 1):
-        response = "<search> capital </search>" + observation[:cut] + "<answer> Paris </answer>"
-        scored = verl_reward.compute_score("nq", response, ground_truth, {"max_turns": 2, "format_reward": 0.2})
-        assert (scored["score"], scored["turns"], scored["invalid_actions"]) == (1.0, 2.0, 0.0), cut
-        # the answer turn is the second of two: with one turn allowed it never happened
-        assert verl_reward.compute_score("nq", response, ground_truth, {"max_turns": 1})["score"] == 0.0, cut
-    # a cut observation, a second search, a whole observation, the answer: three turns
-    response = ("<search> a </search>" + observation[:40] + "<think> more </think><search> b </search>" + observation
-                + "<answer> Paris </answer>")
-    assert verl_reward.split_turns(response) == ["<search> a </search>\n\n",
-                                                  "<think> more </think><search> b </search>\n\n",
-                                                  "\n\n<answer> Paris </answer>"]
-    # verl's length limit cut the response inside an observation: no final turn
-    assert verl_reward.split_turns("<search> a </search>" + observation[:40]) == ["<search> a </search>\n\n"]
-
-
-# -- point 4: the search tool against a live `stppo serve` ------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory):
-    import time
-
-    import requests
-
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "stppo_agent.cli", "serve", "--retriever", "demo", "--port",
-                               str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"stppo serve did not start; see {log.name}")
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def load_tool(url: str):
-    from omegaconf import OmegaConf
-    from verl.tools.tool_registry import initialize_tools_from_config
-
-    config = OmegaConf.load(REPO / "examples" / "verl" / "search_tool_config.yaml")
-    config.tools[0].config.retrieval_service_url = url
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"stppo_tool_{os.getpid()}.yaml"
-    OmegaConf.save(config, path)
-    try:
-        (tool,) = initialize_tools_from_config(str(path))
-    finally:
-        path.unlink()
-    return tool
-
-
-def test_the_search_tool_observes_what_the_env_observes_through_stppo_serve(live_server):
-    import asyncio
-
-    tool = load_tool(live_server + "/retrieve")
-    assert tool.name == "search"
-    env = SearchQAEnv("nq", split="test", retriever=live_server, max_turns=3, topk=3)
-    _, info = env.reset(options={"index": 0})
-    observation = env.step(f"<search> {info['question']} </search>")[0]
-    instance, _ = asyncio.run(tool.create())
-    response, step_reward, metrics = asyncio.run(tool.execute(instance, {"query_list": [info["question"]]}))
-    assert response.text == observation and "<information>Doc 1(Title: " in observation
-    assert metrics == {"queries": 1, "search_errors": 0} and step_reward == 0.0
-    # what the reward function reads as one turn boundary
-    assert verl_reward.split_turns("<search> q </search>" + response.text + "<answer> x </answer>")[1].strip() == \
-        "<answer> x </answer>"
-
-
-def test_a_dead_server_is_a_failed_search_observation_not_an_exception():
-    import asyncio
-
-    tool = load_tool(f"http://127.0.0.1:{_free_port()}/retrieve")
-    tool.retriever.retries = 0
-    response, _, metrics = asyncio.run(tool.execute("i", {"query": "anything"}))
-    assert response.text.startswith("\n\n<information>Search failed: retrieval server")
-    assert metrics["search_errors"] == 1
-
-
 # -- a preset's other settings as verl overrides -----------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
@@ -484,7 +339,7 @@ def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
 
     preset = ALGORITHMS[name]
     if preset.advantage == "turn_gae" or preset.dynamic_sampling:
-        with pytest.raises(NotInVerlError):
+        with pytest.raises(NotInVerlError, match=f"preset {name}: .*use stppo_"):
             verl_overrides(name)
         return
     base = OmegaConf.load(Path(verl_config.__file__).parent / "_generated_ppo_trainer.yaml")
@@ -494,106 +349,12 @@ def test_every_preset_becomes_overrides_of_verls_own_trainer_config(name):
     with open_dict(merged):  # Hydra's "+key=value" adds a key verl's config does not declare
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o[1:] for o in overrides if o.startswith("+")]))
     engine_selected = merged.ray_kwargs.ray_init.runtime_env.get("env_vars", {}).get("VERL_ENGINE_VENDOR")
-    assert engine_selected == ("stppo" if preset.clip_bias_correction else None)
-    assert (merged.actor_rollout_ref.actor.strategy == "fsdp2") == preset.clip_bias_correction
+    # the engine applies the correction and hands the turn record to turn-level losses
+    needs_engine = preset.clip_bias_correction or preset.ratio_level == "turn"
+    assert engine_selected == ("stppo" if needs_engine else None)
+    assert (merged.actor_rollout_ref.actor.strategy == "fsdp2") == needs_engine
     actor = merged.actor_rollout_ref.actor
     assert actor.policy_loss.loss_mode == f"stppo_{name}" and f"stppo_{name}" in POLICY_LOSS_REGISTRY
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (preset.clip_low, preset.clip_high)
     assert actor.loss_agg_mode == preset.loss_agg and actor.use_kl_loss == (preset.kl_loss_coef > 0)
     assert merged.algorithm.adv_estimator == preset.advantage
-
-
-# -- point 4: the env as a verl agent loop, against this project's own rollout of the same episode --------------------
-def char_by_char(tokenizer, text: str) -> list[int]:
-    """A valid but non-canonical tokenisation: decoding and re-encoding it would give other ids."""
-    return [i for ch in text for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from stppo_agent.models.default_model import smollm2_path
-    from stppo_agent.models.loading import load_tokenizer
-
-    return load_tokenizer(str(smollm2_path()))
-
-
-class ScriptedServer:
-    """A stand-in for verl's server_manager: scripted turns, each followed by tokens past its stop string (what a
-    sampler returns when it does not cut at stop strings), with log-probs; records every request."""
-
-    def __init__(self, turns: list[list[int]], tail: list[int]):
-        self.turns, self.tail, self.requests = turns, tail, []
-
-    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
-        from verl.workers.rollout.replica import TokenOutput
-
-        self.requests.append((list(prompt_ids), dict(sampling_params)))
-        ids = (self.turns[len(self.requests) - 1] + self.tail)[:sampling_params["max_tokens"]]
-        return TokenOutput(token_ids=ids, log_probs=[-0.25 - 0.01 * i for i in range(len(ids))])
-
-
-class OurBackend:
-    """The same script for this project's rollout, cut at stop strings as its generation backends cut."""
-
-    def __init__(self, server: ScriptedServer, tokenizer):
-        self.server, self.tokenizer, self.calls = server, tokenizer, 0
-
-    def generate(self, contexts, max_new_tokens, keys=None):
-        from stppo_agent.rollouts.generation import STOP_STRINGS, Generation, generated_length
-
-        ids = (self.server.turns[self.calls] + self.server.tail)[:max_new_tokens]
-        ids = ids[:generated_length(ids, self.tokenizer, STOP_STRINGS, [self.tokenizer.eos_token_id])]
-        self.calls += 1
-        return [Generation(ids, [-0.25 - 0.01 * i for i in range(len(ids))]) for _ in contexts]
-
-
-@pytest.mark.parametrize("answer", ["linguist", "chemist"])
-def test_the_stppo_env_agent_loop_plays_the_episode_our_rollout_plays(smollm2_tokenizer, monkeypatch, answer):
-    import asyncio
-
-    import hydra
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-
-    from stppo_agent.integrations.verl import agent_loop
-    from stppo_agent.rollouts.turn_loop import RolloutLimits, collect_rollouts
-
-    from .conftest import KeywordRetriever
-
-    tok = smollm2_tokenizer
-    monkeypatch.setitem(agent_loop._RETRIEVERS, "keyword", KeywordRetriever((("Penda", "Penda is a linguist."),)))
-    turns = [char_by_char(tok, "<think>who?</think><search> Zaeththeiv Penda </search>"),
-             char_by_char(tok, f"<answer> {answer} </answer>")]
-    tail = tok(" and more text", add_special_tokens=False)["input_ids"]
-    row = export.export_verl(["nq"], "test", Path(os.environ.get("TMPDIR", "/tmp")) / f"verl_agent_{os.getpid()}",
-                             limit=1, max_turns=3, agent_name=agent_loop.AGENT_NAME)[0]
-    extra_info = datasets_rows(row)[0]["extra_info"]
-    assert _agent_loop_registry["stppo_env"]["_target_"].endswith("StppoEnvAgentLoop")
-
-    server = ScriptedServer(turns, tail)
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": 300}}})
-    # as verl's AgentLoopWorker builds it from an agent_loop_config_path entry (examples/verl/run_search_r1.sh)
-    entry = OmegaConf.create({"name": "stppo_env", "_target_": _agent_loop_registry["stppo_env"]["_target_"],
-                              "retriever": "keyword", "topk": 3, "max_observation_tokens": 512})
-    loop = hydra.utils.instantiate(config=entry, trainer_config=DictConfigWrap(config), server_manager=server,
-                                   tokenizer=tok, processor=None, hf_model_type=None, dataset_cls=RLHFDataset,
-                                   data_config=DictConfigWrap(OmegaConf.create({})), tools=ToolListWrap([]))
-    output = asyncio.run(loop.run({"temperature": 1.0, "logprobs": True}, extra_info=extra_info, data_source="nq",
-                                  raw_prompt=[], tools_kwargs={}))
-
-    env = SearchQAEnv("nq", split="test", retriever=agent_loop._RETRIEVERS["keyword"], max_turns=3, limit=1)
-    prompt_len = len(output.prompt_ids)
-    limits = RolloutLimits(max_turns=3, max_new_tokens_per_turn=300, max_observation_tokens=512,
-                           max_prompt_tokens=prompt_len, max_total_tokens=prompt_len + 300)
-    ours = collect_rollouts(OurBackend(server, tok), tok, [env], [{"index": 0}], [0], limits)
-    n = int(ours.attention_mask[0, ours.prompt_width:].sum())
-    assert output.response_ids == ours.response_ids[0, :n].tolist()
-    assert output.response_mask == ours.loss_mask[0, :n].long().tolist()
-    assert output.response_logprobs == pytest.approx(ours.sample_logprobs[0, :n].tolist())
-    assert output.reward_score == float(ours.rewards[0]) == (1.0 if answer == "linguist" else 0.0)
-    assert output.prompt_ids == server.requests[0][0]
-    # token in, token out: turn 2 was generated from the sampled ids of turn 1 (cut at </search>), not re-encoded
-    assert server.requests[1][0][prompt_len:prompt_len + len(turns[0])] == turns[0]
-    assert output.response_mask.count(1) == len(turns[0]) + len(turns[1]) and output.num_turns == 4
-    assert server.requests[0][1]["stop"] == ["</search>", "</answer>"]

@@ -5,15 +5,14 @@ verl's own FSDP2 engine on CPU (gloo, a tiny Llama built from a config, ``attn_i
 no-sync accumulation on and off) and with 2 gloo processes.
 
 verl's engine runs in subprocesses (``python tests/test_verl_engine.py worker ...``): verl fixes its platform at
-the first import of its engine module, and the CPU platform must be registered before that.
+the first import of its engine module, and the CPU platform must be registered before that (tests/verl_workers.py).
+The whole update through verl's ``TrainingWorker`` is tests/test_verl_training_worker.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,68 +25,18 @@ else:
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-PLATFORM = "stppo_test_cpu"
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28
-# float32 everywhere; verl's engine and this project's computation differ in summation order (FSDP2 reduce-scatter
-# and gloo averaging across ranks, padded vs. unpadded forward), so equal up to float32 rounding.
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+from tests.verl_workers import (  # noqa: E402
+    CLIP_HIGH,
+    CLIP_LOW,
+    GRAD_TOL,
+    launch_workers,
+    make_batch,
+    register_cpu_platform,
+    response_log_probs,
+    tiny_model_configs,
+)
+
 NORM_REL = 1e-4
-
-
-# -- the batch: prompts + multi-turn responses (observation runs with mask 0), old log-probs off the current ones ----
-RESPONSES = [  # per row: (assistant tokens, observation tokens) per turn
-    [(3, 2), (4, 3), (2, 0)],
-    [(5, 0)],
-    [(1, 1), (2, 2), (1, 1), (3, 0)],
-    [(2, 4), (6, 0)],
-]
-PROMPT_LENS = [3, 2, 4, 3]
-
-
-def make_batch(model_dir: Path, seed: int = 0, spread: float = 0.6, on_policy_rows: tuple[int, ...] = ()) -> dict:
-    """Left-padded prompts, right-padded responses, verl's field names; old log-probs = current + noise, so that
-    some tokens (and whole turns) clip, except on ``on_policy_rows`` (old = current: nothing clips there)."""
-    from transformers import AutoModelForCausalLM
-
-    generator = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
-    vocab = model.config.vocab_size
-    batch = len(RESPONSES)
-    prompt_len = max(PROMPT_LENS)
-    response_len = max(sum(a + o for a, o in row) for row in RESPONSES) + 1
-    prompts = torch.zeros(batch, prompt_len, dtype=torch.long)
-    responses = torch.zeros(batch, response_len, dtype=torch.long)
-    attention = torch.zeros(batch, prompt_len + response_len, dtype=torch.long)
-    response_mask = torch.zeros(batch, response_len, dtype=torch.long)
-    for b, row in enumerate(RESPONSES):
-        length = PROMPT_LENS[b]
-        prompts[b, prompt_len - length:] = torch.randint(3, vocab, (length,), generator=generator)
-        attention[b, prompt_len - length:prompt_len] = 1
-        position = 0
-        for assistant, observation in row:
-            response_mask[b, position:position + assistant] = 1
-            position += assistant + observation
-        responses[b, :position] = torch.randint(3, vocab, (position,), generator=generator)
-        attention[b, prompt_len:prompt_len + position] = 1
-    input_ids = torch.cat([prompts, responses], 1)
-    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        current = response_log_probs(model, input_ids, attention, position_ids, response_len)
-    noise = spread * torch.randn(current.shape, generator=generator)
-    noise[list(on_policy_rows)] = 0.0
-    old = current + noise
-    advantages = 4 * torch.randn(current.shape, generator=generator)  # ||C|| > kappa = 1: the correction rescales
-    return {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention,
-            "position_ids": position_ids, "response_mask": response_mask, "old_log_probs": old * response_mask,
-            "advantages": advantages * response_mask}
-
-
-def response_log_probs(model, input_ids, attention, position_ids, response_len) -> torch.Tensor:
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids).logits
-    logits = logits[:, -response_len - 1:-1].float()
-    targets = input_ids[:, -response_len:]
-    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def reference_step(model_dir: Path, batch: dict, preset: str) -> tuple[dict[str, torch.Tensor], float]:
@@ -117,87 +66,6 @@ def reference_step(model_dir: Path, batch: dict, preset: str) -> tuple[dict[str,
 
 
 # -- the verl side, in worker processes -------------------------------------------------------------------------------
-def register_cpu_platform():
-    """A CPU platform for verl (it has none): registered through verl's platform plugin API and made current."""
-    import contextlib
-    import types
-
-    from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
-
-    @PlatformRegistry.register(platform=PLATFORM)
-    class CPUPlatform(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = types.SimpleNamespace(is_available=lambda: True, empty_cache=lambda: None,
-                                              synchronize=lambda *a: None, manual_seed=lambda s: None,
-                                              manual_seed_all=lambda s: None, current_device=lambda: "cpu",
-                                              device_count=lambda: 1, set_device=lambda d: None,
-                                              memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0,
-                                              max_memory_allocated=lambda *a: 0, max_memory_reserved=lambda *a: 0,
-                                              mem_get_info=lambda *a: (0, 0), reset_peak_memory_stats=lambda *a: None)
-
-        def is_available(self):
-            return True
-
-        def current_device(self):
-            return "cpu"
-
-        def device_count(self):
-            return 1
-
-        def set_device(self, device_index):
-            pass
-
-        def synchronize(self, device_index=None):
-            pass
-
-        def manual_seed(self, seed):
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed):
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings):
-            pass
-
-        def empty_cache(self):
-            pass
-
-        def get_device_capability(self, device_index=0):
-            return None, None
-
-        def communication_backend_name(self):
-            return "gloo"
-
-        def visible_devices_envvar(self):
-            return "CUDA_VISIBLE_DEVICES"
-
-        @contextlib.contextmanager
-        def nvtx_range(self, msg):
-            yield
-
-        def profiler_start(self):
-            pass
-
-        def profiler_stop(self):
-            pass
-
-        def ray_resource_name(self):
-            return "CPU"
-
-        def ray_noset_envvars(self):
-            return []
-
-        def is_ipc_supported(self):
-            return False
-
-        def cudart(self):
-            return None
-
-    set_platform(CPUPlatform())
-
-
 def worker(args: dict) -> None:
     """One rank: verl's engine registry (VERL_ENGINE_VENDOR=stppo) builds the actor engine on the CPU platform, runs
     ``forward_backward_batch`` with verl's ``ppo_loss`` on this rank's rows, and rank 0 saves the full gradient."""
@@ -211,13 +79,7 @@ def worker(args: dict) -> None:
     from tensordict import TensorDict
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import (
-        FSDPActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        PolicyLossConfig,
-    )
+    from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig, PolicyLossConfig
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -230,12 +92,8 @@ def worker(args: dict) -> None:
     rows = len(batch["prompts"])
     per_rank = rows // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    model = HFModelConfig(path=args["model"], use_remove_padding=False, load_tokenizer=True,
-                          override_config={"attn_implementation": "sdpa"})
-    engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False,
-                                     mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                      "buffer_dtype": "fp32"},
-                                     use_no_sync_for_gradient_accumulation=args["no_sync"], seed=0)
+    model, engine_config = tiny_model_configs(args["model"],
+                                              use_no_sync_for_gradient_accumulation=args["no_sync"])
     optimizer = FSDPOptimizerConfig(lr=1e-3, total_training_steps=1, clip_grad=1e9)
     engine_kwargs = dict(model_config=model, engine_config=engine_config, optimizer_config=optimizer,
                          checkpoint_config=CheckpointConfig())
@@ -264,16 +122,11 @@ def worker(args: dict) -> None:
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
         grads[name] = grad.detach().clone()
     if rank == 0:
-        metrics = {key: value for key, value in output["metrics"].items() if key.startswith("actor/stppo/clip_bias")}
+        metrics = {key: float(value.aggregate()) for key, value in output["metrics"].items()
+                   if key.startswith("actor/stppo/clip_bias")}
         torch.save({"grads": grads, "metrics": metrics, "engine": type(engine).__name__, "world": world,
                     "micro_batches": len(output["loss"]), "sharded": type(engine.module).__name__}, args["out"])
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(tmp_path: Path, model_dir: Path, batch: dict, world: int, micro_batches: int, no_sync: bool,
@@ -283,22 +136,8 @@ def launch(tmp_path: Path, model_dir: Path, batch: dict, world: int, micro_batch
     out = tmp_path / f"verl-{world}-{micro_batches}-{no_sync}-{loss_mode}-{engine}.pt"
     args = {"model": str(model_dir), "batch": str(tmp_path / "batch.pt"), "out": str(out), "no_sync": no_sync,
             "micro_batches": micro_batches, "loss_mode": loss_mode, "engine": engine}
-    port = free_port()
-    processes = []
-    for rank in range(world):
-        process_env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_ENGINE_VENDOR": "stppo",
-                       "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "PYTHONPATH": str(REPO)}
-        processes.append(subprocess.Popen([sys.executable, __file__, "worker", json.dumps(args)], env=process_env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        logs = [process.communicate(timeout=600)[0] for process in processes]
-    finally:
-        for process in processes:  # a rank left waiting on a dead partner
-            if process.poll() is None:
-                process.kill()
-    return out, [process.returncode for process in processes], logs
+    codes, logs = launch_workers(__file__, args, world, timeout=600)
+    return out, codes, logs
 
 
 def run_verl(*args, **kwargs) -> dict:

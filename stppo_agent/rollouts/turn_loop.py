@@ -9,7 +9,7 @@ re-encoded); the action text goes to the env; the env's observation text is toke
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gymnasium as gym
 
@@ -50,11 +50,12 @@ class RolloutLimits:
                 f"+ max_new_tokens_per_turn ({self.max_new_tokens_per_turn})")
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """The chat template (user turn + generation prompt) when the tokenizer has one, else plain encoding."""
+def encode_prompt(tokenizer, prompt: str, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The chat template (user turn + generation prompt) when the tokenizer has one, else plain encoding.
+    ``template_kwargs``: the template's own options (e.g. Qwen3's ``enable_thinking``)."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, **dict(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 

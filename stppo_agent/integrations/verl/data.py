@@ -1,11 +1,15 @@
 """``stppo export verl``: benchmarks as verl's RL parquet, one file per benchmark (``DIR/<benchmark>_<split>.parquet``).
 
-Each row holds the env's own prompt for the example (Search-R1's template, ``?`` added as the env adds it) as one
-user message, the answers in ``reward_model.ground_truth`` (``target`` = golden answers, as Search-R1's data
-scripts write them, plus the options and the letter for multiple choice), and in ``extra_info`` what the reward
-function (:mod:`.reward`) and the ``stppo_env`` agent loop (:mod:`.agent_loop`) need to score and rebuild the env:
-benchmark, ``dataset`` ('' for the bundled demo set), split, index, ``max_turns``, ``reward``, ``format_reward``.
-Every file has one schema, so verl's ``RLHFDataset`` concatenates QA and multiple-choice files.
+Each row holds the env's prompt for the example as one user message, the answers in
+``reward_model.ground_truth`` (``target`` = golden answers, as Search-R1's data scripts write them, plus the options
+and the letter for multiple choice), and in ``extra_info`` what the reward function (:mod:`.reward`) and the agent
+loops need to score and rebuild the env: benchmark, ``dataset`` ('' for the bundled demo set), split, index,
+``max_turns``, ``reward``, ``format_reward``, ``question_mark``. Every file has one schema, so verl's
+``RLHFDataset`` concatenates QA and multiple-choice files.
+
+The prompt follows the row's agent loop (``agent_name``): for ``stppo_env`` it is the env's own (Search-R1's
+template: search with ``<search> query </search>``); for ``stppo_tool_agent`` it asks for the search tool in the
+tool-call format verl's tool agent parses (hermes ``<tool_call>``), since that loop never reads ``<search>``.
 
 Works without verl (it writes files with ``datasets``).
 """
@@ -18,9 +22,22 @@ from typing import Sequence
 import datasets
 
 from stppo_envs import SearchQAEnv, benchmark_info
+from stppo_envs.prompts import SEARCH_R1_MCQ_TEMPLATE, SEARCH_R1_TEMPLATE
 
 ENV_AGENT = "stppo_env"  # this project's env as a verl agent loop (agent_loop.py)
-TOOL_AGENT = "tool_agent"  # verl's own tool agent loop, with the search tool of tool.py (examples/verl/)
+TOOL_AGENT = "stppo_tool_agent"  # verl's tool agent loop with the search tool of tool.py (tool_agent.py)
+AGENT_LOOPS = (ENV_AGENT, TOOL_AGENT)
+
+_TOOL_CALL = '<tool_call>{"name": "search", "arguments": {"query_list": ["query"]}}</tool_call>'
+_TOOL_SEARCH = (f"you can call the search tool by {_TOOL_CALL.replace('{', '{{').replace('}', '}}')} and it will "
+                "return the top searched results between <information> and </information>")  # str.format templates
+TOOL_TEMPLATE = SEARCH_R1_TEMPLATE.replace(
+    "you can call a search engine by <search> query </search> and it will return the top searched results between "
+    "<information> and </information>", _TOOL_SEARCH)
+TOOL_MCQ_TEMPLATE = SEARCH_R1_MCQ_TEMPLATE.replace(
+    "you can call a search engine by <search> query </search> and it will return the top searched results between "
+    "<information> and </information>", _TOOL_SEARCH)
+assert "<search>" not in TOOL_TEMPLATE + TOOL_MCQ_TEMPLATE  # Search-R1's wording changed: update the replacement
 
 _STRING_LIST = datasets.Sequence(datasets.Value("string"))
 FEATURES = datasets.Features({
@@ -38,7 +55,8 @@ FEATURES = datasets.Features({
         "benchmark": datasets.Value("string"), "question": datasets.Value("string"),
         "dataset": datasets.Value("string"),
         "max_turns": datasets.Value("int64"), "reward": datasets.Value("string"),
-        "format_reward": datasets.Value("float64"), "need_tools_kwargs": datasets.Value("bool"),
+        "format_reward": datasets.Value("float64"), "question_mark": datasets.Value("bool"),
+        "need_tools_kwargs": datasets.Value("bool"),
     },
     "agent_name": datasets.Value("string"),
 })
@@ -60,15 +78,22 @@ def export_verl(benchmarks: Sequence[str], split: str, out: str | Path, *, datas
 
     ``dataset`` is the env's ``dataset`` argument for every benchmark (None: the bundled demo set; ``"hub"``: each
     benchmark's standard hub dataset). ``max_turns``, ``reward``, ``format_reward`` and ``question_mark`` are the
-    env's settings, recorded per row for the reward function. ``agent_name``: the verl agent loop of each row.
+    env's settings, recorded per row for the reward function and the agent loops. ``agent_name``: the verl agent
+    loop of each row, ``stppo_env`` or ``stppo_tool_agent`` (the prompt follows it).
     """
+    if agent_name not in AGENT_LOOPS:
+        raise ValueError(f"agent_name must be one of {', '.join(AGENT_LOOPS)} (the loops that play these rows as "
+                         f"the env does), got {agent_name!r}")
+    if not benchmarks:
+        raise ValueError("no benchmark to export: name at least one (e.g. nq,hotpotqa)")
+    templates = {"template": TOOL_TEMPLATE, "mcq_template": TOOL_MCQ_TEMPLATE} if agent_name == TOOL_AGENT else {}
+    envs = [SearchQAEnv(benchmark_info(name).name, dataset=dataset, split=split, retriever=_NoSearch(),
+                        max_turns=max_turns, reward=reward, format_reward=format_reward, limit=limit,
+                        question_mark=question_mark, **templates) for name in benchmarks]  # all checked, then written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in benchmarks:
-        env = SearchQAEnv(benchmark_info(name).name, dataset=dataset, split=split, retriever=_NoSearch(),
-                          max_turns=max_turns, reward=reward, format_reward=format_reward, limit=limit,
-                          question_mark=question_mark)
+    for env in envs:
         rows = [_row(env, index, example, split, agent_name) for index, example in enumerate(env.examples)]
         path = out / f"{env.benchmark}_{split}.parquet"
         datasets.Dataset.from_list(rows, features=FEATURES).to_parquet(str(path))
@@ -97,6 +122,7 @@ def _row(env: SearchQAEnv, index: int, example, split: str, agent_name: str) -> 
         }},
         "extra_info": {"split": split, "index": index, "example_id": example.id, "benchmark": env.benchmark,
                        "question": example.question, "dataset": _portable(env.dataset), "max_turns": env.max_turns,
-                       "reward": env.reward_name, "format_reward": env.format_reward, "need_tools_kwargs": False},
+                       "reward": env.reward_name, "format_reward": env.format_reward,
+                       "question_mark": env.question_mark, "need_tools_kwargs": False},
         "agent_name": agent_name,
     }

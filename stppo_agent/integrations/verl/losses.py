@@ -7,8 +7,11 @@ preset contributes its policy-loss part only -- the ratio level (token, turn, se
 clip-bias correction; the advantage estimator, the KL and entropy terms and the clip range are verl's settings
 (``algorithm.adv_estimator``, ``actor.use_kl_loss``, ``actor.entropy_coeff``, ``actor.clip_ratio_low/high``).
 
-No turn ids reach a verl loss. verl's agent loops give tool and observation tokens ``response_mask`` 0, so each
-maximal run of 1s in a row is one assistant turn (:func:`turn_ids_from_mask`).
+Turn ids come from the turn record of the bridge's agent loops, which the ``stppo`` engine hands to the loss per
+micro-batch (:mod:`.turns`); without it (verl's own engine, another agent loop) each maximal run of 1s of the
+response mask is read as one assistant turn, which verl's token-level rollout rejection can split. Presets that verl
+cannot train (a per-turn GAE, dynamic sampling: :func:`.settings.not_in_verl`) are registered too, and refuse at
+their first call with what to use instead.
 
 Presets whose policy loss is ``ppo_clip`` (all built-in ones) follow ``compute_policy_loss_vanilla``'s arithmetic
 op for op, with the log-ratio taken at the preset's level and without dual clipping: ``stppo_ppo`` is verl's
@@ -25,32 +28,21 @@ import dataclasses
 import functools
 
 import torch
-import torch.nn.functional as F
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
 from verl.utils.torch_functional import masked_mean
 
 from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, get_policy_loss, log_ratio_at_level
 from stppo_agent.algorithms.config import LOSS_AGG_NAMES
 
-from . import correction
+from . import correction, turns
 from .correction import ClipBiasEngineMissingError  # noqa: F401  (part of this module's interface)
+from .settings import NotInVerlError, not_in_verl
+from .turns import turn_ids_from_mask  # noqa: F401  (part of this module's interface)
 
 LOSS_PREFIX = "stppo_"
 LOG_RATIO_CLAMP = 20.0  # verl's clamp of log(pi / pi_old) before exp
 OUR_AGG_MODES = LOSS_AGG_NAMES  # the aggregations this project's own losses know
 EXTRA_METRICS = ("turn_clip_frac", "ratio/mean", "ratio/max", "ratio/min", "approx_kl")
-
-
-def turn_ids_from_mask(response_mask: torch.Tensor) -> torch.Tensor:
-    """Turn id of every response token: the k-th maximal run of 1s in a row is turn k; -1 where the mask is 0.
-
-    >>> turn_ids_from_mask(torch.tensor([[0, 1, 1, 0, 0, 1, 0, 1], [1, 1, 1, 1, 0, 0, 0, 0]])).tolist()
-    [[-1, 0, 0, -1, -1, 1, -1, 2], [0, 0, 0, 0, -1, -1, -1, -1]]
-    """
-    mask = response_mask.bool()
-    starts = mask & ~F.pad(mask[:, :-1], (1, 0), value=False)
-    ids = starts.long().cumsum(1) - 1
-    return torch.where(mask, ids, torch.full_like(ids, -1))
 
 
 def clip_range(config) -> tuple[float, float]:
@@ -81,8 +73,11 @@ def _policy_loss(preset: AlgorithmConfig, old_log_prob, log_prob, advantages, re
                  loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None):
     if config is None:
         raise ValueError(f"stppo_{preset.name} needs verl's actor config (clip range, global batch info)")
+    refusal = not_in_verl(preset)
+    if refusal is not None:
+        raise NotInVerlError(f"policy loss stppo_{preset.name}: {refusal} (docs/verl.md)")
     mask = response_mask.bool()
-    turn_ids = turn_ids_from_mask(mask)
+    turn_ids = turns.turn_ids(mask, f"stppo_{preset.name}", warn=preset.ratio_level == "turn")
     low, high = clip_range(config)
     if preset.policy_loss == "ppo_clip":
         pg_loss, bias, metrics = _clipped_surrogate(preset.ratio_level, old_log_prob, log_prob, advantages, mask,
@@ -98,7 +93,7 @@ def _policy_loss(preset: AlgorithmConfig, old_log_prob, log_prob, advantages, re
                    "actor/ppo_kl": float(masked_mean(-_clamped(log_prob - old_log_prob), mask).detach())}
     metrics.update({f"actor/stppo/{key}": float(ours[key]) for key in EXTRA_METRICS if key in ours})
     if preset.clip_bias_correction:
-        correction.offer(preset.name, bias, log_prob)
+        correction.offer(preset.name, preset.ratio_level, bias, log_prob)
     return pg_loss, metrics
 
 

@@ -4,18 +4,25 @@ advantage estimator are verl settings, which :func:`verl_overrides` fills from t
 
     python -m verl.trainer.main_ppo $(python -m stppo_agent.integrations.verl.settings turn_ppo) ...
 
-Presets with the clip-bias correction (S-PPO, ST-PPO, SO-GRPO) also select the ``stppo`` training engine: verl
-picks engines by ``VERL_ENGINE_VENDOR`` in each worker's environment, which Ray's runtime environment carries to
-every worker on every node, and the engine is registered for FSDP2 (docs/verl.md, "The clip-bias engine").
+Not mapped: the preset's rollout correction (``rollout_correction*``: verl's ``algorithm.rollout_correction`` is
+set on its own), and this project's ``k3`` KL estimator becomes verl's ``k3``, which verl clamps to [-10, 10] like
+``low_var_kl``.
+
+Presets with the clip-bias correction (S-PPO, ST-PPO, SO-GRPO) and the turn-level presets (Turn-PPO) also select the
+``stppo`` training engine: the correction lives there, and so does the hand-over of the agent loops' turn record
+to the loss (:mod:`.turns`). verl picks engines by ``VERL_ENGINE_VENDOR`` in each worker's environment, which Ray's
+runtime environment carries to every worker on every node, and the engine is registered for FSDP2 (docs/verl.md,
+"The stppo engine").
 
 Works without verl.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from stppo_agent.algorithms import ALGORITHMS
+from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig
 
 ACTOR = "actor_rollout_ref.actor"
 ENGINE_OVERRIDES = [  # what selects the stppo engine (stppo_agent/integrations/verl/engine.py) in every worker
@@ -30,16 +37,25 @@ class NotInVerlError(ValueError):
     """A preset setting that verl's trainer has no place for."""
 
 
+def not_in_verl(preset: AlgorithmConfig) -> str | None:
+    """Why verl cannot train ``preset`` (None: it can), in words that say what to use instead."""
+    if preset.advantage not in VERL_ESTIMATORS:
+        return (f"advantage estimator {preset.advantage!r} has no verl counterpart (verl passes the critic's values "
+                "to its built-in GAE only, so a per-turn GAE cannot be registered); use stppo_turn_ppo with "
+                "algorithm.adv_estimator=gae, or this project's own trainer")
+    if preset.dynamic_sampling:
+        return ("dynamic sampling is a trainer loop, not a loss (verl has its own as algorithm.filter_groups, in its "
+                f"v1 trainer); use stppo_ppo with clip_ratio_low={preset.clip_low} clip_ratio_high={preset.clip_high}"
+                " and verl's filter_groups, or this project's own trainer")
+    return None
+
+
 def verl_overrides(name: str) -> list[str]:
     """Hydra overrides for ``verl.trainer.main_ppo`` that select preset ``name`` with its defaults."""
     preset = ALGORITHMS[name]
-    if preset.advantage not in VERL_ESTIMATORS:
-        raise NotInVerlError(
-            f"preset {name}: advantage estimator {preset.advantage!r} has no verl counterpart; verl passes the "
-            "critic's values to its built-in GAE only, so a per-turn GAE cannot be registered (docs/verl.md)")
-    if preset.dynamic_sampling:
-        raise NotInVerlError(f"preset {name}: dynamic sampling is a recipe of verl's (recipe/dapo), not a setting "
-                             "of verl.trainer.main_ppo")
+    reason = not_in_verl(preset)
+    if reason is not None:
+        raise NotInVerlError(f"preset {name}: {reason} (docs/verl.md)")
     overrides = [
         f"{ACTOR}.policy_loss.loss_mode=stppo_{name}",
         f"{ACTOR}.clip_ratio_low={preset.clip_low}",
@@ -58,10 +74,28 @@ def verl_overrides(name: str) -> list[str]:
     ]
     if preset.loss_agg == "seq-mean-token-sum-norm":
         overrides.append(f"{ACTOR}.loss_scale_factor={int(preset.loss_scale_factor)}")
-    if preset.clip_bias_correction:
+    if needs_engine(preset):
         overrides += ENGINE_OVERRIDES
     return overrides
 
 
+def needs_engine(preset: AlgorithmConfig) -> bool:
+    """The clip-bias correction lives in the stppo engine; a turn-level ratio needs the turn record it hands over."""
+    return preset.clip_bias_correction or preset.ratio_level == "turn"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stppo_agent.integrations.verl.settings",
+                                     description="print a preset's settings as verl.trainer.main_ppo overrides")
+    parser.add_argument("preset", choices=sorted(ALGORITHMS), metavar="PRESET",
+                        help=f"one of: {', '.join(sorted(ALGORITHMS))}")
+    args = parser.parse_args(argv)
+    try:
+        print(" ".join(verl_overrides(args.preset)))
+    except NotInVerlError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    return 0
+
+
 if __name__ == "__main__":
-    print(" ".join(verl_overrides(sys.argv[1])))
+    sys.exit(main())

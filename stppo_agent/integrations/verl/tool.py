@@ -1,10 +1,12 @@
 """``SearchTool``: a verl ``BaseTool`` that searches through a retrieval server speaking Search-R1's ``/retrieve``
-(``stppo serve``, one per node, or Search-R1's own server), for verl's tool agent (``agent_name: tool_agent``).
+(``stppo serve``, one per node, or Search-R1's own server), for verl's tool agent (``agent_name: stppo_tool_agent``).
 
 verl 0.8 removed its own search tool. This one answers exactly what the env would observe after a search: Search-R1's
 ``<information>Doc i(Title: ...) text</information>`` block (``stppo_envs.prompts.format_information``), the query
-cleaned as the env cleans it, and a failed search as the env's ``Search failed: ...`` block rather than an exception,
-so that :mod:`.reward` scores the episode like the env. Tool config: ``examples/verl/search_tool_config.yaml``.
+cleaned as the env cleans it, and a failed search (a dead server, a refused query, or arguments the tool refuses) as
+the env's ``<information>Search failed: ...</information>`` block rather than an exception. Tool config:
+``examples/verl/search_tool_config.yaml``; the agent loop ``stppo_tool_agent`` (:mod:`.tool_agent`) records the turns
+and scores the episode.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class SearchTool(BaseTool):
         if isinstance(queries, str):
             queries = [queries]
         if not queries or not all(isinstance(q, str) and q.strip() for q in queries):
-            return ToolResponse(text="Search failed: query_list must be a list of non-empty strings"), 0.0, \
-                {"search_errors": 1}
+            refusal = ValueError("query_list must be a list of non-empty strings")
+            return ToolResponse(text=search_failure_observation(refusal)), 0.0, {"search_errors": 1}
         text, errors = await asyncio.to_thread(self.search, [sanitize_query(q) for q in queries])
         return ToolResponse(text=text), 0.0, {"queries": len(queries), "search_errors": errors}
 
