@@ -97,6 +97,10 @@ class TrainConfig:
     """With rollout_staleness > 0: coupled (the PPO ratio is taken against the lagged behaviour policy) or
     decoupled (AReaL's decoupled PPO: the ratio against the current weights before the update, the lag as a capped,
     stop-gradient importance weight: rollout_correction, mis unless set, capped at rollout_correction_cap)."""
+    probe_every: int = 0
+    """Every N iterations the current actor (not a lagged generator) plays probe_prompts fixed prompts; probe/reward,
+    probe/invalid_action_rate, probe/policy_version go to metrics.jsonl (stppo_agent/training/probe.py). 0: off."""
+    probe_prompts: int = 8
     generation_autocast_dtype: str | None = None
     """Off-policy stressor: bfloat16 runs the sampler's forward passes, output head included, under bfloat16
     autocast while scoring and training stay in float32 -- the precision gap between a bfloat16 inference engine
@@ -203,7 +207,7 @@ class TrainConfig:
         if not self.model:
             raise ValueError("model is required: a Hugging Face folder or hub name (--model)")
         for name in ("iterations", "prompts_per_iteration", "samples_per_prompt", "ppo_epochs", "mini_batch_size",
-                     "micro_batch_size", "generation_batch_size", "save_every", "keep_checkpoints"):
+                     "micro_batch_size", "generation_batch_size", "save_every", "keep_checkpoints", "probe_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         _check_ranges(self)
@@ -273,7 +277,7 @@ def _check_ranges(config: TrainConfig) -> None:
     """Values with no meaning that a run would still have taken: max_grad_norm 0 scaled every gradient by 0 (no
     learning, no error), a negative one by a negative factor (ascent); a max_search_error_rate below 0 stopped the
     run for "0% of the searches failed"."""
-    for name in ("actor_lr", "critic_lr", "weight_decay", "warmup_steps"):
+    for name in ("actor_lr", "critic_lr", "weight_decay", "warmup_steps", "probe_every"):
         if not getattr(config, name) >= 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
     if not config.max_grad_norm > 0:
