@@ -124,3 +124,9 @@ def test_the_criterion_text_states_the_constants_the_function_uses():
     for piece in ("3-point moving average", "0.5 x its running best", "at least 0.1", "2 or more consecutive",
                   "final read-out", "NaN/inf", "dipped", "stppo/Toy-v0"):
         assert piece in criterion.CRITERION
+
+
+def test_docs_quote_the_criterion_as_the_code_states_it():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "stability.md").read_text()
+    quoted = text.split("<!-- criterion -->\n", 1)[1].split("<!-- /criterion -->", 1)[0]
+    assert quoted == criterion.CRITERION[0].upper() + criterion.CRITERION[1:]
