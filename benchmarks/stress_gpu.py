@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -125,8 +126,10 @@ def main(argv=None) -> None:
     parser.add_argument("--lags", default="0,16,64", help="check: the lags, smallest first")
     parser.add_argument("--seeds", default="0-9", help="grid: seeds")
     parser.add_argument("--quick", action="store_true", help="tiny warm starts (trying the script out on a CPU)")
-    parser.add_argument("stress", nargs="*", help="after --: options for benchmarks/stress.py")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.stress = argv[cut + 1:]  # after --: options for benchmarks/stress.py
     args.lags = [int(k) for k in args.lags.split(",")]
     if args.lags != sorted(set(args.lags)) or len(args.lags) < 2:
         raise SystemExit(f"--lags needs two or more lags, smallest first, got {args.lags}")

@@ -4,39 +4,7 @@ Unlike ``stppo/Toy-v0`` (one decisive word per turn), every generated word of a 
 ratio (the geometric mean over its tokens) and its tokens' own ratios differ: the regime the turn-level rules are
 about, small enough for a CPU.
 
-Action Space
-    ``UnicodeText``: the policy's text for the turn, read whole as whitespace-separated words.
-
-Observation Space
-    ``UnicodeText``: ``"copy"`` followed by ``length`` symbols (``s00`` .. ``s63`` for 64), separated by spaces. The
-    prompt shows the first turn's sequence; each later turn's sequence is the observation after the previous turn.
-
-Rewards
-    0 until the last turn; then the mean over the turns of the per-position accuracy: the share of the ``length``
-    positions whose word is the shown symbol (partial credit). A uniformly random policy over the symbols scores
-    ``1 / vocabulary``.
-
-Starting State
-    ``turns`` sequences of ``length`` symbols drawn uniformly (with repeats) from the env's random generator
-    (``reset(seed=...)`` fixes them).
-
-Episode End
-    Terminated after ``turns`` steps; never truncated by the env (a trainer's ``max_turns`` may cut it).
-
-Info
-    Every step: ``turn``, ``accuracy`` (this turn's), ``invalid_actions`` (turns so far whose action had a word
-    outside the symbols or not exactly ``length`` words), ``action_type`` (``invalid``, ``move`` or, on the last
-    turn, ``answer``), ``segments``; ``search_calls`` and ``search_errors`` are 0. The last step adds
-    ``prediction`` (its action), ``golden_answers`` (its sequence), ``em`` (every position of every turn right) and
-    ``f1`` (the reward). ``reset`` returns ``messages``, ``example_id``, ``benchmark`` ``"copy"``, ``turn`` 0,
-    ``segments`` and ``question`` (the prompt).
-
-Arguments
-    ``length`` (16): symbols per turn. ``vocabulary`` (64): distinct symbols, 2 to 1000. ``turns`` (2): turns per
-    episode. ``render_mode``: ``"ansi"`` renders the transcript.
-
-Version History
-    v0: the first version.
+The spaces, rewards and episodes are described in :class:`CopyEnv`.
 """
 
 from __future__ import annotations
@@ -59,7 +27,46 @@ def copy_symbols(vocabulary: int = 64) -> tuple[str, ...]:
 
 
 class CopyEnv(gym.Env[str, str]):
-    """Repeat the shown sequence of ``length`` symbols in each of ``turns`` turns (see the module docstring)."""
+    """Repeat the shown sequence of ``length`` symbols in each of ``turns`` turns.
+
+    ## Description
+    Each turn the env shows ``length`` symbols; the policy's action must repeat them, whitespace-separated. The
+    env reads the whole action, position by position.
+
+    ## Action Space
+    ``UnicodeText``: the policy's text for the turn, read whole as whitespace-separated words.
+
+    ## Observation Space
+    ``UnicodeText``: ``"copy"`` followed by ``length`` symbols (``s00`` .. ``s63`` for 64), separated by spaces. The
+    prompt shows the first turn's sequence; each later turn's sequence is the observation after the previous turn.
+
+    ## Rewards
+    0 until the last turn; then the mean over the turns of the per-position accuracy: the share of the ``length``
+    positions whose word is the shown symbol (partial credit). A uniformly random policy over the symbols scores
+    ``1 / vocabulary``.
+
+    ## Starting State
+    ``turns`` sequences of ``length`` symbols drawn uniformly (with repeats) from the env's random generator
+    (``reset(seed=...)`` fixes them).
+
+    ## Episode End
+    Terminated after ``turns`` steps; never truncated by the env (a trainer's ``max_turns`` may cut it).
+
+    ## Info
+    Every step: ``turn``, ``accuracy`` (this turn's), ``invalid_actions`` (turns so far whose action had a word
+    outside the symbols or not exactly ``length`` words), ``action_type`` (``invalid``, ``move`` or, on the last
+    turn, ``answer``), ``segments``; ``search_calls`` and ``search_errors`` are 0. The last step adds
+    ``prediction`` (its action), ``golden_answers`` (its sequence), ``em`` (every position of every turn right) and
+    ``f1`` (the reward). ``reset`` returns ``messages``, ``example_id``, ``benchmark`` ``"copy"``, ``turn`` 0,
+    ``segments`` and ``question`` (the prompt).
+
+    ## Arguments
+    ``length`` (16): symbols per turn. ``vocabulary`` (64): distinct symbols, 2 to 1000. ``turns`` (2): turns per
+    episode. ``render_mode``: ``"ansi"`` renders the transcript.
+
+    ## Version History
+    v0: the first version.
+    """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
