@@ -291,7 +291,7 @@ def summarize_run(run: Path, level_plan, args, tier: Tier) -> dict:
 
     records = read_metrics(run)
     summary = run_readout(records, level_plan.staleness, level_plan.scale, level_plan.steps_per_iteration,
-                          args.versions, tier.counts_invalid)
+                          level_plan.versions, tier.counts_invalid)
     summary["wall_s"] = json.loads((run / "stress.json").read_text()).get("wall_s")
     seconds = [r["iteration_seconds"] for r in records if "iteration_seconds" in r]
     summary["iteration_s"] = statistics.median(seconds) if seconds else None

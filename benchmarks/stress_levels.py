@@ -13,6 +13,9 @@ A level varies one thing against its matched control at the tier's fixed learnin
 - ``matches: LEVEL``: the step-matched on-policy control of a reuse level E x M: the same number of optimizer
   steps on the same mini-batch size, each on fresh rollouts -- prompts_per_iteration / M prompts an iteration,
   one step each, E x M times the iterations (and the probe interval);
+- ``versions`` / ``probe_every``: the level's own read-out count (N) and probe interval, in place of the grid's (the
+  reuse levels read out fewer, denser versions: their control's iterations are E x M times theirs); a step-matched
+  control takes its reuse level's;
 - ``control: LEVEL``: the level this one is compared with (same rule, same seeds); ``only: a+b``: the rules the
   level applies to (the clip-bias levels concern s_ppo and st_ppo alone);
 - any other key is a training option, passed as ``--set key=value`` (``algorithm.clip_ratio_c=3``, ...).
@@ -26,7 +29,8 @@ import math
 import yaml
 
 BASE = {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1, "critic_lr_scale": 1}
-META = ("ppo_epochs", "mini_batches", "lr_scale", "critic_lr_scale", "matches", "control", "only")
+META = ("ppo_epochs", "mini_batches", "lr_scale", "critic_lr_scale", "matches", "control", "only", "versions",
+        "probe_every")
 
 # Least stress first within each ladder. The mechanism levels (sampler_bf16, dualclip, bias_after) need the
 # training options old_logprobs, algorithm.clip_ratio_c and algorithm.clip_bias_order: a grid refuses them, naming
@@ -37,9 +41,9 @@ LADDER = {
     "lag16": {"rollout_staleness": 16, "control": "lag0"},
     "lag32": {"rollout_staleness": 32, "control": "lag0"},
     "lag64": {"rollout_staleness": 64, "control": "lag0"},
-    "reuse2x4": {"ppo_epochs": 2, "mini_batches": 4, "control": "steps8"},
+    "reuse2x4": {"ppo_epochs": 2, "mini_batches": 4, "control": "steps8", "versions": 40, "probe_every": 1},
     "steps8": {"matches": "reuse2x4"},
-    "reuse4x4": {"ppo_epochs": 4, "mini_batches": 4, "control": "steps16"},
+    "reuse4x4": {"ppo_epochs": 4, "mini_batches": 4, "control": "steps16", "versions": 20, "probe_every": 1},
     "steps16": {"matches": "reuse4x4"},
     # the ratio's denominator from a bfloat16 sampler, uncorrected, on-policy otherwise: the precision gap reaches
     # the clip ("phantom clipping")
@@ -121,6 +125,7 @@ def effective(sets: list[str], key: str, default=None):
 class Plan:
     """A level resolved against a run's options: its exact options, and how its read-outs align with versions."""
     sets: list
+    versions: int
     iterations: int
     staleness: int
     scale: int  # iterations per read-out (the step-matched controls': E x M of the level they match)
@@ -131,9 +136,12 @@ class Plan:
 
 def plan(tier: Tier, levels: dict[str, dict], name: str, base: list[str], versions: int) -> Plan:
     """Level ``name``'s `stppo train` options after ``base`` (the tier's and --set's, which they override) and the
-    run's length for ``versions`` read-outs."""
+    run's length for ``versions`` read-outs (unless the level, or the level it matches, sets its own)."""
     knobs = levels[name]
     scale, prompts = 1, int(effective(base, "prompts_per_iteration", 8))
+    own = levels[knobs["matches"]] if "matches" in knobs else knobs
+    versions = int(own.get("versions", versions))
+    probe_every = int(own.get("probe_every", effective(base, "probe_every", 0)))
     if "matches" in knobs:
         matched = levels[knobs["matches"]]
         divisor, scale = int(matched["mini_batches"]), int(matched["ppo_epochs"]) * int(matched["mini_batches"])
@@ -153,11 +161,10 @@ def plan(tier: Tier, levels: dict[str, dict], name: str, base: list[str], versio
     sets = [f"ppo_epochs={knobs['ppo_epochs']}", f"prompts_per_iteration={prompts}", f"mini_batch_size={mini}",
             f"micro_batch_size={math.gcd(mini, tier.micro)}", f"actor_lr={actor_lr:g}", f"critic_lr={critic_lr:g}"]
     sets += [f"{k}={v}" for k, v in knobs.items() if k not in META]
-    probe_every = int(effective(base, "probe_every", 0))
     if probe_every:
         sets.append(f"probe_every={probe_every * scale}")
-    return Plan(sets, staleness + scale * versions, staleness, scale, int(knobs["ppo_epochs"]) * minis, actor_lr,
-                critic_lr)
+    return Plan(sets, versions, staleness + scale * versions, staleness, scale, int(knobs["ppo_epochs"]) * minis,
+                actor_lr, critic_lr)
 
 
 def missing_options(sets: list[str]) -> list[str]:

@@ -96,16 +96,17 @@ def render(summary: dict) -> str:
            + ".", "",
            f"Command: `{summary['command']}`", "",
            f"Warm start: `{summary['warm_start']}`; {summary['warm_start_note']}. {summary['versions']} read-outs "
-           f"(policy versions) per run; seeds {summary['seeds']}.", "",
+           f"(policy versions) per run unless a level says otherwise; seeds {summary['seeds']}.", "",
            *([f"Held-out score of the warm start: {summary['held_out_before']}.", ""] if summary["held_out_before"]
              else []),
            f"Collapse criterion (benchmarks/collapse_criterion.py, `CRITERION`): {summary['collapse_criterion']}.", "",
            "### Levels", "",
            table(["level", "knobs", "stppo train options of the level", "actor lr", "critic lr", "iterations",
-                  "read-outs every (iterations)", "control"],
+                  "read-outs", "optimizer steps per iteration", "control"],
                  [[name, ", ".join(f"{k}={v}" for k, v in summary["levels"][name].items()),
-                   " ".join(p["sets"]), f"{p['actor_lr']:g}", f"{p['critic_lr']:g}", p["iterations"], p["scale"],
-                   summary["levels"][name].get("control", "-")] for name, p in summary["plans"].items()]), "",
+                   " ".join(p["sets"]), f"{p['actor_lr']:g}", f"{p['critic_lr']:g}", p["iterations"], p["versions"],
+                   p["steps_per_iteration"], summary["levels"][name].get("control", "-")]
+                  for name, p in summary["plans"].items()]), "",
            f"Options of every run: `{' '.join(summary['common_sets'])}`.", "", "### Collapses", "",
            "Collapsed: persistent collapses (the criterion above); dipped: runs that fell below the line and came "
            "back, counted apart. Detectable: the smallest rise of the collapse rate over the control's observed rate "

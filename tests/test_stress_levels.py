@@ -40,11 +40,14 @@ def test_mini_batches_split_the_runs_actual_batch_not_a_tier_constant():
 
 def test_the_step_matched_control_takes_the_same_steps_on_the_same_mini_batch_size_each_on_fresh_rollouts():
     reuse, control = plan("reuse2x4"), plan("steps8")
-    assert reuse.steps_per_iteration * 10 == 80 and reuse.iterations == 10
+    assert reuse.steps_per_iteration == 8 and reuse.versions == control.versions == 40 and reuse.iterations == 40
     assert "mini_batch_size=8" in reuse.sets and "mini_batch_size=8" in control.sets
     assert "prompts_per_iteration=2" in control.sets and control.steps_per_iteration == 1
-    assert control.iterations == 80 and control.scale == 8  # 8x the iterations, one step on 8 fresh trajectories
-    assert "probe_every=32" in control.sets and "probe_every=4" in reuse.sets  # probes at the same step counts
+    assert control.iterations == 320 and control.scale == 8  # 8x the iterations, one step on 8 fresh trajectories
+    assert "probe_every=8" in control.sets and "probe_every=1" in reuse.sets  # probes at the same step counts
+    quick_reuse, quick_control = plan("reuse2x2", versions=3), plan("steps4", versions=3)
+    assert (quick_reuse.iterations, quick_control.iterations) == (3, 12)  # no versions knob: the grid's N
+    assert "probe_every=4" in quick_reuse.sets and "probe_every=16" in quick_control.sets
     with pytest.raises(SystemExit, match="prompts_per_iteration=6 does not split into its 4 mini-batches"):
         plan("steps8", ["prompts_per_iteration=6"])
 
