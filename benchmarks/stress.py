@@ -101,7 +101,8 @@ GPU = Tier("gpu", "stppo/Copy-v0", 1e-5, 1e-5, 8, 200,
             "probe_every=10", "probe_prompts=32", *SHARED],
            "stppo/Copy-v0 (16 of 64 symbols per turn, 2 turns) with a real model (--model) taught to copy to a "
            "sampled accuracy of 0.4, then ppo at lag0 for 10 iterations, 32 trajectories per iteration, bfloat16 "
-           "autocast forwards, probe of 32 prompts every 10 iterations", True, warm_start_iterations=10)
+           "autocast forwards, probe of 32 prompts every 10 iterations", True, warm_start_iterations=10,
+           copy_warm_start_lr=2e-5)
 TIERS = {t.name: t for t in (TOY, COPY, DEMO, GPU)}
 
 
@@ -172,8 +173,9 @@ def warm_start(args, tier: Tier) -> tuple[str, str | None, str]:
             from stppo_agent.models.default_model import resolve_model
 
             source = resolve_model(source)
-        supervised(source, base, target=0.1 if args.quick else 0.4, device=args.device,
-                   max_new_tokens_per_turn=int(effective(tier.common, "max_new_tokens_per_turn")))
+        supervised(source, base, target=0.1 if args.quick else 0.4, lr=args.warm_start_lr or tier.copy_warm_start_lr,
+                   device=args.device,
+                   max_new_tokens_per_turn=int(effective(base_sets(args, tier), "max_new_tokens_per_turn")))
     iterations = 2 if args.quick else tier.warm_start_iterations
     out = args.out / "warm-start"
     common = base_sets(args, tier)
@@ -221,6 +223,8 @@ def parse_args(argv=None):
     parser.add_argument("--iterations", type=int, default=None,
                         help="read-outs (policy versions) per run (default: the tier's)")
     parser.add_argument("--lr", type=float, default=None, help="the tier's base actor learning rate (pilot it)")
+    parser.add_argument("--warm-start-lr", type=float, default=None,
+                        help="copy and gpu tiers: the supervised warm start's lr (default 1e-3; gpu 2e-5)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a training option for every run (recorded; a finished run with others is refused)")
     add_import_argument(parser)
@@ -233,6 +237,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="the ladders at tiny sizes for CI (see above)")
     parser.add_argument("--report-only", action="store_true", help="run nothing; report what is done")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.tier = args.tier or "toy"
     if args.quick and args.tier == "demo":
         raise SystemExit("--quick runs the toy, copy or gpu tier (the demo tier has no tiny warm start)")
@@ -390,7 +395,7 @@ class Grid:
             "tier": tier.name, "tier_description": tier.describe, "quick": args.quick, "warm_start": self.model,
             "init_from": args.init_from, "warm_start_note": self.note, "held_out_before": args.before,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "jobs": args.jobs, "sets": args.sets,
-            "command": " ".join(["python", "benchmarks/stress.py", *(sys.argv[1:] if sys.argv[1:] else [])]),
+            "command": " ".join(["python", "benchmarks/stress.py", *args.argv]),
             "rules": self.rules, "levels_order": self.order, "levels": {n: args.levels[n] for n in self.order},
             "plans": {n: dataclasses.asdict(p) for n, p in plans.items()}, "seeds": self.seeds,
             "versions": args.versions,

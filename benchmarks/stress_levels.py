@@ -94,6 +94,7 @@ class Tier:
     describe: str
     counts_invalid: bool
     warm_start_iterations: int = 20
+    copy_warm_start_lr: float = 1e-3  # the supervised warm start's (copy and gpu tiers)
 
 
 def parse_level(spec: str, levels: dict[str, dict] | None = None) -> tuple[str, dict]:
