@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from stress_tiers import Tier
 
 BASE = {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1, "critic_lr_scale": 1}
 META = ("ppo_epochs", "mini_batches", "lr_scale", "critic_lr_scale", "matches", "control", "only", "versions",
@@ -78,23 +82,6 @@ HISTORY = {
 
 def known_levels() -> dict[str, dict]:
     return {name: {**BASE, **knobs} for table in (HISTORY, LADDER, QUICK) for name, knobs in table.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Tier:
-    """Where the grid runs. ``iterations``: read-outs per run (policy versions 0..N-1); ``common``: options of every
-    run; ``counts_invalid``: the env counts invalid actions (else the criterion is reward-only there)."""
-    name: str
-    env: str
-    base_lr: float
-    critic_lr: float
-    micro: int
-    iterations: int
-    common: list
-    describe: str
-    counts_invalid: bool
-    warm_start_iterations: int = 20
-    copy_warm_start_lr: float = 1e-3  # the supervised warm start's (copy and gpu tiers)
 
 
 def parse_level(spec: str, levels: dict[str, dict] | None = None) -> tuple[str, dict]:
