@@ -101,6 +101,7 @@ class TrainConfig:
     """Every N iterations the current actor (not a lagged generator) plays probe_prompts fixed prompts; probe/reward,
     probe/invalid_action_rate, probe/policy_version go to metrics.jsonl (stppo_agent/training/probe.py). 0: off."""
     probe_prompts: int = 8
+    """Prompts each probe plays: the same ones every time (with samples of their own)."""
     generation_autocast_dtype: str | None = None
     """Off-policy stressor: bfloat16 runs the sampler's forward passes, output head included, under bfloat16
     autocast while scoring and training stay in float32 -- the precision gap between a bfloat16 inference engine
