@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import scipy.stats  # noqa: F401  (imported once here: the conftest fixture drops modules a test imports from outside)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import collapse_criterion as criterion  # noqa: E402
