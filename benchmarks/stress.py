@@ -1,141 +1,98 @@
-"""Stress benchmark: rank update rules by how often they collapse under off-policy stress.
+"""Stress benchmark: does off-policy stress alone -- at a learning rate where on-policy training is stable --
+collapse an update rule, and which rules resist it?
 
-    python benchmarks/stress.py [--tier toy|demo] [--out runs/stress-TIER] [--rules ppo,st_ppo,...]
-                                [--levels none,mild,strong] [--level NAME:knob=value,...] [--seeds 0-4]
-                                [--iterations N] [--set key=value ...] [--import myrule.py ...]
-                                [--model PATH] [--device cpu|cuda] [--quick] [--report-only]
+    python benchmarks/stress.py [--tier toy|copy|demo|gpu] [--out runs/stress-TIER] [--rules ppo,st_ppo,...]
+                                [--levels lag0,lag16,...] [--level NAME:knob=value,...] [--seeds 0-9]
+                                [--iterations N] [--lr LR] [--set key=value ...] [--import myrule.py ...]
+                                [--model PATH] [--device cpu|cuda] [--jobs 2] [--quick] [--report-only]
 
-A grid of update rules x stress levels x seeds from one warm start. Per cell (rule, level): collapse rate with a 95%
-Wilson interval, median iteration of collapse, final training reward, clip fractions and ratio tails (metrics.jsonl),
-held-out score per family where the tier has one. OUT/report.md, OUT/summary.json, OUT/figures/stress-collapse.png
-(collapse rate against stress level, one line per rule, interval bars). Collapse is benchmarks/stability.py's
-criterion (``stability.COLLAPSE``, applied by ``stability.summarize``), quoted in the report and docs/stability.md.
+A grid of update rules x stress levels x paired seeds from one warm start. Each level varies one thing against a
+matched control at the tier's fixed learning rate (benchmarks/stress_levels.py): the lag ladder (rollout_staleness
+K at one optimizer step per iteration; lag0 is the on-policy control with the same lr, steps, batch and mini-batch
+by construction), the reuse ladder (epochs x mini-batches on one batch) against step-matched on-policy controls,
+and mechanism levels (a bfloat16 sampler's log-probs in the ratio, dual clip, the clip-bias correction after
+gradient clipping). Every run continues from the warm start's weights, critic and optimizer state (init_from,
+where this stppo has it) and shares warmup_steps.
 
-Tiers (every table names its own): toy -- stppo/Toy-v0 (2 turns, 3 new tokens per turn, the env reads the first
-word), a tiny random Llama (hidden 32, 2 layers, 9-token vocabulary), warm start = ppo at level none for 20
-iterations from the random model (seed 1000), seconds per run, no held-out set; demo -- the demo set with
-SmolLM2-135M-Instruct after stability.py's warm start and in its regime, held-out scores per family; with
---device cuda and --model a 0.5-3B instruct model it is the GPU path.
+Read-outs are version-aligned (N per run: --iterations): the learner probe of the current actor every few
+iterations (probe_every, tier default), or without it the rollouts of iterations K..K+N-1 of a K-lag run. Collapse is
+benchmarks/collapse_criterion.py's persistent criterion (``CRITERION``, quoted in the report and docs/stability.md);
+dips that recover are counted apart. Per cell the report (OUT/report.md, OUT/summary.json,
+OUT/figures/stress-collapse.png) gives n, collapses, dips, the Wilson interval, the exact test against the matched
+control and against the reference rule (McNemar where seeds pair, checked by their first batch; Fisher otherwise),
+the detectable difference, precursors, and per level its exact options and both learning rates.
 
-Levels are named knob sets (LADDER; --level adds or redefines one): ppo_epochs, mini_batches (the iteration's
-trajectories split into this many optimizer steps per epoch), lr_scale (x the tier's base actor lr), and any other
-training option (rollout_staleness=4, ...). --set applies to every run. The report spells each level out.
+Tiers: toy -- stppo/Toy-v0 (2 turns, 3 new tokens per turn, the env reads the first word; reward-only criterion),
+a tiny random Llama; copy -- stppo/Copy-v0 (repeat 16 of 64 symbols per turn, 2 turns: every generated token is
+read), a tiny Llama taught to copy to a sampled accuracy of ~0.4 (benchmarks/copy_warm_start.py); demo -- the demo
+set with SmolLM2 after stability.py's warm start (no RL warm start there: warmup_steps only); gpu -- stppo/Copy-v0
+with a real model (--model, default smollm2) on --device cuda (benchmarks/stress_gpu.py runs and times it).
 
-Resumable: a finished run leaves a done marker and its options (a folder run with others is refused); rerun to
-continue. --report-only runs nothing. --quick: toy tier, the random model as warm start, ppo and st_ppo, levels none
-and extreme, one seed, 3 iterations (plumbing for CI).
+Resumable: a finished run leaves a done marker and its options (a folder run with other options is refused); rerun
+to continue. --report-only runs nothing. --quick: the lag and reuse ladders at tiny sizes (lag0, lag2, reuse2x2 with
+its control steps4), ppo and st_ppo, one seed, 3 read-outs, a 2-iteration warm start, the probe every iteration
+(plumbing for CI; --tier copy --quick does the same on the copy tier).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
+import threading
 import time
 import types
 from pathlib import Path
 
 import stability  # noqa: F401  (its import puts the repository on sys.path)
-import yaml
-from stability import COLLAPSE, NotDone, drop_checkpoints, needs_run, stop_on_sigterm, stppo, summarize
+from collapse_criterion import CRITERION
+from stability import NotDone, drop_checkpoints, needs_run, stop_on_sigterm, stppo
 from stability_report import fmt
+from stress_cells import cell_summary, comparisons
+from stress_levels import (
+    DEFAULT_LEVELS,
+    QUICK_LEVELS,
+    effective,
+    has_option,
+    known_levels,
+    missing_options,
+    parse_level,
+    plan,
+)
+from stress_readout import run_readout
 from stress_report import plot, render
+from stress_stats import wilson  # noqa: F401  (the grid's interval; tests read it here)
+from stress_tiers import COPY, DEMO, GPU, TIERS, TOY, Tier  # noqa: F401  (TOY: tests read it here)
 
-CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "gspo", "so_grpo"]
-# Levels, least stress first. Optimizer steps per iteration = ppo_epochs x mini_batches, of which all but the first
-# are off-policy; lr_scale multiplies the tier's base actor lr.
-LADDER = {
-    "none": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1},
-    "mild": {"ppo_epochs": 2, "mini_batches": 4, "lr_scale": 1},
-    "strong": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10},
-    # strong's knobs on rollouts sampled by the policy of 4 iterations earlier (an asynchronous trainer's data)
-    "stale": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "rollout_staleness": 4},
-    "extreme": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 100},
-    # a control, not on the default ladder: extreme's lr with one on-policy step per iteration
-    "lr_only": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 100},
-    # not on the default ladder: a bfloat16 sampler against the float32 learner (a bfloat16 inference engine's
-    # gap), uncorrected, at none's and at strong's knobs
-    "mismatch": {"ppo_epochs": 1, "mini_batches": 1, "lr_scale": 1, "generation_autocast_dtype": "bfloat16",
-                 "algorithm.rollout_correction": "none"},
-    "strong_mismatch": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "generation_autocast_dtype": "bfloat16",
-                        "algorithm.rollout_correction": "none"},
-}
-DEFAULT_LEVELS = ["none", "mild", "strong", "stale", "extreme"]
-Z95 = 1.959963984540054
+CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "so_grpo"]
+DEFAULT_RULES = ["ppo", "st_ppo"]
+LEVEL_OWNED = ("ppo_epochs", "mini_batch_size", "micro_batch_size", "actor_lr", "critic_lr")
+QUICK_SETS = ["probe_every=1", "probe_prompts=4"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Tier:
-    """Where the grid runs: env, regime, warm start and (demo) held-out evaluation."""
-    name: str
-    env: str
-    base_lr: float
-    trajectories: int
-    micro: int
-    iterations: int
-    common: list
-    describe: str
 
-
-TOY = Tier("toy", "stppo/Toy-v0", 3e-3, 32, 16, 10,
-           ["env_kwargs.fixed_target=null", "prompts_per_iteration=8", "samples_per_prompt=4", "critic_lr=3e-3",
-            "max_turns=2", "max_new_tokens_per_turn=3", "max_prompt_tokens=8", "max_total_tokens=32"],
-           "stppo/Toy-v0 (the target drawn per episode from 4 words, 2 turns, 3 new tokens per turn), tiny random "
-           "Llama (hidden 32, 2 layers, 9-token "
-           "vocabulary), warm start: ppo at level none for 20 iterations from the random model, 8 prompts x 4 "
-           "samples = 32 trajectories per iteration, critic lr 3e-3, presets' own KL settings, float32 forwards")
-DEMO = Tier("demo", stability.STUDY_ENV, 1e-5, 32, 4, 4, [],
-            "demo set (NQ-, HotpotQA-, MedQA-like; BM25), SmolLM2-135M-Instruct after stability.py's warm start "
-            "(or --model), benchmarks/stability.py's regime: 8 prompts x 4 samples = 32 trajectories of up to 3 "
-            "turns, 48 new tokens per turn, critic lr 1e-5, bfloat16 autocast forwards; held-out: 16 questions per "
-            "family, greedy")
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion k/n (95% by default): unlike p +- z*se it stays inside
-    [0, 1] and is not empty at 0/n or n/n, which small seed counts hit all the time."""
-    if n == 0:
-        return 0.0, 1.0
-    p, z2 = k / n, z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)
-
-
-def parse_level(spec: str) -> tuple[str, dict]:
-    """``stale4:ppo_epochs=2,mini_batches=4,rollout_staleness=4`` -> ("stale4", {...}); values read as YAML would."""
-    name, sep, body = spec.partition(":")
-    if not sep or not name:
-        raise SystemExit(f"--level expects NAME:knob=value,..., got {spec!r}")
-    knobs = dict(LADDER.get(name, LADDER["none"]))
-    for item in filter(None, body.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"--level {spec}: {item!r} is not knob=value")
-        knobs[key.strip()] = yaml.safe_load(value)
-    return name, knobs
-
-
-def level_overrides(tier: Tier, knobs: dict) -> list[str]:
-    """A level's knobs as the `--set` options of `stppo train` (the report prints exactly these)."""
-    mini = tier.trajectories // int(knobs["mini_batches"])
-    if mini * int(knobs["mini_batches"]) != tier.trajectories:
-        raise SystemExit(f"mini_batches={knobs['mini_batches']} does not divide the {tier.trajectories} trajectories")
-    sets = [f"ppo_epochs={knobs['ppo_epochs']}", f"mini_batch_size={mini}",
-            f"micro_batch_size={math.gcd(mini, tier.micro)}", f"actor_lr={tier.base_lr * float(knobs['lr_scale']):g}"]
-    return sets + [f"{k}={v}" for k, v in knobs.items() if k not in ("ppo_epochs", "mini_batches", "lr_scale")]
-
-
-def run_overrides(args, tier: Tier, knobs: dict, seed: int) -> list[str]:
-    """The tier's options (demo: stability.py's, whose ppo_epochs and lr the level's override: later --set wins),
-    the level's, the seed, then --set."""
+def run_overrides(args, tier: Tier, name: str, seed: int) -> tuple[list[str], object]:
+    """Every `stppo train` option of one run and its level's plan: the tier's (demo: stability.py's), --set, the
+    level's own (which win), the seed, where to start from."""
     common = stability.train_overrides(stability_settings(args), seed) if tier is DEMO else tier.common
-    return [*common, *level_overrides(tier, knobs), f"seed={seed}", f"device={args.device}", "save_every=1000",
-            "keep_checkpoints=1", "progress=false", "tensorboard=false", *args.sets]
+    base = [*common, *base_sets(args, tier)[len(tier.common):]]
+    level_plan = plan(tier_with_lr(tier, args), args.levels, name, base, args.versions)
+    start = [f"init_from={args.init_from}"] if args.init_from else []
+    return [*base, *level_plan.sets, f"seed={seed}", f"device={args.device}", "save_every=1000",
+            "keep_checkpoints=1", "progress=false", "tensorboard=false", *start], level_plan
+
+
+def base_sets(args, tier: Tier) -> list[str]:
+    """The tier's options of every run, --quick's, then --set."""
+    return [*tier.common, *(QUICK_SETS if args.quick else []), *args.sets]
+
+
+def tier_with_lr(tier: Tier, args) -> Tier:
+    return dataclasses.replace(tier, base_lr=args.lr) if args.lr is not None else tier
 
 
 def train(args, tier: Tier, model: str, rule: str, sets: list[str], iterations: int, out: Path) -> float | None:
@@ -158,72 +115,55 @@ def train(args, tier: Tier, model: str, rule: str, sets: list[str], iterations: 
     return wall
 
 
-def warm_start(args, tier: Tier) -> str:
-    if args.model:
-        return args.model
+def warm_start(args, tier: Tier) -> tuple[str, str | None, str]:
+    """(the model every run starts from, the checkpoint whose critic and optimizer state it continues, a note)."""
+    if args.model and tier is not GPU:
+        return args.model, None, "given by --model: weights only, every level shares warmup_steps"
     if tier is DEMO:
-        return stability.warm_start(stability_settings(args))
-    from stppo_agent.models.tiny import build_tiny_llama
+        return stability.warm_start(stability_settings(args)), None, \
+            "stppo sft (no RL warm start on this tier: weights only, every level shares warmup_steps)"
+    from stppo_agent.models.tiny import build_copy_llama, build_tiny_llama
 
-    base = args.out / "tiny"
-    if not (base / "config.json").exists():
+    base = args.out / ("tiny" if tier is TOY else "model")
+    if tier is TOY and not (base / "config.json").exists():
         if args.report_only:
             raise NotDone(str(base))
         build_tiny_llama(base, hidden=32, layers=2)
-    if args.quick:  # plumbing only: the random model is the warm start
-        return str(base)
-    out, iterations = args.out / "warm-start", 20
-    train(args, tier, str(base), "ppo", run_overrides(args, tier, LADDER["none"], 1000), iterations, out)
-    return str(out / "checkpoints" / f"step-{iterations}" / "actor")
+    elif tier is not TOY:
+        from copy_warm_start import warm_start as supervised
+
+        if args.report_only and not (base / "warm_start.json").exists():
+            raise NotDone(str(base))
+        source = args.model or "smollm2"
+        if tier is COPY:
+            source = str(build_copy_llama(args.out / "tiny")) if not (args.out / "tiny").exists() \
+                else str(args.out / "tiny")
+        else:
+            from stppo_agent.models.default_model import resolve_model
+
+            source = resolve_model(source)
+        supervised(source, base, target=0.1 if args.quick else 0.4, lr=args.warm_start_lr or tier.copy_warm_start_lr,
+                   device=args.device,
+                   max_new_tokens_per_turn=int(effective(base_sets(args, tier), "max_new_tokens_per_turn")))
+    iterations = 2 if args.quick else tier.warm_start_iterations
+    out = args.out / "warm-start"
+    common = base_sets(args, tier)
+    sets = [*common, *plan(tier_with_lr(tier, args), args.levels, "lag0", common, 1).sets,
+            "probe_every=0", "seed=1000", f"device={args.device}", "save_every=1000", "keep_checkpoints=1",
+            "progress=false", "tensorboard=false"]
+    train(args, tier, str(base), "ppo", sets, iterations, out)
+    checkpoint = out / "checkpoints" / f"step-{iterations}"
+    carried = has_option("init_from")
+    note = (f"ppo at lag0 for {iterations} iterations (seed 1000) from {base.name}; every run continues from its "
+            + ("actor, critic and optimizer state (init_from) and " if carried else "actor (this stppo has no "
+               "init_from: a fresh optimizer) and ") + "shares warmup_steps=10")
+    return str(checkpoint / "actor"), str(checkpoint) if carried else None, note
 
 
 def stability_settings(args) -> stability.Settings:
-    return stability.Settings(args.out, None, args.iterations, [], [], DEMO.base_lr, 16, args.device, False, [],
+    return stability.Settings(args.out, None, args.versions, [], [], DEMO.base_lr, 16, args.device, False, [],
                               False, autocast_dtype=None if args.autocast_dtype == "none" else args.autocast_dtype,
                               keep_checkpoints=args.keep_checkpoints)
-
-
-def run_summary(run: Path) -> dict:
-    """stability.summarize's figures (and its collapse verdict) plus the ratio tails metrics.jsonl logs."""
-    from stppo_agent.runs.metrics_log import read_metrics
-
-    summary = summarize(run)
-    records = read_metrics(run)
-
-    def values(key):
-        return [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-
-    summary.update({"ratio_max": max(values("tail/ratio_max"), default=None),
-                    "ratio_p99_mean": statistics.fmean(values("tail/ratio_p99")) if values("tail/ratio_p99") else None,
-                    "turn_ratio_max": max(values("tail/turn_ratio_max"), default=None),
-                    "wall_s": json.loads((run / "stress.json").read_text()).get("wall_s")})
-    return summary
-
-
-def median(values: list) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def cell_summary(runs: dict[int, dict]) -> dict:
-    """Per (rule, level): collapse count and rate with its 95% Wilson interval, medians and means over seeds."""
-    n = len(runs)
-    collapsed = {seed: r["collapsed_at"] for seed, r in runs.items() if r["collapsed_at"] is not None}
-    low, high = wilson(len(collapsed), n)
-
-    def mean(key):
-        vals = [r[key] for r in runs.values() if r.get(key) is not None]
-        return statistics.fmean(vals) if vals else None
-
-    after = [r["after"] for r in runs.values() if r.get("after")]
-    return {"seeds": sorted(runs), "n": n, "collapsed": len(collapsed), "rate": len(collapsed) / n if n else None,
-            "wilson95": [low, high], "collapsed_at": collapsed,
-            "median_collapse_iteration": median(list(collapsed.values())),
-            "reward_last_mean": mean("reward_last"), "reward_first_mean": mean("reward_first"),
-            "clip_frac_mean": mean("clip_frac_mean"), "turn_clip_frac_mean": mean("turn_clip_frac_mean"),
-            "clip_bias_scale_mean": mean("clip_bias_scale_mean"),
-            "ratio_max_median": median([r["ratio_max"] for r in runs.values() if r["ratio_max"] is not None]),
-            "ratio_p99_mean": mean("ratio_p99_mean"), "turn_ratio_max_mean": mean("turn_ratio_max"),
-            "after": {f: statistics.fmean(a[f] for a in after) for f in after[0]} if after else None}
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -239,18 +179,21 @@ def parse_args(argv=None):
     from stppo_agent.plugins.loader import add_import_argument
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tier", choices=("toy", "demo"), default="toy")
+    parser.add_argument("--tier", choices=tuple(TIERS), default=None, help="default toy")
     parser.add_argument("--out", default=None, help="default runs/stress-TIER (runs/stress-quick with --quick)")
     parser.add_argument("--rules", default=None,
-                        help=f"update rules (default: {','.join(CORE_RULES)}, then every other registered preset, "
-                             "plugins' included)")
-    parser.add_argument("--levels", default=None,
-                        help=f"stress levels, least first (default {','.join(DEFAULT_LEVELS)})")
+                        help=f"update rules (default {','.join(DEFAULT_RULES)}; 'core': {','.join(CORE_RULES)}; "
+                             "'all': every registered preset, plugins' included)")
+    parser.add_argument("--levels", dest="levels_arg", default=None,
+                        help=f"stress levels (default {','.join(DEFAULT_LEVELS)})")
     parser.add_argument("--level", action="append", default=[], metavar="NAME:knob=value,...",
-                        help="add or redefine a level: knobs ppo_epochs, mini_batches, lr_scale, or any training "
-                             "option (rollout_staleness=4); unnamed knobs keep the level's (or none's) values")
-    parser.add_argument("--seeds", default="0-4")
-    parser.add_argument("--iterations", type=int, default=None, help="per run (default: the tier's)")
+                        help="add or redefine a level (knobs: benchmarks/stress_levels.py)")
+    parser.add_argument("--seeds", default="0-9")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="read-outs (policy versions) per run (default: the tier's)")
+    parser.add_argument("--lr", type=float, default=None, help="the tier's base actor learning rate (pilot it)")
+    parser.add_argument("--warm-start-lr", type=float, default=None,
+                        help="copy and gpu tiers: the supervised warm start's lr (default 1e-3; gpu 2e-5)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a training option for every run (recorded; a finished run with others is refused)")
     add_import_argument(parser)
@@ -258,12 +201,19 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--autocast-dtype", default="bfloat16", choices=("bfloat16", "none"),
                         help="demo tier: forwards under bfloat16 autocast, as benchmarks/stability.py")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one process each)")
     parser.add_argument("--keep-checkpoints", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="toy tier plumbing for CI (see above)")
+    parser.add_argument("--quick", action="store_true", help="the ladders at tiny sizes for CI (see above)")
     parser.add_argument("--report-only", action="store_true", help="run nothing; report what is done")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.tier = "toy"
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.tier = args.tier or "toy"
+    if args.quick and args.tier == "demo":
+        raise SystemExit("--quick runs the toy, copy or gpu tier (the demo tier has no tiny warm start)")
+    owned = [s for s in args.sets if s.partition("=")[0] in LEVEL_OWNED]
+    if owned:
+        raise SystemExit(f"--set {owned[0]}: levels set {', '.join(LEVEL_OWNED)}; use --lr, or a level's lr_scale, "
+                         "critic_lr_scale, ppo_epochs and mini_batches knobs (--level)")
     args.out = Path(args.out or ("runs/stress-quick" if args.quick else f"runs/stress-{args.tier}"))
     return args
 
@@ -275,10 +225,9 @@ def resolve_rules(args) -> list[str]:
     from stppo_agent.plugins.name_checks import check_algorithm
 
     load_plugins(args.imports)
-    if args.rules:
-        rules = [r.strip() for r in args.rules.split(",") if r.strip()]
-    else:
-        rules = ["ppo", "st_ppo"] if args.quick else list(dict.fromkeys([*CORE_RULES, *ALGORITHMS]))
+    spec = args.rules or ",".join(DEFAULT_RULES)
+    rules = {"core": CORE_RULES, "all": list(dict.fromkeys([*CORE_RULES, *ALGORITHMS]))}.get(
+        spec, [r.strip() for r in spec.split(",") if r.strip()])
     for rule in rules:
         try:
             check_algorithm(rule)
@@ -287,82 +236,152 @@ def resolve_rules(args) -> list[str]:
     return rules
 
 
+def resolve_levels(args) -> list[str]:
+    """The levels to run, each checked (known, its control and matched level known, its options in this stppo)
+    before anything runs; sets ``args.levels`` to every level's knobs."""
+    levels = known_levels()
+    for spec in args.level:
+        name, knobs = parse_level(spec, levels)
+        levels[name] = knobs
+    args.levels = levels
+    default = QUICK_LEVELS if args.quick else DEFAULT_LEVELS
+    order = [lv.strip() for lv in args.levels_arg.split(",") if lv.strip()] if args.levels_arg else list(default)
+    tier = TIERS[args.tier]
+    for name in order:
+        if name not in levels:
+            raise SystemExit(f"unknown level {name!r}; known: {', '.join(levels)} (or define it with --level)")
+        for ref in (levels[name].get("control"), levels[name].get("matches")):
+            if ref and ref not in levels:
+                raise SystemExit(f"level {name} refers to level {ref!r}, which is not defined")
+        missing = missing_options(plan(tier, levels, name, tier.common, 1).sets)
+        if missing:
+            raise SystemExit(f"level {name} needs the training option {missing[0]}, which this stppo does not have; "
+                             "leave the level out")
+    return order
+
+
+def summarize_run(run: Path, level_plan, args, tier: Tier) -> dict:
+    from stppo_agent.runs.metrics_log import read_metrics
+
+    records = read_metrics(run)
+    summary = run_readout(records, level_plan.staleness, level_plan.scale, level_plan.steps_per_iteration,
+                          level_plan.versions, tier.counts_invalid)
+    summary["wall_s"] = json.loads((run / "stress.json").read_text()).get("wall_s")
+    seconds = [r["iteration_seconds"] for r in records if "iteration_seconds" in r]
+    summary["iteration_s"] = statistics.median(seconds) if seconds else None
+    return summary
+
+
 def main(argv=None) -> None:
     stop_on_sigterm()
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     args = parse_args(argv)
     stability.REPORT_ONLY = args.report_only
-    tier = TOY if args.tier == "toy" else DEMO
-    if tier is TOY:  # a tiny model gains nothing from 2 threads, and on a loaded CPU their barriers cost seconds a step
+    tier = TIERS[args.tier]
+    if tier in (TOY, COPY):  # a tiny model gains nothing from 2 threads, and on a loaded CPU their barriers cost
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    iterations = args.iterations or (3 if args.quick else tier.iterations)
+    args.versions = args.iterations or (3 if args.quick else tier.iterations)
     rules = resolve_rules(args)
-    levels = {name: dict(LADDER[name]) for name in LADDER}
-    levels.update(parse_level(spec) for spec in args.level)
-    order = [lv.strip() for lv in (args.levels or ("none,extreme" if args.quick else ",".join(DEFAULT_LEVELS)))
-             .split(",") if lv.strip()] or DEFAULT_LEVELS
-    for name in order:
-        if name not in levels:
-            raise SystemExit(f"unknown level {name!r}; known: {', '.join(levels)} (or define it with --level)")
+    order = resolve_levels(args)
     seeds = parse_seeds(args.seeds)[:1] if args.quick else parse_seeds(args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
+    args.init_from = None
     try:
-        model = warm_start(args, tier)
+        model, args.init_from, note = warm_start(args, tier)
     except NotDone:
         raise SystemExit(f"--report-only: the warm start under {args.out} is not done yet; nothing to report")
+    args.before = None
     if tier is DEMO:
         try:
             args.before = stability.evaluate(stability_settings(args), model, args.out / "eval" / "warm-start")
         except NotDone:
-            args.before = None
-    runs: dict[str, dict[str, dict[int, dict]]] = {}
-    complete = True
-    # Seed by seed, every cell of a seed before the next: a grid stopped early leaves whole comparisons.
-    for seed in seeds:
-        for level in order:
-            for rule in rules:
-                run = args.out / "runs" / level / rule / f"s{seed}"
-                try:
-                    train(args, tier, model, rule, run_overrides(args, tier, levels[level], seed), iterations, run)
-                    summary = run_summary(run)
-                    if tier is DEMO:
-                        summary["after"] = stability.evaluate(
-                            stability_settings(args), str(run / "checkpoints" / f"step-{iterations}" / "actor"),
-                            args.out / "eval" / level / rule / f"s{seed}")
-                except NotDone:
-                    complete = False
-                    continue
-                drop_checkpoints(types.SimpleNamespace(keep_checkpoints=args.keep_checkpoints), run)
-                runs.setdefault(level, {}).setdefault(rule, {})[seed] = summary
-                print(f"[{time.perf_counter() - started:6.0f}s] {level} {rule} s{seed}: collapsed at "
-                      f"{summary['collapsed_at']}, reward {fmt(summary['reward_last'])}", flush=True)
-        write(args, tier, model, rules, levels, order, seeds, iterations, runs, started, load_start, False)
-    write(args, tier, model, rules, levels, order, seeds, iterations, runs, started, load_start, complete)
+            pass
+    grid = Grid(args, tier, model, note, rules, order, seeds, started, load_start)
+    grid.run()
     print((args.out / "report.md").read_text())
 
 
-def write(args, tier, model, rules, levels, order, seeds, iterations, runs, started, load_start, complete) -> None:
-    walls = [r["wall_s"] for lv in runs.values() for rl in lv.values() for r in rl.values() if r.get("wall_s")]
-    summary = {
-        "tier": tier.name, "tier_description": tier.describe, "quick": args.quick, "warm_start": model,
-        "held_out_before": getattr(args, "before", None), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "sets": args.sets,
-        "command": " ".join(["python", "benchmarks/stress.py", *(sys.argv[1:] if sys.argv[1:] else [])]),
-        "rules": rules, "levels_order": order, "levels": {n: levels[n] for n in order},
-        "level_sets": {n: level_overrides(tier, levels[n]) for n in order}, "seeds": seeds, "iterations": iterations,
-        "common_sets": [s for s in run_overrides(args, tier, LADDER["none"], 0)
-                        if s not in level_overrides(tier, LADDER["none"])],
-        "collapse_criterion": COLLAPSE, "complete": complete,
-        "cells": {level: {rule: cell_summary(r) for rule, r in by_rule.items()} for level, by_rule in runs.items()},
-        "runs": runs,
-        "timing": {"runs_wall_s": sum(walls), "runs": len(walls), "run_median_s": median(walls) or 0.0,
-                   "invocation_s": time.perf_counter() - started, "load_start": load_start,
-                   "load_end": os.getloadavg()[0]},
-    }
-    if summary["cells"]:
-        summary["figure"] = plot(summary, args.out / "figures" / "stress-collapse.png")
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    (args.out / "report.md").write_text(render(summary))
+class Grid:
+    """The runs of a grid, seed by seed (every cell of a seed before the next: a grid stopped early leaves whole
+    comparisons), ``--jobs`` at a time, and its report rewritten as runs finish."""
+
+    def __init__(self, args, tier, model, note, rules, order, seeds, started, load_start):
+        self.args, self.tier, self.model, self.note = args, tier, model, note
+        self.rules, self.order, self.seeds = rules, order, seeds
+        self.started, self.load_start = started, load_start
+        self.runs: dict[str, dict[str, dict[int, dict]]] = {}
+        self.complete, self.lock = True, threading.Lock()
+
+    def tasks(self) -> list[tuple[int, str, str]]:
+        out = []
+        for seed in self.seeds:
+            for level in self.order:
+                only = self.args.levels[level].get("only")
+                for rule in self.rules:
+                    if not only or rule in str(only).split("+"):
+                        out.append((seed, level, rule))
+        return out
+
+    def one(self, seed: int, level: str, rule: str) -> None:
+        args, tier = self.args, self.tier
+        run = args.out / "runs" / level / rule / f"s{seed}"
+        sets, level_plan = run_overrides(args, tier, level, seed)
+        try:
+            train(args, tier, self.model, rule, sets, level_plan.iterations, run)
+            summary = summarize_run(run, level_plan, args, tier)
+            if tier is DEMO:
+                summary["after"] = stability.evaluate(
+                    stability_settings(args), str(run / "checkpoints" / f"step-{level_plan.iterations}" / "actor"),
+                    args.out / "eval" / level / rule / f"s{seed}")
+        except NotDone:
+            with self.lock:
+                self.complete = False
+            return
+        drop_checkpoints(types.SimpleNamespace(keep_checkpoints=args.keep_checkpoints), run)
+        with self.lock:
+            self.runs.setdefault(level, {}).setdefault(rule, {})[seed] = summary
+            print(f"[{time.perf_counter() - self.started:6.0f}s] {level} {rule} s{seed}: "
+                  f"{'collapsed at ' + format(summary['collapsed_at'], 'g') if summary['collapsed'] else 'no collapse'}"
+                  f"{' (dipped)' if summary['dipped'] else ''}, read-out reward {fmt(summary['reward_last'])}",
+                  flush=True)
+            self.write(False)
+
+    def run(self) -> None:
+        with concurrent.futures.ThreadPoolExecutor(max(1, self.args.jobs)) as pool:
+            for future in [pool.submit(self.one, *task) for task in self.tasks()]:
+                future.result()
+        self.write(self.complete, final=True)
+
+    def write(self, complete: bool, final: bool = False) -> None:
+        args, tier = self.args, self.tier
+        walls = [r["wall_s"] for lv in self.runs.values() for rl in lv.values() for r in rl.values() if r.get("wall_s")]
+        per_iteration = [r["iteration_s"] for lv in self.runs.values() for rl in lv.values() for r in rl.values()
+                         if r.get("iteration_s")]
+        plans = {n: run_overrides(args, tier, n, 0)[1] for n in self.order}
+        runs = {level: dict(sorted(by_rule.items(), key=lambda kv: self.rules.index(kv[0])))
+                for level, by_rule in self.runs.items()}
+        summary = {
+            "tier": tier.name, "tier_description": tier.describe, "quick": args.quick, "warm_start": self.model,
+            "init_from": args.init_from, "warm_start_note": self.note, "held_out_before": args.before,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "jobs": args.jobs, "sets": args.sets,
+            "command": " ".join(["python", "benchmarks/stress.py", *args.argv]),
+            "rules": self.rules, "levels_order": self.order, "levels": {n: args.levels[n] for n in self.order},
+            "plans": {n: dataclasses.asdict(p) for n, p in plans.items()}, "seeds": self.seeds,
+            "versions": args.versions,
+            "common_sets": [s for s in run_overrides(args, tier, self.order[0], 0)[0]
+                            if s not in plans[self.order[0]].sets],
+            "collapse_criterion": CRITERION, "complete": complete,
+            "cells": {level: {rule: cell_summary(r) for rule, r in by_rule.items()} for level, by_rule in runs.items()},
+            "comparisons": comparisons(runs, args.levels, self.order, self.rules), "runs": runs,
+            "timing": {"runs_wall_s": sum(walls), "runs": len(walls), "run_median_s": statistics.median(walls)
+                       if walls else 0.0, "iteration_median_s": statistics.median(per_iteration)
+                       if per_iteration else None, "invocation_s": time.perf_counter() - self.started,
+                       "load_start": self.load_start, "load_end": os.getloadavg()[0]},
+        }
+        if summary["cells"] and final:  # drawing it after every run cost seconds a run on a loaded machine
+            summary["figure"] = plot(summary, args.out / "figures" / "stress-collapse.png")
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        (args.out / "report.md").write_text(render(summary))
 
 
 if __name__ == "__main__":

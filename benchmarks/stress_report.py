@@ -31,8 +31,8 @@ def plot(summary: dict, path: Path) -> str:
     ax.set_xticks(range(len(levels)), levels)
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("stress level")
-    ax.set_ylabel("collapse rate (95% Wilson interval)")
-    seeds = sorted({n for lv in summary["cells"].values() for c in lv.values() for n in [c["n"]]})
+    ax.set_ylabel("persistent collapse rate (95% Wilson)")
+    seeds = sorted({c["n"] for lv in summary["cells"].values() for c in lv.values()})
     ax.set_title(f"tier {summary['tier']}{' (--quick)' if summary['quick'] else ''}: seeds per cell {seeds}")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -42,50 +42,91 @@ def plot(summary: dict, path: Path) -> str:
     return str(path)
 
 
-def render(summary: dict) -> str:
-    quick = " (--quick: plumbing on a random tiny model, 3 iterations, 1 seed; not a measurement)" \
-        if summary["quick"] else ""
-    out = [f"## Stress grid, tier {summary['tier']}{quick}", "",
-           f"Tier: {summary['tier_description']}"
-           + (f"; every run changed by `--set {' --set '.join(summary['sets'])}`" if summary.get("sets") else "")
-           + ".", "",
-           f"Command: `{summary['command']}`", "",
-           f"Warm start: `{summary['warm_start']}`; {summary['iterations']} iterations per run; seeds "
-           f"{summary['seeds']}.", "",
-           *([f"Held-out score of the warm start: {summary['held_out_before']}.", ""] if summary["held_out_before"]
-             else []),
-           f"Collapse criterion (benchmarks/stability.py, `COLLAPSE`): {summary['collapse_criterion']}.", "",
-           "### Stress levels", "",
-           table(["level", "knobs", "stppo train options"],
-                 [[name, ", ".join(f"{k}={v}" for k, v in knobs.items()), " ".join(summary["level_sets"][name])]
-                  for name, knobs in summary["levels"].items()]), "",
-           f"Options of every run: `{' '.join(summary['common_sets'])}`.", "", "### Cells", ""]
-    header = ["tier", "level", "rule", "seeds", "collapsed", "rate [95% Wilson]", "median collapse iter",
-              "collapsed seeds @ iter", "reward first -> last (mean)", "clip_frac", "turn_clip_frac",
-              "token ratio max (median)", "ratio p99 (mean)", "turn ratio max (mean)", "clip_bias_scale (mean)"]
-    families = sorted({f for lv in summary["cells"].values() for c in lv.values() if c["after"] for f in c["after"]})
-    header += [f"{f} held-out" for f in families]
+def comparison_text(result: dict | None) -> str:
+    if not result:
+        return "-"
+    if result["test"] == "mcnemar":
+        return f"McNemar {result['only_first']}-{result['only_second']} of {result['pairs']} pairs, p={result['p']:.3g}"
+    return f"Fisher {result['first'][0]}/{result['first'][1]} vs {result['second'][0]}/{result['second'][1]}, " \
+           f"p={result['p']:.3g} (not paired)"
+
+
+def collapse_rows(summary: dict) -> list[list]:
+    stats = summary["comparisons"]
     rows = []
     for level in summary["levels_order"]:
         for rule in summary["rules"]:
             c = summary["cells"].get(level, {}).get(rule)
             if not c:
                 continue
+            control = stats["against_control"].get(level, {}).get(rule)
+            reference = stats["against_reference"].get(level, {}).get(rule)
+            detectable = stats["detectable"].get(level, {}).get(rule)
             rows.append([summary["tier"], level, rule, c["n"], f"{c['collapsed']}/{c['n']}",
-                         f"{c['rate']:.2f} [{c['wilson95'][0]:.2f}, {c['wilson95'][1]:.2f}]",
-                         "-" if c["median_collapse_iteration"] is None else f"{c['median_collapse_iteration']:g}",
-                         ", ".join(f"s{s}@{i}" for s, i in c["collapsed_at"].items()) or "-",
-                         f"{fmt(c['reward_first_mean'])} -> {fmt(c['reward_last_mean'])}", c["clip_frac_mean"],
-                         c["turn_clip_frac_mean"], c["ratio_max_median"], c["ratio_p99_mean"],
-                         c["turn_ratio_max_mean"], c.get("clip_bias_scale_mean"),
-                         *[(c["after"] or {}).get(f) for f in families]])
-    out += [table(header, rows), ""]
+                         f"{c['rate']:.2f} [{c['wilson95'][0]:.2f}, {c['wilson95'][1]:.2f}]", c["dipped"],
+                         "-" if detectable is None else f"+{detectable:.2f}",
+                         (f"{control['control']}: " + comparison_text(control)) if control else "-",
+                         comparison_text(reference),
+                         ", ".join(f"s{s}@{v:g}" for s, v in c["collapsed_at"].items()) or "-",
+                         f"{fmt(c['reward_first_mean'])} -> {fmt(c['reward_last_mean'])}",
+                         "/".join(c["readout_source"])])
+    return rows
+
+
+def precursor_rows(summary: dict) -> list[list]:
+    rows = []
+    for level in summary["levels_order"]:
+        for rule in summary["rules"]:
+            c = summary["cells"].get(level, {}).get(rule)
+            if c:
+                rows.append([level, rule, c["entropy_last_mean"], c["probe_entropy_last_mean"],
+                             c["grad_norm_max_mean"], c["grad_norm_p99_mean"], c["grad_norm_spikes_mean"],
+                             c["ratio_max_median"], c["ratio_p99_mean_mean"], c["turn_ratio_max_mean"],
+                             c["ess_min_mean"], c["kl_to_reference_last_mean"], c["learner_kl_to_reference_last_mean"],
+                             c["clip_frac_mean_mean"], c["turn_clip_frac_mean_mean"], c["clip_bias_changed_share_mean"],
+                             c["clip_bias_norm_median_median"]])
+    return rows
+
+
+def render(summary: dict) -> str:
+    quick = " (--quick: plumbing at tiny sizes; not a measurement)" if summary["quick"] else ""
+    out = [f"## Stress grid, tier {summary['tier']}{quick}", "",
+           f"Tier: {summary['tier_description']}"
+           + (f"; every run changed by `--set {' --set '.join(summary['sets'])}`" if summary.get("sets") else "")
+           + ".", "",
+           f"Command: `{summary['command']}`", "",
+           f"Warm start: `{summary['warm_start']}`; {summary['warm_start_note']}. {summary['versions']} read-outs "
+           f"(policy versions) per run unless a level says otherwise; seeds {summary['seeds']}.", "",
+           *([f"Held-out score of the warm start: {summary['held_out_before']}.", ""] if summary["held_out_before"]
+             else []),
+           f"Collapse criterion (benchmarks/collapse_criterion.py, `CRITERION`): {summary['collapse_criterion']}.", "",
+           "### Levels", "",
+           table(["level", "knobs", "stppo train options of the level", "actor lr", "critic lr", "iterations",
+                  "read-outs", "optimizer steps per iteration", "control"],
+                 [[name, ", ".join(f"{k}={v}" for k, v in summary["levels"][name].items()),
+                   " ".join(p["sets"]), f"{p['actor_lr']:g}", f"{p['critic_lr']:g}", p["iterations"], p["versions"],
+                   p["steps_per_iteration"], summary["levels"][name].get("control", "-")]
+                  for name, p in summary["plans"].items()]), "",
+           f"Options of every run: `{' '.join(summary['common_sets'])}`.", "", "### Collapses", "",
+           "Collapsed: persistent collapses (the criterion above); dipped: runs that fell below the line and came "
+           "back, counted apart. Detectable: the smallest rise of the collapse rate over the control's observed rate "
+           "that this cell's seeds detect with 80% power (Fisher, alpha 0.05, exact). Versions are optimizer steps.",
+           "",
+           table(["tier", "level", "rule", "n", "collapsed", "rate [95% Wilson]", "dipped", "detectable",
+                  "vs matched control", f"vs {summary['comparisons']['reference_rule']} (same level)",
+                  "collapsed seeds @ version", "reward first -> last read-out (mean)", "read-outs"],
+                 collapse_rows(summary)), "", "### Precursors (means over seeds of each run's figure)", "",
+           table(["level", "rule", "entropy last", "probe entropy last", "grad norm max", "grad norm p99",
+                  "grad spikes (>10x median)", "token ratio max (median)", "ratio p99", "turn ratio max",
+                  "ratio ESS min", "KL to ref last", "learner KL to ref last", "clip_frac", "turn_clip_frac",
+                  "clip_bias_changed share", "||C|| median"], precursor_rows(summary)), ""]
     if summary.get("figure"):
         out += [f"Figure: {summary['figure']}", ""]
     t = summary["timing"]
     out += [f"Time: runs done so far took {t['runs_wall_s'] / 60:.1f} min of wall time in all ({t['runs']} runs, "
-            f"median {t['run_median_s']:.0f} s); this invocation {t['invocation_s'] / 60:.1f} min; machine: "
-            f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={summary['omp_num_threads']}, load average "
-            f"{t['load_start']:.1f} at start, {t['load_end']:.1f} at end."
+            f"median {t['run_median_s']:.0f} s, {fmt(t['iteration_median_s'])} s per iteration); this invocation "
+            f"{t['invocation_s'] / 60:.1f} min; machine: {os.cpu_count()} CPUs, OMP_NUM_THREADS="
+            f"{summary['omp_num_threads']}, {summary['jobs']} run(s) at a time, load average {t['load_start']:.1f} "
+            f"at start, {t['load_end']:.1f} at end."
             + ("" if summary["complete"] else " **Incomplete: the grid is still running or was stopped.**"), ""]
     return "\n".join(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gymnasium
 
+from .copy_task import COPY_ENV_ID
 from .data.loading import BENCHMARKS, benchmark_info, load_examples
 from .data.schema import DatasetFormatError, Example
 from .env import SearchQAEnv, Segment
@@ -43,6 +44,8 @@ def _register_all() -> None:
                                kwargs={"benchmark": name})
     if TOY_ENV_ID not in gymnasium.registry:
         gymnasium.register(id=TOY_ENV_ID, entry_point="stppo_envs.toy:ToyTargetEnv")
+    if COPY_ENV_ID not in gymnasium.registry:
+        gymnasium.register(id=COPY_ENV_ID, entry_point="stppo_envs.copy_task:CopyEnv")
 
 
 _register_all()

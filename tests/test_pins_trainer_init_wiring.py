@@ -70,6 +70,7 @@ def _stub(monkeypatch, *, rank=0, world=1, checkpoint=None):
     monkeypatch.setattr(trainer_module, "build_models", record("build_models"))
     monkeypatch.setattr(trainer_module, "PPOUpdate", lambda t: ("updater", t))
     monkeypatch.setattr(trainer_module, "LiveRollouts", lambda t: ("live", t))
+    monkeypatch.setattr(trainer_module, "LearnerProbe", SimpleNamespace(for_trainer=lambda t: ("probe", t)))
     monkeypatch.setattr(trainer_module, "MetricsLogger", Logger)
     monkeypatch.setattr(trainer_module, "drop_recordings_after", record("drop"))
     monkeypatch.setattr(trainer_module, "RolloutRecorder", SimpleNamespace(for_trainer=lambda t: ("recorder", t)))
@@ -97,7 +98,7 @@ def test_defaults_and_wiring_of_a_new_run(monkeypatch, tmp_path):
     assert t.report is report and t.batch_hook is None
     assert _calls("ensure_process_group") == [] and _calls("seed") == [((7,), {})]
     assert _calls("check_resume") == [((t, None), {})] and _calls("build_models") == [((t, None), {})]
-    assert t.updater == ("updater", t) and t.source == ("live", t)
+    assert t.updater == ("updater", t) and t.source == ("live", t) and t.probe == ("probe", t)
     assert _calls("resume") == [] and _calls("drop") == []
     config = dataclasses.asdict(t.config)
     assert _calls("logger") == [(tmp_path, {"tensorboard": True, "wandb_project": "wb", "config": config})]

@@ -1974,7 +1974,7 @@ def test_train_on_cuda_measures_each_iterations_peak_memory(monkeypatch):
                             rollout=lambda: SimpleNamespace(loss_mask=torch.ones(2, 3)),
                             stale_policy=SimpleNamespace(lag=0, advance=lambda actor: None),
                             phase=lambda text: None, score=lambda batch: None,
-                            update=lambda batch: {"update_tokens_per_s": 10.0}, guard=None, logger=None,
+                            update=lambda batch: {"update_tokens_per_s": 10.0}, guard=None, logger=None, probe=None,
                             save=lambda: calls.append("save") or "path", report=print, run_dir="run", _bar=None)
     metrics = Trainer.train(shell)
     assert calls == [("reset", device), ("statistics", "the algorithm"), ("peak", device)] * 2 + ["save"]

@@ -58,6 +58,19 @@ def build_tiny_llama(path: Path, tokenizer=None, hidden: int = 32, layers: int =
     return Path(path)
 
 
+def copy_tokenizer(vocabulary: int = 64):
+    """:func:`word_tokenizer` over ``stppo/Copy-v0``'s cue word and symbols: one token per word the env reads."""
+    from stppo_envs.copy_task import CUE, copy_symbols
+
+    return word_tokenizer((CUE, *copy_symbols(vocabulary)))
+
+
+def build_copy_llama(path: Path, vocabulary: int = 64, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A random Llama over :func:`copy_tokenizer` at ``path`` (hidden 64, 2 layers: ~91k parameters), the copy tier's
+    model before its supervised warm start (benchmarks/copy_warm_start.py)."""
+    return build_tiny_llama(path, copy_tokenizer(vocabulary), hidden=hidden, layers=layers, seed=seed)
+
+
 def tiny_model_path() -> Path:
     """The cached ``--model tiny`` folder, built (atomically: concurrent first uses are safe) when missing."""
     target = cache_dir() / "models" / f"tiny-llama-{TINY_VERSION}"

@@ -116,6 +116,11 @@ class TrainConfig:
     """With rollout_staleness > 0: coupled (the PPO ratio is taken against the lagged behaviour policy) or
     decoupled (AReaL's decoupled PPO: the ratio against the current weights before the update, the lag as a capped,
     stop-gradient importance weight: rollout_correction, mis unless set, capped at rollout_correction_cap)."""
+    probe_every: int = 0
+    """Every N iterations the current actor (not a lagged generator) plays probe_prompts fixed prompts; probe/reward,
+    probe/invalid_action_rate, probe/policy_version go to metrics.jsonl (stppo_agent/training/probe.py). 0: off."""
+    probe_prompts: int = 8
+    """Prompts each probe plays: the same ones every time (with samples of their own)."""
     generation_autocast_dtype: str | None = None
     """Off-policy stressor: bfloat16 runs the sampler's forward passes, output head included, under bfloat16
     autocast while scoring and training stay in float32 -- the precision gap between a bfloat16 inference engine
@@ -228,7 +233,7 @@ class TrainConfig:
         if not self.model:
             raise ValueError("model is required: a Hugging Face folder or hub name (--model)")
         for name in ("iterations", "prompts_per_iteration", "samples_per_prompt", "ppo_epochs", "mini_batch_size",
-                     "micro_batch_size", "generation_batch_size", "save_every", "keep_checkpoints"):
+                     "micro_batch_size", "generation_batch_size", "save_every", "keep_checkpoints", "probe_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_ranges(self)

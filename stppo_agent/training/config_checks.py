@@ -10,7 +10,7 @@ def check_ranges(config) -> None:
     """Values with no meaning that a run would still have taken: max_grad_norm 0 scaled every gradient by 0 (no
     learning, no error), a negative one by a negative factor (ascent); a max_search_error_rate below 0 stopped the
     run for "0% of the searches failed"."""
-    for name in ("actor_lr", "critic_lr", "weight_decay", "warmup_steps"):
+    for name in ("actor_lr", "critic_lr", "weight_decay", "warmup_steps", "probe_every"):
         if not getattr(config, name) >= 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
     if not config.max_grad_norm > 0:

@@ -32,6 +32,7 @@ from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.live_rollouts import LiveRollouts
 from stppo_agent.training.model_setup import build_models
 from stppo_agent.training.ppo_update import PPOUpdate
+from stppo_agent.training.probe import LearnerProbe
 from stppo_agent.training.scoring import score_batch
 from stppo_agent.training.training_split import with_training_split
 
@@ -71,6 +72,7 @@ class Trainer:
         if self.rank > 0:  # each rank samples its own tokens; rank 0 continues the one-process stream unchanged
             process_group.seed_everything(process_group.rank_seed(config.seed, self.rank))
         self.source = (rollout_source or LiveRollouts)(self)
+        self.probe = LearnerProbe.for_trainer(self)
         if checkpoint is not None:
             trainer_state.resume(self, checkpoint)
         self.logger = None
@@ -117,6 +119,8 @@ class Trainer:
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
                 if self.config.rollout_staleness:
                     metrics["staleness"] = lag
+                if self.probe is not None and self.probe.due(self.iteration):  # the learner, not the lagged generator
+                    metrics.update(self.probe.measure(self.actor, self.iteration, self.optimizer_steps))
                 if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
                     metrics["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 decision = self.guard.check(self.iteration, metrics) if self.guard is not None else None
