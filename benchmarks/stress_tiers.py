@@ -31,8 +31,8 @@ TOY = Tier("toy", "stppo/Toy-v0", 3e-3, 3e-3, 16, 160,
            ["env_kwargs.fixed_target=null", "prompts_per_iteration=8", "samples_per_prompt=4", "max_turns=2",
             "max_new_tokens_per_turn=3", "max_prompt_tokens=8", "max_total_tokens=32", "probe_every=4",
             "probe_prompts=16", *SHARED],
-           "stppo/Toy-v0 (2 turns, 3 new tokens per turn, the env reads the first word; LiveRollouts passes "
-           "options index 0, so the target is always the first word, red), tiny random Llama (hidden 32, 2 layers, "
+           "stppo/Toy-v0 (2 turns, 3 new tokens per turn, the env reads the first word; the target is drawn per "
+           "prompt from its 4 colours, one per GRPO group), tiny random Llama (hidden 32, 2 layers, "
            "9-token vocabulary), warm start: ppo at lag0 for 20 iterations from the random model, 8 prompts x 4 "
            "samples = 32 trajectories per iteration, probe of 16 prompts every 4 iterations, float32", False)
 COPY = Tier("copy", "stppo/Copy-v0", 3e-4, 3e-3, 16, 160,

@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from .env import Segment
 from .spaces import UnicodeText
 
 COPY_ENV_ID = "stppo/Copy-v0"
 CUE = "copy"
+INDEX_STREAM = 0xC0B1  # the indexed episodes' own random stream, apart from any reset seed
 
 
 def copy_symbols(vocabulary: int = 64) -> tuple[str, ...]:
@@ -46,8 +48,10 @@ class CopyEnv(gym.Env[str, str]):
     ``1 / vocabulary``.
 
     ## Starting State
-    ``turns`` sequences of ``length`` symbols drawn uniformly (with repeats) from the env's random generator
-    (``reset(seed=...)`` fixes them).
+    ``turns`` sequences of ``length`` symbols drawn uniformly (with repeats): from the env's random generator
+    (``reset(seed=...)`` fixes them), or with ``reset(options={"index": i})`` from a generator seeded by ``i`` alone,
+    so that the ``prompts`` indexed episodes are fixed questions (a trainer resets every sample of one prompt, a GRPO
+    group, with the same index).
 
     ## Episode End
     Terminated after ``turns`` steps; never truncated by the env (a trainer's ``max_turns`` may cut it).
@@ -62,7 +66,8 @@ class CopyEnv(gym.Env[str, str]):
 
     ## Arguments
     ``length`` (16): symbols per turn. ``vocabulary`` (64): distinct symbols, 2 to 1000. ``turns`` (2): turns per
-    episode. ``render_mode``: ``"ansi"`` renders the transcript.
+    episode. ``prompts`` (100000): how many indexed episodes ``options={"index": i}`` poses (``i`` modulo it; the
+    env's ``prompt_count``). ``render_mode``: ``"ansi"`` renders the transcript.
 
     ## Version History
     v0: the first version.
@@ -70,13 +75,15 @@ class CopyEnv(gym.Env[str, str]):
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
-    def __init__(self, length: int = 16, vocabulary: int = 64, turns: int = 2, render_mode: str | None = None):
-        if length < 1 or turns < 1 or not 2 <= vocabulary <= 1000:
-            raise ValueError(f"need length >= 1, turns >= 1 and 2 <= vocabulary <= 1000; got length={length}, "
-                             f"turns={turns}, vocabulary={vocabulary}")
+    def __init__(self, length: int = 16, vocabulary: int = 64, turns: int = 2, prompts: int = 100_000,
+                 render_mode: str | None = None):
+        if length < 1 or turns < 1 or not 2 <= vocabulary <= 1000 or prompts < 1:
+            raise ValueError(f"need length >= 1, turns >= 1, 2 <= vocabulary <= 1000 and prompts >= 1; got "
+                             f"length={length}, turns={turns}, vocabulary={vocabulary}, prompts={prompts}")
         if render_mode not in (None, *self.metadata["render_modes"]):
             raise ValueError(f"render_mode must be None or ansi, got {render_mode!r}")
         self.length, self.turns, self.render_mode = length, turns, render_mode
+        self.prompt_count = prompts
         self.symbols = copy_symbols(vocabulary)
         self._known = frozenset(self.symbols)
         bound = len(CUE) + (len(self.symbols[-1]) + 1) * length + 2
@@ -91,7 +98,10 @@ class CopyEnv(gym.Env[str, str]):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
-        draws = self.np_random.integers(len(self.symbols), size=(self.turns, self.length))
+        generator = self.np_random
+        if options and "index" in options:
+            generator = np.random.default_rng([INDEX_STREAM, int(options["index"]) % self.prompt_count])
+        draws = generator.integers(len(self.symbols), size=(self.turns, self.length))
         self.sequences = [tuple(self.symbols[int(i)] for i in row) for row in draws]
         self._turn, self._accuracies, self._invalid, self._done = 0, [], 0, False
         prompt = self._show(0)

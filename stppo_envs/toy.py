@@ -47,6 +47,12 @@ class ToyTargetEnv(gym.Env[str, str]):
         self.transcript: list[Segment] = []
         self._turn, self._hits, self._done, self._flipped = 0, 0, True, False
 
+    @property
+    def prompt_count(self) -> int:
+        """Distinct prompts ``reset(options={"index": i})`` poses: one per choice when the target is drawn, else 1
+        (a trainer's prompt sampler walks them, so a drawn target varies across a batch)."""
+        return 1 if self.fixed_target is not None else len(self.choices)
+
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         options = options or {}

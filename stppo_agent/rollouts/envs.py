@@ -32,6 +32,17 @@ def make_env(env_id: str, kwargs: dict) -> gym.Env:
             from exc
 
 
+def prompt_count(env: gym.Env) -> int:
+    """How many distinct prompts ``env.reset(options={"index": i})`` poses: a dataset env's examples, a synthetic
+    env's ``prompt_count`` (``stppo/Toy-v0``'s targets, ``stppo/Copy-v0``'s indexed sequences), else 1. The samples
+    of one prompt (a GRPO group) are reset with the same index, so they pose the same question."""
+    base = env.unwrapped  # Gymnasium's wrappers do not forward attributes
+    examples = getattr(base, "examples", None)
+    if examples is not None:
+        return len(examples) or 1
+    return max(1, int(getattr(base, "prompt_count", 1)))
+
+
 def is_real_dataset(source: str | None) -> bool:
     """A dataset other than the bundled demo set (``None``, ``""`` and ``"demo"`` name the demo set)."""
     return source not in (None, "", "demo")

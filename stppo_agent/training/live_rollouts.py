@@ -17,7 +17,7 @@ import stppo_envs
 from stppo_agent.distributed import process_group
 from stppo_agent.distributed.shared_retrieval import shared_retriever_spec
 from stppo_agent.rollouts.batch import RolloutBatch
-from stppo_agent.rollouts.envs import is_search_env, make_env
+from stppo_agent.rollouts.envs import is_search_env, make_env, prompt_count
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.rollouts.statistics import rollout_statistics
 from stppo_agent.rollouts.turn_loop import collect_rollouts
@@ -74,7 +74,7 @@ class LiveRollouts:
         self.env_kwargs = [dict(base_kwargs, retriever=env.retriever, max_turns=config.max_turns)
                            if isinstance(env, stppo_envs.SearchQAEnv) else dict(base_kwargs)
                            for env in probes]
-        sizes = [len(getattr(env, "examples", ())) or 1 for env in probes]
+        sizes = [prompt_count(env) for env in probes]
         self.sampler = PromptSampler(sizes, config.seed)
         self.env_pool: dict[tuple[int, int], gym.Env] = {}
 

@@ -17,8 +17,8 @@ A run with probes trains exactly as one without (tests/test_learner_probe.py hol
   and a resumed run probes exactly as an uninterrupted one;
 - its envs are reset with fixed seeds, never from the global numpy or Python streams.
 
-The prompts are the first M of a permutation of the envs' examples seeded apart from the training sampler's; an env
-without examples (``stppo/Toy-v0``, ``stppo/Copy-v0``) draws its episode from the reset seed. The actor samples at
+The prompts are the first M of a permutation of the envs' prompts (examples, or a synthetic env's indexed prompts:
+``stppo_agent.rollouts.envs.prompt_count``) seeded apart from the training sampler's. The actor samples at
 the learner's precision (``generation_autocast_dtype`` is the sampler's, not the learner's). With several processes
 every rank plays the same probe (an FSDP2 actor is gathered for it, a collective); rank 0 logs it.
 """
@@ -30,7 +30,7 @@ import time
 import torch
 
 from stppo_agent.distributed import process_group
-from stppo_agent.rollouts.envs import make_env
+from stppo_agent.rollouts.envs import make_env, prompt_count
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.rollouts.turn_loop import collect_rollouts
 
@@ -52,7 +52,7 @@ class LearnerProbe:
         self.config, self.tokenizer = config, tokenizer
         env_ids = [e.strip() for e in config.env.split(",") if e.strip()]
         kwargs = env_kwargs or [dict(config.env_kwargs) for _ in env_ids]
-        sizes = [len(getattr(make_env(env_id, kw), "examples", ())) or 1 for env_id, kw in zip(env_ids, kwargs)]
+        sizes = [prompt_count(make_env(env_id, kw)) for env_id, kw in zip(env_ids, kwargs)]
         pairs = PromptSampler(sizes, config.seed + PROBE_SEED).take(config.probe_prompts)
         self.envs = [make_env(env_ids[e], kwargs[e]) for e, _ in pairs]  # one per trajectory, as in a rollout
         self.options = [{"index": example} for _, example in pairs]
