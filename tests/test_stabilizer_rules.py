@@ -343,7 +343,7 @@ def test_informative_groups_drops_all_equal_and_single_member_groups():
 
 def test_presets_carry_the_papers_and_verls_defaults():
     table = {  # name: (policy loss, advantage, ratio level, loss_agg, clip_low, clip_high)
-        "cispo": ("cispo", "grpo", "token", "token-mean", 0.99, 0.2),
+        "cispo": ("cispo", "grpo", "token", "token-mean", 1.0, 0.2),
         "sapo": ("sapo", "grpo", "token", "seq-mean-token-mean", 0.2, 0.2),
         "gmpo": ("gmpo", "grpo", "sequence", "seq-mean-token-mean", 0.4, 0.4),
         "dppo_tv": ("dppo_tv", "grpo", "token", "token-mean", 0.15, 0.15),
@@ -372,8 +372,8 @@ def test_new_fields_refuse_bad_values():
             AlgorithmConfig(**{field: 0.0})
     with pytest.raises(ValueError, match="max_resample_rounds"):
         AlgorithmConfig(max_resample_rounds=-1)
-    with pytest.raises(ValueError, match="clip_low < 1"):
-        AlgorithmConfig(clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_low <= 1"):
+        AlgorithmConfig(clip_low=1.01)
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
         AlgorithmConfig(loss_agg="seq-sum")
 

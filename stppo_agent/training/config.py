@@ -14,13 +14,15 @@ from typing import Any
 
 import yaml
 
-from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, resolve_rollout_correction
+from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, recorded_algorithm, resolve_rollout_correction
 from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
 from stppo_agent.distributed.process_group import STRATEGIES
 from stppo_agent.plugins.loader import load_plugins
 from stppo_agent.rollouts.sampling import SamplingSettings
 from stppo_agent.rollouts.turn_loop import RolloutLimits
 from stppo_agent.runs.config_yaml import NumberLoader
+from stppo_agent.training.resampling import check_dynamic_sampling
+from stppo_agent.training.stale_policy import check_staleness, is_decoupled
 from stppo_envs.suggest import closest
 
 
@@ -32,7 +34,10 @@ class TrainConfig:
     """Algorithm preset (ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, or one registered by the user)."""
     algorithm: dict = dataclasses.field(default_factory=dict)
     """Overrides of the preset's fields, e.g. {clip_high: 0.28}. A run's config.yaml holds every resolved field, so
-    the run is reproducible from its folder alone."""
+    the run is reproducible from its folder alone (those left to auto stay auto there: see algorithm_resolved)."""
+    algorithm_resolved: dict | None = None
+    """Written by the trainer into config.yaml: what the algorithm fields left to auto resolved to for the run (a
+    resume or replay under other settings resolves them again). Not read."""
     plugins: list = dataclasses.field(default_factory=list)
     """Python modules imported before the algorithm is resolved: they register algorithms, policy losses or
     advantage estimators of your own (`--import MODULE`; installed `stppo.plugins` entry points load by
@@ -187,10 +192,8 @@ class TrainConfig:
                 AlgorithmConfig)]))
         hints = typing.get_type_hints(AlgorithmConfig)
         values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in self.algorithm.items()}
-        algo = dataclasses.replace(preset, **values)
-        if self.rollout_staleness > 0 and self.stale_objective == "decoupled" and algo.rollout_correction == "auto":
-            algo = dataclasses.replace(algo, rollout_correction="mis")  # the behaviour weight of decoupled PPO
-        return resolve_rollout_correction(algo, self.generation_backend, self.generation_autocast_dtype)
+        return resolve_rollout_correction(dataclasses.replace(preset, **values), self.generation_backend,
+                                          self.generation_autocast_dtype, decoupled=is_decoupled(self))
 
     def rollout_limits(self) -> RolloutLimits:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
@@ -217,7 +220,7 @@ class TrainConfig:
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
         self.validate_collapse_settings()
-        self.validate_staleness()
+        check_staleness(self)
         from stppo_agent.runs.checkpoint import check_checkpoint_settings
 
         check_checkpoint_settings(self.checkpoint_dtype, self.checkpoint_optimizer, self.on_collapse)
@@ -227,27 +230,12 @@ class TrainConfig:
         for env_id in (e.strip() for e in self.env.split(",") if e.strip()):
             is_search_env(env_id)  # an unknown id fails here, before minutes of model loading
         algo = self.algorithm_config()
+        check_dynamic_sampling(algo, self.samples_per_prompt)
         if algo.advantage in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algo} uses group-relative advantages ({algo.advantage}): a group of one "
                              f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
                              f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
-
-    def validate_staleness(self) -> None:
-        from stppo_agent.training.stale_policy import OBJECTIVES
-
-        if self.rollout_staleness < 0:
-            raise ValueError(f"rollout_staleness must be >= 0, got {self.rollout_staleness}")
-        if self.stale_objective not in OBJECTIVES:
-            raise ValueError(f"stale_objective must be {' or '.join(OBJECTIVES)}, got {self.stale_objective!r}")
-        if self.rollout_staleness == 0:
-            return
-        if self.strategy == "fsdp2" or self.generation_backend == "vllm":
-            raise ValueError("rollout_staleness > 0 needs strategy=ddp and generation_backend=hf (the lagged copy of "
-                             "the weights is a whole module; sharded and vLLM copies are not implemented)")
-        if self.stale_objective == "decoupled" and self.algorithm_config().rollout_correction == "none":
-            raise ValueError("stale_objective=decoupled weights each token by pi_prox / pi_behav: set "
-                             "algorithm.rollout_correction to mis or tis (auto picks mis), not none")
 
     def validate_collapse_settings(self) -> None:
         from stppo_agent.monitoring.collapse_rules import ACTIONS, MonitorSettings
@@ -262,10 +250,12 @@ class TrainConfig:
 
     def to_yaml(self, resolved: AlgorithmConfig | None = None) -> str:
         """The config as YAML; with ``resolved``, ``algorithm`` holds every field the run used (not only the
-        overrides), so the folder reproduces the run even if a preset's defaults change later."""
+        overrides), so the folder reproduces the run even if a preset's defaults change later -- but the fields left
+        to ``auto``, which stay ``auto`` beside their values in ``algorithm_resolved``."""
         values = dataclasses.asdict(self)
         if resolved is not None:
-            values["algorithm"] = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
+            requested = {**dataclasses.asdict(ALGORITHMS[self.algo]), **self.algorithm}
+            values["algorithm"], values["algorithm_resolved"] = recorded_algorithm(requested, resolved)
         return yaml.safe_dump(values, sort_keys=False)
 
 
