@@ -70,8 +70,9 @@ def rollout_correction_weights(old_logprobs: torch.Tensor, sample_logprobs: torc
     if config.rollout_correction == "auto" or config.rollout_correction_level == "auto":
         raise ValueError("rollout_correction is 'auto': resolve it for the generation backend first "
                          "(resolve_rollout_correction)")
-    if not bool(loss_mask.any()):
-        return None, {}
+    if not bool(loss_mask.any()):  # weights whenever the correction is on: every rank's share has them or none
+        off = config.rollout_correction == "none"
+        return (None if off else torch.zeros_like(old_logprobs, dtype=torch.float32)), {}
     old, sample = old_logprobs.float(), sample_logprobs.float()
     zero = torch.zeros((), device=old.device)
     token_log_w = torch.where(loss_mask, old - sample, zero).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
