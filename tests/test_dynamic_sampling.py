@@ -134,7 +134,7 @@ def test_zero_rounds_means_no_cap_as_in_verl():
 
 def dapo_trainer(model: Path, out: Path, **overrides) -> Trainer:
     values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=8,
-                  ppo_epochs=1, on_collapse="none")
+                  ppo_epochs=1, on_collapse="none", max_grad_norm=1e6)  # gradients compared before any clipping
     return Trainer(toy_config(model, out, "dapo", **{**values, **overrides}), report=lambda _: None)
 
 
@@ -202,7 +202,8 @@ def test_the_cli_refuses_dynamic_sampling_without_a_group_estimator(tiny_model, 
     from .cli_in_process import stppo
 
     done = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
-                 str(tmp_path / "run"), "--set", "algorithm.dynamic_sampling=true", capsys=capsys)
+                 str(tmp_path / "run"), "--iterations", "1", "--set", "algorithm.dynamic_sampling=true",
+                 "--set", "max_turns=1", "--set", "progress=false", capsys=capsys)
     assert done.returncode == 1
     assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling drops groups whose rewards are all "
                                "equal")
