@@ -1286,7 +1286,7 @@ def test_rollout_correction_at_turn_and_sequence_level_uses_geometric_means():
     torch.testing.assert_close(weights, torch.tensor([[row0, row0, 0.0, row0], [1.0, 0.0, 0.0, 0.0]]))
 
 
-def test_rollout_correction_refuses_auto_and_skips_a_batch_without_policy_tokens():
+def test_rollout_correction_refuses_auto_and_weighs_a_batch_without_policy_tokens_zero():
     with pytest.raises(ValueError, match="^rollout_correction is 'auto': resolve it for the generation backend "
                                          r"first \(resolve_rollout_correction\)$"):
         rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
@@ -1296,8 +1296,10 @@ def test_rollout_correction_refuses_auto_and_skips_a_batch_without_policy_tokens
         rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
                                    torch.zeros(1, 2, dtype=torch.long), AlgorithmConfig(rollout_correction="tis"))
     config = AlgorithmConfig(rollout_correction="tis", rollout_correction_level="token")
-    assert rollout_correction_weights(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool),
-                                      torch.zeros(1, 2, dtype=torch.long), config) == (None, {})
+    weights, metrics = rollout_correction_weights(torch.zeros(1, 2), torch.ones(1, 2),
+                                                  torch.zeros(1, 2, dtype=torch.bool),
+                                                  torch.zeros(1, 2, dtype=torch.long), config)
+    assert torch.equal(weights, torch.zeros(1, 2)) and metrics == {}  # zero weights, so that shares merge
 
 
 def test_rollout_correction_clamps_the_log_weight_at_20():

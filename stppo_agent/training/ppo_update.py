@@ -108,11 +108,12 @@ class PPOUpdate:
             else:
                 yield micro
 
-    def _global_counts(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and trajectories of the *global* mini-batch within ``mask`` (the policy loss's tokens, or the
-        critic's), divided by the number of ranks: DDP averages gradients over ranks, so each rank normalises by
-        global / world to get the global mean."""
+    def _global_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy tokens (those of ``mask``, default ``mini.loss_mask``) and trajectories of the *global* mini-batch,
+        divided by the number of ranks: DDP averages gradients over ranks, so each rank normalises by global / world
+        to get the global mean."""
         trainer = self.trainer
+        mask = mini.loss_mask if mask is None else mask
         counts = torch.stack([mask.sum(), mask.any(1).sum()]).float()
         tokens, seqs = process_group.all_reduce_sum(counts) / trainer.world
         return tokens.clamp(min=1 / trainer.world), seqs.clamp(min=1 / trainer.world)
@@ -128,7 +129,7 @@ class PPOUpdate:
                                       rescale=algo.clip_bias_correction) \
             if algo.clip_bias_correction or trainer.config.step_diagnostics else None
         # tokens of weight 0 (masked by the rollout correction, DAPO's fillers) count in no denominator
-        global_tokens, global_seqs = self._global_counts(policy_token_mask(mini.loss_mask, mini.token_weights))
+        global_tokens, global_seqs = self._global_counts(mini, policy_token_mask(mini.loss_mask, mini.token_weights))
         trainer.actor_optimizer.zero_grad(set_to_none=True)
         micros = self._split(mini)
         whole_batch = self._whole_batch_keywords(micros)
@@ -222,7 +223,7 @@ class PPOUpdate:
 
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
         trainer = self.trainer
-        global_tokens, _ = self._global_counts(mini.loss_mask)
+        global_tokens, _ = self._global_counts(mini)
         trainer.critic_optimizer.zero_grad(set_to_none=True)
         step_metrics = StepMetrics()
         finite = torch.ones((), device=trainer.device)

@@ -40,7 +40,7 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     # The KL columns and the reward's KL penalty are the behaviour policy's under both objectives: one more forward
     # of the lagged weights under decoupled, where the ratio's denominator is another policy.
     behaviour = batch.old_logprobs
-    if decoupled and trainer.stale_policy.lag and batch.ref_logprobs is not None:
+    if decoupled and batch.ref_logprobs is not None:
         behaviour = scored(trainer.stale_policy.model)
     kl_penalty = None
     if trainer.algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
