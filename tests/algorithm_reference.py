@@ -150,7 +150,10 @@ def ref_segment_mean(x, mask, turns, level, b, t):
     return sum(x[b, s] for s in members) / len(members)
 
 
-def ref_aggregate_scaled(per_token: dict, agg, scale=1.0):
+def ref_aggregate_scaled(per_token: dict, agg, scale=1.0, weights=None):
+    """agg of the per-token terms, each times its weight when ``weights`` (B, T) are given."""
+    if weights is not None:
+        per_token = {key: value * float(weights[key]) for key, value in per_token.items()}
     if agg != "seq-mean-token-sum-norm":
         return ref_aggregate(per_token, None, agg)
     rows = {}
@@ -168,13 +171,13 @@ def _level_log_ratio(logprobs, old, mask, turns, level, b, t):
     return value.clamp(-20.0, 20.0)
 
 
-def ref_cispo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="token-mean"):
+def ref_cispo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="token-mean", weights=None):
     losses = {}
     for b, t in _policy_tokens(mask):
         rho = float(torch.exp(_level_log_ratio(logprobs.detach(), old, mask, turns, level, b, t)))
         weight = min(max(rho, 1 - eps_low), 1 + eps_high)
         losses[b, t] = -weight * float(advantages[b, t]) * logprobs[b, t]
-    return ref_aggregate_scaled(losses, agg)
+    return ref_aggregate_scaled(losses, agg, weights=weights)
 
 
 def ref_ppo_dual_clip(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, clip_c, agg="token-mean"):
@@ -208,17 +211,19 @@ def ref_effective_sample_size(logprobs, old, mask, turns, level):
     return sum(values) ** 2 / (len(values) * sum(w * w for w in values))
 
 
-def ref_sapo(logprobs, old, advantages, mask, turns, level, tau_pos, tau_neg, agg="seq-mean-token-mean"):
+def ref_sapo(logprobs, old, advantages, mask, turns, level, tau_pos, tau_neg, agg="seq-mean-token-mean",
+             weights=None):
     losses = {}
     for b, t in _policy_tokens(mask):
         rho = torch.exp(_level_log_ratio(logprobs, old, mask, turns, level, b, t))
         a = float(advantages[b, t])
         tau = tau_pos if a > 0 else tau_neg
         losses[b, t] = -torch.sigmoid(tau * (rho - 1)) * 4 / tau * a
-    return ref_aggregate_scaled(losses, agg)
+    return ref_aggregate_scaled(losses, agg, weights=weights)
 
 
-def ref_gmpo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="seq-mean-token-mean"):
+def ref_gmpo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="seq-mean-token-mean",
+             weights=None):
     clipped = {}
     for b, t in _policy_tokens(mask):
         log_ratio, a = logprobs[b, t] - old[b, t], float(advantages[b, t])
@@ -235,10 +240,11 @@ def ref_gmpo(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, a
         members = ref_members(mask, turns, level, b, t)
         ratio = torch.exp(sum(clipped[b, s] for s in members) / len(members))
         losses[b, t] = -float(advantages[b, t]) * ratio
-    return ref_aggregate_scaled(losses, agg)
+    return ref_aggregate_scaled(losses, agg, weights=weights)
 
 
-def ref_dppo(kind, logprobs, old, advantages, mask, turns, level, eps_low, eps_high, cap, agg="token-mean"):
+def ref_dppo(kind, logprobs, old, advantages, mask, turns, level, eps_low, eps_high, cap, agg="token-mean",
+             weights=None):
     losses = {}
     for b, t in _policy_tokens(mask):
         new_log = float(ref_segment_mean(logprobs.detach(), mask, turns, level, b, t))
@@ -252,7 +258,7 @@ def ref_dppo(kind, logprobs, old, advantages, mask, turns, level, eps_low, eps_h
             binary_kl = p_old * (old_log - new_log) + (1 - p_old) * math.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
             valid = (binary_kl <= eps_high or p <= p_old) if a > 0 else (binary_kl <= eps_low or p >= p_old)
         losses[b, t] = -a * min(rho, cap) * float(valid) * logprobs[b, t]
-    return ref_aggregate_scaled(losses, agg)
+    return ref_aggregate_scaled(losses, agg, weights=weights)
 
 
 def ref_m2po_keep(logprobs, old, mask, turns, level, threshold):
@@ -277,13 +283,24 @@ def ref_m2po_keep(logprobs, old, mask, turns, level, threshold):
     return {token: key not in dropped_keys for key, tokens in segments.items() for token in tokens}
 
 
-def ref_m2po(logprobs, old, advantages, mask, turns, level, threshold, agg="token-mean"):
+def ref_m2po(logprobs, old, advantages, mask, turns, level, threshold, agg="token-mean", weights=None):
     keep = ref_m2po_keep(logprobs.detach(), old, mask, turns, level, threshold)
     losses = {}
     for b, t in _policy_tokens(mask):
         rho = torch.exp(_level_log_ratio(logprobs, old, mask, turns, level, b, t))
         losses[b, t] = -float(keep[b, t]) * rho * float(advantages[b, t])
-    return ref_aggregate_scaled(losses, agg)
+    return ref_aggregate_scaled(losses, agg, weights=weights)
+
+
+def ref_ppo_clip_loss(logprobs, old, advantages, mask, turns, level, eps_low, eps_high, agg="token-mean",
+                     weights=None):
+    """The clipped surrogate one token at a time from scalar tensor ops (autograd gives the reference gradient)."""
+    losses = {}
+    for b, t in _policy_tokens(mask):
+        rho = torch.exp(_level_log_ratio(logprobs, old, mask, turns, level, b, t))
+        a = float(advantages[b, t])
+        losses[b, t] = -torch.minimum(rho * a, rho.clamp(1 - eps_low, 1 + eps_high) * a)
+    return ref_aggregate_scaled(losses, agg, weights=weights)
 
 
 def ref_turn_gae(rewards, values, mask, turns, gamma, lam, kl_penalty=None):

@@ -117,3 +117,94 @@ def test_dapo_trains_on_informative_groups_and_logs_what_it_dropped(tiny_model, 
             assert bool(informative.all())  # enough were found: only informative groups are trained on
         rows = torch.argsort(informative.float(), descending=True, stable=True)
         assert torch.equal(rows, torch.arange(8))  # informative groups first, fillers last
+
+
+def test_zero_rounds_means_no_cap_as_in_verl():
+    played = []
+
+    def play(round_number):  # twelve rounds of groups that all agree, then an informative one
+        played.append(round_number)
+        return groups_batch({100 + round_number: [1.0, 1.0] if round_number < 13 else [0.0, 1.0]})
+
+    first = groups_batch({0: [0.0, 0.0], 1: [1.0, 0.0]})
+    batch = keep_informative_groups(first, play, max_rounds=0, pad_id=0)
+    assert played == list(range(1, 14))
+    assert batch.group_ids.tolist() == [1, 1, 113, 113] and batch.stats["dynamic_sampling/rounds"] == 13.0
+
+
+def dapo_trainer(model: Path, out: Path, **overrides) -> Trainer:
+    values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=8,
+                  ppo_epochs=1, on_collapse="none", max_grad_norm=1e6)  # gradients compared before any clipping
+    return Trainer(toy_config(model, out, "dapo", **{**values, **overrides}), report=lambda _: None)
+
+
+def test_every_resampling_round_passes_the_search_error_check(tiny_model, tmp_path):
+    """The first round's searches all succeed but its groups all agree; the extra round that would fill the whole
+    batch had every search fail: the run stops instead of training on it."""
+    from stppo_envs.retrieval import RetrievalError
+
+    trainer = dapo_trainer(tiny_model, tmp_path)
+    play = trainer.source._play
+
+    def failing_extra_rounds(iteration, round_number):
+        batch = play(iteration, round_number)
+        if round_number == 0:
+            batch.rewards = torch.zeros_like(batch.rewards)
+        else:
+            batch.stats.update(search_calls=0.0, search_errors=1.0, search_error_rate=1.0)
+        return batch
+
+    trainer.source._play = failing_extra_rounds
+    with pytest.raises(RetrievalError, match=r"^iteration 1, resampling round 1: 100% of the searches failed"):
+        trainer.source.next_batch(0)
+
+
+def step(trainer: Trainer, batch) -> tuple[dict, torch.Tensor]:
+    """The update's metrics and actor gradient for one optimizer step over ``batch``."""
+    metrics = trainer.actor_gradients(batch)
+    return metrics, torch.cat([p.grad.flatten() for p in trainer.actor.parameters() if p.grad is not None]).clone()
+
+
+def test_filler_groups_do_not_shrink_the_other_groups_step(tiny_model, tmp_path):
+    """A batch whose first group is a filler (all rewards equal) steps exactly as the batch without it: the filler
+    counts in no denominator."""
+    trainer = dapo_trainer(tiny_model, tmp_path)
+    batch = trainer.rollout()
+    first = batch.group_ids == batch.group_ids[0]
+    pattern = torch.arange(batch.batch_size) % 2  # 0, 1, 0, 1 within every group of 4: informative
+    batch.rewards = torch.where(first, 1.0, pattern.float())
+    informative = batch.select(torch.nonzero(~first).flatten())
+    trainer.score(batch)
+    trainer.score(informative)
+    with_filler, with_filler_gradient = step(trainer, batch)
+    alone, alone_gradient = step(trainer, informative)
+    torch.testing.assert_close(with_filler_gradient, alone_gradient, rtol=1e-5, atol=1e-8)
+    assert with_filler["pg_loss"] == pytest.approx(alone["pg_loss"], rel=1e-5)
+    assert with_filler["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(algo="ppo", algorithm={"dynamic_sampling": True}),
+     "algorithm.dynamic_sampling drops groups whose rewards are all equal, which only a group-relative advantage "
+     "(grpo, rloo) makes worthless; ppo uses gae: set algorithm.dynamic_sampling=false, or use --algo dapo"),
+    (dict(algo="dapo", samples_per_prompt=1),
+     "algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs in reward, so "
+     "every round would be dropped): set samples_per_prompt >= 2"),
+])
+def test_dynamic_sampling_is_refused_where_no_group_can_be_informative(tiny_model, tmp_path, overrides, message):
+    config = toy_config(tiny_model, tmp_path, overrides.pop("algo"), **overrides)
+    with pytest.raises(ValueError) as refused:
+        config.validate()
+    assert str(refused.value) == message
+
+
+def test_the_cli_refuses_dynamic_sampling_without_a_group_estimator(tiny_model, tmp_path, capsys):
+    from .cli_in_process import stppo
+
+    done = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
+                 str(tmp_path / "run"), "--iterations", "1", "--set", "algorithm.dynamic_sampling=true",
+                 "--set", "max_turns=1", "--set", "progress=false", capsys=capsys)
+    assert done.returncode == 1
+    assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling drops groups whose rewards are all "
+                               "equal")
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -1071,7 +1071,7 @@ PRESETS = {  # each preset's fields that differ from the defaults (docs/algorith
              "loss_agg": "seq-mean-token-mean"},
     "so_grpo": {**_GRPO_DIFF, "ratio_level": "turn", "clip_bias_correction": True, "kl_loss_coef": 0.001},
     "turn_gae": {"advantage": "turn_gae", "ratio_level": "turn", "kl_in_reward": 0.001},
-    "cispo": {**_GRPO_DIFF, "policy_loss": "cispo", "clip_low": 0.99},
+    "cispo": {**_GRPO_DIFF, "policy_loss": "cispo", "clip_low": 1.0},
     "sapo": {**_GRPO_DIFF, "policy_loss": "sapo", "loss_agg": "seq-mean-token-mean"},
     "gmpo": {**_GRPO_DIFF, "policy_loss": "gmpo", "ratio_level": "sequence", "clip_low": 0.4, "clip_high": 0.4,
              "loss_agg": "seq-mean-token-mean"},
@@ -1104,9 +1104,9 @@ def test_every_preset_differs_from_the_defaults_exactly_as_the_table_says():
     ("rollout_correction_level", "row", "^rollout_correction_level must be one of auto, token, turn, sequence; "
                                         "got 'row'$"),
     ("rollout_correction_cap", 0.99, "^rollout_correction_cap must be >= 1, got 0.99$"),
-    ("clip_low", 1.0, r"^need 0 <= clip_low < 1 and clip_high >= 0, got 1.0, 0.2$"),
+    ("clip_low", 1.01, r"^need 0 <= clip_low <= 1 and clip_high >= 0, got 1.01, 0.2$"),
     ("clip_low", -0.01, "clip_low"),
-    ("clip_high", -0.01, r"^need 0 <= clip_low < 1 and clip_high >= 0, got 0.2, -0.01$"),
+    ("clip_high", -0.01, r"^need 0 <= clip_low <= 1 and clip_high >= 0, got 0.2, -0.01$"),
     ("loss_scale_factor", 0.0, "^loss_scale_factor must be > 0, got 0.0$"),
     ("tau_pos", 0.0, "^tau_pos must be > 0, got 0.0$"),
     ("tau_neg", -1.0, "^tau_neg must be > 0, got -1.0$"),
@@ -1290,7 +1290,7 @@ def test_rollout_correction_at_turn_and_sequence_level_uses_geometric_means():
     torch.testing.assert_close(weights, torch.tensor([[row0, row0, 0.0, row0], [1.0, 0.0, 0.0, 0.0]]))
 
 
-def test_rollout_correction_refuses_auto_and_skips_a_batch_without_policy_tokens():
+def test_rollout_correction_refuses_auto_and_weighs_a_batch_without_policy_tokens_zero():
     with pytest.raises(ValueError, match="^rollout_correction is 'auto': resolve it for the generation backend "
                                          r"first \(resolve_rollout_correction\)$"):
         rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
@@ -1300,8 +1300,10 @@ def test_rollout_correction_refuses_auto_and_skips_a_batch_without_policy_tokens
         rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
                                    torch.zeros(1, 2, dtype=torch.long), AlgorithmConfig(rollout_correction="tis"))
     config = AlgorithmConfig(rollout_correction="tis", rollout_correction_level="token")
-    assert rollout_correction_weights(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.bool),
-                                      torch.zeros(1, 2, dtype=torch.long), config) == (None, {})
+    weights, metrics = rollout_correction_weights(torch.zeros(1, 2), torch.ones(1, 2),
+                                                  torch.zeros(1, 2, dtype=torch.bool),
+                                                  torch.zeros(1, 2, dtype=torch.long), config)
+    assert torch.equal(weights, torch.zeros(1, 2)) and metrics == {}  # zero weights, so that shares merge
 
 
 def test_rollout_correction_clamps_the_log_weight_at_20():

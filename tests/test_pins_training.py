@@ -126,7 +126,7 @@ def test_staleness_settings():
     refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout_staleness=1,
             generation_backend="vllm")
     refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav: set algorithm.rollout_correction "
-            r"to mis or tis \(auto picks mis\), not none$", rollout_staleness=1,
+            r"to mis, tis or auto \(auto picks mis\), not none$", rollout_staleness=1,
             stale_objective="decoupled", algorithm={"rollout_correction": "none"})
     config(rollout_staleness=1, stale_objective="coupled", algorithm={"rollout_correction": "none"}).validate()
     config(rollout_staleness=1, stale_objective="decoupled", algorithm={"rollout_correction": "tis"}).validate()
@@ -174,11 +174,14 @@ def test_to_yaml_holds_the_overrides_or_every_resolved_field():
     c = config(algorithm={"clip_high": 0.3}, seed=5)
     plain = yaml.safe_load(c.to_yaml())
     assert plain["algorithm"] == {"clip_high": 0.3} and plain["seed"] == 5 and plain["model"] == "m"
-    assert list(plain)[:3] == ["algo", "algorithm", "plugins"]  # field order kept (sort_keys=False)
+    assert list(plain)[:4] == ["algo", "algorithm", "algorithm_resolved", "plugins"]  # field order kept
     resolved = c.algorithm_config()
     full = yaml.safe_load(c.to_yaml(resolved))
     assert "name" not in full["algorithm"] and full["algorithm"]["clip_high"] == 0.3
     assert full["algorithm"]["advantage"] == resolved.advantage and len(full["algorithm"]) >= 15
+    # what the user left to auto stays auto, beside what it resolved to
+    assert full["algorithm"]["rollout_correction"] == full["algorithm"]["rollout_correction_level"] == "auto"
+    assert full["algorithm_resolved"] == {"rollout_correction": "none", "rollout_correction_level": "turn"}
 
 
 def test_load_config_layers_file_flags_and_overrides(tmp_path):
@@ -243,7 +246,7 @@ def test_from_dict_and_unknown_field_messages():
     with pytest.raises(ValueError, match=r"^config field seed expects int, got 'x'$"):
         from_dict({"seed": "x"})
     with pytest.raises(ValueError, match=r"^unknown config fields \['actor_lrr'\] \(did you mean actor_lr\?\); "
-                                         r"known: algo, algorithm, plugins"):
+                                         r"known: algo, algorithm, algorithm_resolved, plugins"):
         from_dict({"actor_lrr": 1})
     two = unknown_fields("config fields", {"actor_lrr", "sed"}, ["actor_lr", "seed"])
     assert two == "unknown config fields ['actor_lrr', 'sed'] (did you mean actor_lr for actor_lrr, seed for sed?); " \
@@ -603,8 +606,8 @@ def test_a_clip_bias_corrected_step_is_the_same_whatever_the_micro_batch_size():
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert outs[0]["grad_norm"] == pytest.approx(outs[1]["grad_norm"], rel=1e-4)
-    corrector_keys = {k for k in outs[0] if k not in ("grad_norm",)} - set(reference_actor_grads(
-        fake_trainer("st_ppo"), mini)[1])
+    corrector_keys = {k for k in outs[0] if k not in ("grad_norm", "learner_kl_to_reference")} - set(
+        reference_actor_grads(fake_trainer("st_ppo"), mini)[1])
     assert corrector_keys and all(outs[0][k] == pytest.approx(outs[1][k], rel=1e-4, abs=1e-7)
                                   for k in corrector_keys)
     measured = PPOUpdate(fake_trainer("ppo", step_diagnostics=True)).actor_gradients(mini)
@@ -918,9 +921,12 @@ def test_the_round_cap_fills_the_batch_with_dropped_groups_in_sampling_order():
     assert batch.group_ids.tolist() == [1, 1, 11, 11, 0, 0]
     assert batch.stats["dynamic_sampling/rounds"] == 1.0
     assert batch.stats["dynamic_sampling/dropped_frac"] == 3 / 5
-    none = keep_informative_groups(first, lambda r: pytest.fail("no round allowed"), max_rounds=0, pad_id=0)
-    assert none.group_ids.tolist() == [1, 1, 0, 0, 2, 2]
-    assert none.stats["dynamic_sampling/rounds"] == 0.0 and none.stats["dynamic_sampling/dropped_frac"] == 2 / 3
+    played = []
+    uncapped = keep_informative_groups(  # 0: no cap (verl's meaning): rounds until the batch is full
+        first, lambda r: played.append(r) or group_batch([(10 * r + 1, [0.0, 1.0])]), max_rounds=0, pad_id=0)
+    assert played == [1, 2] and uncapped.group_ids.tolist() == [1, 1, 11, 11, 21, 21]
+    assert uncapped.stats["dynamic_sampling/rounds"] == 2.0
+    assert uncapped.stats["dynamic_sampling/dropped_frac"] == 2 / 5
     full = group_batch([(0, [1.0, 0.0]), (1, [0.0, 1.0])])
     kept = keep_informative_groups(full, lambda r: pytest.fail("the batch is full"), max_rounds=3, pad_id=0)
     assert kept.group_ids.tolist() == [0, 0, 1, 1] and kept.stats["dynamic_sampling/dropped_frac"] == 0.0
@@ -1610,16 +1616,19 @@ def scoring_trainer(algo="ppo", reference=True, **values):
     return t
 
 
-def expected_scores(t, batch, behaviour):
+def expected_scores(t, batch, behaviour, sampler=None):
+    """``behaviour``: the ratio's denominator; ``sampler`` (default: the same): the weights that sampled the batch,
+    whose KL to the reference the reward's penalty is."""
     from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty
     from stppo_agent.training.log_probs import critic_values, token_logprobs
 
     with torch.no_grad():
         old = token_logprobs(behaviour.eval(), batch, sampling=t.config.sampling())[0]
+        sampled = old if sampler is None else token_logprobs(sampler.eval(), batch, sampling=t.config.sampling())[0]
         ref = token_logprobs(t.reference, batch, sampling=t.config.sampling())[0] if t.reference is not None else None
         values = critic_values(t.critic.eval(), batch) if t.critic is not None else torch.zeros_like(old)
-        penalty = kl_reward_penalty(old, ref, batch.loss_mask, t.algo) if t.algo.kl_in_reward > 0 and ref is not None \
-            else None
+        penalty = kl_reward_penalty(sampled, ref, batch.loss_mask, t.algo) \
+            if t.algo.kl_in_reward > 0 and ref is not None else None
         adv, ret = estimate_advantages(t.algo.advantage, rewards=batch.rewards, values=values,
                                        loss_mask=batch.loss_mask, group_ids=batch.group_ids, config=t.algo,
                                        kl_penalty=penalty, turn_ids=batch.turn_ids)
@@ -1634,20 +1643,22 @@ def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
                         micro_batch_size=2)
     batch = make_batch()
     behaviour = t.stale_policy.model if objective == "coupled" else t.actor
-    old, ref, values, adv, ret = expected_scores(t, batch, behaviour)
+    old, ref, values, adv, ret = expected_scores(t, batch, behaviour, sampler=t.stale_policy.model)
     batch.old_logprobs = batch.ref_logprobs = batch.values = batch.advantages = batch.returns = None
     score_batch(t, batch)
     mask = batch.loss_mask
     assert torch.allclose(batch.old_logprobs[mask], old[mask], atol=1e-5)
     assert torch.allclose(batch.ref_logprobs[mask], ref[mask], atol=1e-5)
     assert torch.allclose(batch.values[mask], values[mask], atol=1e-5)
-    if objective == "coupled":  # decoupled: times the behaviour weight (mis, against sample_logprobs)
-        assert torch.allclose(batch.advantages[mask], adv[mask], atol=1e-4)
+    # the reward's KL is the sampling (lagged) policy's under both objectives; the behaviour weight of decoupled
+    # goes to the loss as token_weights, not into the advantages
+    assert torch.allclose(batch.advantages[mask], adv[mask], atol=1e-4)
+    assert (batch.token_weights is None) == (objective == "coupled")
     assert torch.allclose(batch.returns[mask], ret[mask], atol=1e-4)
-    # the statistics are those of the advantages before the rollout correction folds in
     assert batch.stats["advantage/mean"] == pytest.approx(float(adv[mask].mean()), abs=1e-5)
     assert batch.stats["advantage/std"] == pytest.approx(float(adv[mask].std()), rel=1e-4)
-    assert batch.stats["kl_to_reference"] == pytest.approx(float((old - ref)[mask].mean()), abs=1e-5)
+    sampled = expected_scores(t, batch, t.stale_policy.model)[0]  # kl_to_reference: the lagged policy's, both ways
+    assert batch.stats["kl_to_reference"] == pytest.approx(float((sampled - ref)[mask].mean()), abs=1e-5)
 
 
 def test_scoring_without_critic_or_reference():
@@ -1681,10 +1692,10 @@ def test_scoring_whitens_over_the_global_batch_with_several_ranks(monkeypatch):
     assert torch.allclose(whitened[0], again.advantages, atol=1e-5)  # the local estimate, not whitened locally
 
 
-def test_scoring_folds_the_rollout_correction_into_the_advantages():
+def test_scoring_hands_the_rollout_correction_weights_to_the_loss():
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_trainer(reference=False, algorithm={"rollout_correction": "tis"})
+    t = scoring_trainer(reference=False, algorithm={"rollout_correction": "tis", "rollout_correction_level": "token"})
     batch = make_batch()
     batch.sample_logprobs = torch.full_like(batch.sample_logprobs, -2.0)
     plain = scoring_trainer(reference=False, algorithm={"rollout_correction": "none"})
@@ -1693,8 +1704,11 @@ def test_scoring_folds_the_rollout_correction_into_the_advantages():
     score_batch(t, batch)
     score_batch(plain, reference_batch)
     assert "rollout_logprob_diff" in batch.stats
-    ratio = (batch.advantages / reference_batch.advantages)[batch.loss_mask]
-    assert not torch.allclose(ratio, torch.ones_like(ratio)) and (ratio >= 0).all()
+    mask = batch.loss_mask
+    assert torch.allclose(batch.advantages[mask], reference_batch.advantages[mask], atol=1e-6)  # not folded in
+    expected = torch.exp(batch.old_logprobs + 2.0).clamp(max=2.0)
+    assert torch.allclose(batch.token_weights[mask], expected[mask], atol=1e-6) and not batch.token_weights[~mask].any()
+    assert reference_batch.token_weights is None  # no correction: every weight 1
 
 
 def test_the_sft_forward_gets_the_mask_positions_and_no_cache():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -144,3 +145,14 @@ def test_trainer_applies_the_weights_mis_above_the_cap_silences_the_policy_gradi
     Trainer(config, batch_hook=sampler_far_from_trainer).train()
     records = read_metrics(tmp_path / "tis")
     assert all(r["rollout_correction/truncated_frac"] == 1.0 and r["grad_norm"] > 0 for r in records)
+
+
+def test_a_share_without_policy_tokens_still_carries_weights_when_the_correction_is_on():
+    """Ranks merge their scored shares; one share without weights beside others with them would not merge."""
+    old, sample, mask, turns = mismatched_batch(5)
+    empty = torch.zeros_like(mask)
+    on = AlgorithmConfig(rollout_correction="mis", rollout_correction_level="token")
+    weights, metrics = rollout_correction_weights(old, sample, empty, turns, on)
+    assert weights is not None and weights.shape == old.shape and not weights.any() and metrics == {}
+    off = dataclasses.replace(on, rollout_correction="none")
+    assert rollout_correction_weights(old, sample, empty, turns, off)[0] is None

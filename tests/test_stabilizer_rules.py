@@ -4,6 +4,7 @@ at token, turn and sequence level; M2PO's statistic over 2 gloo processes; DAPO'
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -343,7 +344,7 @@ def test_informative_groups_drops_all_equal_and_single_member_groups():
 
 def test_presets_carry_the_papers_and_verls_defaults():
     table = {  # name: (policy loss, advantage, ratio level, loss_agg, clip_low, clip_high)
-        "cispo": ("cispo", "grpo", "token", "token-mean", 0.99, 0.2),
+        "cispo": ("cispo", "grpo", "token", "token-mean", 1.0, 0.2),
         "sapo": ("sapo", "grpo", "token", "seq-mean-token-mean", 0.2, 0.2),
         "gmpo": ("gmpo", "grpo", "sequence", "seq-mean-token-mean", 0.4, 0.4),
         "dppo_tv": ("dppo_tv", "grpo", "token", "token-mean", 0.15, 0.15),
@@ -372,10 +373,32 @@ def test_new_fields_refuse_bad_values():
             AlgorithmConfig(**{field: 0.0})
     with pytest.raises(ValueError, match="max_resample_rounds"):
         AlgorithmConfig(max_resample_rounds=-1)
-    with pytest.raises(ValueError, match="clip_low < 1"):
-        AlgorithmConfig(clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_low <= 1"):
+        AlgorithmConfig(clip_low=1.01)
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
         AlgorithmConfig(loss_agg="seq-sum")
+
+
+def test_cispo_in_its_paper_form_has_no_lower_bound(tiny_model, tmp_path):
+    """The preset's clip_low is 1: a token whose ratio fell to e^-6.9 keeps that weight (a lower bound of 0.2 or 0.01
+    would have raised it), and a run with the step diagnostics (whose band once refused clip_low = 1) trains."""
+    from stppo_agent.runs.metrics_log import read_metrics
+    from stppo_agent.training.trainer import Trainer
+
+    from .test_trainer import toy_config
+
+    assert ALGORITHMS["cispo"].clip_low == 1.0
+    logprobs = torch.tensor([[-6.9, 0.1]], dtype=torch.float64, requires_grad=True)
+    loss, _, metrics = get_policy_loss("cispo")(
+        logprobs=logprobs, old_logprobs=torch.zeros(1, 2, dtype=torch.float64),
+        advantages=-torch.ones(1, 2, dtype=torch.float64), loss_mask=torch.ones(1, 2, dtype=torch.bool),
+        turn_ids=torch.zeros(1, 2, dtype=torch.long), config=ALGORITHMS["cispo"])
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert float(grad[0, 0]) == pytest.approx(math.exp(-6.9) / 2, rel=1e-12)  # -w A / 2 tokens, w = rho
+    assert float(metrics["clip_frac"]) == 0.0  # nothing below a lower bound that is not there
+    Trainer(toy_config(tiny_model, tmp_path, "cispo", iterations=2, step_diagnostics=True, on_collapse="none")).train()
+    steps = read_metrics(tmp_path, "steps.jsonl")
+    assert steps and all(math.isfinite(step["grad_norm"]) for step in steps)
 
 
 # --- the toy env, learnt by every new preset ------------------------------------------------------------------------

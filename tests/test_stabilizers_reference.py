@@ -129,7 +129,7 @@ def _vanilla(config):
 
 
 # name: (preset, overrides, verl mapping, aggregations verl honours for it). The overrides put bounds where the
-# random batches cross them (CISPO's preset lower bound 0.99 is never reached; a cap inside the ratio range; SAPO's
+# random batches cross them (CISPO's preset has no lower bound; a cap inside the ratio range; SAPO's
 # temperatures away from 1).
 TOKEN_RULES = {
     "cispo": ("cispo", {}, _cispo, AGGS),

@@ -113,7 +113,7 @@ def test_bad_settings_are_refused(tiny_model, tmp_path):
         stale_config(tiny_model, tmp_path, 1, stale_objective="async").validate()
     with pytest.raises(ValueError, match="needs strategy=ddp and generation_backend=hf"):
         stale_config(tiny_model, tmp_path, 1, strategy="fsdp2").validate()
-    with pytest.raises(ValueError, match="set algorithm.rollout_correction to mis or tis"):
+    with pytest.raises(ValueError, match="set algorithm.rollout_correction to mis, tis or auto"):
         stale_config(tiny_model, tmp_path, 1, stale_objective="decoupled",
                      algorithm={"rollout_correction": "none"}).validate()
     stale_config(tiny_model, tmp_path, 0, stale_objective="decoupled", algorithm={"rollout_correction": "none"}) \

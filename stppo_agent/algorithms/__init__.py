@@ -29,25 +29,35 @@ from .losses import (
     WHOLE_BATCH_STATISTICS,
     aggregate,
     aggregate_parts,
+    call_policy_loss,
     explained_variance,
     get_policy_loss,
     kl_estimate,
     kl_reward_penalty,
+    learner_kl_metrics,
     log_ratio_at_level,
+    policy_token_mask,
     register_policy_loss,
     register_whole_batch_statistic,
     value_loss,
 )
 from .metrics import Extreme, LossMetrics, Summed
 from .registry import Registry
-from .rollout_correction import resolve_rollout_correction, rollout_correction_weights
+from .rollout_correction import (
+    AUTO_FIELDS,
+    recorded_algorithm,
+    resolve_rollout_correction,
+    rollout_correction_weights,
+)
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme", "LossMetrics",
-    "POLICY_LOSSES", "Registry", "Summed", "WHOLE_BATCH_STATISTICS", "aggregate", "aggregate_parts",
-    "compact_policy_positions",
+    "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AUTO_FIELDS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme",
+    "LossMetrics", "POLICY_LOSSES", "Registry", "Summed", "WHOLE_BATCH_STATISTICS", "aggregate", "aggregate_parts",
+    "call_policy_loss", "compact_policy_positions",
     "dropped_group_count", "estimate_advantages", "explained_variance", "get_advantage_estimator",
-    "informative_groups", "get_policy_loss", "kl_estimate", "kl_reward_penalty",
-    "log_ratio_at_level", "register_advantage_estimator", "register_algorithm", "register_policy_loss",
-    "register_whole_batch_statistic", "resolve_rollout_correction", "rollout_correction_weights", "value_loss",
+    "informative_groups", "get_policy_loss", "kl_estimate", "kl_reward_penalty", "learner_kl_metrics",
+    "log_ratio_at_level", "policy_token_mask", "recorded_algorithm", "register_advantage_estimator",
+    "register_algorithm",
+    "register_policy_loss", "register_whole_batch_statistic", "resolve_rollout_correction",
+    "rollout_correction_weights", "value_loss",
 ]

@@ -39,8 +39,8 @@ class AlgorithmConfig:
     max_grad_norm: a no-op whenever ||g|| / scale still exceeds max_grad_norm) or after_grad_clip (the clipped
     gradient is divided, so a scale above 1 always shrinks the applied gradient)."""
     clip_low: float = 0.2
-    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages.
-    GMPO reads it in log space, DPPO as its divergence threshold for negative advantages."""
+    """Lower clip epsilon: ratios below 1 - clip_low are clipped for negative advantages (1: no lower bound, CISPO's
+    paper form). GMPO reads it in log space, DPPO as its divergence threshold for negative advantages."""
     clip_high: float = 0.2
     """Upper clip epsilon: ratios above 1 + clip_high are clipped for positive advantages (GMPO: log space; DPPO:
     the divergence threshold for positive advantages)."""
@@ -63,9 +63,11 @@ class AlgorithmConfig:
     """M2PO's bound on the second moment of the log-ratio of the tokens left in the loss."""
     dynamic_sampling: bool = False
     """DAPO: drop the groups whose rewards are all equal (see ``informative_groups``) and sample more prompts until
-    the batch is full. Acted on by the rollout collection, not by the losses."""
+    the batch is full (stppo_agent/training/resampling.py); groups kept only to fill it get token weight 0. Needs a
+    group-relative advantage and samples_per_prompt >= 2."""
     max_resample_rounds: int = 10
-    """DAPO's cap on extra sampling rounds per iteration (verl's max_num_gen_batches); 0: no cap."""
+    """DAPO's cap on extra sampling rounds per iteration (verl's max_num_gen_batches); 0: no cap (sample until every
+    group of the batch is informative)."""
     gamma: float = 1.0
     """GAE discount over policy tokens (Search-R1 uses 1)."""
     lam: float = 1.0
@@ -102,8 +104,8 @@ class AlgorithmConfig:
         _check_choice("rollout_correction_level", self.rollout_correction_level, ("auto", *RATIO_LEVEL_NAMES))
         if self.rollout_correction_cap < 1:
             raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if not (0 <= self.clip_low <= 1 and self.clip_high >= 0):
+            raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         for field in ("loss_scale_factor", "tau_pos", "tau_neg", "is_cap", "m2_threshold"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
@@ -152,7 +154,7 @@ for _preset in (
     dataclasses.replace(_PPO, name="turn_gae", advantage="turn_gae", ratio_level="turn"),
     # The 2025-26 stabilisers (docs/algorithms.md, "Stabilisers": which default comes from the paper, which from
     # verl). Critic-free with GRPO advantages and no KL term (verl's use_kl_loss=False) unless the paper says so.
-    dataclasses.replace(_GRPO, name="cispo", policy_loss="cispo", clip_low=0.99, clip_high=0.2, kl_loss_coef=0.0),
+    dataclasses.replace(_GRPO, name="cispo", policy_loss="cispo", clip_low=1.0, clip_high=0.2, kl_loss_coef=0.0),
     dataclasses.replace(_GRPO, name="sapo", policy_loss="sapo", loss_agg="seq-mean-token-mean", kl_loss_coef=0.0),
     dataclasses.replace(_GRPO, name="gmpo", policy_loss="gmpo", ratio_level="sequence", clip_low=0.4,
                         clip_high=0.4, loss_agg="seq-mean-token-mean", kl_loss_coef=0.0),

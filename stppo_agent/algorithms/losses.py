@@ -11,10 +11,15 @@ mini-batch of each iteration, or all of them when one mini-batch is the whole ba
 
 ``global_num_tokens`` / ``global_num_seqs`` let a trainer normalise a micro-batch by the size of the whole
 optimizer batch, so that summing micro-batch gradients gives exactly the full-batch gradient.
+
+``token_weights`` (B, T), >= 0 and constant, multiply each token's term of the policy loss (the rollout
+correction's w', docs/algorithms.md); a token of weight 0 is dropped as if it had never been sampled
+(:func:`policy_token_mask`): out of its segment's ratio, the counts and the KL / entropy terms.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -60,6 +65,50 @@ def register_whole_batch_statistic(loss_name: str, fn: Callable[..., list[dict]]
     if fn is None:
         return WHOLE_BATCH_STATISTICS.decorator(loss_name)
     return WHOLE_BATCH_STATISTICS.register(loss_name, fn)
+
+
+def policy_token_mask(loss_mask: torch.Tensor, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens a policy loss counts: ``loss_mask`` less those of weight 0 (dropped: a masked rollout-correction
+    weight, a filler group of DAPO's dynamic sampling). A trainer counts the same tokens for ``global_num_tokens``
+    / ``global_num_seqs``."""
+    return loss_mask if token_weights is None else loss_mask & (token_weights > 0)
+
+
+def token_weight_tensor(token_weights, loss_mask, like: torch.Tensor) -> torch.Tensor | None:
+    """``token_weights`` detached, in ``like``'s dtype, 0 off ``loss_mask`` (None stays None: every weight 1)."""
+    if token_weights is None:
+        return None
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.where(loss_mask, token_weights.detach().to(like.dtype), zero)
+
+
+def weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``per_token`` times the token weights (unchanged without weights)."""
+    return per_token if weights is None else per_token * weights
+
+
+def call_policy_loss(loss_fn: PolicyLoss, *, token_weights: torch.Tensor | None = None, **kwargs):
+    """``loss_fn(**kwargs)`` with per-token weights: as its ``token_weights`` keyword when it takes one (every rule
+    here does; a ``**kwargs`` counts). A rule of one's own written without it gets them folded in instead: the
+    weight-0 tokens taken off ``loss_mask``, the others' advantages multiplied by their weight -- the same loss for a
+    rule linear in the advantage, as the clipped surrogate is."""
+    if token_weights is None:
+        return loss_fn(**kwargs)
+    parameters = inspect.signature(loss_fn).parameters.values()
+    if any(p.name == "token_weights" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return loss_fn(token_weights=token_weights, **kwargs)
+    mask = policy_token_mask(kwargs["loss_mask"], token_weights)
+    advantages = kwargs["advantages"] * token_weight_tensor(token_weights, mask, kwargs["advantages"])
+    return loss_fn(**{**kwargs, "loss_mask": mask, "advantages": advantages})
+
+
+@torch.no_grad()
+def learner_kl_metrics(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> LossMetrics:
+    """``learner_kl_to_reference``: the mean of log pi_theta - log pi_ref (k1) over the policy tokens, pi_theta the
+    policy being updated as the update's forward computed it (``kl_to_reference`` is the behaviour policy's)."""
+    metrics = LossMetrics()
+    metrics.mean("learner_kl_to_reference", masked_sum(logprobs.detach() - ref_logprobs, loss_mask), loss_mask.sum())
+    return metrics
 
 
 def log_ratio_at_level(logprobs, old_logprobs, loss_mask, turn_ids, level: str) -> torch.Tensor:
@@ -204,14 +253,17 @@ def _level_weights(ratio, loss_mask, turn_sums, turn_counts, level: str) -> torc
 
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
-                  entropy=None, global_num_tokens=None, global_num_seqs=None):
-    """Clipped surrogate L_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho at config.ratio_level.
+                  entropy=None, global_num_tokens=None, global_num_seqs=None, token_weights=None):
+    """Clipped surrogate L_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho at config.ratio_level,
+    times the token's weight when ``token_weights`` are given.
 
     Plus ``kl_loss_coef * agg(KL)`` when ``ref_logprobs`` is given and ``-entropy_coef * agg(entropy)`` when
     ``entropy`` is given. c_t = 1 where the clipped branch is strictly smaller.
     """
     agg_kwargs = aggregation_kwargs(config, global_num_tokens, global_num_seqs)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    loss_mask = policy_token_mask(loss_mask, token_weights)
+    weights = token_weight_tensor(token_weights, loss_mask, logprobs)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
     log_ratio, (turn_sums, turn_counts) = _ratios(logprobs, old_logprobs, loss_mask, turn_ids, config.ratio_level)
     # verl's bound before exp: a float32 log-ratio past 88 would make the unclipped branch (A < 0) infinite
@@ -227,8 +279,9 @@ def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
         surrogate = torch.where(dual, -dual_c * advantages, surrogate)
         clipped = clipped | dual  # the removed term is rho * A: it belongs in C like the ordinary clip's
         metrics.mean("dual_clip_frac", masked_sum(dual.to(ratio.dtype), loss_mask), loss_mask.sum())
-    pg_loss = _aggregate_metric(metrics, "pg_loss", surrogate, loss_mask, **agg_kwargs)
-    bias_surrogate = aggregate(clipped.to(ratio.dtype) * ratio * advantages, loss_mask, **agg_kwargs)
+    pg_loss = _aggregate_metric(metrics, "pg_loss", weighted(surrogate, weights), loss_mask, **agg_kwargs)
+    bias_surrogate = aggregate(weighted(clipped.to(ratio.dtype) * ratio * advantages, weights), loss_mask,
+                               **agg_kwargs)
     if not bool(clipped.any()):  # C's share is exactly 0: spare the corrector a whole backward pass
         bias_surrogate = bias_surrogate.detach()
 

@@ -12,10 +12,12 @@ token weights, like ST-PPO's turn ratio) or over the whole trajectory. With w = 
     tis (truncated importance sampling):  w' = min(w, cap)
     mis (masked importance sampling):     w' = w if w <= cap else 0
 
-w' is a constant (no gradient) multiplying each token's policy loss. Because w' >= 0, multiplying the
-advantage by w' is the same thing for the clipped surrogate -- -min(rho w'A, clip(rho) w'A) = w' * -min(rho A,
-clip(rho) A) -- and it composes with every policy loss, registered ones included, and with the clip-bias
-correction (whose clipped-token terms carry w' too). The KL and entropy terms are not weighted (as in verl).
+w' is a constant (no gradient) multiplying each token's term of the policy loss: every rule takes it as its
+``token_weights`` keyword (:func:`~stppo_agent.algorithms.losses.policy_token_mask`), so it also acts per token in
+rules whose loss is not a sum of per-token terms (a turn- or sequence-level ratio, GMPO's geometric mean). A token
+of weight 0 (mis above the cap) is dropped as if it had never been sampled: out of its segment's ratio, the
+aggregation's count and the KL / entropy terms. The KL and entropy terms are not weighted otherwise (as in verl);
+the clip-bias correction's clipped-token terms carry w' too.
 """
 
 from __future__ import annotations
@@ -27,17 +29,34 @@ import torch
 from .losses import KL_LOG_RATIO_CLAMP, log_ratio_at_level
 from .segments import masked_mean, quantile
 
+AUTO_FIELDS = ("rollout_correction", "rollout_correction_level")
+"""The algorithm fields whose ``auto`` depends on the run's settings (backend, sampler precision, objective)."""
 
-def resolve_rollout_correction(algo, generation_backend: str, generation_autocast_dtype: str | None = None):
-    """``auto`` settings for a backend: on with vLLM or a bfloat16 sampler (TIS at the cap of 2, at turn level for
+
+def resolve_rollout_correction(algo, generation_backend: str, generation_autocast_dtype: str | None = None,
+                               decoupled: bool = False):
+    """``auto`` settings for a run: on with vLLM or a bfloat16 sampler (TIS at the cap of 2, at turn level for
     turn-level algorithms, else per token), off with transformers generate computing as the learner (the mismatch
-    is only numerical there)."""
+    is only numerical there). ``decoupled`` (the decoupled objective under a rollout lag): MIS per token for every
+    rule -- the behaviour weight pi_prox / pi_behav of decoupled PPO, so that rules differ only in their rule."""
     correction, level = algo.rollout_correction, algo.rollout_correction_level
     if correction == "auto":
-        correction = "tis" if generation_backend == "vllm" or generation_autocast_dtype else "none"
+        correction = "mis" if decoupled else "tis" if generation_backend == "vllm" or generation_autocast_dtype \
+            else "none"
     if level == "auto":
-        level = "turn" if algo.ratio_level == "turn" else "token"
+        level = "turn" if algo.ratio_level == "turn" and not decoupled else "token"
     return dataclasses.replace(algo, rollout_correction=correction, rollout_correction_level=level)
+
+
+def recorded_algorithm(requested: dict, resolved) -> tuple[dict, dict]:
+    """What a run's config.yaml records of its algorithm: ``algorithm``, every field of ``resolved`` but those the
+    user left to ``auto`` in ``requested`` (the preset's fields with the user's overrides), which stay ``auto`` so
+    that a resume or a replay under other settings resolves them again; and ``algorithm_resolved``, what those
+    resolved to for this run."""
+    algorithm = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
+    automatic = [field for field in AUTO_FIELDS if requested.get(field) == "auto"]
+    algorithm.update({field: "auto" for field in automatic})
+    return algorithm, {field: getattr(resolved, field) for field in automatic}
 
 
 @torch.no_grad()
@@ -51,8 +70,9 @@ def rollout_correction_weights(old_logprobs: torch.Tensor, sample_logprobs: torc
     if config.rollout_correction == "auto" or config.rollout_correction_level == "auto":
         raise ValueError("rollout_correction is 'auto': resolve it for the generation backend first "
                          "(resolve_rollout_correction)")
-    if not bool(loss_mask.any()):
-        return None, {}
+    if not bool(loss_mask.any()):  # weights whenever the correction is on: every rank's share has them or none
+        off = config.rollout_correction == "none"
+        return (None if off else torch.zeros_like(old_logprobs, dtype=torch.float32)), {}
     old, sample = old_logprobs.float(), sample_logprobs.float()
     zero = torch.zeros((), device=old.device)
     token_log_w = torch.where(loss_mask, old - sample, zero).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)

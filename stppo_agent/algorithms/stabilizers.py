@@ -1,12 +1,13 @@
 """Off-policy stabilisers of 2025-26 as policy losses (docs/algorithms.md, "Stabilisers"): CISPO, SAPO, GMPO,
 DPPO-TV / DPPO-KL and M2PO, each at ``config.ratio_level`` token, turn or sequence.
 
-Same keywords and outputs as ``ppo_clip``. ``bias_surrogate`` is, like C of the clipped surrogate, a surrogate whose
-gradient is the part of the importance-weighted gradient grad agg(rho A) that the rule removed: agg(sg(1 - w / rho)
-rho A) with w the rule's effective weight (GMPO: agg(rho A) - agg(rho~ A), its clipped ratio); at token level it is
-exactly grad agg(rho A) + grad pg_loss. Detached when the rule removed nothing. ``clip_frac`` is the share of policy
-tokens the rule changed (clipped, masked or truncated; SAPO: the mean share of gradient weight its gate removed),
-``turn_clip_frac`` the share of (trajectory, turn) segments with such a token.
+Same keywords and outputs as ``ppo_clip``; ``token_weights`` multiply each token's term (a token of weight 0 is
+dropped: out of its segment's mean, M2PO's statistic and every count). ``bias_surrogate`` is, like C of the clipped
+surrogate, a surrogate whose gradient is the part of the importance-weighted gradient grad agg(rho A) that the rule
+removed: agg(sg(1 - w / rho) rho A) with w the rule's effective weight (GMPO: agg(rho A) - agg(rho~ A), its clipped
+ratio); at token level it is exactly grad agg(rho A) + grad pg_loss. Detached when the rule removed nothing.
+``clip_frac`` is the share of policy tokens the rule changed (clipped, masked or truncated; SAPO: the mean share of
+gradient weight its gate removed), ``turn_clip_frac`` the share of (trajectory, turn) segments with such a token.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from .losses import (
     aggregate,
     aggregation_kwargs,
     log_ratio_at_level,
+    policy_token_mask,
     register_policy_loss,
     register_whole_batch_statistic,
+    token_weight_tensor,
+    weighted,
 )
 from .metrics import LossMetrics
 from .second_moment import m2po_keep_mask, m2po_keep_masks
@@ -34,8 +38,9 @@ from .segments import masked_sum, segment_sum, turn_segment_ids
 
 @dataclasses.dataclass
 class _Batch:
-    """What every rule starts from: masked advantages, the level log-ratio (clamped to [-20, 20] before exp, as
-    verl does, so a far-off token cannot overflow) and its ratio, both carrying gradient."""
+    """What every rule starts from: the policy tokens (less those of weight 0), masked advantages, the level
+    log-ratio (clamped to [-20, 20] before exp, as verl does, so a far-off token cannot overflow) and its ratio,
+    both carrying gradient, and the token weights (None: every weight 1)."""
 
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
@@ -48,6 +53,7 @@ class _Batch:
     ratio: torch.Tensor
     turn_sums: torch.Tensor
     turn_counts: torch.Tensor
+    weights: torch.Tensor | None
 
     @property
     def zero(self) -> torch.Tensor:
@@ -55,6 +61,10 @@ class _Batch:
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(self.loss_mask, x, self.zero)
+
+    def aggregate(self, per_token: torch.Tensor) -> torch.Tensor:
+        """agg of the weighted per-token terms over the policy tokens."""
+        return aggregate(weighted(per_token, self.weights), self.loss_mask, **self.agg)
 
     def level_mean(self, x: torch.Tensor) -> torch.Tensor:
         """Mean of ``x`` over each position's segment at the ratio level (x itself at token level)."""
@@ -69,20 +79,23 @@ def _level_log_ratio(logprobs, old_logprobs, loss_mask, turn_ids, level: str):
     return torch.where(loss_mask, log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP), zero), turns
 
 
-def _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs):
+def _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs,
+           token_weights=None):
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    loss_mask = policy_token_mask(loss_mask, token_weights)
     advantages = torch.where(loss_mask, advantages.detach().to(logprobs.dtype), zero)
     log_ratio, (turn_sums, turn_counts) = _level_log_ratio(logprobs, old_logprobs, loss_mask, turn_ids,
                                                            config.ratio_level)
     return _Batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config,
                   aggregation_kwargs(config, global_num_tokens, global_num_seqs), log_ratio, torch.exp(log_ratio),
-                  turn_sums, turn_counts)
+                  turn_sums, turn_counts, token_weight_tensor(token_weights, loss_mask, logprobs))
 
 
 def _finish(b: _Batch, per_token, changed, bias_surrogate, ref_logprobs, entropy, changed_share=None):
-    """Aggregate, record the metrics, add the KL / entropy terms: the common tail of every rule."""
+    """Weight each token's term, aggregate, record the metrics, add the KL / entropy terms: the common tail of
+    every rule."""
     metrics = LossMetrics()
-    pg_loss = _aggregate_metric(metrics, "pg_loss", per_token, b.loss_mask, **b.agg)
+    pg_loss = _aggregate_metric(metrics, "pg_loss", weighted(per_token, b.weights), b.loss_mask, **b.agg)
     changed = changed & b.loss_mask
     if not bool(changed.any()):  # the rule equals importance sampling here: spare the corrector a backward
         bias_surrogate = bias_surrogate.detach()
@@ -102,15 +115,16 @@ def _removed_share_bias(b: _Batch, effective_weight: torch.Tensor) -> torch.Tens
     """agg(sg(1 - w / rho) rho A): its gradient (rho - w) A grad l is what the rule's weight w took away from
     importance sampling (negative where w > rho: CISPO's lower bound raises small weights)."""
     removed = 1 - effective_weight.detach() / b.ratio.detach()
-    return aggregate(removed * b.ratio * b.advantages, b.loss_mask, **b.agg)
+    return b.aggregate(removed * b.ratio * b.advantages)
 
 
 @register_policy_loss("cispo")
 def cispo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
-               global_num_tokens=None, global_num_seqs=None):
+               global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """CISPO (MiniMax-M1): L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t); every token keeps a
     gradient, clipping only caps its weight."""
-    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs)
+    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs,
+               token_weights)
     weight = b.ratio.detach().clamp(1 - config.clip_low, 1 + config.clip_high)
     per_token = -weight * b.advantages * b.masked(logprobs)
     changed = (b.ratio > 1 + config.clip_high) | (b.ratio < 1 - config.clip_low)
@@ -119,26 +133,28 @@ def cispo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, confi
 
 @register_policy_loss("sapo")
 def sapo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
-              global_num_tokens=None, global_num_seqs=None):
+              global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """SAPO: L_t = -f(rho_t) A_t, f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos for A_t > 0 else tau_neg. f'(1)
     = 1 (on-policy it is the plain policy gradient); the gradient weight 4 s (1 - s) fades smoothly off-policy."""
-    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs)
+    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs,
+               token_weights)
     taus = torch.where(b.advantages > 0, torch.full_like(b.ratio, config.tau_pos),
                        torch.full_like(b.ratio, config.tau_neg))
     gate = torch.sigmoid(taus * (b.ratio - 1))
     per_token = -(gate * 4 / taus) * b.advantages
     gate = gate.detach()
     removed = 1 - 4 * gate * (1 - gate)
-    bias = aggregate(removed * b.ratio * b.advantages, loss_mask, **b.agg)
+    bias = b.aggregate(removed * b.ratio * b.advantages)
     return _finish(b, per_token, removed != 0, bias, ref_logprobs, entropy, changed_share=removed)
 
 
 @register_policy_loss("gmpo")
 def gmpo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
-              global_num_tokens=None, global_num_seqs=None):
+              global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """GMPO: the token log-ratios are clipped in log space, sign-aware (A > 0: min(l, eps_high); A < 0:
     max(l, -eps_low); A = 0: 0), averaged over the segment (a geometric mean of the ratios), L_t = -A_t exp(mean)."""
-    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs)
+    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs,
+               token_weights)
     token_log_ratio = b.masked(logprobs - old_logprobs)
     sign = torch.sign(b.advantages)
     bounded = token_log_ratio.clamp(-config.clip_low, config.clip_high)
@@ -146,16 +162,17 @@ def gmpo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config
     clipped_ratio = torch.exp(b.level_mean(clipped))
     per_token = -b.advantages * clipped_ratio
     changed = (sign != 0) & (clipped.detach() != token_log_ratio.detach())
-    bias = aggregate(b.ratio * b.advantages, loss_mask, **b.agg) + aggregate(per_token, loss_mask, **b.agg)
+    bias = b.aggregate(b.ratio * b.advantages) + b.aggregate(per_token)
     return _finish(b, per_token, changed, bias, ref_logprobs, entropy)
 
 
 def _dppo(kind: str, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs, entropy,
-          global_num_tokens, global_num_seqs):
+          global_num_tokens, global_num_seqs, token_weights):
     """DPPO: drop a token whose (segment's) probability moved past the divergence threshold in its advantage's
     direction; the rest get L_t = -sg(min(rho_t, is_cap)) A_t log pi(y_t). At turn / sequence level the probabilities
     are the segment's geometric means exp(mean log pi)."""
-    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs)
+    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs,
+               token_weights)
     with torch.no_grad():
         new_log, old_log = b.level_mean(logprobs.detach()), b.level_mean(old_logprobs)
         new_p, old_p = torch.exp(new_log), torch.exp(old_log)
@@ -166,7 +183,7 @@ def _dppo(kind: str, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
             binary_kl = old_p * (old_log - new_log) + (1 - old_p) * torch.log((1 - old_p + 1e-8) / (1 - new_p + 1e-8))
             keep_positive = (binary_kl <= config.clip_high) | (new_p <= old_p)
             keep_negative = (binary_kl <= config.clip_low) | (new_p >= old_p)
-        valid = torch.where(b.advantages > 0, keep_positive, keep_negative) & loss_mask
+        valid = torch.where(b.advantages > 0, keep_positive, keep_negative) & b.loss_mask
         weight = b.ratio.detach().clamp(max=config.is_cap) * valid
     per_token = -weight * b.advantages * b.masked(logprobs)
     changed = ~valid | (b.ratio.detach() > config.is_cap)
@@ -175,37 +192,40 @@ def _dppo(kind: str, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
 
 @register_policy_loss("dppo_tv")
 def dppo_tv_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
-                 entropy=None, global_num_tokens=None, global_num_seqs=None):
+                 entropy=None, global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """DPPO-Binary-TV: keep A > 0 while p - p_old <= eps_high, A <= 0 while p - p_old >= -eps_low."""
     return _dppo("tv", logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs, entropy,
-                 global_num_tokens, global_num_seqs)
+                 global_num_tokens, global_num_seqs, token_weights)
 
 
 @register_policy_loss("dppo_kl")
 def dppo_kl_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
-                 entropy=None, global_num_tokens=None, global_num_seqs=None):
+                 entropy=None, global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """DPPO-Binary-KL: keep A > 0 while KL(Bern(p_old) || Bern(p)) <= eps_high or p <= p_old; A <= 0 while it is
     <= eps_low or p >= p_old."""
     return _dppo("kl", logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs, entropy,
-                 global_num_tokens, global_num_seqs)
+                 global_num_tokens, global_num_seqs, token_weights)
 
 
 @register_policy_loss("m2po")
 def m2po_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
-              global_num_tokens=None, global_num_seqs=None, keep=None, second_moment=None):
+              global_num_tokens=None, global_num_seqs=None, token_weights=None, keep=None, second_moment=None):
     """M2PO: L_t = -M_t rho_t A_t, no clipping; M drops the segments with the largest squared log-ratio until the
     second moment of the rest, over the batch of every rank, is below m2_threshold (second_moment.py).
 
     ``keep`` / ``second_moment``: M and the statistic already taken over a larger batch than the one given (the
-    trainer's whole optimizer batch, :func:`m2po_whole_batch`); without them, over the batch given."""
-    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs)
+    trainer's whole optimizer batch, :func:`m2po_whole_batch`), or on another pair of policies (the decoupled
+    objective's proximal against behaviour); without them, the current policy against ``old_logprobs`` over the
+    batch given."""
+    b = _batch(logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, global_num_tokens, global_num_seqs,
+               token_weights)
     if keep is None:
-        keep, second_moment = m2po_keep_mask(b.log_ratio.detach(), loss_mask, turn_ids, config.ratio_level,
+        keep, second_moment = m2po_keep_mask(b.log_ratio.detach(), b.loss_mask, turn_ids, config.ratio_level,
                                              config.m2_threshold)
-    keep = keep & loss_mask
+    keep = keep & b.loss_mask
     per_token = -keep.to(b.ratio.dtype) * b.ratio * b.advantages
-    changed = loss_mask & ~keep
-    bias = aggregate(changed.to(b.ratio.dtype) * b.ratio * b.advantages, loss_mask, **b.agg)
+    changed = b.loss_mask & ~keep
+    bias = b.aggregate(changed.to(b.ratio.dtype) * b.ratio * b.advantages)
     loss, bias, metrics = _finish(b, per_token, changed, bias, ref_logprobs, entropy)
     metrics.extreme("m2po/second_moment", second_moment.to(b.ratio.dtype), "max")  # the same on every rank
     return loss, bias, metrics
@@ -214,8 +234,10 @@ def m2po_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config
 @register_whole_batch_statistic("m2po")
 def m2po_whole_batch(*, logprobs, old_logprobs, loss_mask, turn_ids, config) -> list[dict]:
     """M2PO's mask over every micro-batch of the optimizer batch (and every rank): the ``keep`` and
-    ``second_moment`` keywords of each micro-batch's :func:`m2po_loss` call. The log-ratio is the loss's own
-    (level mean, clamped), from the same weights, so the cut is the one the loss would make on the whole batch."""
+    ``second_moment`` keywords of each micro-batch's :func:`m2po_loss` call, cut on the level log-ratio (clamped)
+    of ``logprobs`` against ``old_logprobs``. Given the current policy's log-probs with the step's starting weights,
+    the cut is the one the loss would make on the whole batch; under the decoupled objective the trainer gives the
+    proximal policy's against the behaviour policy's (AReaL's pair, the one whose gap the lag opens)."""
     ratios = [_level_log_ratio(current.detach(), old, mask, turns, config.ratio_level)[0]
               for current, old, mask, turns in zip(logprobs, old_logprobs, loss_mask, turn_ids)]
     masks, second_moment = m2po_keep_masks(ratios, loss_mask, turn_ids, config.ratio_level, config.m2_threshold)

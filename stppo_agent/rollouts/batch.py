@@ -81,6 +81,7 @@ class RolloutBatch:
     values: torch.Tensor | None = None  # (B, T) critic values before the update
     advantages: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T)
+    token_weights: torch.Tensor | None = None  # (B, T) weight of each token's policy-loss term; 0 drops the token
     episode_info: list[dict] | None = None  # per trajectory: example_id, benchmark, question, finish_reason
 
     @property

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, resolve_rollout_correction
+from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, recorded_algorithm, resolve_rollout_correction
 from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
 from stppo_agent.distributed.process_group import STRATEGIES
 from stppo_agent.plugins.loader import load_plugins
@@ -28,6 +28,8 @@ from stppo_agent.training.config_checks import (
     check_ranges,
     check_staleness,
 )
+from stppo_agent.training.resampling import check_dynamic_sampling
+from stppo_agent.training.stale_policy import is_decoupled
 from stppo_envs.suggest import closest
 
 
@@ -39,7 +41,10 @@ class TrainConfig:
     """Algorithm preset (ppo, turn_ppo, s_ppo, st_ppo, grpo, gspo, so_grpo, or one registered by the user)."""
     algorithm: dict = dataclasses.field(default_factory=dict)
     """Overrides of the preset's fields, e.g. {clip_high: 0.28}. A run's config.yaml holds every resolved field, so
-    the run is reproducible from its folder alone."""
+    the run is reproducible from its folder alone (those left to auto stay auto there: see algorithm_resolved)."""
+    algorithm_resolved: dict | None = None
+    """Written by the trainer into config.yaml: what the algorithm fields left to auto resolved to for the run (a
+    resume or replay under other settings resolves them again). Not read."""
     plugins: list = dataclasses.field(default_factory=list)
     """Python modules imported before the algorithm is resolved: they register algorithms, policy losses or
     advantage estimators of your own (`--import MODULE`; installed `stppo.plugins` entry points load by
@@ -216,11 +221,10 @@ class TrainConfig:
         hints = typing.get_type_hints(AlgorithmConfig)
         values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in self.algorithm.items()}
         algo = dataclasses.replace(preset, **values)
-        if self.rollout_staleness > 0 and self.stale_objective == "decoupled" and algo.rollout_correction == "auto":
-            algo = dataclasses.replace(algo, rollout_correction="mis")  # the behaviour weight of decoupled PPO
         if self.old_logprobs == "sampler" and algo.rollout_correction == "auto":
             algo = dataclasses.replace(algo, rollout_correction="none")  # the ratio itself holds the gap
-        return resolve_rollout_correction(algo, self.generation_backend, self.generation_autocast_dtype)
+        return resolve_rollout_correction(algo, self.generation_backend, self.generation_autocast_dtype,
+                                          decoupled=is_decoupled(self))
 
     def rollout_limits(self) -> RolloutLimits:
         return RolloutLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutLimits)})
@@ -259,6 +263,7 @@ class TrainConfig:
         for env_id in (e.strip() for e in self.env.split(",") if e.strip()):
             is_search_env(env_id)  # an unknown id fails here, before minutes of model loading
         algo = self.algorithm_config()
+        check_dynamic_sampling(algo, self.samples_per_prompt)
         if algo.advantage in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algo} uses group-relative advantages ({algo.advantage}): a group of one "
                              f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
@@ -278,10 +283,12 @@ class TrainConfig:
 
     def to_yaml(self, resolved: AlgorithmConfig | None = None) -> str:
         """The config as YAML; with ``resolved``, ``algorithm`` holds every field the run used (not only the
-        overrides), so the folder reproduces the run even if a preset's defaults change later."""
+        overrides), so the folder reproduces the run even if a preset's defaults change later -- but the fields left
+        to ``auto``, which stay ``auto`` beside their values in ``algorithm_resolved``."""
         values = dataclasses.asdict(self)
         if resolved is not None:
-            values["algorithm"] = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
+            requested = {**dataclasses.asdict(ALGORITHMS[self.algo]), **self.algorithm}
+            values["algorithm"], values["algorithm_resolved"] = recorded_algorithm(requested, resolved)
         return yaml.safe_dump(values, sort_keys=False)
 
 

@@ -72,7 +72,7 @@ def check_staleness(config) -> None:
                          "the weights is a whole module; sharded and vLLM copies are not implemented)")
     if config.stale_objective == "decoupled" and config.algorithm_config().rollout_correction == "none":
         raise ValueError("stale_objective=decoupled weights each token by pi_prox / pi_behav: set "
-                         "algorithm.rollout_correction to mis or tis (auto picks mis), not none")
+                         "algorithm.rollout_correction to mis, tis or auto (auto picks mis), not none")
 
 
 def check_old_logprobs(config) -> None:

@@ -86,16 +86,24 @@ class LiveRollouts:
 
     def next_batch(self, iteration: int) -> RolloutBatch:
         """The episodes of iteration ``iteration`` (0-based), this rank's share of the global batch."""
-        trainer, config = self.trainer, self.trainer.config
-        batch = self._play(iteration, 0)
+        trainer = self.trainer
+        batch = self._checked_play(iteration, 0)
         if trainer.algo.dynamic_sampling:
-            batch = keep_informative_groups(batch, lambda round: self._play(iteration, round),
+            batch = keep_informative_groups(batch, lambda round: self._checked_play(iteration, round),
                                             trainer.algo.max_resample_rounds, trainer.tokenizer.pad_token_id)
+        return batch
+
+    def _checked_play(self, iteration: int, round: int) -> RolloutBatch:
+        """:meth:`_play`, stopping the run when more than ``max_search_error_rate`` of the round's searches failed
+        (every round: DAPO's extra rounds may fill the whole batch)."""
+        trainer, config = self.trainer, self.trainer.config
+        batch = self._play(iteration, round)
         # the global rate (a collective): every rank stops together instead of one rank leaving the others waiting
         rate = rollout_statistics(batch, trainer.algo).get("search_error_rate", 0.0)
         if rate > config.max_search_error_rate:
+            where = f"iteration {iteration + 1}" + (f", resampling round {round}" if round else "")
             raise RetrievalError(
-                f"iteration {iteration + 1}: {rate:.0%} of the searches failed (max_search_error_rate="
+                f"{where}: {rate:.0%} of the searches failed (max_search_error_rate="
                 f"{config.max_search_error_rate}); the policy would learn from error messages. Check the retriever "
                 f"({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
         return batch

@@ -9,7 +9,15 @@ import time
 
 import torch
 
-from stppo_agent.algorithms import WHOLE_BATCH_STATISTICS, ClipBiasCorrector, get_policy_loss, value_loss
+from stppo_agent.algorithms import (
+    WHOLE_BATCH_STATISTICS,
+    ClipBiasCorrector,
+    call_policy_loss,
+    get_policy_loss,
+    learner_kl_metrics,
+    policy_token_mask,
+    value_loss,
+)
 from stppo_agent.algorithms.clip_bias import changed_update
 from stppo_agent.distributed import process_group
 from stppo_agent.monitoring.step_diagnostics import StepMeans
@@ -17,6 +25,7 @@ from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.global_batch import gather_global_batch, mini_batch_rows
 from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.training.log_probs import critic_values, length_sorted_micro_batches, token_logprobs
+from stppo_agent.training.stale_policy import is_decoupled
 
 
 class TrainingDivergedError(RuntimeError):
@@ -121,11 +130,13 @@ class PPOUpdate:
             else:
                 yield micro
 
-    def _global_counts(self, mini: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Policy tokens and trajectories of the *global* mini-batch, divided by the number of ranks: DDP
-        averages gradients over ranks, so each rank normalises by global / world to get the global mean."""
+    def _global_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy tokens (those of ``mask``, default ``mini.loss_mask``) and trajectories of the *global* mini-batch,
+        divided by the number of ranks: DDP averages gradients over ranks, so each rank normalises by global / world
+        to get the global mean."""
         trainer = self.trainer
-        counts = torch.stack([mini.loss_mask.sum(), mini.loss_mask.any(1).sum()]).float()
+        mask = mini.loss_mask if mask is None else mask
+        counts = torch.stack([mask.sum(), mask.any(1).sum()]).float()
         tokens, seqs = process_group.all_reduce_sum(counts) / trainer.world
         return tokens.clamp(min=1 / trainer.world), seqs.clamp(min=1 / trainer.world)
 
@@ -139,7 +150,8 @@ class PPOUpdate:
         corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=trainer.sharded,
                                       rescale=algo.clip_bias_correction) \
             if algo.clip_bias_correction or trainer.config.step_diagnostics else None
-        global_tokens, global_seqs = self._global_counts(mini)
+        # tokens of weight 0 (masked by the rollout correction, DAPO's fillers) count in no denominator
+        global_tokens, global_seqs = self._global_counts(mini, policy_token_mask(mini.loss_mask, mini.token_weights))
         trainer.actor_optimizer.zero_grad(set_to_none=True)
         micros = self._split(mini)
         whole_batch = self._whole_batch_keywords(micros)
@@ -148,11 +160,12 @@ class PPOUpdate:
         for number, micro in enumerate(self._synced_last(micros, trainer.actor_train)):
             logprobs, entropy = token_logprobs(trainer.actor_train, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef > 0, sampling=trainer.config.sampling())
-            loss, bias, metrics = loss_fn(
-                logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
+            loss, bias, metrics = call_policy_loss(
+                loss_fn, logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
                 loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
                 ref_logprobs=micro.ref_logprobs if algo.kl_loss_coef > 0 else None, entropy=entropy,
-                global_num_tokens=global_tokens, global_num_seqs=global_seqs, **whole_batch[number])
+                global_num_tokens=global_tokens, global_num_seqs=global_seqs, token_weights=micro.token_weights,
+                **whole_batch[number])
             finite = finite * torch.isfinite(loss)
             if trainer.diagnostics is not None:
                 trainer.diagnostics.observe_micro(micro, logprobs)
@@ -160,6 +173,9 @@ class PPOUpdate:
                 corrector.accumulate(bias, anchor=logprobs)
             loss.backward()  # always, even when NaN: every rank must join DDP's all-reduce; NaN then skips
             step_metrics.add(metrics, micro.loss_mask.sum())
+            if micro.ref_logprobs is not None:  # free: the forward above computed the learner's log-probs
+                step_metrics.add(learner_kl_metrics(logprobs, micro.ref_logprobs, micro.loss_mask),
+                                 micro.loss_mask.sum())
         out = step_metrics.reduce()
         scale = None
         if corrector is not None:
@@ -184,17 +200,24 @@ class PPOUpdate:
     def _whole_batch_keywords(self, micros: list[RolloutBatch]) -> list[dict]:
         """Per micro-batch, the extra keywords of a loss whose mask is a statistic of the whole optimizer batch
         (M2PO), from a no-grad forward over every micro-batch with the weights the step starts from; none for the
-        other losses, or when this rank's share is one micro-batch (the loss's own statistic spans it then).
+        other losses, or when this rank's share is one micro-batch (the loss's own statistic spans it then). Under
+        the decoupled objective the statistic is taken on the proximal policy against the behaviour one (AReaL's
+        pair: ``old_logprobs`` against ``sample_logprobs``), which needs no forward.
         Ranks hold equally many micro-batches, so they agree on whether to take the collective inside."""
         trainer = self.trainer
         statistic = WHOLE_BATCH_STATISTICS.get(trainer.algo.policy_loss)
-        if statistic is None or len(micros) == 1:
+        decoupled = is_decoupled(trainer.config)
+        if statistic is None or (len(micros) == 1 and not decoupled):
             return [{} for _ in micros]
-        with torch.no_grad():
-            logprobs = [token_logprobs(trainer.actor_train, micro, sampling=trainer.config.sampling())[0]
-                        for micro in micros]
-        return statistic(logprobs=logprobs, old_logprobs=[micro.old_logprobs for micro in micros],
-                         loss_mask=[micro.loss_mask for micro in micros],
+        if decoupled:
+            numerators, denominators = [m.old_logprobs for m in micros], [m.sample_logprobs for m in micros]
+        else:
+            with torch.no_grad():
+                numerators = [token_logprobs(trainer.actor_train, micro, sampling=trainer.config.sampling())[0]
+                              for micro in micros]
+            denominators = [micro.old_logprobs for micro in micros]
+        return statistic(logprobs=numerators, old_logprobs=denominators,
+                         loss_mask=[policy_token_mask(m.loss_mask, m.token_weights) for m in micros],
                          turn_ids=[micro.turn_ids for micro in micros], config=trainer.algo)
 
     def _actor_step(self, mini: RolloutBatch) -> dict[str, float]:

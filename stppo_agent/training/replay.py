@@ -15,10 +15,13 @@ another algorithm therefore uses ``old_logprobs=recompute``; ``--set old_logprob
 sampler's log-probs instead, A's, and no step is then on-policy for B.)
 
 The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
-the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay through another
-algorithm therefore keeps the recorded run's resolved correction and cap; the level follows the replayed rule as
-``auto`` would have chosen it (turn level for turn-level rules) unless the recorded run set it explicitly. An
-explicit ``--set algorithm.rollout_correction...`` wins. The replay says which it used.
+the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay (through the recorded
+algorithm or another) keeps the recorded run's correction and cap as the run asked for them: a value it set, or
+``auto`` resolved against the backend and sampler precision that sampled the recorded batches, under the replay's
+own rule and objective (``--set stale_objective=decoupled`` then gets the decoupled objective's per-token mis).
+Through another algorithm the level follows the replayed rule as ``auto`` would have chosen it (turn level for
+turn-level rules) unless the recorded run set it explicitly. An explicit ``--set algorithm.rollout_correction...``
+wins. The replay says which it used.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from stppo_agent.algorithms import resolve_rollout_correction
+from stppo_agent.algorithms import ALGORITHMS, AUTO_FIELDS, resolve_rollout_correction
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.runs.recording import (
@@ -135,6 +138,7 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
     if not same_algo:  # another rule scores with its own weights (old_logprobs=sampler, set here, takes the run's)
         values["old_logprobs"] = "recompute"
     config = load_config(None, list(overrides), **values)
+    config.algorithm = {**config.algorithm, **correction_for_recording(config, original)}
     changed = [name for name in RECORDED_FIELDS if getattr(config, name) != getattr(original, name)]
     if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
         raise ValueError(f"a replay scores the recorded tokens with the settings that sampled them; "
@@ -148,17 +152,28 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
 
 
 def recorded_correction(original: TrainConfig) -> dict:
-    """The rollout-correction fields the recorded run's batches call for, as algorithm overrides for another rule
-    (``auto`` resolved against the backend that sampled them, not against the replay's)."""
+    """The rollout-correction fields the recorded run asked for, as algorithm overrides for another rule (``auto``
+    where it left them to ``auto``; :func:`correction_for_recording` resolves those)."""
     recorded = original.algorithm_config()
-    kept = {"rollout_correction": recorded.rollout_correction,
+    asked = {**dataclasses.asdict(ALGORITHMS[original.algo]), **original.algorithm}
+    kept = {"rollout_correction": asked["rollout_correction"],
             "rollout_correction_cap": recorded.rollout_correction_cap}
     automatic = resolve_rollout_correction(dataclasses.replace(recorded, rollout_correction_level="auto"),
                                            original.generation_backend,
                                            original.generation_autocast_dtype).rollout_correction_level
-    if recorded.rollout_correction_level != automatic:  # set by hand for that run: keep it
-        kept["rollout_correction_level"] = recorded.rollout_correction_level
+    if asked["rollout_correction_level"] not in ("auto", automatic):  # set by hand for that run: keep it
+        kept["rollout_correction_level"] = asked["rollout_correction_level"]
     return kept
+
+
+def correction_for_recording(config: TrainConfig, original: TrainConfig) -> dict:
+    """The replay's rollout-correction fields, resolved: ``auto`` against the backend and sampler precision that
+    sampled the recorded batches (a replay generates nothing: its own backend is not theirs), for the replay's rule
+    and objective."""
+    sampled = dataclasses.replace(config, generation_backend=original.generation_backend,
+                                  generation_autocast_dtype=original.generation_autocast_dtype)
+    algo = sampled.algorithm_config()
+    return {field: getattr(algo, field) for field in AUTO_FIELDS}
 
 
 def describe_correction(config: TrainConfig, original: TrainConfig, overrides: Sequence[str]) -> str:

@@ -3,9 +3,11 @@
 A group whose trajectories all earned the same reward teaches a group-relative rule nothing. Such groups are
 dropped and this iteration's prompts are followed by more, one full round of ``prompts_per_iteration`` at a time,
 until every rank holds as many informative groups as it had groups, or ``max_resample_rounds`` extra rounds are
-spent; then the batch is filled up with dropped groups (zero advantage, no gradient) so that every iteration has
-the same shape. Ranks take their rounds together (the prompt sampler is shared), so one short rank makes all of them
-sample another round.
+spent (0: no cap, verl's ``max_num_gen_batches`` meaning); then the batch is filled up with dropped groups so that
+every iteration has the same shape. The fillers are out of the update (:func:`without_fillers`: token weight 0):
+no gradient, and no place in the token-mean or sequence-mean denominator, so they do not shrink the other groups'
+step. Ranks take their rounds together (the prompt sampler is shared), so one short rank makes all of them sample
+another round. Every round, the extra ones too, passes the trainer's ``max_search_error_rate`` check.
 
 Logged: ``dynamic_sampling/rounds`` (extra rounds taken) and ``dynamic_sampling/dropped_frac`` (share of the sampled
 groups that were uninformative). The iteration's other rollout statistics (reward, ...) stay those of its first
@@ -19,14 +21,39 @@ from typing import Callable
 import torch
 
 from stppo_agent.algorithms import dropped_group_count, informative_groups
+from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.global_batch import merge_shares
 
 
+def check_dynamic_sampling(algo, samples_per_prompt: int) -> None:
+    """Refuse (one line) dynamic sampling where no group can ever be informative or where being uninformative
+    costs nothing: a group of one trajectory, or an advantage that is not relative to the group."""
+    if not algo.dynamic_sampling:
+        return
+    if algo.advantage not in GROUP_ESTIMATORS:
+        raise ValueError(f"algorithm.dynamic_sampling drops groups whose rewards are all equal, which only a "
+                         f"group-relative advantage ({', '.join(sorted(GROUP_ESTIMATORS))}) makes worthless; "
+                         f"{algo.name} uses {algo.advantage}: set algorithm.dynamic_sampling=false, or use --algo dapo")
+    if samples_per_prompt < 2:
+        raise ValueError("algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs "
+                         "in reward, so every round would be dropped): set samples_per_prompt >= 2")
+
+
+def without_fillers(weights: torch.Tensor | None, batch: RolloutBatch) -> torch.Tensor:
+    """The per-token policy-loss weights ``weights`` (None: all 1) with 0 on every group whose rewards are all
+    equal: the fillers :func:`keep_informative_groups` kept for the batch's shape."""
+    informative = informative_groups(batch.rewards, batch.group_ids).to(batch.loss_mask.device)
+    kept = batch.loss_mask & informative.unsqueeze(1)
+    base = weights if weights is not None else torch.ones(batch.loss_mask.shape, device=batch.loss_mask.device)
+    return torch.where(kept, base, torch.zeros((), dtype=base.dtype, device=base.device))
+
+
 def keep_informative_groups(first: RolloutBatch, play_round: Callable[[int], RolloutBatch], max_rounds: int,
                             pad_id: int) -> RolloutBatch:
-    """``first`` with its uninformative groups replaced by informative ones from ``play_round(r)``, r = 1, 2, ..."""
+    """``first`` with its uninformative groups replaced by informative ones from ``play_round(r)``, r = 1, 2, ...
+    (at most ``max_rounds`` of them; 0: until every rank is full)."""
     shares, rounds = [first], 0
     groups_needed = int(torch.unique(first.group_ids).numel())
     while True:
@@ -35,7 +62,8 @@ def keep_informative_groups(first: RolloutBatch, play_round: Callable[[int], Rol
         informative = int(torch.unique(merged.group_ids[keep]).numel())
         # any rank still short makes every rank play another round (a gathered object: rewards live on the CPU,
         # which an NCCL all-reduce would refuse)
-        if rounds >= max_rounds or not any(process_group.all_gather_objects(informative < groups_needed)):
+        capped = max_rounds > 0 and rounds >= max_rounds
+        if capped or not any(process_group.all_gather_objects(informative < groups_needed)):
             break
         rounds += 1
         shares.append(play_round(rounds))

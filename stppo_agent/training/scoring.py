@@ -1,5 +1,6 @@
 """Scoring a rollout batch before the update: the log-probs the PPO ratios start from, the reference's for the KL
-terms, the critic's values, and the advantages (whitened over the global batch when there are several ranks)."""
+terms, the critic's values, the advantages (whitened over the global batch when there are several ranks), and the
+per-token weights of the policy loss."""
 
 from __future__ import annotations
 
@@ -11,38 +12,44 @@ from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty, rollo
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.training.log_probs import batched_no_grad, critic_values, token_logprobs
+from stppo_agent.training.resampling import without_fillers
+from stppo_agent.training.stale_policy import is_decoupled
 
 
 @torch.no_grad()
 def score_batch(trainer, batch: RolloutBatch) -> None:
-    """Behaviour (pre-update) and reference log-probs, values, then advantages and returns, set on ``batch``;
-    the rollout-correction weights fold into the advantages."""
+    """Behaviour (pre-update) and reference log-probs, values, then advantages and returns, set on ``batch``, and
+    ``token_weights``: the rollout-correction weights, 0 on DAPO's filler groups (None when every weight is 1)."""
     micro, sampling = trainer.config.micro_batch_size, trainer.config.sampling()
 
-    def sampled_logprobs(model, micro_batch):  # under the distribution the rollout sampled from (as verl)
-        return token_logprobs(model, micro_batch, sampling=sampling)
+    def scored(model):  # under the distribution the rollout sampled from (as verl)
+        # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
+        # micro-batch), and one model at a time, so at most one full copy of weights is held.
+        with process_group.gathered(model):
+            return batched_no_grad(lambda m, b: token_logprobs(m, b, sampling=sampling), model, batch, micro)
 
-    # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
-    # micro-batch), and one model at a time, so at most one full copy of weights is held.
     # The PPO ratio's denominator: the policy that sampled the batch (the actor itself unless rollout_staleness lags
     # the generator), or for decoupled PPO the proximal policy, the actor before this update; with
     # old_logprobs=sampler, what the sampler computed while generating, in its own precision (no forward here).
+    decoupled = is_decoupled(trainer.config)
     sampler_logprobs = trainer.config.old_logprobs == "sampler"
     if sampler_logprobs:
         batch.old_logprobs = batch.sample_logprobs.to(trainer.device, torch.float32, copy=True)
     else:
-        behaviour = trainer.stale_policy.model if trainer.config.stale_objective == "coupled" else trainer.actor
-        with process_group.gathered(behaviour):
-            batch.old_logprobs = batched_no_grad(sampled_logprobs, behaviour, batch, micro)
+        batch.old_logprobs = scored(trainer.actor if decoupled else trainer.stale_policy.model)
     if trainer.reference is not None:
-        with process_group.gathered(trainer.reference):
-            batch.ref_logprobs = batched_no_grad(sampled_logprobs, trainer.reference, batch, micro)
+        batch.ref_logprobs = scored(trainer.reference)
     if trainer.critic is not None:
         with process_group.gathered(trainer.critic):
             batch.values = batched_no_grad(critic_values, trainer.critic, batch, micro)
+    # The KL columns and the reward's KL penalty are the behaviour policy's under both objectives: one more forward
+    # of the lagged weights under decoupled, where the ratio's denominator is another policy.
+    behaviour = batch.old_logprobs
+    if decoupled and batch.ref_logprobs is not None:
+        behaviour = scored(trainer.stale_policy.model)
     kl_penalty = None
     if trainer.algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
-        kl_penalty = kl_reward_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, trainer.algo)
+        kl_penalty = kl_reward_penalty(behaviour, batch.ref_logprobs, batch.loss_mask, trainer.algo)
     values = batch.values if batch.values is not None else torch.zeros_like(batch.old_logprobs)
     # Whitening must use the statistics of the whole global batch, so with several ranks it happens here.
     whiten_globally = trainer.world > 1 and trainer.algo.whiten_advantages
@@ -59,7 +66,7 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     weights, mismatch = (None, {}) if sampler_logprobs else rollout_correction_weights(
         batch.old_logprobs, batch.sample_logprobs, mask, batch.turn_ids, trainer.algo)
     batch.stats.update(mismatch)
-    if weights is not None:  # w' >= 0 times the advantage = w' times each token's clipped surrogate
-        batch.advantages = batch.advantages * weights
+    # each rule weights its own per-token terms (a sequence-level rule's are not a sum the advantage could carry)
+    batch.token_weights = without_fillers(weights, batch) if trainer.algo.dynamic_sampling else weights
     if batch.ref_logprobs is not None and mask.any():
-        batch.stats["kl_to_reference"] = float((batch.old_logprobs - batch.ref_logprobs)[mask].mean())
+        batch.stats["kl_to_reference"] = float((behaviour - batch.ref_logprobs)[mask].mean())

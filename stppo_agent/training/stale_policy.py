@@ -9,9 +9,14 @@ Two ways to learn from such data (``stale_objective``):
   behaviour policy, pi_theta / pi_{theta_{i-K}}, so the ratio carries the whole lag and the clip acts on it.
 - ``decoupled`` (AReaL's decoupled PPO, Fu et al. 2025): the ratio's denominator is the *proximal* policy -- the
   current weights before the update -- and the lag enters as a separate importance weight pi_prox / pi_behav per
-  token, capped (``rollout_correction`` mis drops tokens above ``rollout_correction_cap``, tis truncates them) and
-  never differentiated; :mod:`stppo_agent.algorithms.rollout_correction` computes it from the behaviour log-probs
-  recorded at sampling time.
+  token for every rule (``auto`` resolves to mis at token level), capped (``rollout_correction`` mis drops tokens
+  above ``rollout_correction_cap``, tis truncates them) and never differentiated;
+  :mod:`stppo_agent.algorithms.rollout_correction` computes it from the behaviour log-probs recorded at sampling
+  time. M2PO's second moment is taken on the same pair (proximal against behaviour), as AReaL does.
+
+Under both objectives ``kl_to_reference`` and the reward's KL penalty are the behaviour policy's (the weights that
+sampled the tokens), so the columns of a coupled and a decoupled run mean the same; ``learner_kl_to_reference`` is
+the policy being updated.
 
 K = 0 changes nothing: the generating model is the actor itself and no copy is made.
 """
@@ -26,6 +31,11 @@ import torch
 from stppo_agent.models.precision import independent_copy
 
 OBJECTIVES = ("coupled", "decoupled")
+
+
+def is_decoupled(config) -> bool:
+    """The decoupled objective is in effect: ``stale_objective=decoupled`` with a lag to decouple (K > 0)."""
+    return config.rollout_staleness > 0 and config.stale_objective == "decoupled"
 
 
 class StalePolicy:
