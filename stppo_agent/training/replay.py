@@ -160,14 +160,17 @@ def describe_correction(config: TrainConfig, original: TrainConfig, overrides: S
 
 
 def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
-           iterations: int | None = None, report: Callable[[str], None] = print) -> dict:
-    """Replay ``run_dir``'s recorded batches through ``algo``; returns the last iteration's metrics."""
+           iterations: int | None = None, report: Callable[[str], None] = print, resume: bool = False,
+           overwrite: bool = False) -> dict:
+    """Replay ``run_dir``'s recorded batches through ``algo``; returns the last iteration's metrics. ``resume`` /
+    ``overwrite``: continue or replace a replay already in ``output_dir``, as ``stppo train`` does."""
     from stppo_agent.training.trainer import Trainer
 
     config = replay_config(run_dir, algo, output_dir, overrides, iterations)
     if Path(output_dir).resolve() == Path(run_dir).resolve():
         raise ValueError("the replay's --output-dir must differ from the recorded run's folder")
-    trainer = Trainer(config, report=report, rollout_source=lambda t: RecordedRollouts(t, Path(run_dir)))
+    trainer = Trainer(config, report=report, rollout_source=lambda t: RecordedRollouts(t, Path(run_dir)),
+                      resume=resume, overwrite=overwrite)
     if process_group.is_main():
         original = recorded_config(run_dir)
         report(describe_correction(config, original, overrides))
