@@ -43,17 +43,18 @@ def _is_local(model: str) -> bool:
     return model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
 
 
-def reconcile(previous: Mapping[str, Any], current: Mapping[str, Any], recorded: str | None,
+def reconcile(previous: Mapping[str, Any], current: Mapping[str, Any], recorded: str | None, needed: bool,
               report: Callable[[str], None] | None = None) -> Mapping[str, Any]:
     """``previous`` (the checkpoint's config) with its ``model`` replaced by ``current``'s when that is a copy of
     the same weights (``recorded``: the checkpoint's ``model_sha256``), so that
     :func:`stppo_agent.runs.resume_settings.check` sees no change. ValueError (one line) when the model the resume
-    would use no longer exists, or is another model by its hash."""
+    would load (``needed``: a KL reference; otherwise the actor and tokenizer come from the checkpoint) no longer
+    exists, or when another folder is named that holds other weights."""
     old, new = previous.get("model"), current.get("model")
     if not isinstance(old, str) or not isinstance(new, str):
         return previous
     known = f" (sha256 {recorded[:16]}...)" if recorded else ""
-    if _is_local(new) and not Path(new).expanduser().exists():
+    if _is_local(new) and not Path(new).expanduser().exists() and (needed or new != old):
         said = "this run's config.yaml names it" if new == old else "--model names it"
         raise ValueError(f"--resume: the base model {new} does not exist ({said}; moved, or STPPO_CACHE_DIR "
                          f"changed?): pass --model with the folder it is in now, a copy of the same weights{known}")

@@ -85,7 +85,9 @@ def _previous_settings(trainer, checkpoint: Path, report=None) -> tuple[dict[str
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     previous = checkpoint_config(checkpoint)
     if previous is not None:
-        previous = dict(base_model.reconcile(previous, run_config(trainer), state.get("model_sha256"), report))
+        needed = trainer.algo.kl_in_reward > 0 or trainer.algo.kl_loss_coef > 0  # the reference is the base model
+        previous = dict(base_model.reconcile(previous, run_config(trainer), state.get("model_sha256"), needed,
+                                             report))
     return previous, int(state["iteration"])
 
 
