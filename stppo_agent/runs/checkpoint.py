@@ -271,7 +271,8 @@ def drop_optimizer_state(folder: Path) -> None:
         return  # not ours to repair: verify_checkpoint reports it
     if not isinstance(manifest, dict):
         return
-    if any(manifest.pop(name, None) is not None for name in list(RESUME_FILES)):
+    dropped = [name for name in RESUME_FILES if manifest.pop(name, None) is not None]
+    if dropped:
         scratch = folder.parent / f".{folder.name}.manifest.tmp"
         scratch.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(scratch, manifest_path)
