@@ -26,20 +26,23 @@ PINS = ".pins"
 _held: dict[Path, tuple[Path, int]] = {}  # run's checkpoints/ -> (pinned checkpoint, open descriptor)
 
 
-def _pin_path(folder: Path) -> Path:
-    return folder.parent / PINS / folder.name
+def _open_pin(folder: Path) -> tuple[Path, int | None]:
+    """``folder``'s pin file and a descriptor on it (created if need be); None where locks cannot be taken."""
+    path = folder.parent / PINS / folder.name
+    if fcntl is None:
+        return path, None
+    try:
+        path.parent.mkdir(exist_ok=True)
+        return path, os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:  # a read-only run folder
+        return path, None
 
 
 def pin(folder: Path) -> bool:
     """Hold a shared lock on ``folder``'s pin (releasing this process's earlier pin of the same run); True when
     held, False when ``folder`` went away first or the run folder takes no locks."""
-    if fcntl is None:
-        return False
-    path = _pin_path(folder)
-    try:
-        path.parent.mkdir(exist_ok=True)
-        descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
+    path, descriptor = _open_pin(folder)
+    if descriptor is None:
         return False
     fcntl.flock(descriptor, fcntl.LOCK_SH)  # waits only while the trainer removes this very checkpoint
     try:
@@ -58,14 +61,8 @@ def pin(folder: Path) -> bool:
 
 def remove_unless_pinned(folder: Path) -> bool:
     """Remove checkpoint ``folder`` unless a reader pins it; True when removed. The trainer's side of :func:`pin`."""
-    if fcntl is None:
-        shutil.rmtree(folder, ignore_errors=True)
-        return True
-    path = _pin_path(folder)
-    try:
-        path.parent.mkdir(exist_ok=True)
-        descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
+    path, descriptor = _open_pin(folder)
+    if descriptor is None:
         shutil.rmtree(folder, ignore_errors=True)
         return True
     try:
@@ -78,9 +75,3 @@ def remove_unless_pinned(folder: Path) -> bool:
         return True
     finally:
         os.close(descriptor)
-
-
-def pinned(folder: Path) -> bool:
-    """Whether this process holds ``folder``'s pin."""
-    held = _held.get(folder.parent)
-    return held is not None and held[0] == folder
