@@ -69,7 +69,7 @@ class StalePolicy:
             return {}
         pending = list(self.pending)
         from_actor = bool(pending) and _equal(pending[-1], actor.state_dict())
-        return {"model": self.model.state_dict(), "pending": pending[:-1] if from_actor else pending,
+        return {"model": _copy(self.model.state_dict()), "pending": pending[:-1] if from_actor else pending,
                 "pending_from_actor": from_actor, "aliases": _aliases(self.model.state_dict())}
 
     @torch.no_grad()
