@@ -187,11 +187,12 @@ def _choose(run_dir: Path, which: str) -> tuple[Path, str]:
 
 
 def _score(records, step: int) -> str:
-    """``0.480, iteration 15's rollouts``: the reward and where it comes from."""
+    """``0.480, iteration 15's rollouts: its weights sampled``: the reward and where it comes from."""
     from stppo_agent.runs.checkpoint_health import checkpoint_score
 
     reward, iteration = checkpoint_score(records, step)
-    source = "its weights sampled" if iteration != step else "its own update's, the newest weights sampled none"
+    source = "its weights sampled" if iteration != step else \
+        "the iteration that made its weights, which sampled none before the run ended"
     return f"{reward:.3f}, iteration {iteration}'s rollouts: {source}"
 
 
