@@ -291,7 +291,7 @@ def test_an_unmonitored_run_has_no_healthy_checkpoint_and_its_best_says_so(tiny_
     rewards = {s: checkpoint_reward(records, s) for s in (1, 2, 3, 4)}
     best = max(sorted(rewards), key=lambda s: (rewards[s], s))
     assert folder.name == f"step-{best}", (rewards, why)
-    assert f"highest training reward ({rewards[best]:.3f})" in why and "not monitored" in why
+    assert f"highest training reward ({rewards[best]:.3f}, iteration " in why and "not monitored" in why
     # iterations the monitor never saw vouch for nothing in a run that turned it on later
     judged = [{"step": 1, "reward": 0.9}, {"step": 2, "reward": 0.9},
               {"step": 3, "reward": 0.5, "collapse/tripped": 0}, {"step": 4, "reward": 0.5, "collapse/tripped": 0}]

@@ -92,9 +92,12 @@ def test_verification_refuses_each_kind_of_damage(tmp_path):
         ck.verify_checkpoint(folder)
     weights.write_bytes(good)
     ck.verify_checkpoint(folder)
-    (folder / "extra.bin").write_text("x")
-    (folder / "actor" / "added.bin").write_text("x")
-    with pytest.raises(ck.CorruptCheckpointError, match="does not list actor/added.bin, extra.bin$"):
+    (folder / "extra.bin").write_text("x")  # not read by loading: someone else's file, not the checkpoint's
+    (folder / "notes" / "results.json").parent.mkdir()
+    (folder / "notes" / "results.json").write_text("{}")
+    ck.verify_checkpoint(folder)
+    (folder / "actor" / "added.bin").write_text("x")  # in the model folder a loader reads whole: must be vouched for
+    with pytest.raises(ck.CorruptCheckpointError, match="does not list actor/added.bin$"):
         ck.verify_checkpoint(folder)
     (folder / "extra.bin").unlink()
     (folder / "actor" / "added.bin").unlink()
@@ -207,8 +210,11 @@ def test_in_dtype_keeps_tied_tensors_tied_and_distinct_ones_distinct():
 
 
 @pytest.mark.parametrize("dtype, policy, on_collapse, message", [
-    ("float64", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'float64'$"),
+    ("bfloat61", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' "
+                              r"\(did you mean bfloat16\?\)$"),
+    ("int8", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'int8'$"),
     (None, "oldest", None, "^checkpoint_optimizer must be all or newest, got 'oldest'$"),
+    (None, "newset", None, r"^checkpoint_optimizer must be all or newest, got 'newset' \(did you mean newest\?\)$"),
     (None, "newest", "rollback", "^checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback "
                                  "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$")])
 def test_bad_checkpoint_settings_are_refused(dtype, policy, on_collapse, message):
@@ -394,7 +400,7 @@ def test_a_checkpoints_reward_is_the_next_iterations_else_its_own():
     rows = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 3, "reward": float("inf")},
             {"step": 4, "reward": True}, {"step": "5", "reward": 5}, {"other": 1}]
     assert checkpoint_reward(rows, 1) == 0.2
-    assert checkpoint_reward(rows, 2) == 0.2  # 3's reward is not finite
+    assert checkpoint_reward(rows, 2) is None  # its own rollouts' (3's) reward is not finite: not the older 2's
     assert checkpoint_reward(rows, 4) == 5.0 and isinstance(checkpoint_reward(rows, 4), float)
     assert checkpoint_reward(rows, 3) is None  # neither 4 (a bool) nor 3 (infinite)
     assert checkpoint_reward(rows, 9) is None
@@ -436,10 +442,11 @@ class FakeStale:
     def __init__(self):
         self.loaded = "never"
 
-    def state(self):
-        return {"lagged": torch.full((2,), 3.0)}
+    def state(self, actor):
+        return {"model": {"w": torch.full((2,), 3.0)}, "pending": [{"w": torch.full((2,), 4.0)}],
+                "pending_from_actor": True, "aliases": {}}
 
-    def load(self, state):
+    def load(self, state, actor):
         self.loaded = state
 
 
@@ -511,7 +518,7 @@ def test_checkpoint_states_hold_the_counters_the_config_and_every_optimizer(tmp_
     grpo = fake_trainer(tmp_path, critic=False, rollout_staleness=1)
     tensors, _ = checkpoint_states(grpo)
     assert "critic_optimizer" not in tensors and "critic_scheduler" not in tensors
-    assert tensors["stale_policy"]["lagged"].tolist() == [3.0, 3.0]
+    assert tensors["stale_policy"]["model"]["w"].tolist() == [3.0, 3.0]
 
 
 def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(tmp_path):
@@ -536,7 +543,9 @@ def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(
     resume(fresh, folder)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert (fresh.iteration, fresh.optimizer_steps, fresh.nan_skips_total) == (6, 13, 2)
-    assert fresh.source.loaded == {"position": 42} and fresh.stale_policy.loaded["lagged"].tolist() == [3.0, 3.0]
+    assert fresh.source.loaded == {"position": 42} and fresh.stale_policy.loaded["model"]["w"].tolist() == [3.0, 3.0]
+    assert fresh.stale_policy.loaded["pending"][0]["w"].tolist() == [4.0, 4.0]
+    assert fresh.stale_policy.loaded["pending_from_actor"]
     for name in ("actor", "critic"):
         old, new = getattr(saved, f"{name}_optimizer"), getattr(fresh, f"{name}_optimizer")
         model = getattr(fresh, name)
@@ -837,8 +846,9 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
     built = []
 
     class FakeTrainer:
-        def __init__(self, config, report, rollout_source):
+        def __init__(self, config, report, rollout_source, resume, overwrite):
             self.config, self.report, self.rollout_source = config, report, rollout_source
+            self.intent = (resume, overwrite)
             self.algo = config.algorithm_config()
             self.rank, self.world, self.tokenizer = 0, 1, word_tokenizer()
             Path(config.output_dir).mkdir(parents=True)
@@ -853,6 +863,7 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
     assert replay(run, "grpo", str(out), iterations=2, report=messages.append) == {"done": 2}
     trainer = built[0]
     assert trainer.config.algo == "grpo" and trainer.report == messages.append
+    assert trainer.intent == (False, False)  # a folder holding a run is refused unless --resume or --overwrite
     source = trainer.rollout_source(trainer)
     assert isinstance(source, RecordedRollouts) and source.folder == run / "rollouts"
     written = {"replay_of": str(run.resolve()), "recorded_algo": "ppo", "algo": "grpo", "iterations": 2,

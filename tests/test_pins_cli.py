@@ -611,8 +611,12 @@ def test_replay_defaults_and_the_summary(monkeypatch, capsys):
     replay, loaded, summary = _replay(monkeypatch)
     assert run(capsys, "replay", "runs/a", "--output-dir", "runs/b") == \
         (0, "SUMMARY runs/b | replay of runs/a written to\n", "")
-    assert replay.replay.only == (("runs/a", None, "runs/b", [], None), {})
+    assert replay.replay.only == (("runs/a", None, "runs/b", [], None), {"resume": False, "overwrite": False})
     assert loaded.calls == [] and replay.recorded_config.calls == []  # nothing to import, no algorithm to check
+    run(capsys, "replay", "runs/a", "--output-dir", "runs/b", "--resume")
+    assert replay.replay.calls[-1][1] == {"resume": True, "overwrite": False}
+    run(capsys, "replay", "runs/a", "--output-dir", "runs/b", "--overwrite")
+    assert replay.replay.calls[-1][1] == {"resume": False, "overwrite": True}
 
 
 def test_replay_options_reach_the_replay(monkeypatch, capsys):
@@ -623,7 +627,8 @@ def test_replay_options_reach_the_replay(monkeypatch, capsys):
     assert code == 0
     plugins = 'plugins=["/abs/rec.py", "my_pkg.algos"]'  # the recorded run's first, each once; --set after it wins
     assert replay.replay.only == (("runs/a", "grpo", "runs/b", [plugins, "actor_lr=1e-6",
-                                                                 "algorithm.clip_high=0.28"], 3), {})
+                                                                 "algorithm.clip_high=0.28"], 3),
+                                  {"resume": False, "overwrite": False})
     assert loaded.calls == [((["/abs/rec.py", "my_pkg.algos"],), {}), ((["/abs/rec.py"],), {})]
     assert replay.recorded_config.calls == [(("runs/a",), {})] * 2  # the plugins of the run being replayed
     assert json.loads(out) == {"loss": 0.5, "iteration": 2}  # --json: the numbers only

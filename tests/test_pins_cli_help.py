@@ -104,6 +104,8 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             'run': 'run folder with rollouts/ (recorded with --set save_rollouts=true)',
             '--algo': "algorithm to replay with (default: the recorded run's own)",
             '--output-dir': "the replay's run folder",
+            '--resume': 'continue an interrupted replay in --output-dir from its last valid checkpoint',
+            '--overwrite': 'replace the run the output folder holds',
             '--iterations': 'replay the first N recorded iterations',
             '--set KEY=VALUE': 'override a field of the recorded config, e.g. algorithm.clip_high=0.28',
             '--import FILE_OR_MODULE': IMPORT_HELP + RECORDED,

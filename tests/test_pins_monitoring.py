@@ -301,7 +301,9 @@ def make_checkpoint(run_dir: Path, step: int) -> Path:
     folder.mkdir(parents=True)
     data = f"weights {step}".encode()
     (folder / "w.bin").write_bytes(data)
-    manifest = {"w.bin": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
+    (folder / "optimizer_state.pt").write_bytes(data)  # a rollback restores it
+    manifest = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                for name in ("w.bin", "optimizer_state.pt")}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 

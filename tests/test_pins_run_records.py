@@ -306,7 +306,8 @@ def test_resume_settings_changes_in_order_with_numbers_compared_by_value():
 
 FIXED_REASONS = {
     "model": "the reference policy (KL) and the recorded initial weights are this model; the checkpoint's actor was "
-             "trained from it",
+             "trained from it (a moved copy of the same weights is accepted: checkpoints record their sha256, "
+             "those written before that cannot tell)",
     "critic_model": "the checkpoint's critic was trained from it",
     "algo": "a run trains one algorithm; to apply another rule to the same start, replay recorded rollouts or start a "
             "new run from the checkpoint's actor",
@@ -510,7 +511,8 @@ def test_run_folder_pick_checkpoint_by_name(tmp_path):
     steps = run / "checkpoints"
     assert run_folder.pick_checkpoint(run) == (steps / "step-4", "step-4: the newest checkpoint")
     assert run_folder.pick_checkpoint(run, "best") == (
-        steps / "step-1", "step-1: the healthy checkpoint with the highest training reward (0.900)")
+        steps / "step-1", "step-1: the healthy checkpoint with the highest training reward (0.900, iteration 2's "
+                          "rollouts: its weights sampled)")
     assert run_folder.pick_checkpoint(run, "healthy") == (steps / "step-3", "step-3: the newest healthy checkpoint")
     assert run_folder.pick_checkpoint(run, "3") == (steps / "step-3", "step-3: as asked")
     with pytest.raises(ValueError) as caught:
@@ -519,7 +521,8 @@ def test_run_folder_pick_checkpoint_by_name(tmp_path):
     with pytest.raises(ValueError, match="@newest: choose"):
         run_folder.pick_checkpoint(run, "newest")
     corrupt(steps / "step-4")
-    assert run_folder.pick_checkpoint(run)[0] == steps / "step-3"  # the newest that verifies
+    assert run_folder.pick_checkpoint(run) == (  # the newest that verifies, saying so
+        steps / "step-3", "step-3: the newest checkpoint that verifies (the newer step-4 does not)")
     records = read_metrics(run)
     for record in records:
         record["collapse/tripped"] = 1
@@ -528,8 +531,8 @@ def test_run_folder_pick_checkpoint_by_name(tmp_path):
         with pytest.raises(FileNotFoundError) as caught:
             run_folder.pick_checkpoint(run, which)
         assert str(caught.value) == (f"{run}: no checkpoint is known healthy (kept: steps 1, 2, 3); a healthy one "
-                                     "needs its iteration and the next logged without a collapse signal. Use @latest "
-                                     "or @STEP")
+                                     "needs its iteration and the one its weights sampled logged without a collapse "
+                                     "signal. Use @latest or @STEP")
     with pytest.raises(FileNotFoundError, match=r"^/.* has no checkpoint that verifies$"):
         run_folder.pick_checkpoint(tmp_path / "empty")
 
@@ -541,8 +544,9 @@ def test_run_folder_pick_checkpoint_of_an_unmonitored_run(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.4}\n{"step": 2, "reward": 0.8}\n'
                                        '{"step": 3, "reward": 0.1}\n')
     assert run_folder.pick_checkpoint(run, "best") == (
-        run / "checkpoints" / "step-1", "step-1: the checkpoint with the highest training reward (0.800); the run was "
-                                        "not monitored (on_collapse=none), so its health is unknown")
+        run / "checkpoints" / "step-1", "step-1: the checkpoint with the highest training reward (0.800, iteration "
+                                        "2's rollouts: its weights sampled); the run was not monitored "
+                                        "(on_collapse=none), so its health is unknown")
     with pytest.raises(FileNotFoundError) as caught:
         run_folder.pick_checkpoint(run, "healthy")
     assert str(caught.value) == (f"{run} was trained with on_collapse=none: no collapse monitor judged its "

@@ -830,11 +830,11 @@ def test_staleness_zero_generates_with_the_actor_itself():
 
     actor = torch.nn.Linear(2, 2)
     policy = StalePolicy(actor, 0)
-    assert policy.model is actor and policy.lag == 0 and policy.state() == {}
+    assert policy.model is actor and policy.lag == 0 and policy.state(actor) == {}
     assert actor.training and actor.weight.requires_grad
     policy.advance(actor)
     assert policy.lag == 0 and not policy.pending
-    policy.load(None)  # nothing to restore
+    policy.load(None, actor)  # nothing to restore
     with pytest.raises(ValueError, match=r"^rollout_staleness must be >= 0, got -1$"):
         StalePolicy(actor, -1)
 
@@ -848,7 +848,8 @@ def test_iteration_i_generates_with_the_weights_after_i_minus_k_updates():
     policy = StalePolicy(actor, 2)
     assert policy.model is not actor and not policy.model.training
     assert not any(p.requires_grad for p in policy.model.parameters()) and actor.weight.requires_grad
-    assert policy.state()["pending"] == [] and float(policy.state()["model"]["weight"]) == 0.0
+    assert policy.state(actor)["pending"] == [] and float(policy.state(actor)["model"]["weight"]) == 0.0
+    assert not policy.state(actor)["pending_from_actor"]  # nothing queued yet
     generating = []
     for update in range(1, 6):  # iteration update-1 plays, then the actor takes its update-th step
         generating.append(float(policy.model.weight))
@@ -857,16 +858,25 @@ def test_iteration_i_generates_with_the_weights_after_i_minus_k_updates():
         policy.advance(actor)
         assert policy.lag == min(2, update)
     assert generating == [0.0, 0.0, 0.0, 1.0, 2.0]  # max(0, i - 2) updates
-    state = policy.state()
-    assert float(state["model"]["weight"]) == 3.0 and [float(s["weight"]) for s in state["pending"]] == [4.0, 5.0]
+    state = policy.state(actor)
+    # the newest queued weights (5.0) are the actor's own: the checkpoint's actor restores them
+    assert float(state["model"]["weight"]) == 3.0 and [float(s["weight"]) for s in state["pending"]] == [4.0]
+    assert state["pending_from_actor"] and state["aliases"] == {}
     with torch.no_grad():
         policy.model.weight.fill_(-1.0)
     assert float(state["model"]["weight"]) == 3.0  # a copy, not the live tensor
     fresh = StalePolicy(actor, 2)
-    fresh.load(state)
+    fresh.load(state, actor)
     assert float(fresh.model.weight) == 3.0 and fresh.lag == 2
+    assert [float(s["weight"]) for s in fresh.pending] == [4.0, 5.0]
+    with torch.no_grad():
+        actor.weight.fill_(6.0)  # another update: the queued actor weights were a copy too
+    assert float(fresh.pending[-1]["weight"]) == 5.0
+    other = StalePolicy(actor, 2)
+    other.load({**state, "pending_from_actor": False}, actor)  # a queue stored whole (older checkpoints)
+    assert [float(s["weight"]) for s in other.pending] == [4.0]
     with pytest.raises(ValueError, match=r"^the checkpoint holds no lagged policy, but rollout_staleness is 2"):
-        fresh.load({})
+        fresh.load({}, actor)
 
 
 def test_the_lagged_copy_keeps_the_autocast_of_the_run():

@@ -126,7 +126,8 @@ def test_a_resume_continues_the_lag_and_refuses_another_k(tiny_model, tmp_path):
     stopped = tmp_path / "stopped"
     Trainer(stale_config(tiny_model, stopped, 2, iterations=3, save_every=1), report=lambda _: None).train()
     tensors, _ = load_trainer_state(stopped / "checkpoints" / "step-3")
-    assert len(tensors["stale_policy"]["pending"]) == 2
+    # two queued weights: the older stored, the newer the checkpoint's own actor
+    assert len(tensors["stale_policy"]["pending"]) == 1 and tensors["stale_policy"]["pending_from_actor"]
     with pytest.raises(ValueError, match="rollout_staleness"):
         Trainer(stale_config(tiny_model, stopped, 1), resume=True, report=lambda _: None)
     Trainer(stale_config(tiny_model, stopped, 2), resume=True, report=lambda _: None).train()
@@ -151,9 +152,12 @@ def test_kill_9_then_resume_with_staleness_matches_an_uninterrupted_run(tiny_mod
                    capture_output=True)
     final = f"checkpoints/step-{iterations}"
     resumed, uninterrupted = load_trainer_state(interrupted / final)[0], load_trainer_state(reference / final)[0]
+    assert len(resumed["stale_policy"]["pending"]) == len(uninterrupted["stale_policy"]["pending"]) == 1
     for a, b in zip([resumed["stale_policy"]["model"], *resumed["stale_policy"]["pending"]],
                     [uninterrupted["stale_policy"]["model"], *uninterrupted["stale_policy"]["pending"]]):
         assert same(a, b)
+    assert same(load_actor(str(interrupted / final / "actor")).state_dict(),
+                load_actor(str(reference / final / "actor")).state_dict())
     assert [r["staleness"] for r in read_metrics(interrupted)] == [0, 1] + [2] * (iterations - 2)
     assert [r["reward"] for r in read_metrics(interrupted)] == [r["reward"] for r in read_metrics(reference)]
 

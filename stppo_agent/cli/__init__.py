@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stppo_envs.retrieval import RetrievalError
 
     try:
+        refuse_outputs_inside_checkpoints(args)
         return args.handler(args) or 0
     except CollapseStopped as exc:  # not a failure of the program: its own exit code, so scripts can tell
         print(f"stppo {args.command}: stopped: {exc}", file=sys.stderr)
@@ -57,3 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # one line, however many a library put in its message (transformers' hub errors span several)
         print(f"stppo {args.command}: error: {' '.join(str(message).split())}", file=sys.stderr)
         return 1
+
+
+def refuse_outputs_inside_checkpoints(args: argparse.Namespace) -> None:
+    """No command writes into a run's checkpoints/step-N, whatever its output flag is called."""
+    from stppo_agent.runs.run_folder import refuse_inside_checkpoint
+
+    for option in ("output_dir", "out"):
+        if getattr(args, option, None):
+            refuse_inside_checkpoint(getattr(args, option), "--" + option.replace("_", "-"))

@@ -65,7 +65,6 @@ def _train(args: argparse.Namespace) -> tuple[dict, str]:
     from stppo_agent.plugins.loader import portable_specs
     from stppo_agent.plugins.name_checks import check_train_config
     from stppo_agent.rollouts.envs import refuse_training_data_without_retriever
-    from stppo_agent.runs.checkpoint import check_checkpoint_settings
     from stppo_agent.training.config import load_config
 
     config_file = args.config
@@ -76,10 +75,20 @@ def _train(args: argparse.Namespace) -> tuple[dict, str]:
     config.plugins = portable_specs([*config.plugins, *args.imports])
     check_train_config(config)  # plugins imported, then every name checked before a model loads
     refuse_training_data_without_retriever(config.env, config.env_kwargs or {})
-    check_checkpoint_settings(config.checkpoint_dtype, config.checkpoint_optimizer, config.on_collapse)
+    check_run_settings(config)
     # Only a config that passed every check pays for importing the trainer (transformers' modelling code, ~2 s).
     from stppo_agent.models.default_model import resolve_model
     from stppo_agent.training.trainer import Trainer
 
     config.model = resolve_model(config.model) if config.model else config.model
     return Trainer(config, resume=args.resume, overwrite=args.overwrite).train(), config.output_dir
+
+
+def check_run_settings(config) -> None:
+    """What the collapse guard and the checkpoints are told to do, checked before a model loads (with the closest
+    valid value for a typo)."""
+    from stppo_agent.monitoring.collapse_rules import check_action
+    from stppo_agent.runs.checkpoint import check_checkpoint_settings
+
+    check_action(config.on_collapse)
+    check_checkpoint_settings(config.checkpoint_dtype, config.checkpoint_optimizer, config.on_collapse)

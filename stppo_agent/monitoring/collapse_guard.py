@@ -10,10 +10,12 @@
   aside to ``checkpoints/.collapsed-step-N`` (kept for inspection, never resumed from), and the restored state
   is saved at once as the current iteration's checkpoint, so ``--resume`` continues the rolled-back run.
 
-A checkpoint is *healthy* when the iteration that made it and the next one (whose rollouts its weights sampled)
-tripped no signal (:func:`stppo_agent.runs.checkpoint_health.healthy_steps`). Pruning keeps the newest healthy
-checkpoint and the best one (by :func:`stppo_agent.runs.checkpoint_health.checkpoint_reward`) besides the
-``keep_checkpoints`` newest.
+A checkpoint is *healthy* when the iteration that made it and the one whose rollouts its weights sampled (the next,
+or K + 1 later under ``rollout_staleness`` K) tripped no signal
+(:func:`stppo_agent.runs.checkpoint_health.healthy_steps`). A rollback returns only to a healthy checkpoint that
+holds optimizer state (one written under ``checkpoint_optimizer=newest`` before a resume may not): with none, the
+run stops as ``stop`` does. Pruning keeps the newest healthy checkpoint and the best one (by
+:func:`stppo_agent.runs.checkpoint_health.checkpoint_reward`) besides the ``keep_checkpoints`` newest.
 
 The first process decides (it holds the run's metrics); every process carries out the decision.
 """
@@ -26,8 +28,8 @@ from typing import Any
 
 from stppo_agent.distributed import process_group
 from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings, Verdict
-from stppo_agent.runs.checkpoint import list_checkpoints, set_aside, valid_checkpoints
-from stppo_agent.runs.checkpoint_health import best_step, healthy_steps
+from stppo_agent.runs.checkpoint import holds_resume_state, list_checkpoints, set_aside, valid_checkpoints
+from stppo_agent.runs.checkpoint_health import STALENESS_KEY, best_step, healthy_steps
 
 
 class CollapseStopped(RuntimeError):
@@ -46,7 +48,7 @@ class Decision:
         return self.action == "stop"
 
 
-_KEPT_KEYS = ("step", "reward", "collapse/tripped", "collapse/alarm", "collapse/warmup")
+_KEPT_KEYS = ("step", "reward", STALENESS_KEY, "collapse/tripped", "collapse/alarm", "collapse/warmup")
 
 
 class CollapseGuard:
@@ -104,11 +106,19 @@ class CollapseGuard:
                 return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every save_every="
                                         f"{config.save_every} iterations; a healthy one needs two quiet "
                                         "iterations). Stopping; lower actor_lr, or save more often.")
+            folders = self.trainer.run_dir / "checkpoints"
+            resumable = [s for s in healthy if holds_resume_state(folders / f"step-{s}")]
+            if not resumable:
+                return Decision("stop", f"{head}. Cannot roll back: {known}, and no healthy checkpoint holds "
+                                        "optimizer state (written under checkpoint_optimizer=newest, which keeps it "
+                                        f"in the newest only). Stopping; its weights start a new run: --model "
+                                        f"{folders / f'step-{healthy[-1]}' / 'actor'}, or continue with --resume "
+                                        "--set actor_lr=<lower>.")
             factor = config.rollback_lr_factor
             rate = config.actor_lr * self.trainer.actor_lr_scale * factor  # compounded over earlier rollbacks
-            return Decision("rollback", f"{head}. Rolling back to step-{healthy[-1]} with the actor learning "
+            return Decision("rollback", f"{head}. Rolling back to step-{resumable[-1]} with the actor learning "
                                         f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
-                                        f"{config.max_rollbacks}).", rollback_to=healthy[-1])
+                                        f"{config.max_rollbacks}).", rollback_to=resumable[-1])
         return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
                                 f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
 

@@ -34,8 +34,16 @@ from statistics import median
 from typing import Any, Iterable, Mapping, Sequence
 
 from stppo_agent.runs.checkpoint_health import REWARD_KEY, finite_number
+from stppo_envs.suggest import did_you_mean
 
 ACTIONS = ("none", "warn", "stop", "rollback")
+
+
+def check_action(on_collapse: str) -> None:
+    """``on_collapse`` is one of :data:`ACTIONS` (ValueError, one line, with the closest one)."""
+    if on_collapse not in ACTIONS:
+        raise ValueError(f"on_collapse must be one of {', '.join(ACTIONS)}, got {on_collapse!r}"
+                         f"{did_you_mean(str(on_collapse), ACTIONS)}")
 
 
 @dataclasses.dataclass(frozen=True)

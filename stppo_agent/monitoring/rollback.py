@@ -36,7 +36,7 @@ def restore_training_state(trainer, folder: Path, lr_factor: float) -> float:
     if trainer.critic is not None:
         load_full_model_state(trainer.critic, load_critic(folder / "critic", config.dtype).state_dict())
     restore_optimizers(trainer, tensors)
-    trainer.stale_policy.load(tensors.get("stale_policy"))  # the lagged generator goes back with the weights
+    trainer.stale_policy.load(tensors.get("stale_policy"), trainer.actor)  # the lagged generator goes back too
     trainer.actor_lr_scale *= lr_factor
     apply_learning_rates(trainer)  # the run's rates over the checkpoint's: only the optimizer moments go back
     if hasattr(trainer.backend, "sync_weights"):  # an engine with its own copy of the weights (vLLM)

@@ -1,9 +1,12 @@
 """Checkpoints as Hugging Face folders plus trainer state, written atomically and verified before loading.
 
     checkpoints/step-N/
-      actor/              save_pretrained (safetensors) + tokenizer: AutoModelForCausalLM.from_pretrained works
+      actor/              save_pretrained (safetensors) + tokenizer: AutoModelForCausalLM.from_pretrained works;
+                          config.json states the dtype the weights are stored in
       critic/             AutoModelForTokenClassification folder (PPO family only)
       optimizer_state.pt  the actor's and critic's AdamW moments (8 bytes per parameter in float32)
+      lagged_policy.safetensors  rollout_staleness K > 0 only: K copies of the actor's weights, what continues the
+                          lag on resume (stppo_agent/runs/lagged_weights.py)
       trainer_state.pt    scheduler state, torch RNG (torch.load(weights_only=True))
       trainer_state.json  iteration, data position, python/numpy RNG, counters (human-readable)
       manifest.json       sha256 and size of every file above, written last
@@ -11,13 +14,19 @@
 A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never leaves a
 half-written ``step-N``. On resume, the newest checkpoint whose manifest verifies is used; a corrupt one is
 reported and skipped, never loaded. Nothing is unpickled: weights are safetensors, state is weights_only.
+Verification checks the files the manifest names, plus that it names every file a loader reads whatever the
+manifest says (the trainer state, and the model folders' weights, configs and tokenizer files): a file someone
+else put in the folder (notes, an evaluation's output) is not the checkpoint's and does not make it corrupt. No
+stppo command writes there (:func:`stppo_agent.runs.run_folder.refuse_inside_checkpoint`).
 
 Disk (the run's config, read from the checkpoint's own record of it): ``checkpoint_dtype=bfloat16`` writes the
-weights in bfloat16 (half of float32; resume continues from the rounded weights), and
-``checkpoint_optimizer=newest`` keeps the optimizer state only in the newest checkpoint, which is all a resume
-needs: an older one drops it (manifest entry first, then the file) once a newer one is complete, so a kill -9 at
-any moment leaves the newest checkpoint whole and the older ones verifying. (on_collapse=rollback restores an
-older checkpoint's optimizer state, so it needs checkpoint_optimizer=all.)
+weights, critic and lagged copies included, in bfloat16 (half of float32; resume continues from the rounded
+weights; ``float16`` too, refused for a weight beyond its range), and ``checkpoint_optimizer=newest`` keeps what
+only a resume reads (the optimizer state, the lagged copies) in the newest checkpoint only: an older one drops it
+(manifest entry first, then the file) once a newer one is complete, so a kill -9 at any moment leaves the newest
+checkpoint whole and the older ones verifying. (on_collapse=rollback restores an older checkpoint's optimizer
+state, so it needs checkpoint_optimizer=all.) Pruning skips a checkpoint a reader has pinned
+(:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
 """
 
 from __future__ import annotations
@@ -32,9 +41,18 @@ from typing import Any, Collection
 
 import torch
 
+from stppo_agent.runs.checkpoint_pins import remove_unless_pinned
+from stppo_agent.runs.lagged_weights import LAGGED_FILE, load_lagged, save_lagged
+from stppo_envs.suggest import did_you_mean
+
 _STEP = re.compile(r"^step-(\d+)$")
 OPTIMIZER_FILE = "optimizer_state.pt"
 OPTIMIZER_KEYS = ("actor_optimizer", "critic_optimizer")  # the tensor-state entries that go to OPTIMIZER_FILE
+RESUME_FILES = (OPTIMIZER_FILE, LAGGED_FILE)  # read by a resume or rollback only, and only when the manifest lists them
+STATE_FILES = ("trainer_state.json", "trainer_state.pt")  # read whenever the checkpoint is
+MODEL_FOLDERS = ("actor", "critic")
+# what a Hugging Face loader may read from a model folder, listed or not: weights, configs, tokenizer files
+LOADER_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".tiktoken", ".py", ".h5", ".msgpack")
 CHECKPOINT_OPTIMIZER = ("all", "newest")
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -62,7 +80,28 @@ def _write_manifest(folder: Path) -> None:
 
 
 def verify_checkpoint(folder: Path) -> None:
-    """Raise :class:`CorruptCheckpointError` unless every file matches ``manifest.json``."""
+    """Raise :class:`CorruptCheckpointError` unless every file ``manifest.json`` names matches it and it names
+    every file a loader reads. A checkpoint removed while being read (pruned by the running trainer) is corrupt
+    too; one whose manifest changed meanwhile (an older checkpoint dropping its optimizer state) is read again."""
+    for _ in range(3):
+        manifest = None
+        try:
+            manifest = _read_manifest(folder)
+            _check_files(folder, manifest)
+            return
+        except (CorruptCheckpointError, FileNotFoundError, NotADirectoryError) as exc:
+            if not folder.is_dir():
+                raise CorruptCheckpointError(f"{folder} was removed while being read (pruned by the run that "
+                                             "wrote it?)") from exc
+            if manifest is not None and _read_manifest(folder) != manifest:
+                continue  # rewritten meanwhile: read again
+            if isinstance(exc, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{folder}: {exc.filename} vanished while being read") from exc
+    raise CorruptCheckpointError(f"{folder}/manifest.json kept changing while the checkpoint was read")
+
+
+def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
     manifest_path = folder / "manifest.json"
     if not manifest_path.exists():
         raise CorruptCheckpointError(f"{folder} has no manifest.json (an interrupted or foreign write)")
@@ -73,9 +112,22 @@ def verify_checkpoint(folder: Path) -> None:
     if not isinstance(manifest, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v)
                                                  for v in manifest.values()):
         raise CorruptCheckpointError(f"{folder}/manifest.json is not a mapping of file -> {{sha256, bytes}}")
-    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"manifest.json"}
-    unlisted = sorted(present - set(manifest) - {OPTIMIZER_FILE})  # an unlisted one: a drop cut short, never read
-    if unlisted or not manifest:  # a manifest must vouch for every file, or truncated weights would load
+    return manifest
+
+
+def _loaded_files(folder: Path) -> set[str]:
+    """The files loading this checkpoint reads whether or not the manifest lists them."""
+    found = {name for name in STATE_FILES if (folder / name).is_file()}
+    for model in MODEL_FOLDERS:
+        if (folder / model).is_dir():
+            found |= {f"{model}/{p.name}" for p in (folder / model).iterdir()
+                      if p.is_file() and p.name.endswith(LOADER_SUFFIXES)}
+    return found
+
+
+def _check_files(folder: Path, manifest: dict[str, dict[str, Any]]) -> None:
+    unlisted = sorted(_loaded_files(folder) - set(manifest))
+    if unlisted or not manifest:  # a manifest must vouch for what loads, or truncated weights would
         raise CorruptCheckpointError(f"{folder}/manifest.json does not list {', '.join(unlisted) or 'any file'}")
     for name, expected in manifest.items():
         path = folder / name
@@ -96,12 +148,16 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     settings = json_state.get("config") or {}  # the run's config as the checkpoint records it
     dtype, optimizer_policy = settings.get("checkpoint_dtype"), settings.get("checkpoint_optimizer") or "all"
     check_checkpoint_settings(dtype, optimizer_policy, settings.get("on_collapse"))
+    lagged = tensor_state.get("stale_policy") or {}
     if dtype is not None:
-        actor_state = in_dtype(actor_state if actor_state is not None else actor.state_dict(), dtype)
+        actor_state = _for_disk(actor_state if actor_state is not None else actor.state_dict(), dtype, "actor")
         if critic is not None:
-            critic_state = in_dtype(critic_state if critic_state is not None else critic.state_dict(), dtype)
+            critic_state = _for_disk(critic_state if critic_state is not None else critic.state_dict(), dtype,
+                                     "critic")
+        for entry in (lagged.get("model", {}), *lagged.get("pending", ())):
+            _check_range(entry, dtype, "lagged policy")  # save_lagged converts it
     optimizer_state = {k: v for k, v in tensor_state.items() if k in OPTIMIZER_KEYS}
-    tensor_state = {k: v for k, v in tensor_state.items() if k not in OPTIMIZER_KEYS}
+    tensor_state = {k: v for k, v in tensor_state.items() if k not in (*OPTIMIZER_KEYS, "stale_policy")}
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
@@ -111,9 +167,13 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     scratch.mkdir()
     try:
         save_policy(scratch, actor, tokenizer, critic, actor_state, critic_state)
+        if dtype is not None:
+            _record_dtype(scratch, dtype)
         torch.save(tensor_state, scratch / "trainer_state.pt")
         if optimizer_state:
             torch.save(optimizer_state, scratch / OPTIMIZER_FILE)
+        if lagged:
+            save_lagged(scratch / LAGGED_FILE, lagged, dtype)
         (scratch / "trainer_state.json").write_text(json.dumps(json_state, indent=1, sort_keys=True))
         _write_manifest(scratch)
     except Exception as exc:  # a full disk surfaces as OSError, or as safetensors' / torch's own error types
@@ -129,9 +189,8 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     os.replace(scratch, final)
     _fsync_dir(root)
     for old in sorted(list_checkpoints(run_dir))[:-keep]:
-        if old in protect:
-            continue
-        shutil.rmtree(root / f"step-{old}", ignore_errors=True)
+        if old not in protect:
+            remove_unless_pinned(root / f"step-{old}")  # a pinned one: a later save prunes it
     if optimizer_policy == "newest":  # protected ones too: they serve evaluation (@best, @healthy), not rollback
         for old in list_checkpoints(run_dir):
             if old != step:
@@ -139,13 +198,47 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     return final
 
 
+def _for_disk(state: dict[str, torch.Tensor], dtype: str, what: str) -> dict[str, torch.Tensor]:
+    """``state`` in ``dtype``, after :func:`_check_range`."""
+    _check_range(state, dtype, what)
+    return in_dtype(state, dtype)
+
+
+def _check_range(state: dict[str, torch.Tensor], dtype: str, what: str) -> None:
+    """A weight beyond float16's range is refused before anything is written, never stored as inf."""
+    if dtype != "float16":
+        return
+    limit = torch.finfo(torch.float16).max
+    for name, tensor in state.items():
+        largest = float(tensor.detach().abs().max()) if tensor.is_floating_point() and tensor.numel() else 0.0
+        if largest > limit:
+            raise ValueError(f"checkpoint_dtype=float16 cannot hold the {what}'s {name} (|w| up to {largest:.3g}, "
+                             f"float16 ends at {limit:.0f}): it would be written as inf. Rerun with --resume --set "
+                             "checkpoint_dtype=bfloat16 (float32's range)")
+
+
+def _record_dtype(folder: Path, dtype: str) -> None:
+    """The model folders' config.json name the dtype the weights are stored in (transformers wrote the modules'),
+    so loaders with dtype "auto" (transformers, vLLM) load them at that size."""
+    for model in MODEL_FOLDERS:
+        path = folder / model / "config.json"
+        if not path.exists():
+            continue
+        config = json.loads(path.read_text())
+        keys = [key for key in ("dtype", "torch_dtype") if key in config] or ["dtype"]
+        config.update({key: dtype for key in keys})
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_collapse: str | None = None) -> None:
     """``checkpoint_dtype`` and ``checkpoint_optimizer`` as :func:`save_checkpoint` reads them (ValueError, one
-    line)."""
+    line, with the closest valid value)."""
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
-        raise ValueError(f"checkpoint_dtype must be {', '.join(CHECKPOINT_DTYPES)} or null, got {dtype!r}")
+        raise ValueError(f"checkpoint_dtype must be {', '.join(CHECKPOINT_DTYPES)} or null, got {dtype!r}"
+                         f"{did_you_mean(str(dtype), CHECKPOINT_DTYPES)}")
     if optimizer_policy not in CHECKPOINT_OPTIMIZER:
-        raise ValueError(f"checkpoint_optimizer must be {' or '.join(CHECKPOINT_OPTIMIZER)}, got {optimizer_policy!r}")
+        raise ValueError(f"checkpoint_optimizer must be {' or '.join(CHECKPOINT_OPTIMIZER)}, got {optimizer_policy!r}"
+                         f"{did_you_mean(str(optimizer_policy), CHECKPOINT_OPTIMIZER)}")
     if optimizer_policy == "newest" and on_collapse == "rollback":
         raise ValueError("checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback restores "
                          "from an older checkpoint: use checkpoint_optimizer=all with rollback")
@@ -168,22 +261,31 @@ def in_dtype(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tens
 
 
 def drop_optimizer_state(folder: Path) -> None:
-    """Remove an older checkpoint's optimizer state: its manifest entry first (atomically), then the file. A kill
-    between the two leaves an unlisted file, which verification tolerates and loading ignores (a later drop
-    removes it)."""
-    path = folder / OPTIMIZER_FILE
+    """Remove an older checkpoint's resume-only state (the optimizer state, the lagged policy): their manifest
+    entries first (atomically), then the files. A kill between the two leaves unlisted files, which verification
+    tolerates and loading ignores (a later drop removes them)."""
     manifest_path = folder / "manifest.json"
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError):
         return  # not ours to repair: verify_checkpoint reports it
-    if not isinstance(manifest, dict) or OPTIMIZER_FILE not in manifest and not path.exists():
+    if not isinstance(manifest, dict):
         return
-    if manifest.pop(OPTIMIZER_FILE, None) is not None:
+    dropped = [name for name in RESUME_FILES if manifest.pop(name, None) is not None]
+    if dropped:
         scratch = folder.parent / f".{folder.name}.manifest.tmp"
         scratch.write_text(json.dumps(manifest, indent=1, sort_keys=True))
         os.replace(scratch, manifest_path)
-    path.unlink(missing_ok=True)
+    for name in RESUME_FILES:
+        (folder / name).unlink(missing_ok=True)
+
+
+def holds_resume_state(folder: Path) -> bool:
+    """Whether a checkpoint's manifest lists its optimizer state (it can be resumed or rolled back to)."""
+    try:
+        return OPTIMIZER_FILE in json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -258,9 +360,11 @@ def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, 
     it) and its JSON state, after verifying it."""
     verify_checkpoint(folder)
     tensors = torch.load(folder / "trainer_state.pt", map_location="cpu", weights_only=True)
-    listed = OPTIMIZER_FILE in json.loads((folder / "manifest.json").read_text())
-    if listed:  # an unlisted one is the leftover of an interrupted drop: unverified, never read
+    listed = json.loads((folder / "manifest.json").read_text())
+    if OPTIMIZER_FILE in listed:  # an unlisted one is the leftover of an interrupted drop: unverified, never read
         tensors.update(torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    if LAGGED_FILE in listed:
+        tensors["stale_policy"] = load_lagged(folder / LAGGED_FILE)
     if optimizer and "actor_optimizer" not in tensors:
         raise NoOptimizerStateError(
             f"{folder} holds no optimizer state (checkpoint_optimizer=newest keeps it in the newest checkpoint only), "

@@ -36,19 +36,9 @@ class MetricsLogger:
         (what kill -9 during a write leaves) is dropped with a note; a corrupt line before it is an error."""
         if not self.path.exists():
             return
-        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-        last = max((number for number, line in enumerate(lines, start=1) if line.strip()), default=0)
-        records = []
-        for number, line in enumerate(lines, start=1):  # the file's own line numbers: the message names one to fix
-            if not line.strip():
-                continue
-            try:
-                records.append((line, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                if number < last:
-                    raise ValueError(f"{self.path}, line {number} is not JSON ({exc}); fix or remove that line, "
-                                     "then --resume") from exc
-                report(f"{self.path}: dropped a torn last record (line {number}, an interrupted write)")
+        records, torn = parse_records(self.path, "then --resume")
+        if torn is not None:
+            report(f"{self.path}: dropped a torn last record (line {torn}, an interrupted write)")
         kept = [line for line, record in records if record.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
@@ -81,7 +71,28 @@ def json_value(value: Any) -> Any:
     return value
 
 
+def parse_records(path: Path, then: str = "then retry") -> tuple[list[tuple[str, dict[str, Any]]], int | None]:
+    """(line, record) for each JSON line of ``path``, and the number of a torn last line left out (None: none). A
+    torn last line is what kill -9 during a write leaves, or a run still writing it: not an error. A line before
+    it that is not JSON is (ValueError naming the file and line; ``then`` says what to do after fixing it)."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((number for number, line in enumerate(lines, start=1) if line.strip()), default=0)
+    records, torn = [], None
+    for number, line in enumerate(lines, start=1):  # the file's own line numbers: the message names one to fix
+        if not line.strip():
+            continue
+        try:
+            records.append((line, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            if number < last:
+                raise ValueError(f"{path}, line {number} is not JSON ({exc}); fix or remove that line, {then}") \
+                    from exc
+            torn = number
+    return records, torn
+
+
 def read_metrics(run_dir: str | Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
-    """A run's JSON-lines records: its metrics.jsonl, or another such file (``name="steps.jsonl"``)."""
+    """A run's JSON-lines records: its metrics.jsonl, or another such file (``name="steps.jsonl"``); a torn last
+    line is left out (:func:`parse_records`)."""
     path = Path(run_dir) / name
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [record for _, record in parse_records(path)[0]] if path.exists() else []

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 # field -> why it cannot change on resume
 FIXED = {
     "model": "the reference policy (KL) and the recorded initial weights are this model; the checkpoint's actor was "
-             "trained from it",
+             "trained from it (a moved copy of the same weights is accepted: checkpoints record their sha256, "
+             "those written before that cannot tell)",
     "critic_model": "the checkpoint's critic was trained from it",
     "algo": "a run trains one algorithm; to apply another rule to the same start, replay recorded rollouts or start a "
             "new run from the checkpoint's actor",

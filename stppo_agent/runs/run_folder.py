@@ -8,10 +8,14 @@ A folder *holds a run* when it has metrics or checkpoints. Then:
 - ``--resume``: continues from the newest checkpoint that verifies. Newer checkpoints that do not verify are moved
   aside to ``checkpoints/.corrupt-step-N`` (kept for inspection, never pruned over the resumed run's). When no
   checkpoint verifies, the run stops and says what it found: starting over would mix two runs in one folder.
+
+No run, and no other output of a stppo command, goes inside a run's ``checkpoints/step-N``
+(:func:`refuse_inside_checkpoint`): a checkpoint holds what its run wrote there and nothing else.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -23,6 +27,7 @@ from stppo_agent.runs.checkpoint import (
     valid_checkpoints,
     verify_checkpoint,
 )
+from stppo_agent.runs.checkpoint_pins import pin
 
 RUN_FILES = ("metrics.jsonl", "steps.jsonl", "checkpoints", "rollouts", "tensorboard", "config.yaml", "replay.json")
 
@@ -44,6 +49,7 @@ def prepare(run_dir: Path, *, resume: bool, overwrite: bool, report: Callable[[s
     """Check the folder against the intent; return the checkpoint to resume from (None: start fresh)."""
     if resume and overwrite:
         raise ValueError("--resume continues the run in the folder and --overwrite replaces it: pass one")
+    refuse_inside_checkpoint(run_dir, "the run folder (output_dir)")
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"output dir {run_dir} is a file")
     if not holds_run(run_dir):
@@ -101,6 +107,18 @@ def prepare_on_all_ranks(run_dir: Path, *, resume: bool, overwrite: bool,
 
 
 CHECKPOINT_CHOICES = ("latest", "best", "healthy")
+_STEP_FOLDER = re.compile(r"^\.?step-\d+(\.tmp)?$")
+
+
+def refuse_inside_checkpoint(path: str | Path, what: str = "--output-dir") -> None:
+    """ValueError (one line) when ``path`` lies in a run's ``checkpoints/step-N`` (or its scratch copy): what a
+    checkpoint holds is its manifest's, and whatever a command wrote there would go with it when it is pruned."""
+    resolved = Path(path).expanduser().absolute()
+    for folder in (resolved, *resolved.parents):
+        if _STEP_FOLDER.match(folder.name) and folder.parent.name == "checkpoints":
+            run = folder.parent.parent
+            raise ValueError(f"{what} {path} is inside checkpoint {folder.name} of the run {run}: a checkpoint holds "
+                             f"what its run wrote and nothing else. Write to another folder, e.g. {run / 'eval'}")
 
 
 def is_run_folder(path: Path) -> bool:
@@ -115,38 +133,81 @@ def pick_checkpoint(run_dir: Path, which: str = "latest") -> tuple[Path, str]:
 
     A run trained without the collapse monitor (``on_collapse=none``) has no ``healthy`` checkpoint (nothing
     judged one), and its ``best`` is the kept checkpoint whose weights sampled the highest training reward, health
-    unknown (the reason line says so)."""
-    from stppo_agent.runs.checkpoint_health import best_step, checkpoint_reward, healthy_steps, monitored
+    unknown (the reason line says so).
+
+    The run may be training meanwhile: the chosen checkpoint is pinned (:mod:`stppo_agent.runs.checkpoint_pins`),
+    so that its trainer does not prune it before this process has loaded it, and verified again once pinned; one
+    pruned before it could be pinned is chosen again."""
+    for _ in range(5):
+        folder, why = _choose(run_dir, which)
+        pin(folder)  # best effort: a run folder that takes no locks is only verified again
+        try:
+            verify_checkpoint(folder)
+        except CorruptCheckpointError:
+            continue  # pruned between the choice and the pin
+        return folder, why
+    raise FileNotFoundError(f"{run_dir}@{which}: its checkpoints kept changing while being read (a run writing and "
+                            "pruning them faster than they can be verified?); try again")
+
+
+def _choose(run_dir: Path, which: str) -> tuple[Path, str]:
+    from stppo_agent.runs.checkpoint_health import best_step, healthy_steps, monitored
     from stppo_agent.runs.metrics_log import read_metrics
 
+    if which == "latest":
+        return _newest_verifying(run_dir)
     steps = valid_checkpoints(run_dir)
     if not steps:
         raise FileNotFoundError(f"{run_dir} has no checkpoint that verifies")
+    if which.isdigit() and int(which) in steps:
+        return run_dir / "checkpoints" / f"step-{int(which)}", f"step-{int(which)}: as asked"
+    if which not in ("best", "healthy"):
+        raise ValueError(f"{run_dir}@{which}: choose @latest, @best, @healthy or one of the steps "
+                         f"{', '.join(map(str, steps))}")
     records = read_metrics(run_dir)
-    if which == "latest":
-        chosen, why = steps[-1], "the newest checkpoint"
-    elif which == "healthy" and records and not monitored(records):
-        raise FileNotFoundError(f"{run_dir} was trained with on_collapse=none: no collapse monitor judged its "
-                                "iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
-    elif which == "best" and records and not monitored(records):
+    if records and not monitored(records):
+        if which == "healthy":
+            raise FileNotFoundError(f"{run_dir} was trained with on_collapse=none: no collapse monitor judged its "
+                                    "iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
         chosen = best_step(records, steps, healthy_only=False)
         if chosen is None:
             raise FileNotFoundError(f"{run_dir}: no kept checkpoint has a logged training reward. Use @latest or @STEP")
-        why = (f"the checkpoint with the highest training reward ({checkpoint_reward(records, chosen):.3f}); the run "
-               "was not monitored (on_collapse=none), so its health is unknown")
-    elif which in ("best", "healthy"):
-        healthy = healthy_steps(records, steps)
-        chosen = best_step(records, steps) if which == "best" else (healthy[-1] if healthy else None)
-        if chosen is None:
-            raise FileNotFoundError(f"{run_dir}: no checkpoint is known healthy (kept: steps "
-                                    f"{', '.join(map(str, steps))}); a healthy one needs its iteration and the next "
-                                    "logged without a collapse signal. Use @latest or @STEP")
-        reward = checkpoint_reward(records, chosen)
-        why = (f"the healthy checkpoint with the highest training reward ({reward:.3f})" if which == "best"
-               else "the newest healthy checkpoint")
-    elif which.isdigit() and int(which) in steps:
-        chosen, why = int(which), "as asked"
-    else:
-        raise ValueError(f"{run_dir}@{which}: choose @latest, @best, @healthy or one of the steps "
-                         f"{', '.join(map(str, steps))}")
+        why = (f"the checkpoint with the highest training reward ({_score(records, chosen)}); the run was not "
+               "monitored (on_collapse=none), so its health is unknown")
+        return run_dir / "checkpoints" / f"step-{chosen}", f"step-{chosen}: {why}"
+    healthy = healthy_steps(records, steps)
+    chosen = best_step(records, steps) if which == "best" else (healthy[-1] if healthy else None)
+    if chosen is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint is known healthy (kept: steps "
+                                f"{', '.join(map(str, steps))}); a healthy one needs its iteration and the one its "
+                                "weights sampled logged without a collapse signal. Use @latest or @STEP")
+    why = (f"the healthy checkpoint with the highest training reward ({_score(records, chosen)})" if which == "best"
+           else "the newest healthy checkpoint")
     return run_dir / "checkpoints" / f"step-{chosen}", f"step-{chosen}: {why}"
+
+
+def _score(records, step: int) -> str:
+    """``0.480, iteration 15's rollouts: its weights sampled``: the reward and where it comes from."""
+    from stppo_agent.runs.checkpoint_health import checkpoint_score
+
+    reward, iteration = checkpoint_score(records, step)
+    source = "its weights sampled" if iteration != step else \
+        "the iteration that made its weights, which sampled none before the run ended"
+    return f"{reward:.3f}, iteration {iteration}'s rollouts: {source}"
+
+
+def _newest_verifying(run_dir: Path) -> tuple[Path, str]:
+    """The newest checkpoint that verifies, and why (naming the newer ones that did not)."""
+    skipped = []
+    for step in reversed(list_checkpoints(run_dir)):
+        folder = run_dir / "checkpoints" / f"step-{step}"
+        try:
+            verify_checkpoint(folder)
+        except CorruptCheckpointError:
+            if folder.is_dir():  # one pruned meanwhile is no news
+                skipped.append(f"step-{step}")
+            continue
+        why = "the newest checkpoint" if not skipped else \
+            f"the newest checkpoint that verifies (the newer {', '.join(skipped)} do{'es' * (len(skipped) == 1)} not)"
+        return folder, f"step-{step}: {why}"
+    raise FileNotFoundError(f"{run_dir} has no checkpoint that verifies")

@@ -4,11 +4,12 @@
 bit-identical to an uninterrupted run); a collapse rollback restores only the weights and optimizer state
 (:mod:`stppo_agent.monitoring.rollback`), so both share :func:`restore_optimizers`.
 
-A checkpoint also records the config it was trained with and ``actor_lr_scale``, the product of the rollbacks'
-learning-rate factors so far. On resume the *current* config's learning rates and weight decay are written into
-the restored optimizers and schedules (:func:`apply_learning_rates`): the actor's rate is ``actor_lr`` times that
-scale, unless ``actor_lr`` itself changed, which then is the rate used (the scale restarts at 1). Which settings may
-change on resume and which are refused: :mod:`stppo_agent.runs.resume_settings`.
+A checkpoint also records the config it was trained with, the sha256 of its base model's weights (a moved copy of
+that model is accepted on resume: :mod:`stppo_agent.runs.base_model`) and ``actor_lr_scale``, the product of the
+rollbacks' learning-rate factors so far. On resume the *current* config's learning rates and weight decay are
+written into the restored optimizers and schedules (:func:`apply_learning_rates`): the actor's rate is
+``actor_lr`` times that scale, unless ``actor_lr`` itself changed, which then is the rate used (the scale restarts
+at 1). Which settings may change on resume and which are refused: :mod:`stppo_agent.runs.resume_settings`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import yaml
 
 from stppo_agent.distributed import process_group
-from stppo_agent.runs import rank_streams, resume_settings
+from stppo_agent.runs import base_model, rank_streams, resume_settings
 from stppo_agent.runs.checkpoint import full_optimizer_state, load_full_optimizer_state, load_trainer_state
 
 
@@ -39,12 +40,13 @@ def checkpoint_states(trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     if torch.cuda.is_available():
         tensors["cuda_rng"] = torch.cuda.get_rng_state_all()
     if trainer.config.rollout_staleness:
-        tensors["stale_policy"] = trainer.stale_policy.state()
+        tensors["stale_policy"] = trainer.stale_policy.state(trainer.actor)
     json_state = {"iteration": trainer.iteration, "optimizer_steps": trainer.optimizer_steps,
                   "nan_skips_total": trainer.nan_skips_total, "sampler": trainer.source.state(),
                   "python_rng": rank_streams.jsonable(random.getstate()),
                   "numpy_rng": rank_streams.jsonable(np.random.get_state()),
                   "algo": trainer.config.algo, "model": trainer.config.model, "config": run_config(trainer),
+                  "model_sha256": base_model.weights_sha256(trainer.config.model) if process_group.is_main() else None,
                   "actor_lr_scale": trainer.actor_lr_scale}
     rank_streams.save(tensors, json_state)  # every rank's random streams (a collective with several processes)
     return tensors, json_state
@@ -70,10 +72,23 @@ def checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
 def check_resume_settings(trainer, checkpoint: Path | None) -> None:
     """Refuse (ValueError, one line) a resume that changes a setting the checkpoint is tied to; call it before the
     models load, so that a refusal costs seconds."""
-    previous = checkpoint_config(checkpoint) if checkpoint is not None else None
+    if checkpoint is not None:
+        previous, iteration = _previous_settings(trainer, checkpoint,
+                                                 trainer.report if process_group.is_main() else None)
+        if previous is not None:
+            resume_settings.check(previous, run_config(trainer), iteration)
+
+
+def _previous_settings(trainer, checkpoint: Path, report=None) -> tuple[dict[str, Any] | None, int]:
+    """The checkpoint's config as the resume compares it (its base model's new place, when the resume names a
+    copy of the same weights) and its iteration."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    previous = checkpoint_config(checkpoint)
     if previous is not None:
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
-        resume_settings.check(previous, run_config(trainer), int(state["iteration"]))
+        needed = trainer.algo.kl_in_reward > 0 or trainer.algo.kl_loss_coef > 0  # the reference is the base model
+        previous = dict(base_model.reconcile(previous, run_config(trainer), state.get("model_sha256"), needed,
+                                             report))
+    return previous, int(state["iteration"])
 
 
 def apply_learning_rates(trainer) -> None:
@@ -107,7 +122,7 @@ def resume(trainer, checkpoint: Path) -> None:
     """Everything but the weights (the models were built from ``checkpoint``)."""
     tensors, state = load_trainer_state(checkpoint)
     restore_optimizers(trainer, tensors)
-    trainer.stale_policy.load(tensors.get("stale_policy"))
+    trainer.stale_policy.load(tensors.get("stale_policy"), trainer.actor)
     torch.set_rng_state(tensors["torch_rng"])
     if "cuda_rng" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(tensors["cuda_rng"])
@@ -117,7 +132,7 @@ def resume(trainer, checkpoint: Path) -> None:
     random.setstate(rank_streams.python_state(state["python_rng"]))
     np.random.set_state(rank_streams.numpy_state(state["numpy_rng"]))
     rank_streams.restore(trainer, tensors, state)  # ranks > 0: their own streams (the above are rank 0's)
-    previous = checkpoint_config(checkpoint)
+    previous = _previous_settings(trainer, checkpoint)[0]
     found = resume_settings.check(previous, run_config(trainer), trainer.iteration) if previous is not None else []
     scale = state.get("actor_lr_scale")
     if scale is None:  # written before checkpoints recorded it: what the restored schedule says

@@ -187,8 +187,10 @@ def describe_correction(config: TrainConfig, original: TrainConfig, overrides: S
 
 
 def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),
-           iterations: int | None = None, report: Callable[[str], None] = print) -> dict:
-    """Replay ``run_dir``'s recorded batches through ``algo``; returns the last iteration's metrics."""
+           iterations: int | None = None, report: Callable[[str], None] = print, resume: bool = False,
+           overwrite: bool = False) -> dict:
+    """Replay ``run_dir``'s recorded batches through ``algo``; returns the last iteration's metrics. ``resume`` /
+    ``overwrite``: continue or replace a replay already in ``output_dir``, as ``stppo train`` does."""
     from stppo_agent.training.trainer import Trainer
 
     config = replay_config(run_dir, algo, output_dir, overrides, iterations)
@@ -197,7 +199,8 @@ def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Se
     original = recorded_config(run_dir)
     same_rule = config.algorithm_config() == original.algorithm_config()
     trainer = Trainer(config, report=report,
-                      rollout_source=lambda t: RecordedRollouts(t, Path(run_dir), sampled_by_actor=same_rule))
+                      rollout_source=lambda t: RecordedRollouts(t, Path(run_dir), sampled_by_actor=same_rule),
+                      resume=resume, overwrite=overwrite)
     if process_group.is_main():
         report(describe_correction(config, original, overrides))
         (Path(output_dir) / "replay.json").write_text(json.dumps(

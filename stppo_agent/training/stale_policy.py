@@ -65,23 +65,66 @@ class StalePolicy:
         """The actor has just been updated: queue its weights; the generator moves one step once K are queued."""
         if self.staleness == 0:
             return
-        self.pending.append({name: value.detach().clone() for name, value in actor.state_dict().items()})
+        self.pending.append(_copy(actor.state_dict()))
         if len(self.pending) > self.staleness:
             self.model.load_state_dict(self.pending.popleft())
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the generating weights and the queue (nothing when K = 0)."""
+    @torch.no_grad()
+    def state(self, actor: torch.nn.Module) -> dict[str, Any]:
+        """What a checkpoint keeps (nothing when K = 0): the generating weights and the queue, less its newest entry
+        when that is ``actor``'s weights (it always is right after :meth:`advance`: the checkpoint's own actor then
+        restores it), and which tensor names alias another (tied weights, stored once).
+        :mod:`stppo_agent.runs.lagged_weights` writes it."""
         if self.staleness == 0:
             return {}
-        weights = {name: value.detach().clone() for name, value in self.model.state_dict().items()}
-        return {"model": weights, "pending": [dict(state) for state in self.pending]}
+        pending = list(self.pending)
+        from_actor = bool(pending) and _equal(pending[-1], actor.state_dict())
+        return {"model": _copy(self.model.state_dict()), "pending": pending[:-1] if from_actor else pending,
+                "pending_from_actor": from_actor, "aliases": _aliases(self.model.state_dict())}
 
     @torch.no_grad()
-    def load(self, state: dict[str, Any] | None) -> None:
+    def load(self, state: dict[str, Any] | None, actor: torch.nn.Module) -> None:
+        """Put back :meth:`state` (``actor``: the checkpoint's actor, already loaded)."""
         if self.staleness == 0:
             return
         if not state:
             raise ValueError(f"the checkpoint holds no lagged policy, but rollout_staleness is {self.staleness}: it "
                              "was written by a run without staleness, which cannot be continued with it")
         self.model.load_state_dict(state["model"])
-        self.pending = deque(state["pending"])
+        pending = [dict(entry) for entry in state["pending"]]
+        if state.get("pending_from_actor"):
+            pending.append(_copy(actor.state_dict()))
+        self.pending = deque(pending)
+
+
+def _storage(tensor: torch.Tensor) -> tuple:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detached copy of a state dict in which tensors that shared storage (tied weights) still do."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, value in state.items():
+        key = _storage(value)
+        if key not in copies:
+            copies[key] = value.detach().clone()
+        out[name] = copies[key]
+    return out
+
+
+def _aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the first name holding the same storage (a tied output head -> the embedding)."""
+    first: dict[tuple, str] = {}
+    aliases = {}
+    for name, value in state.items():
+        key = _storage(value)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
