@@ -132,7 +132,8 @@ def test_checkpoint_health_and_best_from_records():
 
 def flip_config(model: Path, out: Path, action: str, **overrides):
     values = dict(iterations=16, save_every=1, keep_checkpoints=1, on_collapse=action,
-                  env_kwargs={"fixed_target": None, "reward_flip_episodes": FLIP})
+                  # one target, so the tiny policy is good before the flip and the flip is a fall from a height
+                  env_kwargs={"fixed_target": "red", "reward_flip_episodes": FLIP})
     values.update(overrides)
     return toy_config(model, out, "ppo", **values)
 
@@ -227,7 +228,7 @@ def cli_train(model: Path, out: Path, action: str, iterations: int = 16) -> list
             "--set", "actor_lr=3e-3", "--set", "critic_lr=3e-3", "--set", "max_turns=2",
             "--set", "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8", "--set", "max_total_tokens=32",
             "--set", "progress=false", "--set", "tensorboard=false", "--set", "algorithm.kl_in_reward=0",
-            "--set", "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=null",
+            "--set", "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=red",
             "--set", f"env_kwargs.reward_flip_episodes={json.dumps(FLIP)}"]
 
 
