@@ -2,19 +2,27 @@
 its level's matched control (same rule), and each rule against the reference rule (the first of --rules) within
 a level. Seeds pair when both runs of every common seed drew the same first batch (checked, not assumed: rules
 whose presets build a critic and rules that do not consume the random stream differently); paired cells get the
-exact McNemar test, others Fisher's (benchmarks/stress_stats.py)."""
+exact McNemar test, others Fisher's (benchmarks/stress_stats.py). A run's final reward (the mean of its last
+FINAL_READOUTS read-outs) is compared the same two ways: Wilcoxon signed-rank on paired seeds, else Mann-Whitney."""
 
 from __future__ import annotations
 
 import statistics
 
-from stress_stats import compare, detectable_difference, wilson
+from stress_stats import compare, compare_values, detectable_difference, wilson
 
 MEANS = ("reward_first", "reward_last", "entropy_last", "grad_norm_max", "grad_norm_p99", "grad_norm_spikes",
          "ratio_p99_mean", "turn_ratio_max", "ess_min", "kl_to_reference_last", "learner_kl_to_reference_last",
          "clip_frac_mean", "turn_clip_frac_mean", "clip_bias_changed_share", "clip_bias_scale_mean",
          "probe_entropy_last", "wall_s")
 MEDIANS = ("ratio_max", "clip_bias_norm_median")
+FINAL_READOUTS = 5  # a single probe of 16 prompts moves by 1/16 per answer: the final reward averages a few
+
+
+def final_reward(run: dict) -> float | None:
+    """The mean of a run's last FINAL_READOUTS read-out rewards (None without read-outs)."""
+    curve = [r for r in run.get("reward_curve") or [] if r is not None][-FINAL_READOUTS:]
+    return statistics.fmean(curve) if curve else None
 
 
 def cell_summary(runs: dict[int, dict]) -> dict:
@@ -35,6 +43,9 @@ def cell_summary(runs: dict[int, dict]) -> dict:
             "readout_source": sorted({r["readout_source"] for r in runs.values()})}
     cell.update({f"{key}_mean": over(key, statistics.fmean) for key in MEANS})
     cell.update({f"{key}_median": over(key, statistics.median) for key in MEDIANS})
+    finals = [f for f in map(final_reward, runs.values()) if f is not None]
+    cell["final_reward_mean"] = statistics.fmean(finals) if finals else None
+    cell["final_reward_sd"] = statistics.stdev(finals) if len(finals) > 1 else None
     return cell
 
 
@@ -48,6 +59,8 @@ def tested_against(first: dict[int, dict], second: dict[int, dict]) -> dict:
     result = compare({s: r["collapsed"] for s, r in first.items()}, {s: r["collapsed"] for s, r in second.items()},
                      paired(first, second))
     result["paired"] = result["test"] == "mcnemar"
+    finals = [{s: final_reward(r) for s, r in cell.items() if final_reward(r) is not None} for cell in (first, second)]
+    result["final_reward"] = compare_values(*finals, result["paired"])
     return result
 
 

@@ -73,6 +73,32 @@ def collapse_rows(summary: dict) -> list[list]:
     return rows
 
 
+def reward_text(result: dict | None) -> str:
+    """A final-reward comparison: the mean difference (this cell minus the other), the paired wins-losses, p."""
+    final = (result or {}).get("final_reward")
+    if not final:
+        return "-"
+    if final["test"] == "wilcoxon":
+        return (f"{final['mean_difference']:+.3f} ({final['wins']} up, {final['losses']} down of {final['pairs']} "
+                f"pairs; Wilcoxon p={final['p']:.3g})")
+    return f"{final['mean_difference']:+.3f} (Mann-Whitney p={final['p']:.3g}, not paired)"
+
+
+def reward_rows(summary: dict) -> list[list]:
+    stats = summary["comparisons"]
+    rows = []
+    for level in summary["levels_order"]:
+        for rule in summary["rules"]:
+            c = summary["cells"].get(level, {}).get(rule)
+            if not c or c.get("final_reward_mean") is None:
+                continue
+            control = stats["against_control"].get(level, {}).get(rule)
+            rows.append([level, rule, c["n"], f"{c['final_reward_mean']:.3f}", fmt(c.get("final_reward_sd")),
+                         (f"{control['control']}: " + reward_text(control)) if control else "-",
+                         reward_text(stats["against_reference"].get(level, {}).get(rule))])
+    return rows
+
+
 def precursor_rows(summary: dict) -> list[list]:
     rows = []
     for level in summary["levels_order"]:
@@ -115,7 +141,13 @@ def render(summary: dict) -> str:
            table(["tier", "level", "rule", "n", "collapsed", "rate [95% Wilson]", "dipped", "detectable",
                   "vs matched control", f"vs {summary['comparisons']['reference_rule']} (same level)",
                   "collapsed seeds @ version", "reward first -> last read-out (mean)", "read-outs"],
-                 collapse_rows(summary)), "", "### Precursors (means over seeds of each run's figure)", "",
+                 collapse_rows(summary)), "", "### Final reward", "",
+           "A run's final reward: the mean of its last 5 read-outs (benchmarks/stress_cells.py, FINAL_READOUTS). "
+           "Differences are this cell minus the other, on the seeds both ran (Wilcoxon signed-rank, two-sided, "
+           "where seeds pair; Mann-Whitney U where they do not).", "",
+           table(["level", "rule", "n", "final reward (mean)", "sd", "vs matched control",
+                  f"vs {summary['comparisons']['reference_rule']} (same level)"], reward_rows(summary)), "",
+           "### Precursors (means over seeds of each run's figure)", "",
            table(["level", "rule", "entropy last", "probe entropy last", "grad norm max", "grad norm p99",
                   "grad spikes (>10x median)", "token ratio max (median)", "ratio p99", "turn ratio max",
                   "ratio ESS min", "KL to ref last", "learner KL to ref last", "clip_frac", "turn_clip_frac",

@@ -97,3 +97,22 @@ def compare(first: dict[int, bool], second: dict[int, bool], paired: bool) -> di
                 "p": mcnemar_exact(a, b)}
     k1, n1, k0, n0 = sum(first.values()), len(first), sum(second.values()), len(second)
     return {"test": "fisher", "first": [k1, n1], "second": [k0, n0], "p": fisher(k1, n1, k0, n0)}
+
+
+def compare_values(first: dict[int, float], second: dict[int, float], paired: bool) -> dict:
+    """A per-seed figure (a run's final reward) in two cells -> the test that fits, two-sided, with the difference
+    ``first - second``: the Wilcoxon signed-rank test on the seeds both ran when ``paired`` (exact for small n;
+    zero differences dropped; p = 1 when every pair ties), else the Mann-Whitney U test on the two samples."""
+    from scipy.stats import mannwhitneyu, wilcoxon
+
+    if paired:
+        common = sorted(set(first) & set(second))
+        differences = [first[s] - second[s] for s in common]
+        nonzero = [d for d in differences if d != 0]
+        p = float(wilcoxon(nonzero).pvalue) if nonzero else 1.0
+        return {"test": "wilcoxon", "pairs": len(common), "mean_difference": float(np.mean(differences)),
+                "wins": sum(d > 0 for d in differences), "losses": sum(d < 0 for d in differences), "p": p}
+    a, b = list(first.values()), list(second.values())
+    p = float(mannwhitneyu(a, b, alternative="two-sided").pvalue) if a and b else 1.0
+    return {"test": "mann-whitney", "n": [len(a), len(b)],
+            "mean_difference": float(np.mean(a) - np.mean(b)) if a and b else 0.0, "p": p}

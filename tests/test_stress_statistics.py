@@ -67,6 +67,21 @@ def test_compare_pairs_seeds_for_mcnemar_and_counts_for_fisher():
     assert unpaired["p"] == pytest.approx(stats.fisher(6, 8, 0, 8))
 
 
+def test_final_rewards_compare_by_signed_rank_on_pairs_and_by_rank_sum_otherwise():
+    st_ppo = {s: 0.7 + 0.01 * s for s in range(10)}
+    ppo = {s: 0.5 + 0.005 * s for s in range(10)}  # st_ppo ends higher on every seed
+    paired = stats.compare_values(st_ppo, ppo, paired=True)
+    # every one of 10 signed ranks on one side: the exact two-sided p is 2 / 2^10
+    assert (paired["test"], paired["wins"], paired["losses"]) == ("wilcoxon", 10, 0)
+    assert paired["p"] == pytest.approx(2 / 2**10) and paired["mean_difference"] == pytest.approx(0.2225)
+    assert stats.compare_values(ppo, st_ppo, paired=True)["mean_difference"] < 0  # first minus second
+    ties = stats.compare_values(ppo, dict(ppo), paired=True)
+    assert ties["p"] == 1.0 and ties["wins"] == ties["losses"] == 0
+    apart = stats.compare_values({s: st_ppo[s] for s in range(5)}, {s: ppo[s] for s in range(5)}, paired=False)
+    # 5 vs 5 with no overlap: the exact two-sided rank-sum p is 2 / C(10, 5)
+    assert apart["test"] == "mann-whitney" and apart["p"] == pytest.approx(2 / comb(10, 5))
+
+
 @pytest.mark.parametrize("k,n,low,high", [(0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634)])
 def test_wilson_interval(k, n, low, high):
     assert stats.wilson(k, n) == pytest.approx((low, high), abs=5e-5)
