@@ -338,12 +338,13 @@ def test_demo_progress_the_thread_redraws_every_refresh_and_stops_and_clears_at_
 # -- demo.py -----------------------------------------------------------------------------------------------------
 def test_demo_settings_and_constants_are_the_recipes():
     assert DemoSettings() == DemoSettings(model="smollm2", output_dir="runs/demo", iterations=1, sft_steps=8,
-                                          limit=8, lr=1e-5, on_collapse="warn", seed=0, autocast_dtype="auto")
+                                          limit=8, lr=2e-5, on_collapse="warn", seed=0, autocast_dtype="auto")
     with pytest.raises(ValueError, match="autocast_dtype must be one of auto, bfloat16, none, got 'float16'"):
         DemoSettings(autocast_dtype="float16")
     assert demo.DEMO_BENCHMARKS == ("nq", "hotpotqa", "medqa")
     assert (demo.DEMO_MAX_OBSERVATION_TOKENS, demo.DEMO_MAX_TURNS, demo.DEMO_MAX_NEW_TOKENS) == (160, 3, 48)
     assert (demo.DEMO_SFT_BATCH_SIZE, demo.DEMO_SFT_LR, demo.DEMO_SFT_MAX_TOTAL_TOKENS) == (4, 1e-4, 1024)
+    assert (demo.DEMO_RL_ENV, demo.DEMO_MAX_RESAMPLE_ROUNDS) == ("stppo/NQ-v0", 4)
     assert demo.EXPECTED_RANGES == {"answer rate before RL": (0.75, 1.0), "reward spread": (0.01, 1.0),
                                     "turn_clip_frac": (0.01, 0.5), "max clip_bias_scale": (1.01, 10.0),
                                     "answer rate after RL": (0.75, 1.0)}
@@ -351,14 +352,18 @@ def test_demo_settings_and_constants_are_the_recipes():
 
 def test_demo_config_is_the_recipe(tmp_path):
     config = demo.demo_config(DemoSettings(iterations=3, lr=2e-5), "the/model", tmp_path)
-    expected = dict(algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model="the/model",
+    expected = dict(algo="st_ppo", env="stppo/NQ-v0", model="the/model",
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
-                    iterations=3, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=2,
+                    algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
+                    iterations=3, prompts_per_iteration=1, samples_per_prompt=4, mini_batch_size=2,
                     micro_batch_size=2, ppo_epochs=2, actor_lr=2e-5, critic_lr=1e-5, max_turns=3,
                     max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400,
                     max_total_tokens=768, save_every=3, keep_checkpoints=1, device="auto", autocast_dtype="auto",
                     progress=False, step_diagnostics=True, on_collapse="warn", seed=0)
     assert {key: getattr(config, key) for key in expected} == expected
+    algo = config.algorithm_config()  # ST-PPO with DAPO's dynamic sampling on top
+    assert (algo.name, algo.ratio_level, algo.clip_bias_correction, algo.dynamic_sampling) == ("st_ppo", "turn",
+                                                                                               True, True)
     seeded = demo.demo_config(DemoSettings(seed=5, autocast_dtype="bfloat16"), "m", tmp_path)
     assert (seeded.seed, seeded.autocast_dtype) == (5, "bfloat16")
     assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).autocast_dtype is None

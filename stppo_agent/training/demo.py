@@ -30,16 +30,18 @@ DEMO_MAX_NEW_TOKENS = 48  # per turn, in rollouts and evaluation: a search or an
 DEMO_SFT_BATCH_SIZE = 4
 DEMO_SFT_LR = 1e-4
 DEMO_SFT_MAX_TOTAL_TOKENS = 1024
+DEMO_RL_ENV = "stppo/NQ-v0"  # the demo set's general questions, single-hop: what the warm start teaches best
+DEMO_MAX_RESAMPLE_ROUNDS = 4
 AUTOCAST_CHOICES = ("auto", "bfloat16", "none")
 
 @dataclasses.dataclass(frozen=True)
 class DemoSettings:
     model: str = "smollm2"
     output_dir: str = "runs/demo"
-    iterations: int = 1  # its 3 off-policy steps are where clipping acts (measured: 20% of turns on the last two)
+    iterations: int = 1  # its 3 off-policy steps are where clipping acts
     sft_steps: int = 8
     limit: int = 8  # evaluation questions per benchmark, before RL and after
-    lr: float = 1e-5
+    lr: float = 2e-5
     on_collapse: str = "warn"
     seed: int = 0  # the warm start's batch order and the RL step's prompts and samples
     autocast_dtype: str = "auto"  # the RL step's forwards: auto (bfloat16 on a GPU or an AMX CPU), bfloat16, none
@@ -54,13 +56,20 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
     from stppo_agent.training.config import TrainConfig
 
     return TrainConfig(
-        algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model=model, output_dir=str(out / "train"),
-        # Search-R1's format reward gives an untuned 135M model some signal: a well-formed answer earns 0.2.
-        env_kwargs={"split": "train", "format_reward": 0.2}, iterations=settings.iterations, prompts_per_iteration=2,
+        algo="st_ppo", env=DEMO_RL_ENV, model=model, output_dir=str(out / "train"),
+        # Search-R1's format reward tells a well-formed wrong answer (0.2) from an invalid turn or none (0).
+        env_kwargs={"split": "train", "format_reward": 0.2}, iterations=settings.iterations,
+        # Four samples of one general question, which the warm-started model answers about half the time (sampled
+        # at temperature 1, a question's 4 rewards differed in 6 of 8 questions); DAPO's dynamic sampling draws
+        # another question while all 4 earned the same reward, so the update always has something to learn (2
+        # samples of 2 questions without resampling all earned 0.2 in a run on another CPU: nothing to learn).
+        prompts_per_iteration=1, samples_per_prompt=4,
+        algorithm={"dynamic_sampling": True, "max_resample_rounds": DEMO_MAX_RESAMPLE_ROUNDS},
         # Two mini-batches x two epochs: 3 of every 4 optimizer steps are off-policy, and the second epoch revisits
         # data the first already pushed -- where ST-PPO's turn-level clipping and clip-bias correction act (measured:
-        # with one mini-batch per iteration, or at lr <= 3e-6, no turn ever left the clip range).
-        samples_per_prompt=2, mini_batch_size=2, micro_batch_size=2, ppo_epochs=2, actor_lr=settings.lr,
+        # with one mini-batch per iteration, or at lr <= 3e-6, no turn ever left the clip range; at 1e-5 one turn of
+        # the 15 on the off-policy steps did in a run, at 2e-5 one to four).
+        mini_batch_size=2, micro_batch_size=2, ppo_epochs=2, actor_lr=settings.lr,
         critic_lr=1e-5, max_turns=DEMO_MAX_TURNS,
         max_new_tokens_per_turn=DEMO_MAX_NEW_TOKENS, max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS,
         max_prompt_tokens=400, max_total_tokens=768,
