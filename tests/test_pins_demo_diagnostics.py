@@ -408,6 +408,22 @@ def test_demo_trainer_counts_an_iteration_done_at_the_next_iterations_first_phas
     assert progress.calls == [("note", "rollout"), ("step", 1, "rollout"), ("note", "scoring")]
 
 
+def test_demo_trainer_keeps_every_scored_trajectorys_reward(monkeypatch):
+    from types import SimpleNamespace
+
+    from stppo_agent.training.trainer import Trainer
+
+    scored = []
+    monkeypatch.setattr(Trainer, "__init__", lambda self, config, report, overwrite: None)
+    monkeypatch.setattr(Trainer, "score", lambda self, batch: scored.append(batch))
+    trainer = demo.DemoTrainer("config", Recorder())
+    assert trainer.rewards == []
+    first, second = SimpleNamespace(rewards=torch.tensor([1.0, 0.2])), SimpleNamespace(rewards=torch.tensor([0.0]))
+    trainer.score(first)
+    trainer.score(second)
+    assert scored == [first, second] and trainer.rewards == pytest.approx([1.0, 0.2, 0.0])
+
+
 class CountingAgent:
     def __init__(self):
         self.generated = {}
