@@ -1,9 +1,14 @@
 """stppo_envs: turn-structured, Gymnasium-style search-QA environments.
 
 ``import stppo_envs`` registers one id per benchmark (``stppo/NQ-v0``, ``stppo/HotpotQA-v0``,
-``stppo/MedQA-v0``, ... and the generic ``stppo/SearchQA-v0``)::
+``stppo/MedQA-v0``, ... and the generic ``stppo/SearchQA-v0``), all :class:`SearchQAEnv`, and the toy env
+``stppo/Toy-v0`` (:class:`ToyTargetEnv`)::
 
     env = gymnasium.make("stppo/NQ-v0", dataset="nq_test.jsonl", retriever="bm25:indexes/wiki18", topk=3)
+
+Each env class's docstring (and docs/envs.md) documents it as Gymnasium documents its own envs: Action Space,
+Observation Space, Rewards, Starting State, Episode End, Information (turn boundaries included), Arguments and
+Version History.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def copy_symbols(vocabulary: int = 64) -> tuple[str, ...]:
 
 
 class CopyEnv(gym.Env[str, str]):
-    """Repeat the shown sequence of ``length`` symbols in each of ``turns`` turns.
+    """``stppo/Copy-v0``: repeat the shown sequence of ``length`` symbols in each of ``turns`` turns.
 
     ## Description
     Each turn the env shows ``length`` symbols; the policy's action must repeat them, whitespace-separated. The
@@ -56,7 +56,7 @@ class CopyEnv(gym.Env[str, str]):
     ## Episode End
     Terminated after ``turns`` steps; never truncated by the env (a trainer's ``max_turns`` may cut it).
 
-    ## Info
+    ## Information
     Every step: ``turn``, ``accuracy`` (this turn's), ``invalid_actions`` (turns so far whose action had a word
     outside the symbols or not exactly ``length`` words), ``action_type`` (``invalid``, ``move`` or, on the last
     turn, ``answer``), ``segments``; ``search_calls`` and ``search_errors`` are 0. The last step adds
@@ -70,7 +70,7 @@ class CopyEnv(gym.Env[str, str]):
     env's ``prompt_count``). ``render_mode``: ``"ansi"`` renders the transcript.
 
     ## Version History
-    v0: the first version.
+    - v0: the first version.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}

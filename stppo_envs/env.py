@@ -44,22 +44,108 @@ class Segment(NamedTuple):
 
 
 class SearchQAEnv(gym.Env[str, str]):
-    """Search-augmented QA on one benchmark, with Search-R1's prompt, tags and observation format.
+    """Search-augmented question answering on one benchmark, with Search-R1's prompt, tags and observation format:
+    one ``step`` is one turn of the policy.
 
-    Args:
-        benchmark: a benchmark name (``nq``, ``hotpotqa``, ``medqa``, ...; see ``BENCHMARKS``).
-        dataset: where the questions come from (see :func:`load_examples`); default: the bundled demo set.
-        split: dataset split (the benchmark's standard evaluation split by default).
-        retriever: a retriever object or spec string (``demo``, ``bm25:DIR``, ``dense:DIR``, ``http://...``).
-        topk: passages per search.
-        max_turns: steps before the episode is truncated.
-        reward: ``em``, ``f1`` or ``acc``; ``auto`` is ``acc`` for multiple choice and ``em`` otherwise.
-        format_reward: lambda of Search-R1's format-aware reward, ``score * (1 - lambda) + lambda * format_ok``,
-            where ``format_ok`` means the episode ended in an answer with no invalid turn. 0 disables it.
-        template / mcq_template: prompt templates with ``{question}`` (and ``{options}``).
-        question_mark: end open-domain questions with ``?`` in the prompt, as Search-R1's data scripts do (NQ-open
-            questions have none; Search-R1 models were trained and evaluated with it). False keeps them as given.
-        limit, shuffle_seed, family: passed to the loader.
+    ## Description
+
+    The policy answers a question in turns. Each turn it may search a corpus (``<search> query </search>``) and
+    read the top passages, or answer (``<answer> text </answer>``). Search-R1's protocol, verbatim: a policy
+    trained there plays here unchanged. Every registered id is this class with its ``benchmark``; without a
+    ``dataset`` each serves the bundled demo set of its family (a fictional encyclopedia: 248 passages, questions
+    no model knows the answer to), searched with BM25, so ``gymnasium.make(id)`` works offline.
+
+    | id | benchmark | answer scored by | default split | demo subset |
+    |---|---|---|---|---|
+    | ``stppo/NQ-v0`` | nq | exact match | test | general |
+    | ``stppo/TriviaQA-v0`` | triviaqa | exact match | test | general |
+    | ``stppo/PopQA-v0`` | popqa | exact match | test | general |
+    | ``stppo/HotpotQA-v0`` | hotpotqa | exact match | dev | multihop |
+    | ``stppo/2Wiki-v0`` | 2wiki | exact match | dev | multihop |
+    | ``stppo/MuSiQue-v0`` | musique | exact match | dev | multihop |
+    | ``stppo/Bamboogle-v0`` | bamboogle | exact match | test | multihop |
+    | ``stppo/MedQA-v0`` | medqa | the chosen option | test | medical |
+    | ``stppo/MedMCQA-v0`` | medmcqa | the chosen option | dev | medical |
+    | ``stppo/PubMedQA-v0`` | pubmedqa | the chosen option | test | medical |
+    | ``stppo/MMLU-Med-v0`` | mmlu_med | the chosen option | test | medical |
+    | ``stppo/SearchQA-v0`` | searchqa (any QA file) | exact match | test | general |
+
+    ## Action Space
+
+    ``UnicodeText(65536)``: any ``str`` of up to 65,536 characters, the policy's whole turn. The first complete
+    ``<search>...</search>`` or ``<answer>...</answer>`` block decides (``<think>`` is free text). A turn with no
+    complete block, nested tags, an empty block, a query over 4,096 characters, over 65,536 characters or not a
+    ``str`` is an invalid action: it costs the turn, never raises (``stppo_envs.actions.parse_action``).
+
+    ## Observation Space
+
+    ``UnicodeText(65536)``. After ``reset``: the prompt (Search-R1's template with the question, which ends in
+    ``?``; the options ``A. ...`` for multiple choice). After a search: the ``<information>`` block of the top
+    ``topk`` passages, ``Doc i(Title: "t") text`` lines. After a search that failed (a dead server):
+    ``<information>Search failed: why</information>``. After an invalid action: Search-R1's corrective message.
+    ``""`` when the episode ends, and after a search in the last turn (its results could never be used, so it is
+    not served). Observations are text to append to the transcript; a trainer tokenises them.
+
+    ## Rewards
+
+    0 on every step but the last. On the last, the score of the answer in [0, 1] by ``reward``: ``em`` (exact
+    match after SQuAD normalisation, any golden answer), ``f1`` (token F1: partial credit for a partly right
+    answer), ``acc`` (multiple choice: the option the answer names is the right one); ``auto`` is ``acc`` for
+    multiple choice, ``em`` otherwise. No answer (truncated) scores 0. With ``format_reward`` = lambda > 0
+    (Search-R1's format-aware reward) the reward is ``score * (1 - lambda) + lambda * format_ok``, where
+    ``format_ok`` is 1 when the episode ended in an answer with no invalid turn.
+
+    ## Starting State
+
+    ``reset(options={"index": i})`` starts on example ``i`` of the loaded split. Without an index, the next example
+    of a shuffled pass over the split: none repeats until every one has been seen; ``reset(seed=s)`` reseeds the
+    shuffle, so the same seed gives the same sequence of examples.
+
+    ## Episode End
+
+    Termination: the action is an answer (``terminated=True``). Truncation: ``max_turns`` steps passed without an
+    answer (``truncated=True``). They are never both true. ``step`` after the end raises until ``reset``.
+
+    ## Information
+
+    ``reset`` returns ``messages`` (the chat-format prompt), ``example_id``, ``benchmark``, ``index``, ``turn``
+    (0), ``segments``, ``question`` and ``choices`` (the options, or None). Every ``step`` returns ``turn`` (turns
+    completed), ``action_type`` (search, answer or invalid), ``example_id``, ``question``, ``segments`` and the
+    episode's counts so far, ``search_calls``, ``invalid_actions`` and ``search_errors``; with ``invalid_reason``
+    after an invalid action, ``query`` after a search, ``error`` (type and message) after a failed one. The last
+    step adds ``prediction`` (None when truncated) and ``golden_answers``, and ``em`` and ``f1`` (open questions)
+    or ``correct`` and ``predicted_letter`` (multiple choice).
+
+    Turn boundaries: the k-th call of ``step`` (counted from 0) is turn k. ``info["segments"]`` holds what the call
+    appended to the transcript as ``(role, text, turn)`` pieces -- the policy's action (``assistant``), then the
+    env's observation (``environment``), both with ``turn=k``; the prompt is ``("user", prompt, -1)`` -- and
+    ``info["turn"]`` is ``k + 1``. A trainer maps every character, and so every token, to the turn that produced
+    it from these.
+
+    ## Arguments
+
+    - ``benchmark``: a benchmark name (``nq``, ``hotpotqa``, ``medqa``, ...; see ``BENCHMARKS``); each id sets it.
+    - ``dataset``: where the questions come from: a local jsonl/json/csv/parquet file or folder (FlashRAG schema
+      or the benchmark's own release format), a hub name (``org/name[:config]``), ``"hub"`` (FlashRAG_datasets for
+      the QA benchmarks) or None (the bundled demo set); see :func:`load_examples`.
+    - ``split``: the dataset split (the benchmark's evaluation split by default: the table above).
+    - ``retriever``: a retriever object or spec: ``demo``, ``bm25:INDEX_DIR``, ``bm25-prebuilt:NAME``,
+      ``dense:INDEX_DIR``, ``http://HOST:PORT`` (a ``stppo serve`` or Search-R1 retrieval server).
+    - ``topk`` (3): passages per search. ``max_turns`` (4): steps before the episode is truncated.
+    - ``reward`` (``auto``): ``em``, ``f1`` or ``acc``, as under Rewards. ``format_reward`` (0): lambda in [0, 1].
+    - ``template`` / ``mcq_template``: prompt templates with ``{question}`` (and ``{options}``).
+    - ``question_mark`` (True): end open-domain questions with ``?`` in the prompt, as Search-R1's data scripts do
+      (NQ-open questions have none; Search-R1 models were trained and evaluated with it). False keeps them as given.
+    - ``limit``, ``shuffle_seed``, ``family``: passed to the loader: keep the first ``limit`` examples of the
+      file's order, or of ``shuffle_seed``'s shuffle; ``family`` (``qa`` or ``mcq``) for the generic ``searchqa``.
+    - ``render_mode``: None or ``ansi`` (``render()`` returns the transcript so far).
+
+    ## Version History
+
+    - v0: the first version: Search-R1's prompt, tags, observations and corrective message; rewards em / f1 / acc
+      with the optional format reward. Within v0, scoring revision 2 (recorded in evaluation results as
+      ``stppo_envs.scoring.SCORING_VERSION``) changed some answers' scores: F1 of a yes/no answer or gold is all or
+      nothing, and more ways of naming a multiple-choice option are read as that option.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}

@@ -24,7 +24,69 @@ DEFAULT_CHOICES = ("red", "green", "blue", "gold")
 
 
 class ToyTargetEnv(gym.Env[str, str]):
-    """Say the target word in every turn. ``fixed_target`` makes the target the same in every episode."""
+    """Say the target word in every turn: a multi-turn env a policy learns in seconds on a CPU.
+
+    ## Description
+
+    The prompt names a target word (``say red``); the policy is paid for saying it, once per turn, for ``turns``
+    turns. Registered as ``stppo/Toy-v0`` (``stppo_envs.TOY_ENV_ID``). A uniformly random policy over ``choices``
+    scores 1/len(choices), the best policy 1. Learning it needs credit assignment over turns and exactly the right
+    loss mask, which is what the trainer's learning tests check; ``--model tiny`` (a 2-layer model whose
+    vocabulary is these words) learns it.
+
+    ## Action Space
+
+    ``UnicodeText(1024)``: any ``str`` of up to 1,024 characters. Only its first whitespace-separated word counts;
+    it is compared with the target exactly.
+
+    ## Observation Space
+
+    ``UnicodeText(1024)``. After ``reset``: ``say TARGET``. After every turn but the last: `` ok ``. After the last:
+    ``""``.
+
+    ## Rewards
+
+    0 on every step but the last; on the last, the fraction of the episode's turns whose first word was the target
+    (so 0, 1/turns, ..., 1). With ``reward_flip_episodes=(start, stop)``, episodes ``start`` to ``stop - 1`` of the
+    instance pay for turns that did *not* say the target instead: a reward corrupted on purpose, to test collapse
+    monitors and rollback against a known collapse.
+
+    ## Starting State
+
+    The target is ``fixed_target`` (``red`` by default) in every episode. With ``fixed_target=None``:
+    ``choices[index % len(choices)]`` for ``reset(options={"index": index})``, else a choice drawn from the env's
+    generator (``reset(seed=s)`` seeds it).
+
+    ## Episode End
+
+    Termination after ``turns`` steps; never truncated. ``step`` after the end raises until ``reset``.
+
+    ## Information
+
+    ``reset`` returns ``messages``, ``example_id`` (``toy-TARGET``), ``benchmark`` (``toy``), ``turn`` (0),
+    ``segments``, ``question`` (the prompt) and ``choices`` (None), as the search envs do. Every ``step`` returns
+    ``turn`` (turns completed), ``action_type`` (``move``, or ``answer`` on the last turn), ``segments`` and the
+    search envs' counters ``search_calls``, ``invalid_actions`` and ``search_errors`` (always 0); the last step
+    adds ``prediction`` (the word said), ``golden_answers`` ([target]), ``em`` (1 when every turn said it) and
+    ``f1`` (the reward).
+
+    Turn boundaries as in the search envs: the k-th call of ``step`` (from 0) is turn k; ``info["segments"]``
+    holds the ``(role, text, turn)`` pieces it appended, the action (``assistant``) and the observation
+    (``environment``), both with ``turn=k``, and ``info["turn"]`` is ``k + 1``.
+
+    ## Arguments
+
+    - ``turns`` (2): steps per episode (>= 1).
+    - ``choices`` (red, green, blue, gold): the words a target is drawn from (at least two).
+    - ``fixed_target`` (``red``): the target of every episode; None draws one per episode.
+    - ``reward_flip_episodes`` (None): ``(start, stop)``, the episodes of this instance (counted from 0) whose
+      reward is flipped; a trainer plays one episode per env instance per iteration.
+    - ``render_mode``: None or ``ansi`` (``render()`` returns the transcript so far).
+
+    ## Version History
+
+    - v0: the first version.
+    """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
 

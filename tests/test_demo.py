@@ -1,10 +1,12 @@
-"""`stppo demo`'s own parts: the progress display, the before/after table and the expected-range line (the
-command end to end, on a tiny model: tests/test_sft.py)."""
+"""`stppo demo`'s own parts: the progress display, the before/after table with its noise line and the check line
+(the command end to end, on a tiny model: tests/test_sft.py)."""
 
 from __future__ import annotations
 
 import io
 import math
+
+import pytest
 
 from stppo_agent.cli.demo import DEMO_DEFAULTS
 from stppo_agent.training.demo import (
@@ -105,32 +107,94 @@ def test_before_after_table_puts_both_runs_in_each_cell():
 
 
 def test_range_check_names_each_figure_outside_its_range():
-    means = {"turn_clip_frac": 0.1, "clip_bias_scale": 2.0}
-    good = demo_figures(results(0.5, 0.9), results(0.75, 1.0), means)
+    means = {"turn_clip_frac": 0.1, "clip_bias_scale": 1.3, "clip_bias_scale_max": 2.0}
+    good = demo_figures(results(0.5, 0.9), results(0.75, 1.0), means, [1.0, 0.2, 0.2, 0.0])
     assert good == {"answer rate before RL": 0.9, "answer rate after RL": 1.0, "turn_clip_frac": 0.1,
-                    "clip_bias_scale": 2.0}
-    assert range_check(good).startswith("check: within the expected range")
+                    "max clip_bias_scale": 2.0, "reward spread": 1.0, "reward": 0.35}
+    assert range_check(good).startswith("check: passed")
     assert all(name in range_check(good) for name in EXPECTED_RANGES)
     # no clipping acted (an on-policy-only run: no off-policy means), and the warm start taught no tags
     bad = demo_figures(results(0.0, 0.1), results(0.75, 1.0), {})
     line = range_check(bad)
-    assert line.startswith("check: OUTSIDE the expected range")
-    assert "turn_clip_frac 0.000 (expected 0.01-0.5)" in line and "answer rate before RL 0.100" in line
-    assert "clip_bias_scale 1.000 (expected 1.05-10)" in line and "answer rate after RL" not in line
-    nan = dict(good, clip_bias_scale=math.nan)  # a figure no step measured is never "within"
-    assert "OUTSIDE" in range_check(nan)
-    # without a warm start there is no "before" figure to check
+    assert line.startswith("check: FAILED")
+    assert "turn_clip_frac 0.000 (expected 0.01-0.5): no turn's ratio left the clip range" in line
+    assert "answer rate before RL 0.100 (expected 0.75-1): the warm start did not teach" in line
+    assert "max clip_bias_scale 1.000 (expected 1.01-10)" in line and "answer rate after RL" not in line
+    nan = dict(good, **{"max clip_bias_scale": math.nan})  # a figure no step measured is never "within"
+    assert "max clip_bias_scale nan (expected 1.01-10): no off-policy step measured it" in range_check(nan)
+    # without a warm start there is no "before" figure to check, without the batch's rewards no spread
     assert "before RL" not in range_check(demo_figures(None, results(0.75, 1.0), means))
+    assert "reward spread" not in range_check(demo_figures(None, results(0.75, 1.0), means))
+
+
+# Figures real runs printed: a run of the earlier recipe with a mix of rewards, where clipping acted (its largest
+# clip_bias_scale is above its mean of 1.831), and a run of the same recipe on another CPU, in bfloat16, whose 4
+# trajectories all earned 0.200 (with nothing clipped by the correction, every step's scale was 1).
+PASSED_RUN = {"answer rate before RL": 1.0, "reward spread": 0.2, "reward": 0.15, "turn_clip_frac": 0.133,
+              "max clip_bias_scale": 1.831, "answer rate after RL": 1.0}
+NO_SIGNAL_RUN = {"answer rate before RL": 1.0, "reward spread": 0.0, "reward": 0.2, "turn_clip_frac": 0.067,
+                 "max clip_bias_scale": 1.0, "answer rate after RL": 1.0}
+
+
+def test_the_check_passes_a_run_that_showed_the_mechanism():
+    assert range_check(PASSED_RUN) == (
+        "check: passed, each figure within its range (docs/demo.md): answer rate before RL 1.000, reward spread "
+        "0.200, turn_clip_frac 0.133, max clip_bias_scale 1.831, answer rate after RL 1.000")
+
+
+def test_the_check_names_no_learning_signal_as_the_reason_the_correction_did_not_act():
+    line = range_check(NO_SIGNAL_RUN)
+    assert line == (
+        "check: FAILED: reward spread 0.000 (expected 0.01-1): every RL trajectory earned the same reward (0.200), "
+        "so no advantage told them apart: no learning signal, nothing for the update to push; max clip_bias_scale "
+        "1.000 (expected 1.01-10): nothing to learn, so nothing to clip (the reward spread above) -- docs/demo.md "
+        "says what each figure shows")
+    # a spread but no clipping: the reason is the policy's movement, not the signal
+    moved_little = dict(PASSED_RUN, **{"max clip_bias_scale": 1.0})
+    assert "max clip_bias_scale 1.000 (expected 1.01-10): the clipped turns' bias ||C|| stayed under 1.01" in \
+        range_check(moved_little)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_RANGES))
+def test_each_check_boundary_holds_on_its_side(name):
+    low, high = EXPECTED_RANGES[name]
+    for value, passes in ((low, True), (high, True), (low - 1e-4, False), (high + 1e-4, False)):
+        line = range_check(dict(PASSED_RUN, **{name: value}))
+        assert line.startswith("check: passed") is passes, (name, value, line)
+        if not passes:
+            outside = line.split("check: FAILED: ", 1)[1]
+            assert outside.startswith(f"{name} {value:.3f} (expected {low:g}-{high:g}): ")
+            reason = outside.split("): ", 1)[1].split(" -- docs/demo.md", 1)[0]
+            assert len(reason) > 20  # a reason, not only the range
+
+
+def test_answer_noise_says_how_much_one_answer_moves_a_score():
+    from stppo_agent.training.demo_report import answer_noise
+
+    table = before_after_table(results(0.75, 1.0), results(0.25, 1.0)).splitlines()
+    assert table[-1] == ("noise: one answer moves a benchmark's EM/acc by 1/8 = 0.125 and the QA average by 0.062; "
+                         "a change of a few answers either way is noise, not a result of RL")
+    assert answer_noise(results(0.5, 1.0, n=4), 1).startswith("noise: one answer moves a benchmark's EM/acc by "
+                                                              "1/4 = 0.250;")
+    mixed = results(0.5, 1.0, n=8)
+    mixed[2]["metrics"]["n"] = 5
+    assert answer_noise(mixed, 2).startswith("noise: one answer moves a benchmark's EM/acc by 1/8 to 1/5;")
 
 
 def test_off_policy_summary_without_off_policy_steps():
-    assert off_policy_summary({}, 0.25) == "trained: reward 0.250; no off-policy step (one mini-batch per iteration)"
+    assert off_policy_summary({}, [1.0, 0.2, 0.2, 0.6]) == (
+        "trained on 4 trajectories, reward 0.500 (1 x 1.000, 1 x 0.600, 2 x 0.200); no off-policy step (one "
+        "mini-batch per iteration)")
+    assert off_policy_summary({}, [0.0, 1.0], resampled=2.0) == (
+        "trained on 2 trajectories, reward 0.500 (1 x 1.000, 1 x 0.000) after 2 more rollout round(s) for groups "
+        "whose samples all earned the same reward; no off-policy step (one mini-batch per iteration)")
 
 
 def test_the_command_line_defaults_are_the_recipes():
     settings = DemoSettings()
     assert DEMO_DEFAULTS == {"iterations": settings.iterations, "sft_steps": settings.sft_steps,
-                             "limit": settings.limit, "lr": settings.lr}
+                             "limit": settings.limit, "lr": settings.lr, "seed": settings.seed,
+                             "autocast_dtype": settings.autocast_dtype}
 
 
 def test_the_demo_leaves_a_core_to_each_other_running_process():

@@ -183,10 +183,13 @@ def test_filler_groups_do_not_shrink_the_other_groups_step(tiny_model, tmp_path)
     assert with_filler["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
 
 
+def test_dynamic_sampling_with_a_critic_is_a_choice_and_allowed(tiny_model, tmp_path):
+    # an all-equal group still has the critic's advantages; dropping it is what the demo asks for
+    for algo in ("ppo", "st_ppo"):
+        toy_config(tiny_model, tmp_path, algo, algorithm={"dynamic_sampling": True}).validate()
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (dict(algo="ppo", algorithm={"dynamic_sampling": True}),
-     "algorithm.dynamic_sampling drops groups whose rewards are all equal, which only a group-relative advantage "
-     "(grpo, rloo) makes worthless; ppo uses gae: set algorithm.dynamic_sampling=false, or use --algo dapo"),
     (dict(algo="dapo", samples_per_prompt=1),
      "algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs in reward, so "
      "every round would be dropped): set samples_per_prompt >= 2"),
@@ -198,13 +201,12 @@ def test_dynamic_sampling_is_refused_where_no_group_can_be_informative(tiny_mode
     assert str(refused.value) == message
 
 
-def test_the_cli_refuses_dynamic_sampling_without_a_group_estimator(tiny_model, tmp_path, capsys):
+def test_the_cli_refuses_dynamic_sampling_with_groups_of_one(tiny_model, tmp_path, capsys):
     from .cli_in_process import stppo
 
     done = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
                  str(tmp_path / "run"), "--iterations", "1", "--set", "algorithm.dynamic_sampling=true",
-                 "--set", "max_turns=1", "--set", "progress=false", capsys=capsys)
+                 "--set", "samples_per_prompt=1", "--set", "max_turns=1", "--set", "progress=false", capsys=capsys)
     assert done.returncode == 1
-    assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling drops groups whose rewards are all "
-                               "equal")
+    assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling needs groups of >= 2 trajectories")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

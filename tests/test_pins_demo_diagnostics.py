@@ -339,24 +339,35 @@ def test_demo_progress_the_thread_redraws_every_refresh_and_stops_and_clears_at_
 # -- demo.py -----------------------------------------------------------------------------------------------------
 def test_demo_settings_and_constants_are_the_recipes():
     assert DemoSettings() == DemoSettings(model="smollm2", output_dir="runs/demo", iterations=1, sft_steps=8,
-                                          limit=8, lr=1e-5, on_collapse="warn")
+                                          limit=8, lr=2e-5, on_collapse="warn", seed=0, autocast_dtype="auto")
+    with pytest.raises(ValueError, match="autocast_dtype must be one of auto, bfloat16, none, got 'float16'"):
+        DemoSettings(autocast_dtype="float16")
     assert demo.DEMO_BENCHMARKS == ("nq", "hotpotqa", "medqa")
     assert (demo.DEMO_MAX_OBSERVATION_TOKENS, demo.DEMO_MAX_TURNS, demo.DEMO_MAX_NEW_TOKENS) == (160, 3, 48)
     assert (demo.DEMO_SFT_BATCH_SIZE, demo.DEMO_SFT_LR, demo.DEMO_SFT_MAX_TOTAL_TOKENS) == (4, 1e-4, 1024)
-    assert demo.EXPECTED_RANGES == {"answer rate before RL": (0.75, 1.0), "turn_clip_frac": (0.01, 0.5),
-                                    "clip_bias_scale": (1.05, 10.0), "answer rate after RL": (0.75, 1.0)}
+    assert (demo.DEMO_RL_ENV, demo.DEMO_MAX_RESAMPLE_ROUNDS) == ("stppo/NQ-v0", 4)
+    assert demo.EXPECTED_RANGES == {"answer rate before RL": (0.75, 1.0), "reward spread": (0.01, 1.0),
+                                    "turn_clip_frac": (0.01, 0.5), "max clip_bias_scale": (1.01, 10.0),
+                                    "answer rate after RL": (0.75, 1.0)}
 
 
 def test_demo_config_is_the_recipe(tmp_path):
     config = demo.demo_config(DemoSettings(iterations=3, lr=2e-5), "the/model", tmp_path)
-    expected = dict(algo="st_ppo", env="stppo/NQ-v0,stppo/HotpotQA-v0", model="the/model",
+    expected = dict(algo="st_ppo", env="stppo/NQ-v0", model="the/model",
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
-                    iterations=3, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=2,
+                    algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
+                    iterations=3, prompts_per_iteration=1, samples_per_prompt=4, mini_batch_size=2,
                     micro_batch_size=2, ppo_epochs=2, actor_lr=2e-5, critic_lr=1e-5, max_turns=3,
                     max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400,
                     max_total_tokens=768, save_every=3, keep_checkpoints=1, device="auto", autocast_dtype="auto",
-                    progress=False, step_diagnostics=True, on_collapse="warn")
+                    progress=False, step_diagnostics=True, on_collapse="warn", seed=0)
     assert {key: getattr(config, key) for key in expected} == expected
+    algo = config.algorithm_config()  # ST-PPO with DAPO's dynamic sampling on top
+    assert (algo.name, algo.ratio_level, algo.clip_bias_correction, algo.dynamic_sampling) == ("st_ppo", "turn",
+                                                                                               True, True)
+    seeded = demo.demo_config(DemoSettings(seed=5, autocast_dtype="bfloat16"), "m", tmp_path)
+    assert (seeded.seed, seeded.autocast_dtype) == (5, "bfloat16")
+    assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).autocast_dtype is None
     rollback = demo.demo_config(DemoSettings(iterations=3, on_collapse="rollback"), "m", tmp_path)
     assert rollback.save_every == 1 and rollback.on_collapse == "rollback"
 
@@ -396,6 +407,22 @@ def test_demo_trainer_counts_an_iteration_done_at_the_next_iterations_first_phas
     trainer.phase("scoring")
     assert phases == ["rollout", "rollout", "scoring"]
     assert progress.calls == [("note", "rollout"), ("step", 1, "rollout"), ("note", "scoring")]
+
+
+def test_demo_trainer_keeps_every_scored_trajectorys_reward(monkeypatch):
+    from types import SimpleNamespace
+
+    from stppo_agent.training.trainer import Trainer
+
+    scored = []
+    monkeypatch.setattr(Trainer, "__init__", lambda self, config, report, overwrite: None)
+    monkeypatch.setattr(Trainer, "score", lambda self, batch: scored.append(batch))
+    trainer = demo.DemoTrainer("config", Recorder())
+    assert trainer.rewards == []
+    first, second = SimpleNamespace(rewards=torch.tensor([1.0, 0.2])), SimpleNamespace(rewards=torch.tensor([0.0]))
+    trainer.score(first)
+    trainer.score(second)
+    assert scored == [first, second] and trainer.rewards == pytest.approx([1.0, 0.2, 0.0])
 
 
 class CountingAgent:
@@ -439,8 +466,13 @@ def test_demo_evaluation_runs_each_benchmark_with_the_demo_settings(monkeypatch,
 
     made, runs, written = [], [], []
     monkeypatch.setattr(agent_specs, "resolve_agent_spec", lambda spec: ("hf:/ckpt/actor", f"{spec} -> newest"))
-    monkeypatch.setattr(hf_agent, "HFAgent", lambda path, max_new_tokens: made.append((path, max_new_tokens)) or
-                        CountingAgent())
+    def agent(path, max_new_tokens, max_observation_tokens):
+        made.append((path, max_new_tokens, max_observation_tokens))
+        inner = CountingAgent()
+        inner.max_observation_tokens = max_observation_tokens
+        return inner
+
+    monkeypatch.setattr(hf_agent, "HFAgent", agent)
     from stppo_agent.evaluation.agents import EpisodeView
 
     def evaluate_benchmark(spec, settings, agent_factory):
@@ -453,22 +485,23 @@ def test_demo_evaluation_runs_each_benchmark_with_the_demo_settings(monkeypatch,
     progress = Recorder()
     got = demo.evaluate_demo("hf:run@latest", DemoSettings(limit=5), progress, tmp_path / "eval", "evaluation X")
     assert got == [{"benchmark": b} for b in ("nq", "hotpotqa", "medqa")] and written == [(got, tmp_path / "eval")]
-    assert made == [("/ckpt/actor", 48)]
+    assert made == [("/ckpt/actor", 48, 160)]  # observations cut as in training
     assert progress.calls[:2] == [("phase", "evaluation X", 3), ("say", "agent hf:run@latest -> newest")]
     assert ("note", "nq: turn 1/3 of 1 episodes") in progress.calls
     assert [c for c in progress.calls if c[0] == "step"] == [
         ("step", 0, "nq: loading"), ("step", 1, "hotpotqa: loading"), ("step", 2, "medqa: loading")]
     assert [spec for spec, _, _ in runs] == ["hf:/ckpt/actor"] * 3
     assert {id(agent) for _, _, agent in runs} == {id(runs[0][2])} and runs[0][2].max_turns == 3
+    assert runs[0][2].max_observation_tokens == 160  # what the results record the agent read
     assert runs[0][2].benchmark == "medqa"  # the one agent, told each benchmark in turn
     from stppo_agent.evaluation.evaluate import EvalSettings
 
     assert [settings for _, settings, _ in runs] == [EvalSettings(
-        b, None, None, 5, "demo", 3, 3, 16, 0, 48) for b in ("nq", "hotpotqa", "medqa")]
+        b, None, None, 5, "demo", 3, 3, 16, 0, 48, 160) for b in ("nq", "hotpotqa", "medqa")]
     monkeypatch.setattr(agent_specs, "resolve_agent_spec", lambda spec: (spec, None))
     quiet = Recorder()
     demo.evaluate_demo("hf:/m", DemoSettings(), quiet, tmp_path / "e2", "e")
-    assert not [c for c in quiet.calls if c[0] == "say"] and made[-1] == ("/m", 48)
+    assert not [c for c in quiet.calls if c[0] == "say"] and made[-1] == ("/m", 48, 160)
 
 
 def test_demo_cpu_threads_leave_a_core_to_each_other_process():
@@ -556,6 +589,7 @@ def fake_phases(monkeypatch, tmp_path, metrics_reward=0.5):
     class Trainer:
         def __init__(self, config, progress):
             calls.append(("trainer", config.model, config.output_dir, config.iterations, progress))
+            self.rewards = [1.0, 0.2]
 
         def train(self):
             calls.append(("train",))
@@ -564,8 +598,9 @@ def fake_phases(monkeypatch, tmp_path, metrics_reward=0.5):
     monkeypatch.setattr(demo, "evaluate_demo", evaluate)
     monkeypatch.setattr(demo, "DemoTrainer", Trainer)
     monkeypatch.setattr(demo, "off_policy_means", lambda run: calls.append(("means", run)) or {
-        "turn_clip_frac": 0.1, "clip_bias_scale": 2.0})
-    monkeypatch.setattr(demo, "off_policy_summary", lambda means, reward: f"summary {reward} {sorted(means)}")
+        "turn_clip_frac": 0.1, "clip_bias_scale_max": 2.0})
+    monkeypatch.setattr(demo, "off_policy_summary", lambda means, rewards, resampled: f"summary {sorted(means)} "
+                        f"{rewards} {resampled}")
     return calls
 
 
@@ -581,17 +616,17 @@ def test_demo_run_warm_starts_evaluates_trains_and_evaluates_again(monkeypatch, 
                      ("evaluate", f"hf:{out / 'train'}@latest", out / "eval", "evaluation after RL", settings,
                       progress)]
     said = [c[1] for c in progress.calls if c[0] == "say"]
-    assert said[0] == ("stppo demo: 3 warm-start steps, then 2 iteration(s) of ST-PPO on smol with the bundled demo "
-                       "set (BM25, on a GPU when there is one, else the CPU; busy), evaluated on 4 test questions per "
-                       "benchmark before and after RL")
-    assert said[1] == "summary 0.5 ['clip_bias_scale', 'turn_clip_frac']"
+    assert said[0] == ("stppo demo: 3 warm-start steps, then 2 iteration(s) of ST-PPO (seed 0, float32 forwards) on "
+                       "smol with the bundled demo set (BM25, on a GPU when there is one, else the CPU; busy), "
+                       "evaluated on 4 test questions per benchmark before and after RL")
+    assert said[1] == "summary ['clip_bias_scale_max', 'turn_clip_frac'] [1.0, 0.2] 0.0"
     assert said[2].startswith("evaluation: before RL (after the warm start) -> after RL")
     assert said[3].startswith("check: ") and "answer rate before RL 1.000" in said[3]
     assert said[4] == f"run folder: {out / 'train'}; evaluation: {out / 'eval_before'} (before RL), {out / 'eval'} " \
                       "(after)"
     assert ("phase", "ST-PPO iteration", 2) in progress.calls
-    assert figures == {"answer rate before RL": 1.0, "answer rate after RL": 1.0, "turn_clip_frac": 0.1,
-                       "clip_bias_scale": 2.0}
+    assert figures == pytest.approx({"answer rate before RL": 1.0, "answer rate after RL": 1.0, "turn_clip_frac": 0.1,
+                                     "max clip_bias_scale": 2.0, "reward spread": 0.8, "reward": 0.6})
     assert not progress._drawn and progress._thread is not None and not progress._thread.is_alive()
 
 
@@ -603,7 +638,8 @@ def test_demo_run_without_a_warm_start_evaluates_only_after(monkeypatch, tmp_pat
     assert [c[0] for c in calls] == ["resolve", "trainer", "train", "means", "evaluate"]
     assert calls[1][1] == "/cache/m"
     said = [c[1] for c in progress.calls if c[0] == "say"]
-    assert "else the CPU)," in said[0] and said[0].startswith("stppo demo: 0 warm-start steps, then 1 iteration(s)")
+    assert "else the CPU)," in said[0] and said[0].startswith("stppo demo: 0 warm-start steps, then 1 iteration(s) "
+                                                             "of ST-PPO (seed 0, ")
     assert said[2].startswith("evaluation after RL") and said[-1] == f"run folder: {out / 'train'}; evaluation: " \
                                                                      f"{out / 'eval'}"
     assert "answer rate before RL" not in figures
@@ -632,12 +668,14 @@ def test_demo_warm_start_hands_the_recipe_to_the_supervised_trainer(monkeypatch,
         "/m", str(tmp_path / "sft"), ("nq", "hotpotqa", "medqa"), 11, 8)  # ceil(8 steps x 4 / 3 benchmarks)
     assert (config.batch_size, config.lr, config.max_observation_tokens, config.max_total_tokens, config.progress) == (
         4, 1e-4, 160, 1024, False)
+    assert config.seed == 0 and config.autocast_dtype is None  # the warm start runs in float32 everywhere
     assert seen["report"] == progress.note
     assert progress.calls == [("phase", "warm start: the gold-search teacher's demonstrations", 0),
                               ("phase", "warm start", 8), ("step", 1, "loss 1.235"), ("step", 2, "loss 0.500"),
                               ("say", "warm start: 11 demonstrations, loss 2.35 -> 0.50 in 8 steps")]
-    demo.warm_start(DemoSettings(sft_steps=6), "/m", tmp_path, Recorder())
+    demo.warm_start(DemoSettings(sft_steps=6, seed=4), "/m", tmp_path, Recorder())
     assert seen["config"].limit == 8 and seen["config"].steps == 6  # ceil(6 x 4 / 3) = 8: exactly, not 9
+    assert seen["config"].seed == 4
 
 
 def test_demo_off_policy_means_average_the_off_policy_records(tmp_path):
@@ -649,23 +687,32 @@ def test_demo_off_policy_means_average_the_off_policy_records(tmp_path):
                 "offpolicy/tail/turn_ratio_max": 1.5},
                {"iteration": 3, "offpolicy/steps": 1, "offpolicy/clip_frac": 0.3, "offpolicy/turn_clip_frac": None}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = [{"step": 1, "on_policy": True, "clip_bias_scale": 9.0}, {"step": 2, "on_policy": False,
+                                                                       "clip_bias_scale": 1.5},
+             {"step": 3, "on_policy": False, "clip_bias_scale": 2.5}, {"step": 4, "on_policy": False,
+                                                                        "clip_bias_scale": None}]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     means = demo.off_policy_means(tmp_path)
     assert means == pytest.approx({"steps": 4, "clip_frac": 0.2, "turn_clip_frac": 0.2, "clip_bias_scale": 2.0,
                                    "clip_bias_norm": 1.0, "tail/token_outside_frac": 0.3, "tail/ratio_max": 3.0,
-                                   "tail/turn_ratio_max": 1.5})
+                                   "tail/turn_ratio_max": 1.5, "clip_bias_scale_max": 2.5})  # not the on-policy 9
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"offpolicy/steps": 2}) + "\n")
+    (tmp_path / "steps.jsonl").unlink()
     assert math.isnan(demo.off_policy_means(tmp_path)["clip_frac"])
+    assert math.isnan(demo.off_policy_means(tmp_path)["clip_bias_scale_max"])
 
 
 def test_demo_off_policy_summary_names_every_figure():
     means = {"steps": 3.0, "clip_frac": 0.1234, "turn_clip_frac": 0.25, "clip_bias_scale": 1.8, "clip_bias_norm": 0.5,
-             "tail/token_outside_frac": 0.4, "tail/ratio_max": 2.345, "tail/turn_ratio_max": 1.5}
-    assert demo.off_policy_summary(means, 0.1) == (
-        "trained: reward 0.100; on 3 off-policy steps: clip_frac 0.123 (turn-level), turn_clip_frac 0.250, "
-        "clip_bias_scale 1.800 (||C|| 0.500); token ratios outside the clip range 0.400 (what token-level PPO would "
-        "clip), max 2.35 vs turn ratios max 1.50")
-    assert demo.off_policy_summary({}, 0.25) == ("trained: reward 0.250; no off-policy step (one mini-batch per "
-                                                 "iteration)")
+             "tail/token_outside_frac": 0.4, "tail/ratio_max": 2.345, "tail/turn_ratio_max": 1.5,
+             "clip_bias_scale_max": 2.25}
+    assert demo.off_policy_summary(means, [0.2, 0.0]) == (
+        "trained on 2 trajectories, reward 0.100 (1 x 0.200, 1 x 0.000); on 3 off-policy steps: clip_frac 0.123 "
+        "(turn-level), turn_clip_frac 0.250, clip_bias_scale 1.800 (max 2.250; ||C|| 0.500); token ratios outside the "
+        "clip range 0.400 (what token-level PPO would clip), max 2.35 vs turn ratios max 1.50")
+    assert demo.off_policy_summary({}, []) == "trained; no off-policy step (one mini-batch per iteration)"
+    assert demo.off_policy_summary({}, [1.0, 1.0], 1.0).startswith(
+        "trained on 2 trajectories, reward 1.000 (2 x 1.000) after 1 more rollout round(s) for groups whose")
 
 
 def metrics_rows(em, answer, tokens=True):
@@ -684,34 +731,45 @@ def test_demo_before_after_table_cells_and_qa_average():
     assert table[3].split() == ["nq", "8", "0.500", "->", "1.000", "0.750", "->", "1.000", "0.125", "->", "0.125",
                                 "1.25", "->", "1.25", "40.0", "->", "0.0"]
     assert table[4].split()[2:5] == ["0.250", "->", "0.500"] and table[5].split()[2:5] == ["0.250", "->", "0.250"]
-    assert table[6].split() == ["QA", "avg", "(EM)", "0.375", "->", "0.750"] and len(table) == 7
+    assert table[6].split() == ["QA", "avg", "(EM)", "0.375", "->", "0.750"] and len(table) == 8
+    assert table[7] == ("noise: one answer moves a benchmark's EM/acc by 1/8 = 0.125 and the QA average by 0.062; a "
+                        "change of a few answers either way is noise, not a result of RL")
     after = demo.before_after_table(None, metrics_rows(1.0, 1.0)).splitlines()
-    assert after[0] == "evaluation after RL" and after[-1].split() == ["QA", "avg", "(EM)", "0.750"]
+    assert after[0] == "evaluation after RL" and after[-2].split() == ["QA", "avg", "(EM)", "0.750"]
     assert after[3].split() == ["nq", "8", "1.000", "1.000", "0.125", "1.25", "40.0"]
     one_qa = demo.before_after_table(None, metrics_rows(1.0, 1.0)[:1] + metrics_rows(1.0, 1.0)[2:]).splitlines()
-    assert len(one_qa) == 5 and "QA avg" not in one_qa[-1]  # one QA benchmark: no average
+    assert len(one_qa) == 6 and "QA avg" not in one_qa[-2]  # one QA benchmark: no average, nor its noise
+    assert one_qa[-1].startswith("noise: one answer moves a benchmark's EM/acc by 1/8 = 0.125;")
     unscored = [{"benchmark": "x", "metrics": {"n": 1, "answer_rate": 0.5, "invalid_action_rate": 0.0,
                                                "mean_search_calls": 0.0}}]
     assert demo.before_after_table(None, unscored).splitlines()[3].split()[:3] == ["x", "1", "0.000"]
+    from stppo_agent.training.demo_report import answer_noise
+
+    assert answer_noise([{"benchmark": "x", "metrics": {"n": 0}}], 0) == "noise: no questions were scored"
 
 
 def test_demo_figures_and_the_range_check_bounds():
     after, before = metrics_rows(1.0, 0.9), metrics_rows(1.0, 0.6)
-    figures = demo.demo_figures(before, after, {"turn_clip_frac": 0.5, "clip_bias_scale": 1.05})
+    figures = demo.demo_figures(before, after, {"turn_clip_frac": 0.5, "clip_bias_scale": 1.02,
+                                                "clip_bias_scale_max": 1.05})
     assert figures == pytest.approx({"answer rate after RL": 0.9, "answer rate before RL": 0.6,
-                                     "turn_clip_frac": 0.5, "clip_bias_scale": 1.05})
+                                     "turn_clip_frac": 0.5, "max clip_bias_scale": 1.05})
     assert demo.demo_figures(None, after, {}) == pytest.approx({"answer rate after RL": 0.9, "turn_clip_frac": 0.0,
-                                                                "clip_bias_scale": 1.0})
-    edges = {"answer rate before RL": 0.75, "turn_clip_frac": 0.5, "clip_bias_scale": 10.0, "answer rate after RL": 1.0}
-    assert demo.range_check(edges) == ("check: within the expected range (README, 'What the demo shows'): answer rate "
-                                       "before RL 0.750, turn_clip_frac 0.500, clip_bias_scale 10.000, answer rate "
-                                       "after RL 1.000")
+                                                                "max clip_bias_scale": 1.0})
+    assert demo.demo_figures(None, after, {}, [0.2, 0.2, 1.0])["reward spread"] == pytest.approx(0.8)
+    edges = {"answer rate before RL": 0.75, "reward spread": 0.01, "turn_clip_frac": 0.5,
+             "max clip_bias_scale": 10.0, "answer rate after RL": 1.0}
+    assert demo.range_check(edges) == ("check: passed, each figure within its range (docs/demo.md): answer rate "
+                                       "before RL 0.750, reward spread 0.010, turn_clip_frac 0.500, max "
+                                       "clip_bias_scale 10.000, answer rate after RL 1.000")
     low = dict(edges, **{"answer rate before RL": 0.7499, "turn_clip_frac": 0.0099})
-    assert demo.range_check(low) == ("check: OUTSIDE the expected range: answer rate before RL 0.750 (expected "
-                                     "0.75-1); turn_clip_frac 0.010 (expected 0.01-0.5) -- the README's 'What the "
-                                     "demo shows' says which figures vary by CPU and by how much")
-    high = {"clip_bias_scale": 10.01, "answer rate after RL": 1.001}
-    assert demo.range_check(high).count("(expected") == 2 and "clip_bias_scale 10.010 (expected 1.05-10)" in \
-        demo.range_check(high)
-    assert demo.range_check({"turn_clip_frac": 0.3}) == ("check: within the expected range (README, 'What the demo "
-                                                         "shows'): turn_clip_frac 0.300")
+    assert demo.range_check(low) == (
+        "check: FAILED: answer rate before RL 0.750 (expected 0.75-1): the warm start did not teach Search-R1's tags "
+        "(more --sft-steps); turn_clip_frac 0.010 (expected 0.01-0.5): no turn's ratio left the clip range on the "
+        "off-policy steps: the policy moved too little between them (a higher --lr moves it more) -- docs/demo.md "
+        "says what each figure shows")
+    high = {"max clip_bias_scale": 10.01, "answer rate after RL": 1.001}
+    assert demo.range_check(high).count("(expected") == 2 and "clip_bias_scale 10.010 (expected 1.01-10): the " \
+        "clipped part dwarfed the gradient" in demo.range_check(high)
+    assert demo.range_check({"turn_clip_frac": 0.3}) == ("check: passed, each figure within its range "
+                                                         "(docs/demo.md): turn_clip_frac 0.300")

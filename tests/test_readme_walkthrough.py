@@ -1,10 +1,14 @@
-"""The README's walk-through runs as written: every command of its marked block, in order, exits 0."""
+"""The README's walk-through runs as written: every command of its marked block, in order, exits 0. The README
+stays a front door, and every link of it and of the docs pages it sends a reader to resolves."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
+
+import pytest
 
 from .cli_in_process import stppo
 
@@ -46,3 +50,46 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "plots" / "reward.png").exists()
     trained = json.loads((tmp_path / "trained" / "results.json").read_text())
     assert trained[0]["provenance"]["agent"].endswith("step-5/actor")  # @latest named the checkpoint it used
+
+
+# The README is the front door; the pages it sends a reader to hold the reference.
+FRONT_DOOR_PAGES = ["README.md", "docs/demo.md", "docs/envs.md", "docs/training.md", "docs/evaluation.md",
+                    "docs/retrieval.md", "docs/measurements.md", "docs/development.md"]
+WORK_LOG = re.compile(r"::test_|\b[Ss]ession \d|\b[Ii]ssue \d|load average")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_the_readme_is_a_front_door():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail to a docs page"
+    text = "\n".join(lines)
+    for needed in ("make demo", "make test", "stppo_envs", "stppo_agent", "<!-- walk-through -->"):
+        assert needed in text
+
+
+@pytest.mark.parametrize("page", FRONT_DOOR_PAGES)
+def test_user_facing_pages_hold_no_work_log(page):
+    found = [line for line in (REPO / page).read_text().splitlines() if WORK_LOG.search(line)]
+    assert not found, f"{page}: pytest node ids, session or issue numbers or load averages: {found}"
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))])
+def test_every_relative_link_resolves(page):
+    source = REPO / page
+    for target in re.findall(r"\]\(([^)\s]+)\)", source.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http:, https:, mailto:
+        path, _, anchor = target.partition("#")
+        linked = (source.parent / path).resolve() if path else source
+        assert linked.exists(), f"{page}: {target} does not exist"
+        if anchor and linked.suffix == ".md":
+            assert anchor in heading_anchors(linked.read_text()), f"{page}: no heading for #{anchor} in {path or page}"

@@ -176,13 +176,14 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
     monkeypatch.setattr(demo, "DemoProgress", Recorder)
     out = tmp_path / "demo"
     assert main(["demo", "--model", str(tiny_model), "--output-dir", str(out), "--sft-steps", "2",
-                 "--iterations", "1", "--limit", "2"]) == 0
+                 "--iterations", "1", "--limit", "2", "--seed", "3", "--autocast-dtype", "none"]) == 0
     printed = capsys.readouterr().out
     assert "warm start: 9 demonstrations" in printed  # the teacher plays only what 2 steps of 4 use: 3 per benchmark
     assert "evaluation: before RL (after the warm start) -> after RL" in printed and "QA avg (EM)" in printed
     assert printed.splitlines()[-2].startswith("check: ")  # the tiny model's figures are outside the ranges
     # 2 mini-batches x 2 epochs: 3 of the iteration's 4 optimizer steps are off-policy, and the summary says so
-    assert "on 3 off-policy steps: clip_frac" in printed
+    assert "on 3 off-policy steps: clip_frac" in printed and "trained on 4 trajectories, reward " in printed
+    assert "of ST-PPO (seed 3, float32 forwards)" in printed.splitlines()[0]
     phases = [c[1] for c in calls if c[0] == "phase"]
     assert phases == ["warm start: the gold-search teacher's demonstrations", "warm start", "evaluation before RL",
                       "ST-PPO iteration", "evaluation after RL"]
@@ -196,16 +197,18 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
     config = (out / "train" / "config.yaml").read_text()
     assert f"model: {out / 'sft'}" in config  # RL started from the warm-started weights
     assert "ppo_epochs: 2" in config and "autocast_dtype: auto" not in config  # the precision auto chose is kept
-    # the demo cuts observations at 160 tokens in its warm start and in RL alike (its output predates the
-    # shared default of 512)
-    assert "max_observation_tokens: 160" in config
+    # the demo cuts observations at 160 tokens in its warm start, RL and evaluations alike
+    assert "max_observation_tokens: 160" in config and "seed: 3" in config
     warm_start = json.loads((out / "sft" / "sft.json").read_text())["config"]
-    assert (warm_start["max_observation_tokens"], warm_start["max_total_tokens"]) == (160, 1024)
+    assert (warm_start["max_observation_tokens"], warm_start["max_total_tokens"], warm_start["seed"]) == (
+        160, 1024, 3)
     for folder, agent in (("eval_before", f"hf:{out / 'sft'}"),
                           ("eval", f"hf:{out / 'train' / 'checkpoints' / 'step-1' / 'actor'}")):
         results = json.loads((out / folder / "results.json").read_text())
         assert [r["benchmark"] for r in results] == ["nq", "hotpotqa", "medqa"]
         assert results[0]["provenance"]["agent"] == agent and results[0]["metrics"]["n"] == 2
+        # evaluated as it was trained: observations cut at the warm start's and RL's 160 tokens, not eval's 512
+        assert results[0]["provenance"]["max_observation_tokens"] == 160
     # the demo owns its folder: running it again replaces the first run instead of refusing at the RL step
     capsys.readouterr()
     assert main(["demo", "--model", str(tiny_model), "--output-dir", str(out), "--sft-steps", "0",

@@ -8,7 +8,7 @@ from stppo_agent.cli.arguments import positive_int
 
 # the recipe's defaults live in DemoSettings alone (stppo_agent.training.demo); imported lazily there, so these
 # mirror them and tests/test_sft.py checks that they agree
-DEMO_DEFAULTS = {"iterations": 1, "sft_steps": 8, "limit": 8, "lr": 1e-5}
+DEMO_DEFAULTS = {"iterations": 1, "sft_steps": 8, "limit": 8, "lr": 2e-5, "seed": 0, "autocast_dtype": "auto"}
 
 
 def add_parser(commands) -> None:
@@ -27,6 +27,12 @@ def add_parser(commands) -> None:
     demo.add_argument("--lr", type=float, default=d["lr"], help=f"ST-PPO actor learning rate (default {d['lr']})")
     demo.add_argument("--on-collapse", choices=("none", "warn", "stop", "rollback"), default="warn",
                       help="what a collapse alarm does (rollback checkpoints every iteration; default warn)")
+    demo.add_argument("--seed", type=int, default=d["seed"],
+                      help=f"seed of the warm start's batch order and the RL step's prompts and samples "
+                           f"(default {d['seed']})")
+    demo.add_argument("--autocast-dtype", choices=("auto", "bfloat16", "none"), default=d["autocast_dtype"],
+                      help="the RL step's forwards: auto (bfloat16 on a GPU or a CPU with AMX, else float32), "
+                           "bfloat16 (as such machines run them, anywhere) or none (float32)")
     demo.set_defaults(handler=run)
 
 
@@ -35,5 +41,6 @@ def run(args: argparse.Namespace) -> int:
 
     # a figure outside its expected range is said on the "check:" line, not in the exit status: the run worked
     run_demo(DemoSettings(model=args.model, output_dir=args.output_dir, iterations=args.iterations,
-                          sft_steps=args.sft_steps, limit=args.limit, lr=args.lr, on_collapse=args.on_collapse))
+                          sft_steps=args.sft_steps, limit=args.limit, lr=args.lr, on_collapse=args.on_collapse,
+                          seed=args.seed, autocast_dtype=args.autocast_dtype))
     return 0

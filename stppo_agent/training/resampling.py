@@ -21,21 +21,18 @@ from typing import Callable
 import torch
 
 from stppo_agent.algorithms import dropped_group_count, informative_groups
-from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.global_batch import merge_shares
 
 
 def check_dynamic_sampling(algo, samples_per_prompt: int) -> None:
-    """Refuse (one line) dynamic sampling where no group can ever be informative or where being uninformative
-    costs nothing: a group of one trajectory, or an advantage that is not relative to the group."""
+    """Refuse (one line) dynamic sampling where no group can ever be informative: a group of one trajectory. With a
+    critic's advantage (gae, turn_gae) a group whose rewards all agree still has advantages (the critic's); dropping
+    it is then a choice of what to train on, not a saving, and it is allowed (the demo uses it so that its one small
+    batch always holds a reward spread)."""
     if not algo.dynamic_sampling:
         return
-    if algo.advantage not in GROUP_ESTIMATORS:
-        raise ValueError(f"algorithm.dynamic_sampling drops groups whose rewards are all equal, which only a "
-                         f"group-relative advantage ({', '.join(sorted(GROUP_ESTIMATORS))}) makes worthless; "
-                         f"{algo.name} uses {algo.advantage}: set algorithm.dynamic_sampling=false, or use --algo dapo")
     if samples_per_prompt < 2:
         raise ValueError("algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs "
                          "in reward, so every round would be dropped): set samples_per_prompt >= 2")
