@@ -9,6 +9,7 @@ import inspect
 
 import gymnasium as gym
 import pytest
+from transformers.utils import get_json_schema
 
 from stppo_agent.integrations.trl import SearchEnvironment, search_environment, training_dataset
 from stppo_envs.actions import INVALID_ACTION_MESSAGE
@@ -33,6 +34,15 @@ class ScriptedRetriever:
 
 
 RETRIEVER = ScriptedRetriever()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _demo_data_loaded():
+    """Loads the demo sets once, before the first test: their loaders' imports (datasets, scipy) then predate
+    every test, so conftest's per-test cleanup of modules imported from outside the interpreter's prefix (a venv
+    layered on another one) never drops half of numpy for pyserini to re-import."""
+    for env_id in ("stppo/NQ-v0", "stppo/HotpotQA-v0", "stppo/MedQA-v0"):
+        search_environment(env_id, retriever=RETRIEVER)
 
 
 def play_gym(env_id: str, kwargs: dict, index: int, turns: list[tuple[str, str]]) -> tuple[list[str], float]:
@@ -149,8 +159,6 @@ def test_a_multiple_choice_prompt_lists_the_options():
 
 def test_only_search_and_answer_become_tools():
     """TRL turns every public method but reset and get_reward into a tool, described by its docstring."""
-    from transformers.utils import get_json_schema
-
     public = {name for name, _ in inspect.getmembers(SearchEnvironment, inspect.isfunction) if not name.startswith("_")}
     assert public - {"reset", "get_reward"} == {"search", "answer"}
     environment = search_environment("stppo/NQ-v0", retriever=RETRIEVER)()
