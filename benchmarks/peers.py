@@ -265,6 +265,8 @@ PHASES = ("seconds", "generate", "score", "update")
 LEFT_OVER = (
     "stppo scores the batch with one more forward for the old log-probs (TRL on-policy takes them from its training "
     "forward): its 'scoring forward' column; the ratio without it is printed",
+    "stppo's sampler keeps every step's processed scores to record the behaviour log-probs (a log-softmax over "
+    "the vocabulary per token); TRL's transformers path records none",
     "stppo sorts micro-batches by length (less padding); TRL keeps the generation order",
     "TRL computes per-token entropies in its training forward (for its metrics)",
     "TRL trains on one end-of-turn token after a stop string (its EOS mask); its token counts include it",

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from stppo_agent.integrations.trl import search_environment, training_dataset  # noqa: E402
+from stppo_envs import env_id  # noqa: E402
 
 from .trl_models import (  # noqa: E402
     environment_tools,
@@ -125,5 +126,6 @@ def test_a_dict_of_environments_routes_each_row_to_its_benchmark(taught, tmp_pat
     assert seen == sorted(list(benchmarks.values()) * 2)
     for environment in trainer.environments:
         assert environment.env.example is environment.env.examples[0]  # the row's question, in its own env
+        assert environment.get_reward() == replayed_reward(environment, env_id(environment.env.benchmark), **SHORT)
     rewards = [environment.get_reward() for environment in trainer.environments]
     assert trainer.state.log_history[0]["rewards/SearchEnvironment/mean"] == pytest.approx(sum(rewards) / 6)
