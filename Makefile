@@ -10,6 +10,10 @@ VERL_VENV ?= .venv-verl
 VERL_STAMP := $(VERL_VENV)/.stppo-installed
 VERL_PY := $(VERL_VENV)/bin/python
 
+TRL_VENV ?= .venv-trl
+TRL_STAMP := $(TRL_VENV)/.stppo-installed
+TRL_PY := $(TRL_VENV)/bin/python
+
 .PHONY: demo test install mutants
 
 install: $(STAMP)
@@ -40,7 +44,7 @@ demo: $(STAMP)
 .PHONY: test-main test-verl
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(MAKE) --no-print-directory -j2 test-main test-verl
+	$(MAKE) --no-print-directory -j2 test-main test-verl test-trl
 
 test-main: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
@@ -66,6 +70,25 @@ $(VERL_STAMP): $(STAMP) pyproject.toml Makefile
 	$(VERL_PY) -m pip install -q --no-compile -e ".[dev,verl]"
 	$(VERL_PY) -m compileall -qq -j 0 $(call SITE_PACKAGES,$(VERL_PY)) > /dev/null || true
 	touch $(VERL_STAMP)
+
+# The TRL side (stppo_agent/integrations/trl, docs/trl.md, benchmarks/peers.py) in a venv of its own, layered on
+# .venv as the verl one is: TRL is not forced on every user, and its pins (trl>=1.16 needs Python 3.11) stay out of
+# the project's environment. pip adds trl alone (its other requirements are already in .venv): 30 s, 32 MB. Its
+# tests (TRL's GRPOTrainer through the adapter, docs/trl.md's example, `benchmarks/peers.py --quick`) run after
+# test-verl, beside the main suite, with their output kept in .venv-trl/tests.log. The adapter's own protocol tests
+# (tests/test_trl_environment.py) need no TRL: they run in the main suite.
+.PHONY: test-trl
+test-trl: $(TRL_STAMP)
+	STPPO_REQUIRE_TRL=1 OMP_NUM_THREADS=1 $(TRL_PY) -m pytest -q tests/test_trl_grpo.py tests/test_trl_docs.py \
+		tests/test_trl_peers_quick.py > $(TRL_VENV)/tests.log 2>&1 || { cat $(TRL_VENV)/tests.log; exit 1; }
+	@echo "trl venv: $$(tail -n 1 $(TRL_VENV)/tests.log)"
+
+$(TRL_STAMP): $(STAMP) pyproject.toml Makefile
+	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
+	echo $(call SITE_PACKAGES,$(PY)) > $(call SITE_PACKAGES,$(TRL_PY))/_stppo_layered_on_venv.pth
+	$(TRL_PY) -m pip install -q --no-compile -e ".[dev,trl]"
+	$(TRL_PY) -m compileall -qq -j 0 $(call SITE_PACKAGES,$(TRL_PY)) > /dev/null || true
+	touch $(TRL_STAMP)
 
 # Mutation testing (not in CI), in slices of an hour or more each on 2 cores: `make mutants SLICE=envs` (scoring,
 # action parsing, the env and vector env, prompts, retrieval client/server/cache), `SLICE=evaluation` (evaluation,
