@@ -344,7 +344,8 @@ class Grid:
                   f"{'collapsed at ' + format(summary['collapsed_at'], 'g') if summary['collapsed'] else 'no collapse'}"
                   f"{' (dipped)' if summary['dipped'] else ''}, read-out reward {fmt(summary['reward_last'])}",
                   flush=True)
-            self.write(False)
+            if not self.args.report_only:  # a report-only pass writes once, at the end (each write re-reads all)
+                self.write(False)
 
     def run(self) -> None:
         with concurrent.futures.ThreadPoolExecutor(max(1, self.args.jobs)) as pool:
