@@ -9,16 +9,18 @@ from stability_report import fmt, table
 
 
 def plot(summary: dict, path: Path) -> str:
-    """Collapse rate against stress level, one line per rule, 95% Wilson interval bars (rules side by side)."""
+    """Two panels against stress level, one line per rule (rules side by side): the persistent collapse rate with
+    its 95% Wilson interval, and the final reward (mean over seeds, +- one sd): a grid where nothing collapses
+    still shows what the stress cost."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     levels, rules = summary["levels_order"], summary["rules"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, (rates, finals) = plt.subplots(1, 2, figsize=(12, 4.2))
     for i, rule in enumerate(rules):
-        xs, ys, errs = [], [], [[], []]
+        xs, ys, errs, rewards, spreads = [], [], [[], []], [], []
         for j, level in enumerate(levels):
             cell = summary["cells"].get(level, {}).get(rule)
             if cell and cell["n"]:
@@ -26,15 +28,21 @@ def plot(summary: dict, path: Path) -> str:
                 ys.append(cell["rate"])
                 errs[0].append(max(0.0, cell["rate"] - cell["wilson95"][0]))  # rounding at 0/n and n/n
                 errs[1].append(max(0.0, cell["wilson95"][1] - cell["rate"]))
+                rewards.append(cell.get("final_reward_mean"))
+                spreads.append(cell.get("final_reward_sd") or 0.0)
         if xs:
-            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=rule)
-    ax.set_xticks(range(len(levels)), levels)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("stress level")
-    ax.set_ylabel("persistent collapse rate (95% Wilson)")
+            rates.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=rule)
+            if None not in rewards:
+                finals.errorbar(xs, rewards, yerr=spreads, marker="o", capsize=3, label=rule)
+    for ax in (rates, finals):
+        ax.set_xticks(range(len(levels)), levels)
+        ax.set_xlabel("stress level")
+    rates.set_ylim(-0.05, 1.05)
+    rates.set_ylabel("persistent collapse rate (95% Wilson)")
+    finals.set_ylabel("final reward (last 5 read-outs; mean, sd)")
     seeds = sorted({c["n"] for lv in summary["cells"].values() for c in lv.values()})
-    ax.set_title(f"tier {summary['tier']}{' (--quick)' if summary['quick'] else ''}: seeds per cell {seeds}")
-    ax.legend(fontsize=8, ncol=2)
+    fig.suptitle(f"tier {summary['tier']}{' (--quick)' if summary['quick'] else ''}: seeds per cell {seeds}")
+    rates.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
