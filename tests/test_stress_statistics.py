@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import collapse_criterion as criterion  # noqa: E402
 import stress_stats as stats  # noqa: E402
+from stress_interaction import interactions  # noqa: E402
 
 
 @pytest.mark.parametrize("only_first,only_second,p", [(6, 0, 2 / 2**6), (0, 6, 2 / 2**6), (5, 1, 14 / 64),
@@ -80,6 +81,20 @@ def test_final_rewards_compare_by_signed_rank_on_pairs_and_by_rank_sum_otherwise
     apart = stats.compare_values({s: st_ppo[s] for s in range(5)}, {s: ppo[s] for s in range(5)}, paired=False)
     # 5 vs 5 with no overlap: the exact two-sided rank-sum p is 2 / C(10, 5)
     assert apart["test"] == "mann-whitney" and apart["p"] == pytest.approx(2 / comb(10, 5))
+
+
+def test_the_interaction_compares_what_the_stress_cost_each_rule_not_where_they_ended():
+    def runs(level_rewards):
+        return {rule: {s: {"reward_curve": [0.0] * 3 + [reward + 0.01 * s] * 5} for s in range(8)}
+                for rule, reward in level_rewards.items()}
+
+    grid = {"lag0": runs({"turn_ppo": 0.9, "ppo": 0.5}), "lag64": runs({"turn_ppo": 0.8, "ppo": 0.2})}
+    result = interactions(grid, "turn_ppo", "ppo", "lag0")["lag64"]
+    # turn_ppo lost 0.1, ppo 0.3: a cost 0.2 smaller on each of 8 seeds (its higher level on lag0 does not count)
+    assert result["mean_difference"] == pytest.approx(0.2) and (result["wins"], result["losses"]) == (8, 0)
+    assert result["p"] == pytest.approx(2 / 2**8)
+    assert interactions(grid, "ppo", "turn_ppo", "lag0")["lag64"]["mean_difference"] == pytest.approx(-0.2)
+    assert "lag0" not in interactions(grid, "turn_ppo", "ppo", "lag0")
 
 
 @pytest.mark.parametrize("k,n,low,high", [(0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634)])
