@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from stppo_envs.retrieval import Hit, RetrievalError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The verl tests' helper modules import verl's own dependencies at module level; they run in .venv-verl (make
+# test-verl), and --doctest-modules would otherwise import them in the main venv, where verl is absent.
+collect_ignore = [] if importlib.util.find_spec("verl") else ["verl_agent_loops.py"]
 
 # The slowest test files, slowest first (wall time in a profile of the whole suite, session 12). `make test` hands
 # whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these start first

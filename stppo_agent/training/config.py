@@ -22,6 +22,7 @@ from stppo_agent.rollouts.sampling import SamplingSettings
 from stppo_agent.rollouts.turn_loop import RolloutLimits
 from stppo_agent.runs.config_yaml import NumberLoader
 from stppo_agent.training.config_checks import (
+    check_collapse_settings,
     check_init_from,
     check_old_logprobs,
     check_precision,
@@ -250,7 +251,7 @@ class TrainConfig:
         self.sampling()  # a bad temperature / top_p / top_k fails here, before minutes of model loading
         if self.generation_backend not in ("hf", "vllm"):
             raise ValueError(f"generation_backend must be hf or vllm, got {self.generation_backend!r}")
-        self.validate_collapse_settings()
+        check_collapse_settings(self)
         check_old_logprobs(self)  # before the staleness checks: its refusal of the decoupled objective says more
         check_staleness(self)
         check_init_from(self)
@@ -269,17 +270,6 @@ class TrainConfig:
                              f"trajectory has advantage 0 and nothing is learned; set samples_per_prompt >= 2 "
                              f"(e.g. --set samples_per_prompt=5, Search-R1's GRPO group size)")
         self.rollout_limits().validate()
-
-    def validate_collapse_settings(self) -> None:
-        from stppo_agent.monitoring.collapse_rules import ACTIONS, MonitorSettings
-
-        if self.on_collapse not in ACTIONS:
-            raise ValueError(f"on_collapse must be one of {', '.join(ACTIONS)}, got {self.on_collapse!r}")
-        MonitorSettings.from_config(self).validate()
-        if not 0 < self.rollback_lr_factor <= 1:
-            raise ValueError(f"rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
-        if self.max_rollbacks < 0:
-            raise ValueError(f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
 
     def to_yaml(self, resolved: AlgorithmConfig | None = None) -> str:
         """The config as YAML; with ``resolved``, ``algorithm`` holds every field the run used (not only the

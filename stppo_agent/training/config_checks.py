@@ -100,3 +100,16 @@ def check_init_from(config) -> None:
     if config.init_from and config.critic_model:
         raise ValueError("init_from loads the critic from the checkpoint; unset critic_model (or start without "
                          "init_from)")
+
+
+def check_collapse_settings(config) -> None:
+    """on_collapse, the monitor's thresholds and the rollback settings."""
+    from stppo_agent.monitoring.collapse_rules import ACTIONS, MonitorSettings
+
+    if config.on_collapse not in ACTIONS:
+        raise ValueError(f"on_collapse must be one of {', '.join(ACTIONS)}, got {config.on_collapse!r}")
+    MonitorSettings.from_config(config).validate()
+    if not 0 < config.rollback_lr_factor <= 1:
+        raise ValueError(f"rollback_lr_factor must be in (0, 1], got {config.rollback_lr_factor}")
+    if config.max_rollbacks < 0:
+        raise ValueError(f"max_rollbacks must be >= 0, got {config.max_rollbacks}")
