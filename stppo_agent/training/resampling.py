@@ -29,8 +29,8 @@ from stppo_agent.rollouts.global_batch import merge_shares
 def check_dynamic_sampling(algo, samples_per_prompt: int) -> None:
     """Refuse (one line) dynamic sampling where no group can ever be informative: a group of one trajectory. With a
     critic's advantage (gae, turn_gae) a group whose rewards all agree still has advantages (the critic's); dropping
-    it is then a choice of what to train on, not a saving, and it is allowed (the demo uses it so that its one small
-    batch always holds a reward spread)."""
+    it is then a choice of what to train on, not a saving, and it is allowed (VAPO pairs value-based PPO with
+    dynamic sampling; the demo uses it so that its one small batch always holds a reward spread)."""
     if not algo.dynamic_sampling:
         return
     if samples_per_prompt < 2:
