@@ -59,25 +59,30 @@ def comparison_text(result: dict | None) -> str:
            f"p={result['p']:.3g} (not paired)"
 
 
-def collapse_rows(summary: dict) -> list[list]:
+def cells_in_order(summary: dict):
+    """(level, rule, cell, its comparison against the matched control, against the reference rule) for every
+    cell the grid has, levels in the grid's order and rules in --rules order."""
     stats = summary["comparisons"]
-    rows = []
     for level in summary["levels_order"]:
         for rule in summary["rules"]:
-            c = summary["cells"].get(level, {}).get(rule)
-            if not c:
-                continue
-            control = stats["against_control"].get(level, {}).get(rule)
-            reference = stats["against_reference"].get(level, {}).get(rule)
-            detectable = stats["detectable"].get(level, {}).get(rule)
-            rows.append([summary["tier"], level, rule, c["n"], f"{c['collapsed']}/{c['n']}",
-                         f"{c['rate']:.2f} [{c['wilson95'][0]:.2f}, {c['wilson95'][1]:.2f}]", c["dipped"],
-                         "-" if detectable is None else f"+{detectable:.2f}",
-                         (f"{control['control']}: " + comparison_text(control)) if control else "-",
-                         comparison_text(reference),
-                         ", ".join(f"s{s}@{v:g}" for s, v in c["collapsed_at"].items()) or "-",
-                         f"{fmt(c['reward_first_mean'])} -> {fmt(c['reward_last_mean'])}",
-                         "/".join(c["readout_source"])])
+            cell = summary["cells"].get(level, {}).get(rule)
+            if cell:
+                yield (level, rule, cell, stats["against_control"].get(level, {}).get(rule),
+                       stats["against_reference"].get(level, {}).get(rule))
+
+
+def collapse_rows(summary: dict) -> list[list]:
+    rows = []
+    for level, rule, c, control, reference in cells_in_order(summary):
+        detectable = summary["comparisons"]["detectable"].get(level, {}).get(rule)
+        rows.append([summary["tier"], level, rule, c["n"], f"{c['collapsed']}/{c['n']}",
+                     f"{c['rate']:.2f} [{c['wilson95'][0]:.2f}, {c['wilson95'][1]:.2f}]", c["dipped"],
+                     "-" if detectable is None else f"+{detectable:.2f}",
+                     (f"{control['control']}: " + comparison_text(control)) if control else "-",
+                     comparison_text(reference),
+                     ", ".join(f"s{s}@{v:g}" for s, v in c["collapsed_at"].items()) or "-",
+                     f"{fmt(c['reward_first_mean'])} -> {fmt(c['reward_last_mean'])}",
+                     "/".join(c["readout_source"])])
     return rows
 
 
@@ -93,33 +98,18 @@ def reward_text(result: dict | None) -> str:
 
 
 def reward_rows(summary: dict) -> list[list]:
-    stats = summary["comparisons"]
-    rows = []
-    for level in summary["levels_order"]:
-        for rule in summary["rules"]:
-            c = summary["cells"].get(level, {}).get(rule)
-            if not c or c.get("final_reward_mean") is None:
-                continue
-            control = stats["against_control"].get(level, {}).get(rule)
-            rows.append([level, rule, c["n"], f"{c['final_reward_mean']:.3f}", fmt(c.get("final_reward_sd")),
-                         (f"{control['control']}: " + reward_text(control)) if control else "-",
-                         reward_text(stats["against_reference"].get(level, {}).get(rule))])
-    return rows
+    return [[level, rule, c["n"], f"{c['final_reward_mean']:.3f}", fmt(c.get("final_reward_sd")),
+             (f"{control['control']}: " + reward_text(control)) if control else "-", reward_text(reference)]
+            for level, rule, c, control, reference in cells_in_order(summary) if c.get("final_reward_mean") is not None]
 
 
 def precursor_rows(summary: dict) -> list[list]:
-    rows = []
-    for level in summary["levels_order"]:
-        for rule in summary["rules"]:
-            c = summary["cells"].get(level, {}).get(rule)
-            if c:
-                rows.append([level, rule, c["entropy_last_mean"], c["probe_entropy_last_mean"],
-                             c["grad_norm_max_mean"], c["grad_norm_p99_mean"], c["grad_norm_spikes_mean"],
-                             c["ratio_max_median"], c["ratio_p99_mean_mean"], c["turn_ratio_max_mean"],
-                             c["ess_min_mean"], c["kl_to_reference_last_mean"], c["learner_kl_to_reference_last_mean"],
-                             c["clip_frac_mean_mean"], c["turn_clip_frac_mean_mean"], c["clip_bias_changed_share_mean"],
-                             c["clip_bias_norm_median_median"]])
-    return rows
+    return [[level, rule, c["entropy_last_mean"], c["probe_entropy_last_mean"], c["grad_norm_max_mean"],
+             c["grad_norm_p99_mean"], c["grad_norm_spikes_mean"], c["ratio_max_median"], c["ratio_p99_mean_mean"],
+             c["turn_ratio_max_mean"], c["ess_min_mean"], c["kl_to_reference_last_mean"],
+             c["learner_kl_to_reference_last_mean"], c["clip_frac_mean_mean"], c["turn_clip_frac_mean_mean"],
+             c["clip_bias_changed_share_mean"], c["clip_bias_norm_median_median"]]
+            for level, rule, c, _, _ in cells_in_order(summary)]
 
 
 def render(summary: dict) -> str:
