@@ -20,7 +20,7 @@ INVALID_FLOOR = 0.5  # the invalid-action line: above both this and twice the fi
 CRITERION = (
     f"on the run's read-outs (the learner probe's rewards when the run has probes, else its version-aligned rollout "
     f"rewards), a run collapsed if the {WINDOW}-point moving average of its reward stayed below {DRAWDOWN:g} x its "
-    f"running best (a best of at least {MIN_BEST:g}) for {PERSIST} or more consecutive read-outs, or was below it "
+    f"running best (the best of its full {WINDOW}-point averages, at least {MIN_BEST:g}) for {PERSIST} or more consecutive read-outs, or was below it "
     f"at the final read-out; where the env counts invalid actions, likewise when the {WINDOW}-point moving average "
     f"of the invalid-action rate stayed above both {INVALID_FLOOR:g} and twice the first read-out's (reward-only "
     f"where the env does not count them: stppo/Toy-v0); an update skipped for NaN/inf is a collapse. A run that "
@@ -52,7 +52,10 @@ def below_the_line(rewards: Sequence[float], invalid: Sequence[float] | None = N
     smooth, best, out = moving_average(rewards), float("-inf"), []
     smooth_invalid = moving_average(invalid) if invalid is not None else None
     for i, value in enumerate(smooth):
-        best = max(best, value)
+        # the best counts from the first full window on: a moving average of one lucky probe is not a level the
+        # policy ever held, and a best set by it turned ordinary probe noise into dips
+        if i >= WINDOW - 1 or len(smooth) < WINDOW:
+            best = max(best, value)
         if best >= MIN_BEST and value < DRAWDOWN * best:
             out.append("reward")
         elif smooth_invalid is not None and smooth_invalid[i] > max(INVALID_FLOOR, 2 * invalid[0]):

@@ -18,7 +18,8 @@ Read-outs are version-aligned (N per run: --iterations): the learner probe of th
 iterations (probe_every, tier default), or without it the rollouts of iterations K..K+N-1 of a K-lag run. Collapse is
 benchmarks/collapse_criterion.py's persistent criterion (``CRITERION``, quoted in the report and docs/stability.md);
 dips that recover are counted apart. Per cell the report (OUT/report.md, OUT/summary.json,
-OUT/figures/stress-collapse.png) gives n, collapses, dips, the Wilson interval, the exact test against the matched
+OUT/figures/stress-collapse.png; the first two also as OUT/reports/LEVELS--RULES.md/.json, one per selection)
+gives n, collapses, dips, the Wilson interval, the exact test against the matched
 control and against the reference rule (McNemar where seeds pair, checked by their first batch; Fisher otherwise),
 the detectable difference, precursors, and per level its exact options and both learning rates.
 
@@ -381,8 +382,20 @@ class Grid:
         }
         if summary["cells"] and final:  # drawing it after every run cost seconds a run on a loaded machine
             summary["figure"] = plot(summary, args.out / "figures" / "stress-collapse.png")
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-        (args.out / "report.md").write_text(render(summary))
+        text, report = json.dumps(summary, indent=1, default=str) + "\n", render(summary)
+        (args.out / "summary.json").write_text(text)
+        (args.out / "report.md").write_text(report)
+        # a grid folder serves several selections (--report-only over other levels or rules): each keeps its own
+        # copy, so a later selection's report does not replace the one a table was taken from
+        kept = args.out / "reports" / selection_name(self.order, self.rules)
+        kept.parent.mkdir(exist_ok=True)
+        kept.with_suffix(".json").write_text(text)
+        kept.with_suffix(".md").write_text(report)
+
+
+def selection_name(levels, rules) -> str:
+    """``lag0+lag16--ppo+st_ppo``: the file name of a selection's kept report."""
+    return "+".join(levels) + "--" + "+".join(rules)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def main() -> None:
     for pair in args.pairs.split(","):
         rule, reference = pair.split(":")
         for level, result in interactions(runs, rule, reference, args.control).items():
-            print(f"{level}: {rule} lost {result['mean_difference']:+.3f} less than "
-                  f"{reference} to it ({result['wins']} seeds up, {result['losses']} down of {result['pairs']}; "
+            low, high = result["ci95"] or (float("nan"), float("nan"))
+            print(f"{level}: {rule} lost {result['mean_difference']:+.3f} (95% t interval {low:+.3f} to {high:+.3f}) "
+                  f"less than {reference} to it ({result['wins']} seeds up, {result['losses']} down of {result['pairs']}; "
                   f"Wilcoxon p={result['p']:.3g})")
 
 

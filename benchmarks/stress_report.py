@@ -92,9 +92,14 @@ def reward_text(result: dict | None) -> str:
     if not final:
         return "-"
     if final["test"] == "wilcoxon":
-        return (f"{final['mean_difference']:+.3f} ({final['wins']} up, {final['losses']} down of {final['pairs']} "
-                f"pairs; Wilcoxon p={final['p']:.3g})")
-    return f"{final['mean_difference']:+.3f} (Mann-Whitney p={final['p']:.3g}, not paired)"
+        return (f"{final['mean_difference']:+.3f}{interval_text(final)} ({final['wins']} up, {final['losses']} down "
+                f"of {final['pairs']} pairs; Wilcoxon p={final['p']:.3g})")
+    return f"{final['mean_difference']:+.3f}{interval_text(final)} (Mann-Whitney p={final['p']:.3g}, not paired)"
+
+
+def interval_text(final: dict) -> str:
+    interval = final.get("ci95")  # absent in summaries written before intervals were computed
+    return f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
 
 
 def reward_rows(summary: dict) -> list[list]:

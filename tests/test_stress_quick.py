@@ -105,6 +105,10 @@ def test_quick_grid_runs_the_lag_and_reuse_ladders_version_aligned_resumes_and_r
     assert "ppo_epochs=1 prompts_per_iteration=4 mini_batch_size=16 micro_batch_size=16 actor_lr=0.003 " \
            "critic_lr=0.003 probe_every=4" in report  # steps4: half the prompts, 4x the probe interval
     assert (out / "figures" / "stress-collapse.png").stat().st_size > 0
+    # the selection's own copy, which a later --report-only over other levels leaves alone
+    kept = sorted((out / "reports").glob("*.md"))
+    assert [p.name for p in kept] == [f"{'+'.join(summary['levels_order'])}--{'+'.join(summary['rules'])}.md"]
+    assert kept[0].read_text() == report
 
     # a rerun finds every run done and trains nothing
     walls = {p: json.loads(p.read_text())["wall_s"] for p in out.glob("runs/*/*/s0/stress.json")}

@@ -75,12 +75,17 @@ def test_final_rewards_compare_by_signed_rank_on_pairs_and_by_rank_sum_otherwise
     # every one of 10 signed ranks on one side: the exact two-sided p is 2 / 2^10
     assert (paired["test"], paired["wins"], paired["losses"]) == ("wilcoxon", 10, 0)
     assert paired["p"] == pytest.approx(2 / 2**10) and paired["mean_difference"] == pytest.approx(0.2225)
+    # the t interval of the mean paired difference 0.2 + 0.005 s: sd 0.005 x 3.028, t(0.975, 9) = 2.262
+    assert paired["ci95"] == pytest.approx([0.2225 - 0.01083, 0.2225 + 0.01083], abs=1e-4)
     assert stats.compare_values(ppo, st_ppo, paired=True)["mean_difference"] < 0  # first minus second
     ties = stats.compare_values(ppo, dict(ppo), paired=True)
     assert ties["p"] == 1.0 and ties["wins"] == ties["losses"] == 0
     apart = stats.compare_values({s: st_ppo[s] for s in range(5)}, {s: ppo[s] for s in range(5)}, paired=False)
     # 5 vs 5 with no overlap: the exact two-sided rank-sum p is 2 / C(10, 5)
     assert apart["test"] == "mann-whitney" and apart["p"] == pytest.approx(2 / comb(10, 5))
+    low, high = apart["ci95"]  # Welch: the two samples' own spreads, unpaired
+    assert low < apart["mean_difference"] < high and 0 < low and high < 0.3
+    assert stats.compare_values({0: 1.0}, {0: 0.0}, paired=True)["ci95"] is None  # one pair: no interval
 
 
 def test_the_interaction_compares_what_the_stress_cost_each_rule_not_where_they_ended():
@@ -117,6 +122,18 @@ def test_a_drop_that_stays_two_read_outs_collapses_at_its_first_read_out_even_if
     rewards = [0.6, 0.6, 0.6, 0.0, 0.0, 0.0, 0.6, 0.6, 0.6]  # averages 0.4 (not below 0.3), 0.2, 0.0, 0.2, ...
     verdict = criterion.judge([10 * i for i in labels(rewards)], rewards)
     assert verdict.collapsed and verdict.collapsed_at == 40 and verdict.reason == "reward" and not verdict.dipped
+
+
+def test_the_running_best_starts_at_the_first_full_window_so_one_lucky_first_probe_is_no_level_to_lose():
+    # averages 0.47 0.37 0.337 0.27 0.2 0.2 0.233: the lone first read-out would make a best of 0.47 (line 0.235)
+    # and the 0.2s a dip; from the first full window the best is 0.337 (line 0.168) and nothing is below it
+    rewards = [0.47, 0.27, 0.27, 0.27, 0.06, 0.27, 0.37]
+    verdict = criterion.judge(labels(rewards), rewards)
+    assert not verdict.collapsed and not verdict.dipped
+    assert criterion.below_the_line(rewards) == [None] * 7
+    # a fall from a level held over a full window still counts from that window's average on
+    held = [0.6, 0.6, 0.6, 0.0, 0.0]
+    assert criterion.judge(labels(held), held).collapsed_at == 4
 
 
 def test_below_the_line_at_the_final_read_out_is_a_collapse():
