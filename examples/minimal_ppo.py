@@ -296,7 +296,6 @@ def main(argv=None) -> list[float]:
     algo = ALGORITHMS[args.algo]
     if algo.dynamic_sampling:
         raise SystemExit(f"{args.algo} resamples prompts (DAPO); this loop does not: use stppo train")
-    torch.set_num_threads(1)  # a 2-layer model gains nothing from threads, and loses much on a busy machine
     tokenizer = make_tokenizer()
     actor, critic, reference = make_models(tokenizer, args.seed)
     critic = critic if algo.use_critic else None
@@ -319,4 +318,5 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # a 2-layer model gains nothing from threads, and loses much on a busy machine
     main()
