@@ -58,11 +58,16 @@ def as_example_batch(example, batch):
 
 def test_scoring_gives_the_trainers_log_probs_values_and_advantages(example, tiny_model, tmp_path):
     trainer = toy_trainer(tiny_model, tmp_path, "st_ppo")
+    first = trainer.rollout()  # one update first: the actor leaves the reference, the value head leaves 0
+    trainer.score(first)
+    trainer.update(first)
     batch = trainer.rollout()
     mine = as_example_batch(example, batch)
     trainer.score(batch)
     example.score(mine, trainer.actor, trainer.critic, trainer.reference, trainer.algo)
-    assert trainer.algo.kl_in_reward > 0  # the preset's KL penalty is in both advantages
+    # not vacuous: the preset's KL penalty is in both advantages and not 0, nor are the values
+    assert trainer.algo.kl_in_reward > 0 and not torch.equal(batch.old_logprobs, batch.ref_logprobs)
+    assert bool((batch.values[batch.loss_mask] != 0).all())
     for name in ("old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
         torch.testing.assert_close(getattr(mine, name), getattr(batch, name), msg=name)
 
@@ -83,9 +88,11 @@ def test_one_update_equals_the_trainers(example, tiny_model, tmp_path, case):
     trainer = toy_trainer(tiny_model, tmp_path, algo, max_grad_norm, **algorithm)
     batch = trainer.rollout()
     trainer.score(batch)
-    # off-policy enough that tokens and turns are clipped: the old log-probs perturbed on the policy tokens
-    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(0))
-    batch.old_logprobs = torch.where(batch.loss_mask, batch.old_logprobs + noise, batch.old_logprobs)
+    # off-policy enough that tokens, turns and values are clipped: old log-probs and old values perturbed on the
+    # policy tokens (by more than value_clip, 0.5, for the values)
+    noise = torch.randn((2, *batch.old_logprobs.shape), generator=torch.Generator().manual_seed(0))
+    batch.old_logprobs = torch.where(batch.loss_mask, batch.old_logprobs + noise[0], batch.old_logprobs)
+    batch.values = torch.where(batch.loss_mask, batch.values + noise[1], batch.values)
     mine = as_example_batch(example, batch)
     actor, critic = copy.deepcopy(trainer.actor), copy.deepcopy(trainer.critic)  # before the Trainer steps
     config = trainer.config
@@ -98,12 +105,13 @@ def test_one_update_equals_the_trainers(example, tiny_model, tmp_path, case):
 
     # not vacuous: a turn holds several policy tokens, tokens and turns are clipped, the clip bites
     assert max(int((batch.turn_ids[row] == turn).sum()) for row in range(batch.batch_size) for turn in (0, 1)) > 1
-    assert theirs["clip_frac"] > 0 and theirs["turn_clip_frac"] > 0
+    assert theirs["clip_frac"] > 0 and theirs["turn_clip_frac"] > 0 and theirs["value_clip_frac"] > 0
     if trainer.algo.clip_bias_correction:
         assert theirs["clip_bias_scale"] > 1.5 and theirs["clip_bias_changed"] == 1.0
     else:
         assert "clip_bias_scale" not in ours and theirs["grad_norm"] > max_grad_norm
-    for name in ("pg_loss", "value_loss", "clip_frac", "turn_clip_frac", "grad_norm", "critic_grad_norm",
+    for name in ("pg_loss", "value_loss", "clip_frac", "turn_clip_frac", "value_clip_frac", "grad_norm",
+                 "critic_grad_norm",
                  *(("clip_bias_norm", "clip_bias_scale") if trainer.algo.clip_bias_correction else ())):
         assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-7), name
     # The applied gradient is the sharp check: AdamW's first step is lr * g / (|g| + eps), blind to g's scale, so
