@@ -2,11 +2,12 @@
 
     python examples/minimal_ppo.py --algo st_ppo --iterations 5
 
-A reference to read, not the trainer: one process, one mini-batch forward per optimizer step (no micro-batches),
-no checkpoints. The math comes from the public API (``stppo_agent.algorithms``: presets, advantage estimators,
-policy and value losses, the clip-bias correction, docs/algorithms.md); everything else is torch, transformers
-and gymnasium. ``tests/test_minimal_ppo_example.py`` holds this file's update equal to the Trainer's on the same
-batch, so what you read here is what ``stppo train`` does in one process.
+A reference to read, not the trainer. The math comes from the public API (``stppo_agent.algorithms``: presets,
+advantage estimators, policy and value losses, the clip-bias correction; docs/algorithms.md), everything else is
+torch, transformers and gymnasium. ``tests/test_minimal_ppo_example.py`` holds this file's scoring and update equal
+to the Trainer's on the same batch, so the math you read here is the math ``stppo train`` applies. Left out:
+micro-batches, several processes, rollout correction (the sampler here is the actor itself, in float32: its weights
+would all be 1), checkpoints, monitoring.
 
 One iteration:
 
