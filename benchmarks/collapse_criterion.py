@@ -47,15 +47,31 @@ def moving_average(values: Sequence[float], window: int = WINDOW) -> list[float]
     return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
+def running_best(rewards: Sequence[float]) -> list[float]:
+    """Per read-out, the best of the moving averages so far, counted from the first full window on (-inf before
+    it): a moving average of one lucky probe is not a level the policy ever held, and a best set by it turned
+    ordinary probe noise into dips. A run shorter than the window counts every read-out."""
+    best, out = float("-inf"), []
+    for i, value in enumerate(moving_average(rewards)):
+        if i >= WINDOW - 1 or len(rewards) < WINDOW:
+            best = max(best, value)
+        out.append(best)
+    return out
+
+
+def line_at_end(rewards: Sequence[float]) -> float | None:
+    """The reward line of the criterion at the final read-out (DRAWDOWN x the running best): what a run would have
+    had to fall below. Beside the tier's chance reward it says what a 0-collapse bound covers: a line at or under
+    chance cannot see a fall back to a random policy."""
+    best = running_best(rewards)[-1] if rewards else float("-inf")
+    return DRAWDOWN * best if best > float("-inf") else None
+
+
 def below_the_line(rewards: Sequence[float], invalid: Sequence[float] | None = None) -> list[str | None]:
     """Per read-out, why it is below the line (``reward`` / ``invalid``) or None."""
-    smooth, best, out = moving_average(rewards), float("-inf"), []
+    smooth, out = moving_average(rewards), []
     smooth_invalid = moving_average(invalid) if invalid is not None else None
-    for i, value in enumerate(smooth):
-        # the best counts from the first full window on: a moving average of one lucky probe is not a level the
-        # policy ever held, and a best set by it turned ordinary probe noise into dips
-        if i >= WINDOW - 1 or len(smooth) < WINDOW:
-            best = max(best, value)
+    for i, (value, best) in enumerate(zip(smooth, running_best(rewards))):
         if best >= MIN_BEST and value < DRAWDOWN * best:
             out.append("reward")
         elif smooth_invalid is not None and smooth_invalid[i] > max(INVALID_FLOOR, 2 * invalid[0]):

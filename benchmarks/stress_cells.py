@@ -14,7 +14,7 @@ from stress_stats import compare, compare_values, detectable_difference, wilson
 MEANS = ("reward_first", "reward_last", "entropy_last", "grad_norm_max", "grad_norm_p99", "grad_norm_spikes",
          "ratio_p99_mean", "turn_ratio_max", "ess_min", "kl_to_reference_last", "learner_kl_to_reference_last",
          "clip_frac_mean", "turn_clip_frac_mean", "clip_bias_changed_share", "clip_bias_scale_mean",
-         "probe_entropy_last", "wall_s")
+         "probe_entropy_last", "collapse_line_last", "wall_s")
 MEDIANS = ("ratio_max", "clip_bias_norm_median")
 FINAL_READOUTS = 5  # a single probe of 16 prompts moves by 1/16 per answer: the final reward averages a few
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from collapse_criterion import judge
+from collapse_criterion import judge, line_at_end
 
 SPIKE = 10  # a grad-norm spike: an iteration's pre-clip norm above this many times the run's median
 
@@ -99,6 +99,7 @@ def run_readout(records: list[dict], staleness: int, scale: int, steps_per_itera
         "reward_last": series["rewards"][-1] if series["rewards"] else None,
         "collapsed": verdict.collapsed, "collapsed_at": verdict.collapsed_at, "collapse_reason": verdict.reason,
         "dipped": verdict.dipped, "dips": [list(d) for d in verdict.dips],
+        "collapse_line_last": line_at_end(series["rewards"]),
         "first_batch": [first.get("reward"), first.get("response_tokens")],
         **precursors(updates),
     }

@@ -82,7 +82,7 @@ def collapse_rows(summary: dict) -> list[list]:
                      comparison_text(reference),
                      ", ".join(f"s{s}@{v:g}" for s, v in c["collapsed_at"].items()) or "-",
                      f"{fmt(c['reward_first_mean'])} -> {fmt(c['reward_last_mean'])}",
-                     "/".join(c["readout_source"])])
+                     fmt(c.get("collapse_line_last_mean")), "/".join(c["readout_source"])])
     return rows
 
 
@@ -124,26 +124,30 @@ def render(summary: dict) -> str:
            + (f"; every run changed by `--set {' --set '.join(summary['sets'])}`" if summary.get("sets") else "")
            + ".", "",
            f"Command: `{summary['command']}`", "",
-           f"Warm start: `{summary['warm_start']}`; {summary['warm_start_note']}. {summary['versions']} read-outs "
-           f"(policy versions) per run unless a level says otherwise; seeds {summary['seeds']}.", "",
+           f"Warm start: `{summary['warm_start']}`; {summary['warm_start_note']}. {summary['versions']} policy versions "
+           f"per run unless a level says otherwise, read out by the learner probe every probe_every versions where "
+           f"the tier probes (the levels' options say how often); seeds {summary['seeds']}.", "",
            *([f"Held-out score of the warm start: {summary['held_out_before']}.", ""] if summary["held_out_before"]
              else []),
            f"Collapse criterion (benchmarks/collapse_criterion.py, `CRITERION`): {summary['collapse_criterion']}.", "",
            "### Levels", "",
            table(["level", "knobs", "stppo train options of the level", "actor lr", "critic lr", "iterations",
-                  "read-outs", "optimizer steps per iteration", "control"],
+                  "policy versions", "optimizer steps per iteration", "control"],
                  [[name, ", ".join(f"{k}={v}" for k, v in summary["levels"][name].items()),
                    " ".join(p["sets"]), f"{p['actor_lr']:g}", f"{p['critic_lr']:g}", p["iterations"], p["versions"],
                    p["steps_per_iteration"], summary["levels"][name].get("control", "-")]
                   for name, p in summary["plans"].items()]), "",
            f"Options of every run: `{' '.join(summary['common_sets'])}`.", "", "### Collapses", "",
            "Collapsed: persistent collapses (the criterion above); dipped: runs that fell below the line and came "
-           "back, counted apart. Detectable: the smallest rise of the collapse rate over the control's observed rate "
+           "back, counted apart. Line at end: the reward a run would have had to fall below at its last read-out (0.5 x "
+           "its running best); where it is at or under the tier's chance reward, a fall back to a random policy "
+           "would not count. Detectable: the smallest rise of the collapse rate over the control's observed rate "
            "that this cell's seeds detect with 80% power (Fisher, alpha 0.05, exact). Versions are optimizer steps.",
            "",
            table(["tier", "level", "rule", "n", "collapsed", "rate [95% Wilson]", "dipped", "detectable",
                   "vs matched control", f"vs {summary['comparisons']['reference_rule']} (same level)",
-                  "collapsed seeds @ version", "reward first -> last read-out (mean)", "read-outs"],
+                  "collapsed seeds @ version", "reward first -> last read-out (mean)", "line at end (mean)",
+                  "read-outs"],
                  collapse_rows(summary)), "", "### Final reward", "",
            "A run's final reward: the mean of its last 5 read-outs (benchmarks/stress_cells.py, FINAL_READOUTS). "
            "Differences are this cell minus the other, on the seeds both ran (Wilcoxon signed-rank, two-sided, "

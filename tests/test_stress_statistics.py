@@ -136,6 +136,13 @@ def test_the_running_best_starts_at_the_first_full_window_so_one_lucky_first_pro
     assert criterion.judge(labels(held), held).collapsed_at == 4
 
 
+def test_the_line_at_the_end_is_half_the_best_full_window_average_what_a_zero_collapse_bound_covers():
+    # best full-window average 0.337 (read-outs 0-2), not the lone first read-out's 0.47
+    assert criterion.line_at_end([0.47, 0.27, 0.27, 0.27, 0.06, 0.27, 0.37]) == pytest.approx(0.1683, abs=1e-4)
+    assert criterion.line_at_end([0.6, 0.6, 0.6, 0.0]) == pytest.approx(0.3)  # a later fall does not lower it
+    assert criterion.line_at_end([]) is None
+
+
 def test_below_the_line_at_the_final_read_out_is_a_collapse():
     rewards = [0.6, 0.6, 0.6, 0.6, 0.0, 0.0]  # the last average, 0.2, is the only one below 0.3
     assert criterion.judge(labels(rewards), rewards).collapsed_at == 5
