@@ -11,12 +11,11 @@ keep working: :func:`estimate_advantages` passes it only to those that accept it
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
 
-from .registry import Registry
+from .registry import Registry, accepts_keyword
 from .segments import check_turn_ids, discounted_reverse_cumsum, whiten
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -44,8 +43,7 @@ def estimate_advantages(name: str, *, turn_ids: torch.Tensor | None = None, **kw
     """Run the estimator registered under ``name`` with ``kwargs``, adding ``turn_ids`` when it takes them (a
     ``turn_ids`` parameter or ``**kwargs``): the trainer's one call for every estimator, old signatures included."""
     estimator = get_advantage_estimator(name)
-    parameters = inspect.signature(estimator).parameters.values()
-    if any(p.name == "turn_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    if accepts_keyword(estimator, "turn_ids"):
         kwargs["turn_ids"] = turn_ids
     return estimator(**kwargs)
 
