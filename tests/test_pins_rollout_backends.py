@@ -16,6 +16,7 @@ import torch
 from stppo_agent.algorithms.metrics import LossMetrics
 from stppo_agent.algorithms.registry import accepts_keyword
 from stppo_agent.distributed import process_group
+from stppo_agent.models.tiny import tiny_generation_model
 from stppo_agent.rollouts import append_cache, hf_generation, statistics
 from stppo_agent.rollouts import sampling as sampling_module
 from stppo_agent.rollouts.append_cache import AppendLayer, new_cache
@@ -42,8 +43,6 @@ from stppo_agent.rollouts.statistics import (
     rollout_weights,
 )
 from stppo_agent.rollouts.turn_cache import ChunkCache, TurnCaches, after_generate, extend_inputs
-
-from .tiny_models import tiny_generation_model
 
 
 def two_ranks(monkeypatch, others):

@@ -33,9 +33,9 @@ from stppo_agent.algorithms import ALGORITHMS, get_policy_loss  # noqa: E402
 from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
 from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
+from stppo_agent.models.tiny import word_tokenizer  # noqa: E402
 from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
 
-from .tiny_models import word_tokenizer  # noqa: E402
 from .verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
