@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_VERL"):
-    import verl  # noqa: F401  (a CI that installs verl must fail here, not skip)
-else:
-    pytest.importorskip("verl", reason="the verl bridge needs verl 0.9 (docs/verl.md); CI does not install it yet")
+from tests.requires import require_verl
+
+require_verl()
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
