@@ -2,7 +2,7 @@
 
     python benchmarks/losses.py [--batch 64] [--length 4096] [--repeats 20] [--turn-drift 0.2] [--token-noise 0.3]
 
-Targets (issue 4): turn-level <= 1.3x token-level; the clip-bias correction's extra cost is reported as a
+Targets: turn-level <= 1.3x token-level; the clip-bias correction's extra cost is reported as a
 ratio (it is one extra backward of the loss graph; with a real model it is one extra backward of the model
 on the micro-batch, which the trainer benchmark measures).
 

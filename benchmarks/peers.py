@@ -374,10 +374,10 @@ def main() -> None:
     if args.quick:
         from transformers import AutoTokenizer
 
-        from tests.tiny_models import tiny_llama
+        from stppo_agent.models.tiny import build_tiny_llama
 
-        model = str(tiny_llama(Path(tempfile.mkdtemp()) / "tiny", AutoTokenizer.from_pretrained(smollm2_path()),
-                               hidden=64, layers=2))
+        model = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", AutoTokenizer.from_pretrained(smollm2_path()),
+                                     hidden=64, layers=2))
         args.iterations, args.warmup = 1, 0
     else:
         model = resolve_model(args.model)

@@ -36,9 +36,10 @@ from stppo_agent.models.precision import autocast_forward, cpu_has_amx_bf16, res
 def default_model() -> Path:
     from stppo_agent.models.default_model import smollm2_path
     from stppo_agent.models.loading import load_tokenizer
-    from tests.tiny_models import tiny_llama
+    from stppo_agent.models.tiny import build_tiny_llama
 
-    return tiny_llama(Path(tempfile.mkdtemp()) / "model", load_tokenizer(str(smollm2_path())), hidden=576, layers=30)
+    tokenizer = load_tokenizer(str(smollm2_path()))
+    return build_tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=576, layers=30)
 
 
 def demo_text_ids(model_path, batch: int, length: int) -> torch.Tensor:

@@ -322,9 +322,8 @@ def attack_kill9(kills: int, iterations: int = 10) -> tuple[bool, list[str]]:
     import torch
     from safetensors.torch import load_file
 
-    from stppo_agent.models.tiny import build_tiny_llama
+    from stppo_agent.models.tiny import build_tiny_llama, toy_train_command
     from stppo_agent.runs.checkpoint import load_trainer_state
-    from tests.tiny_models import toy_train_command
 
     scratch = Path(tempfile.mkdtemp())
     model = build_tiny_llama(scratch / "model")

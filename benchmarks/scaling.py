@@ -22,7 +22,7 @@ from pathlib import Path
 from _common import REPO, cached_index, shared_data
 
 from stppo_agent.distributed.shared_retrieval import free_port  # noqa: E402
-from tests.tiny_models import tiny_llama  # noqa: E402
+from stppo_agent.models.tiny import build_tiny_llama  # noqa: E402
 
 
 def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> list[float]:
@@ -81,7 +81,8 @@ def main() -> None:
     from stppo_agent.models.loading import load_tokenizer
 
     # a random 4-layer model over SmolLM2's vocabulary, on the demo NQ env (prompts of a few hundred tokens)
-    model = tiny_llama(Path(tempfile.mkdtemp()) / "model", load_tokenizer(str(smollm2_path())), hidden=256, layers=4)
+    tokenizer = load_tokenizer(str(smollm2_path()))
+    model = build_tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=256, layers=4)
     one, two = train_throughput(1, model), train_throughput(2, model)
     # medians and ranges over iterations 2..4; the ratio's range pairs the slowest with the fastest iterations
     print(f"update, 1 process : {spread(one)} policy tok/s")

@@ -34,9 +34,9 @@ replays on stppo/Toy-v0 (16 trajectories of 2 turns of up to 3 tokens, 4 mini-ba
 where a random policy earns reward and the off-policy steps clip: real gradients, so the replay-exactness check can
 fail. It writes to its own folder (default runs/stability-quick; a folder holding the other kind of run is refused,
 so nothing of a quick run is ever reused by a full one) and its report opens with "quick: checks the plumbing, not
-a result". 36 s of CPU on this 2-core machine (92 s when each `stppo` command started a new interpreter: the
-commands now fork from one server that imported torch and the trainer once, benchmarks/stppo_commands.py; same
-figures). Run the full study alone on the machine: it is CPU-bound and timings scale with load.
+a result". 36 s of CPU on this 2-core machine: the `stppo` commands fork from one server that imported torch and
+the trainer once (benchmarks/stppo_commands.py), where a new interpreter per command takes 92 s for the same
+figures. Run the full study alone on the machine: it is CPU-bound and timings scale with load.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def replay(recorded: Path, algo: str, out: Path, iterations: int | None = None) 
 
 def claim_folder(out: Path, quick: bool) -> None:
     """A quick run and a full study never share a folder, so neither reads the other's warm start, runs or report
-    (a quick run's tiny warm start once became a full study's). ``mode.json`` says which a folder holds; a folder
-    from before it says so in summary.json."""
+    (a full study resumed in a quick run's folder would take its tiny warm start for its own). ``mode.json`` says
+    which a folder holds; a folder without one says so in summary.json."""
     held = None
     if (out / "mode.json").exists():
         held = json.loads((out / "mode.json").read_text())["quick"]
@@ -198,7 +198,7 @@ def default_out(quick: bool) -> str:
 
 def drop_checkpoints(settings: Settings, run: Path) -> None:
     """Once a run is evaluated (or replayed) the study needs its metrics, not its weights: a checkpoint with
-    AdamW state (and a critic) is 1.6-3.6 GB, 28 GB over the default study -- which once filled this disk.
+    AdamW state (and a critic) is 1.6-3.6 GB, 28 GB over the default study -- more than a small disk holds.
     --keep-checkpoints keeps them; the recorded run's rollouts/ (and its initial weights) always stay."""
     if not settings.keep_checkpoints and not REPORT_ONLY:
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
@@ -266,7 +266,7 @@ def plot(runs: list[Path], out: Path) -> list[str]:
 
 def stop_on_sigterm() -> None:
     """``kill`` stops the study and the `stppo` command it is waiting for: SIGTERM becomes SystemExit, on which
-    ``run_stppo`` kills the command. (Python's default dies at once and left the command running, orphaned,
+    ``run_stppo`` kills the command. (Python's default dies at once and leaves the command running, orphaned,
     still writing its run folder and taking the CPU -- that a resumed study would then train again beside it.)"""
     def exit_now(signum, frame):
         raise SystemExit(128 + signum)

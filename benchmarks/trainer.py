@@ -39,6 +39,7 @@ from pathlib import Path
 import _common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
+from stppo_agent.models.tiny import build_tiny_llama
 from stppo_agent.rollouts.append_cache import new_cache
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT
@@ -46,7 +47,6 @@ from stppo_agent.rollouts.turn_loop import encode_prompt
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import position_ids
 from stppo_agent.training.trainer import Trainer
-from tests.tiny_models import tiny_llama
 
 
 def make_model(hidden: int, layers: int, tokenizer_path: str | None) -> Path:
@@ -54,7 +54,7 @@ def make_model(hidden: int, layers: int, tokenizer_path: str | None) -> Path:
     from stppo_agent.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path or str(smollm2_path()))
-    return tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=hidden, layers=layers)
+    return build_tiny_llama(Path(tempfile.mkdtemp()) / "model", tokenizer, hidden=hidden, layers=layers)
 
 
 def raw_update(model, batch: RolloutBatch, micro: int, max_grad_norm: float = 1.0) -> float:

@@ -155,16 +155,7 @@ class SearchQAEnv(gym.Env[str, str]):
                  format_reward: float = 0.0, template: str | None = None, mcq_template: str | None = None,
                  limit: int | None = None, shuffle_seed: int | None = None, family: str | None = None,
                  render_mode: str | None = None, question_mark: bool = True):
-        if not isinstance(topk, int) or not isinstance(max_turns, int) or isinstance(topk, bool):
-            raise ValueError(f"topk and max_turns must be integers, got topk={topk!r}, max_turns={max_turns!r}")
-        if topk < 1 or max_turns < 1:
-            raise ValueError(f"topk and max_turns must be >= 1, got topk={topk}, max_turns={max_turns}")
-        if reward not in ("auto", "em", "f1", "acc"):
-            raise ValueError(f"reward must be auto, em, f1 or acc; got {reward!r}")
-        if not 0.0 <= format_reward <= 1.0:
-            raise ValueError(f"format_reward must be in [0, 1], got {format_reward}")
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        check_settings(topk, max_turns, reward, format_reward, render_mode)
         self.benchmark = benchmark_info(benchmark).name
         self.examples: tuple[Example, ...] = load_examples(benchmark, dataset, split, limit, shuffle_seed, family)
         if not self.examples:
@@ -266,7 +257,10 @@ class SearchQAEnv(gym.Env[str, str]):
             self._done = True
             observation = ""
             prediction = parsed.content if terminated else None
-            reward = self._final_reward(prediction, info)
+            scores = answer_scores(self.example, prediction)
+            info.update(scores)
+            format_ok = prediction is not None and self._counts["invalid_actions"] == 0
+            reward = final_reward(scores, self.example, self.reward_name, self.format_reward, format_ok)
         action_text = action if isinstance(action, str) else repr(action)
         new_segments = [Segment("assistant", action_text, turn), Segment("environment", observation, turn)]
         self.transcript.extend(new_segments)
@@ -285,23 +279,41 @@ class SearchQAEnv(gym.Env[str, str]):
         question = search_r1_question(example.question) if self.question_mark else example.question
         return render_prompt(self.template, question)
 
-    def _final_reward(self, prediction: str | None, info: dict[str, Any]) -> float:
-        example = self.example
-        assert example is not None
-        info["prediction"] = prediction
-        info["golden_answers"] = list(example.golden_answers)
-        if example.is_multiple_choice:
-            info["correct"] = scoring.choice_accuracy(prediction, example.choices, example.answer_letter)
-            info["predicted_letter"] = scoring.extract_choice(prediction, example.choices)
-            scores = {"acc": info["correct"], "em": info["correct"], "f1": info["correct"]}
-        else:
-            info["em"] = scoring.exact_match(prediction, example.golden_answers)
-            info["f1"] = scoring.f1_score(prediction, example.golden_answers)
-            scores = {"em": info["em"], "f1": info["f1"], "acc": info["em"]}
-        name = self.reward_name if self.reward_name != "auto" else ("acc" if example.is_multiple_choice else "em")
-        score = scores[name]
-        format_ok = float(prediction is not None and self._counts["invalid_actions"] == 0)
-        return score * (1.0 - self.format_reward) + self.format_reward * format_ok
+
+def check_settings(topk: Any, max_turns: Any, reward: str, format_reward: float, render_mode: str | None) -> None:
+    """The constructor's checks of its numbers and names: a bad one raises ``ValueError`` naming it."""
+    if not isinstance(topk, int) or not isinstance(max_turns, int) or isinstance(topk, bool):
+        raise ValueError(f"topk and max_turns must be integers, got topk={topk!r}, max_turns={max_turns!r}")
+    if topk < 1 or max_turns < 1:
+        raise ValueError(f"topk and max_turns must be >= 1, got topk={topk}, max_turns={max_turns}")
+    if reward not in ("auto", "em", "f1", "acc"):
+        raise ValueError(f"reward must be auto, em, f1 or acc; got {reward!r}")
+    if not 0.0 <= format_reward <= 1.0:
+        raise ValueError(f"format_reward must be in [0, 1], got {format_reward}")
+    if render_mode not in (None, "ansi"):
+        raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
 
 
+def answer_scores(example: Example, prediction: str | None) -> dict[str, Any]:
+    """The last step's scoring fields of ``info`` (the class docstring's Information): ``prediction`` (None when
+    truncated), ``golden_answers``, then ``em`` and ``f1`` (open questions) or ``correct`` and ``predicted_letter``
+    (multiple choice)."""
+    scores: dict[str, Any] = {"prediction": prediction, "golden_answers": list(example.golden_answers)}
+    if example.is_multiple_choice:
+        scores["correct"] = scoring.choice_accuracy(prediction, example.choices, example.answer_letter)
+        scores["predicted_letter"] = scoring.extract_choice(prediction, example.choices)
+    else:
+        scores["em"] = scoring.exact_match(prediction, example.golden_answers)
+        scores["f1"] = scoring.f1_score(prediction, example.golden_answers)
+    return scores
 
+
+def final_reward(scores: dict[str, Any], example: Example, reward: str, format_reward: float, format_ok: bool) -> float:
+    """The last step's reward (the class docstring's Rewards): the score ``reward`` names among ``scores`` (from
+    :func:`answer_scores`; a multiple-choice question has one score, ``correct``, under every name; ``auto`` is
+    ``acc`` there and ``em`` otherwise), mixed with ``format_ok`` by ``format_reward``."""
+    if example.is_multiple_choice:
+        score = scores["correct"]
+    else:
+        score = scores["f1"] if reward == "f1" else scores["em"]
+    return score * (1.0 - format_reward) + format_reward * float(format_ok)

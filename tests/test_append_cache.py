@@ -7,12 +7,11 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from stppo_agent.models.loading import load_actor
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts import append_cache
 from stppo_agent.rollouts.append_cache import AppendLayer, new_cache
 from stppo_agent.rollouts.batch import left_pad
 from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT
-
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 def states(rows: int, positions: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +82,7 @@ def test_new_cache_keeps_layers_of_other_kinds():
 @pytest.mark.parametrize("greedy", [True, False])
 def test_generate_with_the_cache_is_bit_identical(tmp_path, greedy, autocast):
     tokenizer = word_tokenizer()
-    model = load_actor(tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3)).eval()
+    model = load_actor(build_tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3)).eval()
     prompts = [[4, 5, 6, 7, 8] * 3, [5, 6] * 11, [7] * 4]
     input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id, "cpu")
 
@@ -105,7 +104,7 @@ def test_the_rollout_backend_generates_with_the_in_place_cache(tmp_path):
     from stppo_agent.rollouts.sampling import SamplingSettings
 
     tokenizer = word_tokenizer()
-    model = load_actor(tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3))
+    model = load_actor(build_tiny_llama(tmp_path / "tiny", tokenizer, hidden=32, layers=2, seed=3))
     backend = HFGenerationBackend(model, tokenizer, SamplingSettings(greedy=True), batch_size=2)
     backend.generate([[4, 5, 6], [5, 6]], 3, keys=["a", "b"])  # a first turn: a fresh cache
     assert all(isinstance(layer, AppendLayer) for layer in backend.turns.states[0].cache.layers)

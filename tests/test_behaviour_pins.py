@@ -9,6 +9,7 @@ import torch
 
 from stppo_agent.algorithms import ALGORITHMS, kl_reward_penalty
 from stppo_agent.algorithms.losses import explained_variance, value_loss
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
 from stppo_envs.actions import ActionType, parse_action
@@ -16,12 +17,11 @@ from stppo_envs.scoring import exact_match, f1_score, normalize_answer
 
 from .conftest import KeywordRetriever
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def small(model, out, algo="ppo", **overrides):

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import list_checkpoints
 
 from .cli_in_process import stppo
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):
@@ -48,7 +48,7 @@ def test_a_checkpoints_config_names_the_dtype_its_weights_are_stored_in(tiny_mod
 def test_float16_refuses_a_weight_beyond_its_range_and_keeps_the_last_checkpoint(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     weights = AutoModelForCausalLM.from_pretrained(model)
     with torch.no_grad():
         weights.model.embed_tokens.weight[2] = 1e5  # <unk>'s row: no prompt of the toy env holds it

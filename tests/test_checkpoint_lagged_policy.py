@@ -12,17 +12,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 
 from .cli_in_process import stppo
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 LAGGED = "lagged_policy.safetensors"
 
 
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory) -> Path:  # an output head sharing the embedding matrix, as in SmolLM2
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer(), tied=True)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer(), tied=True)
 
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):

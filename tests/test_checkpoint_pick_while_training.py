@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import list_checkpoints
 
 from .cli_in_process import stppo
 from .test_trainer import REPO
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 KEEP_ONE = ("keep_checkpoints=1", "on_collapse=none")

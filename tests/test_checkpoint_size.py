@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, NoOptimizerStateError, load_trainer_state, verify_checkpoint
 from stppo_agent.runs.metrics_log import read_metrics
 
 from .cli_in_process import stppo
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "checkpoint_dtype=bfloat16", "--set", "checkpoint_optimizer=newest"]
@@ -110,7 +110,7 @@ def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, mes
 
 
 def test_kill_9_then_resume_with_the_optimizer_state_in_the_newest_only_matches_an_uninterrupted_run(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     iterations, newest = 8, ["--set", "checkpoint_optimizer=newest"]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -60,9 +60,9 @@ def test_a_misspelt_checkpoint_choice(tmp_path, capsys):
 def test_a_model_folder_named_with_an_at_sign_is_evaluated_as_typed(tmp_path, capsys, name):
     import json
 
-    from .tiny_models import tiny_llama, word_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
-    model = tiny_llama(tmp_path / name, word_tokenizer(), hidden=16, layers=1, seed=5)
+    model = build_tiny_llama(tmp_path / name, word_tokenizer(), hidden=16, layers=1, seed=5)
     out = tmp_path / "out"
     assert main(["eval", "--agent", f"hf:{model}", "--benchmarks", "nq", "--retriever", "demo", "--limit", "1",
                  "--max-new-tokens", "2", "--output-dir", str(out)]) == 0, capsys.readouterr().err

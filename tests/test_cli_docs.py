@@ -113,12 +113,12 @@ def _benchmark(name: str):
 def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path):
     """Same micro-batches (length-sorted, trimmed), the same tokens through the body and the same positions (the
     response's only) through the LM head."""
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
     from stppo_agent.training.trainer import Trainer
 
     from .test_trainer import toy_config
-    from .tiny_models import tiny_llama, word_tokenizer
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # responses of 1-6 tokens over 1-3 turns, one row per micro-batch: each is trimmed to its own length
     trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", prompts_per_iteration=6, samples_per_prompt=2,
                                  mini_batch_size=12, micro_batch_size=1, ppo_epochs=1, max_turns=3,

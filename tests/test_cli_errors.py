@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
-
-from .tiny_models import tiny_llama, word_tokenizer
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 @pytest.mark.parametrize("extra, message", [

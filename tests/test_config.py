@@ -65,13 +65,12 @@ register_algorithm(dataclasses.replace(ALGORITHMS["turn_ppo"], name="{name}", cl
 
 
 def test_a_user_algorithm_is_chosen_from_the_cli_and_the_run_reproduces_from_its_folder(tmp_path, monkeypatch):
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
     from stppo_agent.runs.metrics_log import read_metrics
-
-    from .tiny_models import tiny_llama, word_tokenizer
 
     (tmp_path / "my_algos.py").write_text(PLUGIN.format(name="my_algo"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     run = tmp_path / "run"
     common = ["--set", "prompts_per_iteration=2", "--set", "mini_batch_size=2", "--set", "micro_batch_size=2",
               "--set", "max_turns=2", "--set", "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8",

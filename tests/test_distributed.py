@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from stppo_agent.distributed.shared_retrieval import free_port
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 
 from .gloo_ranks import start_ranks
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
@@ -71,7 +71,7 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
 @pytest.mark.parametrize("algo", ["st_ppo", "s_ppo"])
 def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy, tied):
     """``tied``: embeddings shared with the LM head (SmolLM2, Qwen2.5 small models), one root-group parameter."""
-    model = tiny_llama(tmp_path / "model", word_tokenizer(), tied=tied)
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer(), tied=tied)
     single = Trainer(config(model, tmp_path / "single", algo), report=lambda _: None)
     batch = single.rollout()
     single.score(batch)
@@ -109,7 +109,7 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
     from stppo_agent.runs.checkpoint import load_trainer_state
     from stppo_agent.runs.metrics_log import read_metrics
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     out = tmp_path / "run"
 
     def command(launcher, iterations, strategy, resume=False):
@@ -145,7 +145,7 @@ def test_torchrun_ranks_share_one_retrieval_server(tmp_path):
     from stppo_agent.models.default_model import smollm2_path
     from stppo_agent.models.loading import load_tokenizer
 
-    model = tiny_llama(tmp_path / "model", load_tokenizer(str(smollm2_path())), hidden=16, layers=1)
+    model = build_tiny_llama(tmp_path / "model", load_tokenizer(str(smollm2_path())), hidden=16, layers=1)
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/NQ-v0", "--model", str(model),
@@ -169,7 +169,7 @@ def test_two_node_rendezvous_on_one_host(tmp_path):
 
     from stppo_agent.runs.checkpoint import load_trainer_state
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     out = tmp_path / "run"
     port = free_port()
 
@@ -217,7 +217,7 @@ def _uneven_generation_main(rank: int, port: int, model_path: str, result_path: 
 def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
     """Inside ``gathered`` an FSDP2 model's forwards do not communicate, so ranks may run different numbers of
     them (generation); afterwards the model is sharded again with unchanged weights."""
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     context = start_ranks(_uneven_generation_main, args=(free_port(), str(model), str(tmp_path / "r.pt")),
                               nprocs=2, join=False)
     import time
@@ -242,7 +242,7 @@ def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
 
     from transformers import AutoModelForCausalLM
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     out = tmp_path / "run"
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
                "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
@@ -266,7 +266,7 @@ def test_a_finished_command_leaves_its_process_group(tmp_path):
     an active exception") and fail a run that finished: `stppo train` leaves the group when it ends."""
     from stppo_agent.cli import main
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     args = ["train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
             str(tmp_path / "run"), "--iterations", "1"]
     for item in ("strategy=fsdp2", "prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4",
@@ -297,7 +297,7 @@ def _scoring_main(rank: int, port: int, model: str, out: str, result_path: str) 
 def test_fsdp2_scoring_on_gathered_weights_matches_the_sharded_forward(tmp_path):
     """Old log-probs come from gathered weights (one all-gather per model); they must be exactly what the
     sharded training forward computes, or the first update would not be on-policy."""
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     start_ranks(_scoring_main, args=(free_port(), str(model), str(tmp_path / "run"), str(tmp_path / "r")),
                     nprocs=2)
     for rank in range(2):
@@ -321,7 +321,7 @@ def _mixed_precision_main(rank: int, port: int, model_path: str, result_path: st
 
 
 def test_fsdp2_compute_dtype_computes_in_bf16_and_keeps_float32_master_weights(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     start_ranks(_mixed_precision_main, args=(free_port(), str(model), str(tmp_path / "r.pt")), nprocs=1)
     got = torch.load(tmp_path / "r.pt", weights_only=False)
     assert got["compute"] == torch.bfloat16

@@ -11,6 +11,7 @@ import torch
 
 from stppo_agent.algorithms import informative_groups
 from stppo_agent.distributed.process_group import free_port
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.batch import Trajectory, to_batch
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.resampling import keep_informative_groups
@@ -18,7 +19,6 @@ from stppo_agent.training.trainer import Trainer
 
 from .gloo_ranks import gloo_rank, start_ranks
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 def groups_batch(rewards_by_group: dict[int, list[float]]):
@@ -97,7 +97,7 @@ def test_ranks_take_extra_rounds_together_until_every_rank_is_full(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def test_dapo_trains_on_informative_groups_and_logs_what_it_dropped(tiny_model, tmp_path):

@@ -174,10 +174,9 @@ def test_openai_compatible_agent_against_a_stub_server(tmp_path):
 def test_hf_checkpoint_agent_is_deterministic_and_counts_tokens(tmp_path):
     from stppo_agent.models.default_model import smollm2_path
     from stppo_agent.models.loading import load_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama
 
-    from .tiny_models import tiny_llama
-
-    model = tiny_llama(tmp_path / "tiny", load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
+    model = build_tiny_llama(tmp_path / "tiny", load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
     runs = []
     for out in ("a", "b"):
         assert main(["eval", "--agent", f"hf:{model}", "--benchmarks", "nq,medqa", "--limit", "3", "--max-turns", "2",
@@ -361,10 +360,9 @@ def test_hf_agent_keeps_two_episodes_of_one_example_apart(tmp_path):
     two episodes of the same question in flight at once each equal that question's episode run alone."""
     from stppo_agent.evaluation.evaluate import run_episodes
     from stppo_agent.evaluation.hf_agent import HFAgent
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
-    from .tiny_models import tiny_llama, word_tokenizer
-
-    model = tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=16, layers=1, seed=5)
+    model = build_tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=16, layers=1, seed=5)
     agent = HFAgent(str(model), max_new_tokens=4, max_observation_tokens=16)
     alone = run_episodes(_keyword_envs(1, max_turns=2), agent, [2])
     twice = run_episodes(_keyword_envs(3, max_turns=2), agent, [2, 0, 2])
@@ -403,10 +401,9 @@ def test_a_checkpoint_rewritten_at_the_same_path_is_loaded_again(tmp_path):
     import os
 
     from stppo_agent.evaluation.agent_specs import build_agent
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
-    from .tiny_models import tiny_llama, word_tokenizer
-
-    model = tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=16, layers=1, seed=5)
+    model = build_tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=16, layers=1, seed=5)
     first = build_agent(f"hf:{model}", [], 4)
     assert build_agent(f"hf:{model}", [], 4) is first  # unchanged files: the loaded model is reused
     weights = next(p for p in model.iterdir() if p.suffix == ".safetensors")

@@ -141,13 +141,13 @@ def test_replay_refuses_another_rollout_staleness_than_the_recorded_one(tmp_path
     # the recorded tokens were sampled by weights K iterations old; a replay with another K took its behaviour
     # log-probs from other weights than those that sampled them (iteration 3 of a K=1 recording replayed with K=2
     # logged other ratios and clip fractions, while temperature, top_p and top_k are refused)
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
     from stppo_agent.training.replay import replay_config
     from stppo_agent.training.trainer import Trainer
 
     from .test_trainer import toy_config
-    from .tiny_models import tiny_llama, word_tokenizer
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     run = tmp_path / "run"
     Trainer(toy_config(model, run, "ppo", iterations=1, prompts_per_iteration=2, samples_per_prompt=2,
                        mini_batch_size=4, micro_batch_size=4, ppo_epochs=1, save_rollouts=True,

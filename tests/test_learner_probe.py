@@ -10,20 +10,20 @@ import torch
 import yaml
 
 from stppo_agent.models.loading import load_actor
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.probe import KEYS, LearnerProbe
 from stppo_agent.training.trainer import Trainer
 
 from .test_replay import TIMING
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 IGNORED = TIMING | {"probe_seconds"}
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def config(model: Path, out: Path, **overrides):

@@ -10,12 +10,12 @@ import torch
 from stppo_agent.algorithms import get_policy_loss
 from stppo_agent.algorithms.second_moment import m2po_keep_masks
 from stppo_agent.distributed.process_group import free_port
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.trainer import Trainer
 
 from .gloo_ranks import gloo_rank, start_ranks
 from .test_multiprocess_metrics import TIMING, toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 M2PO = {"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "m2_threshold": 0.02}
 
@@ -57,7 +57,7 @@ def test_keep_masks_of_micro_batches_of_different_lengths_are_the_cut_of_their_c
 def test_m2po_update_does_not_depend_on_the_micro_batch_size(tmp_path):
     """Same batch, same weights (lr 0): micro-batch 1 / 2 / 4 / 8 log the same loss, masked share, second moment
     and gradient norm as the whole batch in one call -- with a per-micro-batch cut they differ."""
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     trainer = Trainer(toy_config(model, tmp_path / "run", algo="m2po", actor_lr=0.0, critic_lr=0.0, algorithm=M2PO),
                       report=lambda _: None)
     batch = _off_policy_batch(trainer)
@@ -85,7 +85,7 @@ def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: st
 
 
 def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     trainer = Trainer(toy_config(model, tmp_path / "one", algo="m2po", actor_lr=0.0, critic_lr=0.0,
                                  micro_batch_size=1, algorithm=M2PO), report=lambda _: None)
     batch = _off_policy_batch(trainer)
@@ -126,7 +126,7 @@ def _strategy_rank_main(rank: int, port: int, model: str, out: str, batch_path: 
 def test_the_whole_batch_forward_runs_under_ddp_and_fsdp2(tmp_path, strategy):
     """2 gloo processes x 2 micro-batches each (DDP's no_sync, FSDP2's shards in the no-grad forward): the same
     gradient as one process with 4 micro-batches, with the cut dropping some tokens and keeping others."""
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     single = Trainer(_strategy_config(model, tmp_path / "single", "ddp"), report=lambda _: None)
     batch = _off_policy_batch(single)
     torch.save(batch, tmp_path / "batch.pt")

@@ -12,17 +12,17 @@ import torch
 
 from stppo_agent.models.loading import load_actor, load_critic
 from stppo_agent.models.precision import autocast_forward, resolve_autocast_dtype
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer(), hidden=64)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer(), hidden=64)
 
 
 def _output_dtypes(model, module: torch.nn.Module, **inputs) -> torch.dtype:

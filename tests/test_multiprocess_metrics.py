@@ -15,6 +15,7 @@ import torch
 
 from stppo_agent.algorithms import get_policy_loss, value_loss
 from stppo_agent.distributed.process_group import free_port
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_agent.rollouts.statistics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.runs.metrics_log import read_metrics
@@ -23,7 +24,6 @@ from stppo_agent.training.log_probs import critic_values, token_logprobs
 from stppo_agent.training.trainer import Trainer
 
 from .gloo_ranks import gloo_rank, start_ranks
-from .tiny_models import tiny_llama, word_tokenizer
 
 TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
 
@@ -41,7 +41,7 @@ def toy_config(model: Path, out: Path, **overrides) -> TrainConfig:
 def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
     """Same batch, micro-batch 1 / 2 / 4 / 8 (the whole mini-batch): the same pg_loss, entropy, kl_loss,
     value_loss, clip and turn-clip fractions, and each equals the loss's own value over the whole batch."""
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # learning rates 0: every update sees the same weights, so the runs differ only in how the batch is split
     trainer = Trainer(toy_config(model, tmp_path / "run", actor_lr=0.0, critic_lr=0.0), report=lambda _: None)
     batch = trainer.rollout()
@@ -170,7 +170,7 @@ def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: st
 
 
 def test_two_processes_log_and_train_what_one_process_does(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     maker = Trainer(toy_config(model, tmp_path / "maker"), report=lambda _: None)
     batch = maker.rollout()
     # sampled log-probs off the trainer's: rollout-correction weights spread around 1, some above the cap

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from stppo_agent.distributed.process_group import rank_seed
-
-from .tiny_models import tiny_llama, word_tokenizer
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
 
 def test_rank_seeds():
@@ -39,7 +38,7 @@ def train(model: Path, out: Path, iterations: int, resume: bool = False) -> subp
 def test_ranks_sample_their_own_tokens_and_resume_continues_each_rank(tmp_path):
     from safetensors.torch import load_file
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     train(model, run, 2)
 

@@ -59,9 +59,9 @@ def test_a_clean_step_after_a_skipped_one_resets_the_count():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from .tiny_models import tiny_llama, word_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 @pytest.mark.parametrize("still_recording", [True, False])

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
 
 from .test_replay import TIMING
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 NO_KL = {"kl_in_reward": 0.0, "kl_loss_coef": 0.0}
 OPTIONS = {
@@ -29,7 +29,7 @@ OPTIONS = {
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def run_config(model: Path, out: Path, name: str, **overrides):

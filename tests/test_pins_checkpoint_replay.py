@@ -688,10 +688,9 @@ def synthetic_batch(groups: int, per_group: int = 2):
 
 def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = None, backend: str = "hf",
                  algo: str = "ppo", algorithm: dict | None = None, critic: bool = False, **config) -> Path:
+    from stppo_agent.models.tiny import word_tokenizer
     from stppo_agent.runs.recording import RolloutRecorder
     from stppo_agent.training.config import TrainConfig
-
-    from .tiny_models import word_tokenizer
 
     run = tmp_path / "recorded"
     values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run), progress=False,
@@ -803,9 +802,8 @@ def test_the_rollout_correction_follows_the_data_into_another_rule(tmp_path):
 def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path):
     from types import SimpleNamespace
 
+    from stppo_agent.models.tiny import word_tokenizer
     from stppo_agent.training.replay import RecordedRollouts
-
-    from .tiny_models import word_tokenizer
 
     run = recorded_run(tmp_path, worlds={1: 2, 2: 1})
 
@@ -838,9 +836,8 @@ def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path
 
 def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_path, monkeypatch):
     import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.models.tiny import word_tokenizer
     from stppo_agent.training.replay import RecordedRollouts, replay
-
-    from .tiny_models import word_tokenizer
 
     run = recorded_run(tmp_path, backend="vllm", algorithm={"rollout_correction": "tis"})
     built = []

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stppo_agent.models.tiny import tiny_generation_model
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
-
-from .tiny_models import tiny_generation_model
 
 
 @pytest.fixture(scope="module")

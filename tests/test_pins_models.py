@@ -18,13 +18,12 @@ from transformers.utils import logging as hf_logging
 
 from stppo_agent.models import default_model, loading, precision, tiny
 from stppo_agent.models.default_model import SMOLLM2_GGUF, SMOLLM2_NAME, SMOLLM2_WHEEL
-
-from .tiny_models import tiny_llama, word_tokenizer
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("pins_models") / "model", word_tokenizer(), hidden=16, layers=1)
+    return build_tiny_llama(tmp_path_factory.mktemp("pins_models") / "model", word_tokenizer(), hidden=16, layers=1)
 
 
 class Recorder:

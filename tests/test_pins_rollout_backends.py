@@ -14,13 +14,15 @@ import pytest
 import torch
 
 from stppo_agent.algorithms.metrics import LossMetrics
+from stppo_agent.algorithms.registry import accepts_keyword
 from stppo_agent.distributed import process_group
+from stppo_agent.models.tiny import tiny_generation_model
 from stppo_agent.rollouts import append_cache, hf_generation, statistics
 from stppo_agent.rollouts import sampling as sampling_module
 from stppo_agent.rollouts.append_cache import AppendLayer, new_cache
 from stppo_agent.rollouts.batch import RolloutBatch, Trajectory, left_pad, to_batch
 from stppo_agent.rollouts.episode_stats import episode_rates
-from stppo_agent.rollouts.generation import accepts_keyword, generated_length
+from stppo_agent.rollouts.generation import generated_length
 from stppo_agent.rollouts.global_batch import gather_global_batch, merge_shares, mini_batch_rows
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend, StopOnStrings, _eos_ids, stop_candidate_ids
 from stppo_agent.rollouts.sampling import (
@@ -41,8 +43,6 @@ from stppo_agent.rollouts.statistics import (
     rollout_weights,
 )
 from stppo_agent.rollouts.turn_cache import ChunkCache, TurnCaches, after_generate, extend_inputs
-
-from .tiny_models import tiny_generation_model
 
 
 def two_ranks(monkeypatch, others):

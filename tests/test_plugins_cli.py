@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from stppo_agent.cli import main
-
-from .tiny_models import tiny_llama, word_tokenizer
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
 RULE = '''
 import dataclasses
@@ -28,7 +27,7 @@ FAST = ["--env", "stppo/Toy-v0", "--iterations", "1", "--set", "prompts_per_iter
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def test_a_plugin_file_in_the_current_directory_trains_and_replays(model, tmp_path, monkeypatch, capsys):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, get_policy_loss
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
@@ -18,7 +19,6 @@ from stppo_agent.training.trainer import Trainer
 from . import algorithm_reference as ref
 from .test_algorithms import random_batch
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 LEVELS = ("token", "turn", "sequence")
 
@@ -71,7 +71,7 @@ def test_equal_weights_give_one_and_one_dominant_weight_gives_one_over_n():
 
 
 def test_a_run_logs_it_per_step_one_on_policy_and_below_one_after(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     config = toy_config(model, tmp_path / "run", "st_ppo", iterations=2, prompts_per_iteration=4, samples_per_prompt=4,
                         mini_batch_size=4, micro_batch_size=4, ppo_epochs=2, actor_lr=5e-2, step_diagnostics=True)
     Trainer(config, report=lambda _: None).train()

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from stppo_agent.cli import main
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.recording import load_batch, recorded_iterations, recorded_world_size
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 # Timing and throughput differ between any two runs; everything else an update logs must replay exactly.
 TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
@@ -24,7 +24,7 @@ TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "updat
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def off_policy_config(model: Path, out: Path, algo: str, **overrides):
@@ -144,7 +144,7 @@ def test_replay_errors_are_clear(recorded_ppo, tiny_model, tmp_path):
         replay(recorded_ppo, "no_such_algo", str(tmp_path / "y"))
     with pytest.raises(ValueError, match="recorded only 3"):
         replay(recorded_ppo, None, str(tmp_path / "z"), iterations=5)
-    other = tiny_llama(tmp_path / "other", word_tokenizer(["say", "ok", "red", "green", "blue", "gold", "extra"]))
+    other = build_tiny_llama(tmp_path / "other", word_tokenizer(["say", "ok", "red", "green", "blue", "gold", "extra"]))
     with pytest.raises(ValueError, match="tokenizer mismatch"):
         replay(recorded_ppo, None, str(tmp_path / "w"), [f"model={other}"])
     assert main(["replay", str(plain), "--output-dir", str(tmp_path / "v")]) == 1

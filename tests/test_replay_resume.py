@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 
 from .cli_in_process import stppo
 from .test_replay import TIMING
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("recorded")
-    model = tiny_llama(root / "model", word_tokenizer())
+    model = build_tiny_llama(root / "model", word_tokenizer())
     run = root / "run"
     assert main(toy_train_command(model, run, 3, extra=("save_rollouts=true", "on_collapse=none"))[3:]) == 0
     return run

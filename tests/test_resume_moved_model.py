@@ -9,10 +9,10 @@ from pathlib import Path
 
 import yaml
 
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 
 from .cli_in_process import stppo
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 KL = ("algorithm.kl_in_reward=0.001",)  # the reference policy is the base model: a resume loads it
 
@@ -25,7 +25,7 @@ def arguments(model: Path | str | None, run: Path, iterations: int, resume: bool
 
 
 def test_a_moved_copy_of_the_base_model_is_accepted_and_other_weights_are_refused(tmp_path, capsys):
-    first = tiny_llama(tmp_path / "models" / "base", word_tokenizer())
+    first = build_tiny_llama(tmp_path / "models" / "base", word_tokenizer())
     run = tmp_path / "run"
     assert stppo(*arguments(first, run, 2, resume=False), capsys=capsys).returncode == 0
     moved = tmp_path / "elsewhere" / "base"
@@ -36,7 +36,7 @@ def test_a_moved_copy_of_the_base_model_is_accepted_and_other_weights_are_refuse
     assert gone.returncode == 1 and gone.stderr.count("\n") == 1, gone.stderr
     assert f"the base model {first} does not exist" in gone.stderr and "pass --model" in gone.stderr
 
-    other = tiny_llama(tmp_path / "models" / "other", word_tokenizer(), seed=1)
+    other = build_tiny_llama(tmp_path / "models" / "other", word_tokenizer(), seed=1)
     refused = stppo(*arguments(other, run, 3, resume=True), capsys=capsys)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert f"cannot change model ({first} -> {other})" in refused.stderr and "is not a copy" in refused.stderr
@@ -61,7 +61,7 @@ def test_tiny_rebuilt_under_another_cache_dir_resumes(tmp_path, capsys, monkeypa
 
 
 def test_a_run_without_a_kl_reference_resumes_from_its_checkpoint_alone_after_the_model_moved(tmp_path, capsys):
-    first = tiny_llama(tmp_path / "models" / "base", word_tokenizer())
+    first = build_tiny_llama(tmp_path / "models" / "base", word_tokenizer())
     run = tmp_path / "run"
     assert stppo(*arguments(first, run, 1, resume=False, kl=False), capsys=capsys).returncode == 0
     os.replace(first, tmp_path / "moved")  # the actor and tokenizer a resume loads are the checkpoint's

@@ -9,18 +9,18 @@ import pytest
 import yaml
 
 from stppo_agent.cli import main
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.monitoring.rollback import restore_training_state
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def small(model: Path, out: Path, iterations: int, **overrides):

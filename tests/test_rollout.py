@@ -75,10 +75,10 @@ def test_sampled_ids_are_kept_and_observations_masked(smollm2_tokenizer):
 
 def test_real_generation_keeps_sampled_ids(smollm2_tokenizer, tmp_path):
     """Random tokens from a tiny model over SmolLM2's vocabulary: byte pieces of multi-byte characters included."""
-    from .tiny_models import tiny_llama
+    from stppo_agent.models.tiny import build_tiny_llama
 
     tok = smollm2_tokenizer
-    path = tiny_llama(tmp_path / "tiny", tok, hidden=16, layers=1, seed=3)
+    path = build_tiny_llama(tmp_path / "tiny", tok, hidden=16, layers=1, seed=3)
     from stppo_agent.models.loading import load_actor
 
     backend = HFGenerationBackend(load_actor(path), tok)

@@ -18,18 +18,18 @@ from stppo_agent.algorithms import (
     resolve_rollout_correction,
     rollout_correction_weights,
 )
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 
 from . import algorithm_reference as ref
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 LEVELS = ("token", "turn", "sequence")

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.checkpoint import CorruptCheckpointError, list_checkpoints, verify_checkpoint
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def config(model, out, iterations):

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.sampling import SamplingSettings
 from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def penalised_model(tmp_path_factory) -> Path:
     """A checkpoint that ships processors in its generation_config, as several instruct models do."""
     from transformers import GenerationConfig
 
-    path = tiny_llama(tmp_path_factory.mktemp("tiny") / "penalised", word_tokenizer())
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "penalised", word_tokenizer())
     config = GenerationConfig.from_pretrained(path)
     config.repetition_penalty, config.no_repeat_ngram_size = 1.3, 2
     config.save_pretrained(path)

@@ -48,12 +48,12 @@ def test_the_trainer_feeds_the_penalty_to_grpo(tmp_path):
     """``--algo grpo --set algorithm.kl_in_reward=...`` changes the advantages of a real batch."""
     import dataclasses
 
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
     from stppo_agent.training.trainer import Trainer
 
     from .test_trainer import toy_config
-    from .tiny_models import tiny_llama, word_tokenizer
 
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", iterations=1, prompts_per_iteration=4,
                                  samples_per_prompt=2, mini_batch_size=8, micro_batch_size=8,
                                  max_new_tokens_per_turn=3, max_total_tokens=40, on_collapse="none",

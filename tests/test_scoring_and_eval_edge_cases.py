@@ -54,10 +54,9 @@ def test_a_letter_beside_other_text_still_names_no_option(prediction):
 def _tiny_smollm2_model(path):
     from stppo_agent.models.default_model import smollm2_path
     from stppo_agent.models.loading import load_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama
 
-    from .tiny_models import tiny_llama
-
-    return tiny_llama(path, load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
+    return build_tiny_llama(path, load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
 
 
 def test_eval_cuts_observations_where_told_and_says_how_often_it_cut(tmp_path):

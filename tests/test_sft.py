@@ -11,10 +11,9 @@ import torch
 
 from stppo_agent.cli import main
 from stppo_agent.evaluation.results import evaluate_all
+from stppo_agent.models.tiny import build_tiny_llama
 from stppo_agent.rollouts.turn_loop import encode_observation, encode_prompt
 from stppo_agent.training.sft import SFTConfig, demonstrations, train_sft, trajectory_from_transcript
-
-from .tiny_models import tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, smollm2_tokenizer):
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", smollm2_tokenizer, hidden=32, layers=2, seed=1)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", smollm2_tokenizer, hidden=32, layers=2, seed=1)
 
 
 @pytest.mark.parametrize("max_turns", [2, 3])

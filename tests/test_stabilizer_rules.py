@@ -405,9 +405,9 @@ def test_cispo_in_its_paper_form_has_no_lower_bound(tiny_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from .tiny_models import tiny_llama, word_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 NEW_PRESETS = ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po", "dr_grpo", "dapo", "turn_gae"]

@@ -18,14 +18,12 @@ line of the Makefile) makes a missing verl an error instead.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_VERL"):
-    import verl  # noqa: F401  (a CI that installs verl must fail here, not skip)
-else:
-    pytest.importorskip("verl", reason="the reference comparison needs verl 0.9 (docs/verl.md); CI does not install it")
+from tests.requires import require_verl
+
+require_verl("the reference comparison needs verl 0.9 (docs/verl.md)")
 
 import torch  # noqa: E402
 from verl.trainer.ppo.core_algos import get_policy_loss_fn  # noqa: E402

@@ -12,6 +12,7 @@ import torch
 
 from stppo_agent.models.loading import load_actor
 from stppo_agent.models.precision import autocast_forward, independent_copy
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
@@ -22,12 +23,11 @@ from stppo_agent.training.trainer import Trainer
 from .processes import kill_9_once_written
 from .test_replay import TIMING
 from .test_trainer import REPO, toy_config
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def stale_config(model: Path, out: Path, staleness: int, **overrides) -> TrainConfig:

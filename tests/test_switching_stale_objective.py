@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 
 from .cli_in_process import stppo
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def recorded(run: Path) -> dict:

@@ -11,11 +11,11 @@ import gymnasium as gym
 import pytest
 
 import stppo_envs  # noqa: F401  (registers the env ids)
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.envs import prompt_count
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 def test_prompt_count_of_each_kind_of_env():
@@ -44,7 +44,7 @@ def questions_by_group(batch) -> dict[int, set[str]]:
 
 @pytest.mark.parametrize("env, env_kwargs", [("stppo/Toy-v0", {"fixed_target": None}), ("stppo/Copy-v0", {})])
 def test_a_trainer_poses_each_group_one_question_and_the_groups_different_ones(tmp_path: Path, env, env_kwargs):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     batches = []
     config = toy_config(model, tmp_path / "run", "grpo", iterations=1, prompts_per_iteration=4, samples_per_prompt=3,
                         mini_batch_size=12, micro_batch_size=12, env=env, env_kwargs=env_kwargs,

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, POLICY_LOSSES, call_policy_loss, get_policy_loss
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
 from . import algorithm_reference as ref
 from .test_stabilizer_rules import EXERCISE, random_batch
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 LEVELS = ("token", "turn", "sequence")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
@@ -155,7 +155,7 @@ def test_a_rule_of_ones_own_without_the_keyword_gets_the_weights_folded_in():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def actor_gradient(trainer, batch) -> torch.Tensor:

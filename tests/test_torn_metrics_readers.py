@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
+
 from .cli_in_process import stppo
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,7 @@ def run(tmp_path_factory) -> Path:
     from stppo_agent.cli import main
 
     root = tmp_path_factory.mktemp("torn")
-    model = tiny_llama(root / "model", word_tokenizer())
+    model = build_tiny_llama(root / "model", word_tokenizer())
     out = root / "run"
     assert main(toy_train_command(model, out, 3, extra=("on_collapse=none",))[3:]) == 0
     return out

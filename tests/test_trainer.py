@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import get_advantage_estimator, register_advantage_estimator
+from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import CorruptCheckpointError, load_trainer_state, valid_checkpoints
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.run_folder import pick_checkpoint
@@ -19,14 +20,13 @@ from stppo_agent.training.ppo_update import TrainingDivergedError
 from stppo_agent.training.trainer import Trainer
 
 from .processes import kill_9_once_written
-from .tiny_models import tiny_llama, toy_train_command, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def toy_config(model: Path, out: Path, algo: str, **overrides) -> TrainConfig:

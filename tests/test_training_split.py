@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.envs import make_env
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 from stppo_agent.training.training_split import with_training_split
-
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 def config(**overrides) -> TrainConfig:
@@ -49,7 +48,7 @@ def test_a_run_started_without_a_split_resumes_on_the_split_it_started_with():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def test_the_trainer_plays_train_questions_and_records_the_split(tiny_model, tmp_path):

@@ -6,16 +6,12 @@ Needs TRL: skipped without it; ``make test`` runs it in the TRL venv with ``STPP
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
-import pytest
+from tests.requires import require_trl
 
-if os.environ.get("STPPO_REQUIRE_TRL"):
-    import trl  # noqa: F401  (a CI that installs TRL must fail here, not skip)
-else:
-    pytest.importorskip("trl", reason="docs/trl.md's example needs TRL (`pip install .[trl]`)")
+require_trl("docs/trl.md's example needs TRL (`pip install .[trl]`)")
 
 from .trl_models import tiny_tool_model  # noqa: E402
 

@@ -15,10 +15,9 @@ import os
 import gymnasium as gym
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_TRL"):
-    import trl  # noqa: F401  (a CI that installs TRL must fail here, not skip)
-else:
-    pytest.importorskip("trl", reason="the TRL adapter's trainer tests need TRL (docs/trl.md, `pip install .[trl]`)")
+from tests.requires import require_trl
+
+require_trl()
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

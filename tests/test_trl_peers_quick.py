@@ -7,17 +7,15 @@ Needs TRL: skipped without it; ``make test`` runs it in the TRL venv with ``STPP
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_TRL"):
-    import trl  # noqa: F401  (a CI that installs TRL must fail here, not skip)
-else:
-    pytest.importorskip("trl", reason="benchmarks/peers.py needs TRL (`pip install .[trl]`)")
+from tests.requires import require_trl
+
+require_trl("benchmarks/peers.py needs TRL (`pip install .[trl]`)")
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, NEW_TOKENS = 2, 2, 8

@@ -8,6 +8,7 @@ import torch
 
 import stppo_envs  # noqa: F401
 from stppo_agent.models.loading import load_actor
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 from stppo_agent.rollouts.sampling import SamplingSettings
 from stppo_agent.rollouts.turn_cache import ChunkCache
@@ -15,7 +16,6 @@ from stppo_agent.rollouts.turn_loop import RolloutLimits, collect_rollouts
 
 from .conftest import KeywordRetriever
 from .test_rollout import PASSAGES
-from .tiny_models import tiny_llama, word_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_reuse_gives_the_same_tokens_and_log_probs(smollm2_tokenizer, tmp_path, 
     # SmolLM2's byte-level vocabulary; or 9 words, where EOS is drawn often: rows then stop at different steps of a
     # turn, leaving holes in the cache and a cached copy of their last token to hide
     tok = smollm2_tokenizer if vocabulary == "smollm2" else word_tokenizer()
-    model = load_actor(tiny_llama(tmp_path / "tiny", tok, hidden=32, layers=2, seed=5))
+    model = load_actor(build_tiny_llama(tmp_path / "tiny", tok, hidden=32, layers=2, seed=5))
     kwargs = dict(retriever=KeywordRetriever(PASSAGES), max_turns=3) if env_id == "stppo/NQ-v0" else \
         dict(turns=3, fixed_target=None)
 
@@ -93,7 +93,7 @@ def test_a_context_that_does_not_extend_the_cache_is_re_encoded():
 def test_a_wrapped_generate_still_reuses_the_cache(smollm2_tokenizer, tmp_path):
     # a user timing or logging the backend wraps generate(*args, **kwargs): the rollout must still pass the
     # trajectory keys, or every turn silently re-encodes the transcript (what benchmarks/trainer.py once measured)
-    model = load_actor(tiny_llama(tmp_path / "tiny", smollm2_tokenizer, hidden=32, layers=2, seed=5))
+    model = load_actor(build_tiny_llama(tmp_path / "tiny", smollm2_tokenizer, hidden=32, layers=2, seed=5))
     backend = HFGenerationBackend(model, smollm2_tokenizer, SamplingSettings(greedy=True), batch_size=4)
     inner, keyed = backend.generate, []
 
@@ -114,7 +114,7 @@ def test_a_wrapped_generate_still_reuses_the_cache(smollm2_tokenizer, tmp_path):
 
 def test_a_finished_chunk_frees_its_cache_at_once(tmp_path):
     tok = word_tokenizer()
-    model = load_actor(tiny_llama(tmp_path / "tiny", tok, hidden=32, layers=2, seed=5))
+    model = load_actor(build_tiny_llama(tmp_path / "tiny", tok, hidden=32, layers=2, seed=5))
     backend = HFGenerationBackend(model, tok, SamplingSettings(greedy=True), batch_size=2)
     contexts = {key: [4, 5, 6][: 1 + key % 3] for key in range(4)}  # chunks {0, 1} and {2, 3}
     generations = backend.generate(list(contexts.values()), 3, keys=list(contexts))
@@ -130,7 +130,7 @@ def test_the_evaluation_agent_reuses_caches_with_the_same_episodes(tmp_path):
 
     from .conftest import KeywordRetriever
 
-    model = tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=32, layers=2, seed=5)
+    model = build_tiny_llama(tmp_path / "tiny", word_tokenizer(), hidden=32, layers=2, seed=5)
     records, processed_tokens = {}, {}
     for reuse in (False, True):
         agent = HFAgent(str(model), max_new_tokens=8, max_observation_tokens=24, batch_size=3, reuse_cache=reuse)

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_VERL"):
-    import verl  # noqa: F401  (a CI that installs verl must fail here, not skip)
-else:
-    pytest.importorskip("verl", reason="the verl bridge needs verl 0.9 (docs/verl.md); CI does not install it yet")
+from tests.requires import require_verl
+
+require_verl()
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
@@ -33,9 +32,9 @@ from stppo_agent.algorithms import ALGORITHMS, get_policy_loss  # noqa: E402
 from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
 from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
+from stppo_agent.models.tiny import word_tokenizer  # noqa: E402
 from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
 
-from .tiny_models import word_tokenizer  # noqa: E402
 from .verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ import pytest
 from stppo_agent.integrations.verl import reward as verl_reward
 from stppo_agent.integrations.verl.turns import TURN_TEXTS
 from stppo_envs import BENCHMARKS, SearchQAEnv
+from tests.requires import require_verl
 from tests.verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark, parquet_rows
 
 QA = {"target": ["Paris"], "choices": [], "answer_letter": ""}
@@ -120,7 +121,7 @@ def test_main_eval_scores_the_parquet_as_pandas_reads_it(exported):
     (numpy arrays in the ground truth), calls it without extra_info and averages floats."""
     np = pytest.importorskip("numpy")
     pd = pytest.importorskip("pandas")
-    pytest.importorskip("verl", reason="the loader is verl's")
+    require_verl("the loader is verl's")
     from omegaconf import OmegaConf
     from verl.trainer.ppo.reward import get_custom_reward_fn
 

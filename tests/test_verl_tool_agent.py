@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_VERL") == "1":
-    import verl  # noqa: F401  (a CI that installs verl must fail here, not skip)
-else:
-    pytest.importorskip("verl", reason="the verl bridge needs verl 0.9 (docs/verl.md)")
+from tests.requires import require_verl
+
+require_verl()
 
 from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl.reward import compute_score  # noqa: E402

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-if os.environ.get("STPPO_REQUIRE_VERL") == "1":
-    import verl  # noqa: F401  (a CI that installs verl must fail here, not skip)
-else:
-    pytest.importorskip("verl", reason="the verl bridge needs verl 0.9 (docs/verl.md)")
+from tests.requires import require_verl
+
+require_verl()
 
 import torch  # noqa: E402
 

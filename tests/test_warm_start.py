@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
@@ -18,7 +19,6 @@ from stppo_agent.training.trainer import Trainer
 from .cli_in_process import stppo
 from .test_replay import TIMING
 from .test_trainer import toy_config
-from .tiny_models import tiny_llama, word_tokenizer
 
 LR = 1e-2
 
@@ -27,7 +27,7 @@ LR = 1e-2
 def warm_run(tmp_path_factory) -> Path:
     """Two iterations of PPO on the toy env, a checkpoint after each."""
     folder = tmp_path_factory.mktemp("warm")
-    model = tiny_llama(folder / "model", word_tokenizer())
+    model = build_tiny_llama(folder / "model", word_tokenizer())
     Trainer(one_step_config(model, folder / "run", iterations=2, save_every=1), report=lambda _: None).train()
     return folder / "run"
 
@@ -127,14 +127,14 @@ def test_unusable_warm_starts_are_refused_before_any_model_loads(warm_run, tmp_p
         Trainer(warm_config(warm_run, tmp_path / "b", init_from=str(no_critic)), report=lambda _: None)
     with pytest.raises(ValueError, match=r"^init_from loads the critic from the checkpoint; unset critic_model"):
         warm_config(warm_run, tmp_path / "c", critic_model=str(checkpoint / "critic")).validate()
-    other = tiny_llama(tmp_path / "other", word_tokenizer(), hidden=16)
+    other = build_tiny_llama(tmp_path / "other", word_tokenizer(), hidden=16)
     with pytest.raises(ValueError, match=r"\(the reference policy\) is not the architecture of the actor of"):
         Trainer(warm_config(warm_run, tmp_path / "d", model=str(other), algorithm={"kl_in_reward": 0.001}),
                 report=lambda _: None)
 
 
 def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     Trainer(one_step_config(model, tmp_path / "run", iterations=2, save_every=1, checkpoint_optimizer="newest"),
             report=lambda _: None).train()
     older = tmp_path / "run" / "checkpoints" / "step-1"
@@ -154,7 +154,7 @@ def test_the_command_line_starts_from_a_checkpoint_without_a_model(warm_run, tmp
 
 
 def test_warm_up_starts_at_lr_over_warmup_steps_and_logs_the_rate_each_iteration_used(tmp_path):
-    model = tiny_llama(tmp_path / "model", word_tokenizer())
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     trainer = Trainer(one_step_config(model, tmp_path / "run", iterations=4, warmup_steps=3), report=lambda _: None)
     used = []
     trainer.actor_optimizer.register_step_pre_hook(lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))

@@ -5,18 +5,17 @@ Every estimator has the signature
 with rewards (B,), values (B, T), loss_mask (B, T) bool, group_ids (B,) long, optional kl_penalty (B, T) (the
 per-token penalty already multiplied by its coefficient) and turn_ids (B, T) long (-1 off the mask; needed by
 ``turn_gae``), and returns two (B, T) tensors that are 0 off ``loss_mask``. ``returns`` is what the critic
-regresses to (for critic-free estimators it equals advantages). Estimators registered before ``turn_ids`` existed
-keep working: :func:`estimate_advantages` passes it only to those that accept it.
+regresses to (for critic-free estimators it equals advantages). An estimator written without a ``turn_ids``
+parameter works too: :func:`estimate_advantages` passes it only to those that accept it.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
 
-from .registry import Registry
+from .registry import Registry, accepts_keyword
 from .segments import check_turn_ids, discounted_reverse_cumsum, whiten
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -42,10 +41,10 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
 
 def estimate_advantages(name: str, *, turn_ids: torch.Tensor | None = None, **kwargs):
     """Run the estimator registered under ``name`` with ``kwargs``, adding ``turn_ids`` when it takes them (a
-    ``turn_ids`` parameter or ``**kwargs``): the trainer's one call for every estimator, old signatures included."""
+    ``turn_ids`` parameter or ``**kwargs``): the trainer's one call for every estimator, including one written
+    without them."""
     estimator = get_advantage_estimator(name)
-    parameters = inspect.signature(estimator).parameters.values()
-    if any(p.name == "turn_ids" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    if accepts_keyword(estimator, "turn_ids"):
         kwargs["turn_ids"] = turn_ids
     return estimator(**kwargs)
 

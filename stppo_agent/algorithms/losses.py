@@ -19,13 +19,12 @@ correction's w', docs/algorithms.md); a token of weight 0 is dropped as if it ha
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
 
 from .metrics import LossMetrics, effective_sample_size
-from .registry import Registry
+from .registry import Registry, accepts_keyword
 from .segments import (
     broadcast_segments,
     masked_mean,
@@ -94,8 +93,7 @@ def call_policy_loss(loss_fn: PolicyLoss, *, token_weights: torch.Tensor | None 
     rule linear in the advantage, as the clipped surrogate is."""
     if token_weights is None:
         return loss_fn(**kwargs)
-    parameters = inspect.signature(loss_fn).parameters.values()
-    if any(p.name == "token_weights" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    if accepts_keyword(loss_fn, "token_weights"):
         return loss_fn(token_weights=token_weights, **kwargs)
     mask = policy_token_mask(kwargs["loss_mask"], token_weights)
     advantages = kwargs["advantages"] * token_weight_tensor(token_weights, mask, kwargs["advantages"])

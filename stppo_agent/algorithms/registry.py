@@ -1,7 +1,9 @@
-"""Name -> object registries that refuse to overwrite and say what they know."""
+"""Name -> object registries that refuse to overwrite and say what they know, and the keyword check that lets a
+registered or user-supplied function be called whether or not it takes an optional keyword."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Generic, Iterator, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -43,3 +45,11 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind}: {', '.join(sorted(self._items))})"
+
+
+def accepts_keyword(function: Callable, name: str) -> bool:
+    """Whether ``function`` takes keyword ``name``: a parameter of that name, or ``**kwargs`` -- so that a rule
+    written without an optional keyword still runs, and a wrapper (timing, logging) that passes ``**kwargs`` on does
+    not silently lose what the function it wraps needs."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

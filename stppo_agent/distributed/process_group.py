@@ -45,12 +45,12 @@ def process_group_for_command():
     yield
     if dist.is_initialized():
         # The command's objects go first, while the interpreter is whole: a trainer sits in reference cycles, and its
-        # DDP model's reducer holds the group, so without a collection here the group outlived
-        # destroy_process_group and gloo's worker threads were torn down in interpreter finalization -- the abort of
-        # a finished run that a barrier alone did not stop (session 15's CI, after 99 clean runs in session 12).
+        # DDP model's reducer holds the group, so without a collection here the group would outlive
+        # destroy_process_group and gloo's worker threads be torn down in interpreter finalization -- a rare abort
+        # of a finished run, which a barrier alone does not prevent.
         gc.collect()
-        # Every rank is done talking before any tears gloo down (the rank that left first while the other was
-        # still writing its summary aborted once, session 12).
+        # Every rank is done talking before any tears gloo down: a rank that leaves first, while another is still
+        # writing its summary, can abort in its teardown.
         dist.barrier()
         dist.destroy_process_group()
 

@@ -6,6 +6,10 @@ learning signal). It is useless anywhere else: every word outside its vocabulary
 
 The folder is cached under ``$STPPO_CACHE_DIR/models`` and is the same on every machine (seeded, and rebuilt
 only when :data:`TINY_VERSION` changes): two runs with ``--model tiny`` start from identical weights.
+
+The same builders at other sizes, paths and tokenizers are what tests/ and benchmarks/ train and time on CPU, with
+:func:`tiny_generation_model` (the generation backends' in-memory model) and :func:`toy_train_command` (a short
+``stppo train`` on ``stppo/Toy-v0``): one home for them, importable by both.
 """
 
 from __future__ import annotations
@@ -88,3 +92,37 @@ def tiny_model_path() -> Path:
             if not (target / "BUILT").exists():  # another process's finished copy won the race: use it
                 raise
     return target
+
+
+def tiny_generation_model():
+    """(a random 2-layer Llama in memory, :func:`word_tokenizer`: <pad>=0 <eos>=1 <unk>=2 say ok red green blue gold),
+    built under seed 11 without moving the global torch generator: what the generation backends' tests sample from."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = word_tokenizer()
+    state = torch.random.get_rng_state()
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model = LlamaForCausalLM(config)
+    torch.random.set_rng_state(state)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
+    return model, tokenizer
+
+
+def toy_train_command(model: Path, out: Path, iterations: int, resume: bool = False,
+                      extra: tuple[str, ...] = ()) -> list[str]:
+    """``stppo train`` (as a subprocess command) of ST-PPO on ``stppo/Toy-v0``, checkpointing every iteration: what
+    kill -9 tests and the robustness benchmark interrupt and resume. ``extra``: more ``--set`` items."""
+    import sys
+
+    command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
+               "--model", str(model), "--output-dir", str(out), "--iterations", str(iterations)]
+    for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
+                 "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
+                 "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
+                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0", *extra):
+        command += ["--set", item]
+    return command + (["--resume"] if resume else [])

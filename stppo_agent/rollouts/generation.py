@@ -4,8 +4,7 @@ text really ends. Nothing here depends on a particular inference engine."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Hashable, Protocol, Sequence
 
 STOP_STRINGS = ("</search>", "</answer>")
 
@@ -52,9 +51,3 @@ def generated_length(ids: Sequence[int], tokenizer, stop_strings: Sequence[str],
             low = middle + 1
     return low
 
-
-def accepts_keyword(function: Callable, name: str) -> bool:
-    """Whether ``function`` takes keyword ``name``: a parameter of that name, or ``**kwargs`` -- so that a wrapper
-    around a backend's generate (timing, logging) does not silently lose what the backend needs."""
-    parameters = inspect.signature(function).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

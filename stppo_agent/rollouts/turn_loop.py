@@ -13,8 +13,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import gymnasium as gym
 
+from stppo_agent.algorithms.registry import accepts_keyword
 from stppo_agent.rollouts.batch import RolloutBatch, Trajectory, to_batch
-from stppo_agent.rollouts.generation import GenerationBackend, accepts_keyword
+from stppo_agent.rollouts.generation import GenerationBackend
 from stppo_envs import step_envs
 
 EPISODE_INFO_KEYS = ("example_id", "benchmark", "question")  # what a batch keeps of each env's reset info
