@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
-
-from .tiny_models import tiny_llama, word_tokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minimal_ppo.py"
 LR = 1e-3
@@ -36,7 +35,7 @@ def example():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def toy_trainer(model: Path, out: Path, algo: str, max_grad_norm: float = 1.0, **algorithm) -> Trainer:
