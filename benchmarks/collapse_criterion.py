@@ -20,10 +20,10 @@ INVALID_FLOOR = 0.5  # the invalid-action line: above both this and twice the fi
 CRITERION = (
     f"on the run's read-outs (the learner probe's rewards when the run has probes, else its version-aligned rollout "
     f"rewards), a run collapsed if the {WINDOW}-point moving average of its reward stayed below {DRAWDOWN:g} x its "
-    f"running best (the best of its full {WINDOW}-point averages, at least {MIN_BEST:g}) for {PERSIST} or more consecutive read-outs, or was below it "
-    f"at the final read-out; where the env counts invalid actions, likewise when the {WINDOW}-point moving average "
-    f"of the invalid-action rate stayed above both {INVALID_FLOOR:g} and twice the first read-out's (reward-only "
-    f"where the env does not count them: stppo/Toy-v0); an update skipped for NaN/inf is a collapse. A run that "
+    f"running best (the best of its full {WINDOW}-point averages, at least {MIN_BEST:g}) for {PERSIST} or more "
+    f"consecutive read-outs, or was below it at the final read-out; where the env counts invalid actions, "
+    f"likewise when the {WINDOW}-point moving average of the invalid-action rate stayed above both "
+    f"{INVALID_FLOOR:g} and twice the first read-out's (reward-only where the env does not count them: stppo/Toy-v0); an update skipped for NaN/inf is a collapse. A run that "
     f"went below the line and came back (fewer than {PERSIST} consecutive read-outs, not at the end) dipped: "
     f"counted apart, not as a collapse")
 

@@ -44,8 +44,8 @@ def main() -> None:
         for level, result in interactions(runs, rule, reference, args.control).items():
             low, high = result["ci95"] or (float("nan"), float("nan"))
             print(f"{level}: {rule} lost {result['mean_difference']:+.3f} (95% t interval {low:+.3f} to {high:+.3f}) "
-                  f"less than {reference} to it ({result['wins']} seeds up, {result['losses']} down of {result['pairs']}; "
-                  f"Wilcoxon p={result['p']:.3g})")
+                  f"less than {reference} to it ({result['wins']} seeds up, {result['losses']} down of "
+                  f"{result['pairs']}; Wilcoxon p={result['p']:.3g})")
 
 
 if __name__ == "__main__":

@@ -124,9 +124,10 @@ def render(summary: dict) -> str:
            + (f"; every run changed by `--set {' --set '.join(summary['sets'])}`" if summary.get("sets") else "")
            + ".", "",
            f"Command: `{summary['command']}`", "",
-           f"Warm start: `{summary['warm_start']}`; {summary['warm_start_note']}. {summary['versions']} policy versions "
-           f"per run unless a level says otherwise, read out by the learner probe every probe_every versions where "
-           f"the tier probes (the levels' options say how often); seeds {summary['seeds']}.", "",
+           f"Warm start: `{summary['warm_start']}`; {summary['warm_start_note']}. {summary['versions']} "
+           f"policy versions per run unless a level says otherwise, read out by the learner probe every "
+           f"probe_every versions where the tier probes (the levels' options say how often); seeds "
+           f"{summary['seeds']}.", "",
            *([f"Held-out score of the warm start: {summary['held_out_before']}.", ""] if summary["held_out_before"]
              else []),
            f"Collapse criterion (benchmarks/collapse_criterion.py, `CRITERION`): {summary['collapse_criterion']}.", "",
@@ -139,8 +140,8 @@ def render(summary: dict) -> str:
                   for name, p in summary["plans"].items()]), "",
            f"Options of every run: `{' '.join(summary['common_sets'])}`.", "", "### Collapses", "",
            "Collapsed: persistent collapses (the criterion above); dipped: runs that fell below the line and came "
-           "back, counted apart. Line at end: the reward a run would have had to fall below at its last read-out (0.5 x "
-           "its running best); where it is at or under the tier's chance reward, a fall back to a random policy "
+           "back, counted apart. Line at end: the reward a run would have had to fall below at its last read-out "
+           "(0.5 x its running best); where it is at or under the tier's chance reward, a fall back to a random policy "
            "would not count. Detectable: the smallest rise of the collapse rate over the control's observed rate "
            "that this cell's seeds detect with 80% power (Fisher, alpha 0.05, exact). Versions are optimizer steps.",
            "",

@@ -32,17 +32,19 @@ TOY = Tier("toy", "stppo/Toy-v0", 3e-3, 3e-3, 16, 160,
             "max_new_tokens_per_turn=3", "max_prompt_tokens=8", "max_total_tokens=32", "probe_every=4",
             "probe_prompts=16", *SHARED],
            "stppo/Toy-v0 (2 turns, 3 new tokens per turn, the env reads the first word; the target is drawn per "
-           "prompt from its 4 colours, one per GRPO group; a random policy earns 0.25), tiny random Llama (hidden 32, 2 layers, "
-           "9-token vocabulary), warm start: ppo at lag0 for 20 iterations from the random model, 8 prompts x 4 "
-           "samples = 32 trajectories per iteration, probe of 16 prompts every 4 iterations, float32", False)
+           "prompt from its 4 colours, one per GRPO group; a random policy earns 0.25), tiny random Llama "
+           "(hidden 32, 2 layers, 9-token vocabulary), warm start: ppo at lag0 for 20 iterations from the random "
+           "model, 8 prompts x 4 samples = 32 trajectories per iteration, probe of 16 prompts every 4 iterations, "
+           "float32", False)
 COPY = Tier("copy", "stppo/Copy-v0", 3e-4, 3e-3, 16, 160,
             ["prompts_per_iteration=8", "samples_per_prompt=4", "max_turns=2", "max_new_tokens_per_turn=16",
              "max_observation_tokens=17", "max_prompt_tokens=17", "max_total_tokens=80", "probe_every=4",
              "probe_prompts=16", *SHARED],
             "stppo/Copy-v0 (repeat 16 of 64 symbols per turn, 2 turns, partial credit per position: a random policy "
-            "earns about 1/64; invalid actions counted), tiny Llama (hidden 64, 2 layers, 67-token word vocabulary) taught to copy to a sampled "
-            "accuracy of 0.4, then ppo at lag0 for 10 iterations, 8 prompts x 4 samples = 32 trajectories per "
-            "iteration, probe of 16 prompts every 4 iterations, float32", True, warm_start_iterations=10)
+            "earns about 1/64; invalid actions counted), tiny Llama (hidden 64, 2 layers, 67-token word "
+            "vocabulary) taught to copy to a sampled accuracy of 0.4, then ppo at lag0 for 10 iterations, 8 "
+            "prompts x 4 samples = 32 trajectories per iteration, probe of 16 prompts every 4 iterations, float32",
+            True, warm_start_iterations=10)
 DEMO = Tier("demo", stability.STUDY_ENV, 1e-5, 1e-5, 4, 4, [*SHARED],
             "demo set (NQ-, HotpotQA-, MedQA-like; BM25), SmolLM2-135M-Instruct after stability.py's warm start "
             "(or --model), benchmarks/stability.py's regime: 8 prompts x 4 samples = 32 trajectories of up to 3 "
