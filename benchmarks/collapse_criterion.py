@@ -23,9 +23,9 @@ CRITERION = (
     f"running best (the best of its full {WINDOW}-point averages, at least {MIN_BEST:g}) for {PERSIST} or more "
     f"consecutive read-outs, or was below it at the final read-out; where the env counts invalid actions, "
     f"likewise when the {WINDOW}-point moving average of the invalid-action rate stayed above both "
-    f"{INVALID_FLOOR:g} and twice the first read-out's (reward-only where the env does not count them: stppo/Toy-v0); an update skipped for NaN/inf is a collapse. A run that "
-    f"went below the line and came back (fewer than {PERSIST} consecutive read-outs, not at the end) dipped: "
-    f"counted apart, not as a collapse")
+    f"{INVALID_FLOOR:g} and twice the first read-out's (reward-only where the env does not count them: "
+    f"stppo/Toy-v0); an update skipped for NaN/inf is a collapse. A run that went below the line and came back "
+    f"(fewer than {PERSIST} consecutive read-outs, not at the end) dipped: counted apart, not as a collapse")
 
 
 @dataclasses.dataclass(frozen=True)
