@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import collapse_criterion as criterion  # noqa: E402
 import stress_stats as stats  # noqa: E402
-from stress_interaction import interactions  # noqa: E402
+from stress_interaction import arm_comparison, interactions  # noqa: E402
 
 
 @pytest.mark.parametrize("only_first,only_second,p", [(6, 0, 2 / 2**6), (0, 6, 2 / 2**6), (5, 1, 14 / 64),
@@ -183,3 +183,18 @@ def test_docs_quote_the_criterion_as_the_code_states_it():
     text = (Path(__file__).resolve().parents[1] / "docs" / "stability.md").read_text()
     quoted = text.split("<!-- criterion -->\n", 1)[1].split("<!-- /criterion -->", 1)[0]
     assert quoted == criterion.CRITERION[0].upper() + criterion.CRITERION[1:]
+
+
+def test_an_arm_comparison_pairs_cells_of_different_levels_and_measures_each_cost_from_its_own_rule():
+    def cell(reward):
+        return {s: {"reward_curve": [0.0] * 3 + [reward + 0.01 * s] * 5} for s in range(8)}
+
+    grid = {"lag0": {"ppo": cell(0.9), "turn_ppo": cell(0.7)},
+            "lag64": {"ppo": cell(0.2), "turn_ppo": cell(0.5)},
+            "wide64": {"ppo": cell(0.6)}}
+    result = arm_comparison(grid, ("wide64", "ppo"), ("lag64", "turn_ppo"), "lag0")
+    # ended 0.6 vs 0.5; cost -0.3 (from ppo's 0.9) vs -0.2 (from turn_ppo's 0.7): ahead, yet lost more
+    assert result["ended"]["mean_difference"] == pytest.approx(0.1) and result["ended"]["wins"] == 8
+    assert result["cost"]["mean_difference"] == pytest.approx(-0.1) and result["cost"]["losses"] == 8
+    with pytest.raises(SystemExit, match="nothing to pair"):
+        arm_comparison(grid, ("wide64", "turn_ppo"), ("lag64", "ppo"), "lag0")
