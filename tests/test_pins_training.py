@@ -2036,8 +2036,12 @@ def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path)
     seen = scripted_guard(trainer, {2: Decision("warn", "looks odd."),
                                     3: Decision("rollback", "collapsed.", rollback_to=2),
                                     5: Decision("stop", "collapsed again.")})
+    synced = []
+    sync = trainer.backend.sync_weights
+    trainer.backend.sync_weights = lambda actor: synced.append(actor) or sync(actor)  # what an engine (vLLM) needs
     with pytest.raises(CollapseStopped) as info:
         trainer.train()
+    assert synced == [trainer.state.actor] * 6  # after each of the 5 updates, and after the rollback
     folder = tmp_path / "checkpoints"
     assert str(info.value) == f"collapsed again. The state at the alarm is saved in {folder / 'step-5'}."
     assert seen == [(1, True, 1.0), (2, True, 1.0), (3, True, 1.0), (4, True, 0.5), (5, True, 0.5)]
