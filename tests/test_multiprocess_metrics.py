@@ -56,12 +56,12 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
         logged[micro] = {k: v for k, v in trainer.update(batch).items() if k not in TIMING}
     # the loss applied to the whole batch in one call: the values a logged metric must have
     with torch.no_grad():
-        logprobs, entropy = token_logprobs(trainer.actor, batch, with_entropy=True)
+        logprobs, entropy = token_logprobs(trainer.state.actor, batch, with_entropy=True)
         _, _, whole = get_policy_loss("ppo_clip")(
             logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
             loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, config=trainer.algo, ref_logprobs=batch.ref_logprobs,
             entropy=entropy)
-        _, critic = value_loss(values=critic_values(trainer.critic, batch), old_values=batch.values,
+        _, critic = value_loss(values=critic_values(trainer.state.critic, batch), old_values=batch.values,
                                returns=batch.returns, loss_mask=batch.loss_mask, config=trainer.algo)
     whole.update(critic)
     assert 0 < whole["turn_clip_frac"] < 1 and 0 < whole["clip_frac"] < 1  # the fractions mean something
@@ -166,7 +166,7 @@ def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: st
                           rollout_source=lambda t: FixedShares(t, batch_path))
         trainer.train()
         if rank == 0:
-            torch.save({n: p.detach().clone() for n, p in trainer.actor.named_parameters()}, f"{out}/weights.pt")
+            torch.save({n: p.detach().clone() for n, p in trainer.state.actor.named_parameters()}, f"{out}/weights.pt")
 
 
 def test_two_processes_log_and_train_what_one_process_does(tmp_path):
@@ -200,6 +200,6 @@ def test_two_processes_log_and_train_what_one_process_does(tmp_path):
         for key, value in first.items():
             assert second[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (first["step"], key)
     weights = torch.load(tmp_path / "two" / "weights.pt")
-    for name, param in single.actor.named_parameters():
+    for name, param in single.state.actor.named_parameters():
         torch.testing.assert_close(weights[name], param.detach(), rtol=1e-4, atol=1e-6)
     print(json.dumps({k: (one[k], two[k]) for k in ("reward", "entropy", "turn_clip_frac", "grad_norm")}))
