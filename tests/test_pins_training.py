@@ -2036,13 +2036,25 @@ def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path)
     seen = scripted_guard(trainer, {2: Decision("warn", "looks odd."),
                                     3: Decision("rollback", "collapsed.", rollback_to=2),
                                     5: Decision("stop", "collapsed again.")})
-    synced = []
+    synced = []  # what an engine with its own copy of the weights (vLLM) was handed, as it was then
     sync = trainer.backend.sync_weights
-    trainer.backend.sync_weights = lambda actor: synced.append(actor) or sync(actor)  # what an engine (vLLM) needs
+
+    def sync_weights(actor):
+        synced.append((actor, {name: p.detach().clone() for name, p in actor.named_parameters()}))
+        sync(actor)
+
+    trainer.backend.sync_weights = sync_weights
     with pytest.raises(CollapseStopped) as info:
         trainer.train()
-    assert synced == [trainer.state.actor] * 6  # after each of the 5 updates, and after the rollback
+    assert [actor for actor, _ in synced] == [trainer.state.actor] * 6  # after each of the 5 updates, the rollback
     folder = tmp_path / "checkpoints"
+    # the 4th hand-over is the rollback's (iteration 3, after its update's): step-2's weights, not the collapsed ones
+    restored = load_file(folder / "step-2" / "actor" / "model.safetensors")
+    handed = [weights for _, weights in synced]
+    assert restored.keys() <= handed[3].keys() and all(torch.equal(handed[3][k], restored[k]) for k in restored)
+    assert not all(torch.equal(handed[2][k], restored[k]) for k in restored)  # the update had moved them
+    final = dict(trainer.state.actor.named_parameters())
+    assert all(torch.equal(handed[-1][k], final[k]) for k in final)  # the engine ends in step with the actor
     assert str(info.value) == f"collapsed again. The state at the alarm is saved in {folder / 'step-5'}."
     assert seen == [(1, True, 1.0), (2, True, 1.0), (3, True, 1.0), (4, True, 0.5), (5, True, 0.5)]
     assert [m for m in reports if not m.startswith("iteration ")] == ["looks odd.", "collapsed.", "collapsed again."]
