@@ -611,6 +611,11 @@ def fake_phases(monkeypatch, tmp_path, metrics_reward=0.5):
 
 
 def test_demo_run_warm_starts_evaluates_trains_and_evaluates_again(monkeypatch, tmp_path):
+    from stppo_agent.models import precision
+
+    # a CPU without AMX, whatever this machine is: autocast_dtype=auto then means float32 forwards
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: False)
     calls = fake_phases(monkeypatch, tmp_path)
     progress = Recorder()
     out = tmp_path / "d"
