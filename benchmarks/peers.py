@@ -109,11 +109,11 @@ class StppoSide:
         self.s = s
 
     def settings(self) -> dict:
-        trainer, sampling, actor = self.trainer, self.trainer.config.sampling(), self.trainer.actor
-        return {**optimizer_settings(trainer.actor_optimizer), "max_grad_norm": trainer.config.max_grad_norm,
+        trainer, sampling, actor = self.trainer, self.trainer.config.sampling(), self.trainer.state.actor
+        return {**optimizer_settings(trainer.state.actor_optimizer), "max_grad_norm": trainer.config.max_grad_norm,
                 "dtype": str(next(actor.parameters()).dtype), "attention": actor.config._attn_implementation,
                 "gradient_checkpointing": actor.is_gradient_checkpointing, "bf16": False,
-                "reference_model": trainer.reference is not None, "threads": threads(),
+                "reference_model": trainer.state.reference is not None, "threads": threads(),
                 "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
                 "stop_strings": list(trainer.backend.stop_strings),
                 "max_new_tokens": trainer.config.max_new_tokens_per_turn,
@@ -131,7 +131,7 @@ class StppoSide:
         scored = time.perf_counter()
         trainer.update(batch)
         done = time.perf_counter()
-        trainer.iteration += 1
+        trainer.state.iteration += 1
         pool, width = trainer.source.env_pool, batch.prompt_width
         return {"seconds": done - started, "generate": self.generate_seconds[0],
                 "score": rolled - started - self.generate_seconds[0] + scored - rolled, "update": done - scored,

@@ -243,7 +243,7 @@ def attack_checkpoints(trials: int) -> tuple[bool, list[str]]:
         try:
             trainer = Trainer(TrainConfig(output_dir=str(run), **dict(config, iterations=4)), resume=True,
                               report=messages.append)
-            loaded = trainer.iteration
+            loaded = trainer.state.iteration
             if loaded == step:  # the corrupted checkpoint itself was loaded
                 silent += 1
             else:

@@ -115,11 +115,11 @@ def main() -> None:
     batch = trainer.rollout()  # warm-up (lazy inits, the retriever's first queries); sets the token count
     generated = int(batch.loss_mask.sum())
     per_trajectory = max(1, generated // batch.batch_size)
-    prompts = [encode_prompt(trainer.tokenizer, env.transcript[0].text)
+    prompts = [encode_prompt(trainer.state.tokenizer, env.transcript[0].text)
                for env in list(trainer.source.env_pool.values())[: batch.batch_size]]
     from stppo_agent.rollouts.batch import left_pad
 
-    input_ids, attention = left_pad(prompts, trainer.tokenizer.pad_token_id, trainer.device)
+    input_ids, attention = left_pad(prompts, trainer.state.tokenizer.pad_token_id, trainer.device)
 
     def plain_generate(in_place: bool = False) -> float:
         return generate_rate(trainer, input_ids, attention, per_trajectory, in_place)
@@ -170,13 +170,13 @@ def main() -> None:
         started = time.perf_counter()
         trainer.update(batch)
         ours.append(time.perf_counter() - started)
-        raw.append(raw_update(trainer.actor, batch, micro, trainer.config.max_grad_norm))
+        raw.append(raw_update(trainer.state.actor, batch, micro, trainer.config.max_grad_norm))
         started = time.perf_counter()
         st_trainer.update(batch)
         st.append(time.perf_counter() - started)
 
     print(f"device {trainer.device}; model: random Llama hidden={args.hidden} layers={args.layers} "
-          f"vocab={trainer.actor.config.vocab_size}; "
+          f"vocab={trainer.state.actor.config.vocab_size}; "
           f"{batch.batch_size} trajectories, {generated} policy tokens, {int(batch.attention_mask.sum())} tokens; "
           f"{args.repeats} repeats, ratios as median (min-max) of the repeats' paired ratios")
     raw_tps = generated / statistics.median(raw)
@@ -204,13 +204,13 @@ def generate_rate(trainer: Trainer, input_ids: torch.Tensor, attention_mask: tor
                   in_place: bool) -> float:
     """Tokens/s of one plain sampled ``generate`` of exactly ``new_tokens`` per row, with the rollout's in-place
     cache or transformers' default one."""
-    cache = {CACHE_ARGUMENT: new_cache(trainer.actor.config)} if in_place else {}
+    cache = {CACHE_ARGUMENT: new_cache(trainer.state.actor.config)} if in_place else {}
     started = time.perf_counter()
     with torch.no_grad():
-        trainer.actor.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0,
+        trainer.state.actor.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, top_k=0,
                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                               pad_token_id=trainer.tokenizer.pad_token_id, **cache)
-    _synchronize(trainer.actor)
+                               pad_token_id=trainer.state.tokenizer.pad_token_id, **cache)
+    _synchronize(trainer.state.actor)
     return new_tokens * input_ids.shape[0] / (time.perf_counter() - started)
 
 
@@ -219,7 +219,7 @@ def long_context_cache_speedup(trainer: Trainer, context: int, repeats: int, row
     """Sampling speed of ``generate`` after a long context with the rollout's in-place cache against transformers'
     default DynamicCache, which copies the whole cache at every token (its cost grows with the context)."""
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(100, trainer.actor.config.vocab_size, (rows, context), generator=generator)
+    input_ids = torch.randint(100, trainer.state.actor.config.vocab_size, (rows, context), generator=generator)
     input_ids = input_ids.to(trainer.device)
     rates = {True: [], False: []}
     for _ in range(repeats):

@@ -35,9 +35,9 @@ def small(model, out, algo="ppo", **overrides):
 
 def test_the_critic_takes_optimizer_steps(tiny_model, tmp_path):
     trainer = Trainer(small(tiny_model, tmp_path))
-    before = {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.state.critic.named_parameters()}
     trainer.train()
-    changed = [n for n, p in trainer.critic.named_parameters() if not torch.equal(p, before[n])]
+    changed = [n for n, p in trainer.state.critic.named_parameters() if not torch.equal(p, before[n])]
     assert "score.weight" in changed and len(changed) > len(before) // 2
 
 
@@ -50,10 +50,10 @@ def test_the_reference_stays_the_initial_policy_after_resume(tiny_model, tmp_pat
     config.iterations = 3
     resumed = Trainer(config, resume=True)
     trained = load_file(str(tmp_path / "checkpoints" / "step-2" / "actor" / "model.safetensors"))
-    reference = resumed.reference.state_dict()
+    reference = resumed.state.reference.state_dict()
     assert all(torch.equal(reference[k], initial[k]) for k in initial)  # not the resumed actor
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)
-    actor = resumed.actor.state_dict()
+    actor = resumed.state.actor.state_dict()
     assert all(torch.equal(actor[k], trained[k]) for k in trained)
 
 

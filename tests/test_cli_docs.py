@@ -127,14 +127,14 @@ def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path
     trainer.score(batch)
     assert len(set(batch.lengths().tolist())) > 1  # rows differ in length, so trimming has something to trim
     seen = {"head": [], "body": []}
-    head = trainer.actor.lm_head.register_forward_hook(lambda _m, i, _o: seen["head"].append(i[0].shape[:2]))
-    body = trainer.actor.model.register_forward_pre_hook(
+    head = trainer.state.actor.lm_head.register_forward_hook(lambda _m, i, _o: seen["head"].append(i[0].shape[:2]))
+    body = trainer.state.actor.model.register_forward_pre_hook(
         lambda _m, args, kwargs: seen["body"].append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         trainer.update(batch)
         trainers = dict(seen)
         seen.update(head=[], body=[])
-        _benchmark("trainer").raw_update(trainer.actor, batch, trainer.config.micro_batch_size)
+        _benchmark("trainer").raw_update(trainer.state.actor, batch, trainer.config.micro_batch_size)
     finally:
         head.remove()
         body.remove()

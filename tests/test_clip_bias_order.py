@@ -11,15 +11,14 @@ import torch
 from stppo_agent.algorithms import get_policy_loss
 from stppo_agent.algorithms.clip_bias import changed_update
 from stppo_agent.training.log_probs import token_logprobs
-from stppo_agent.training.ppo_update import PPOUpdate
 
-from .test_pins_training import fake_trainer, make_batch
+from .test_pins_training import make_batch, update_stage
 
 ROWS = [0, 1, 2, 3]  # make_batch's behaviour log-probs are far from the tiny model's: much is clipped
 
 
 def _trainer(order: str, max_grad_norm: float, kappa: float = 1.0):
-    return fake_trainer("s_ppo", max_grad_norm=max_grad_norm,
+    return update_stage("s_ppo", max_grad_norm=max_grad_norm,
                         algorithm={"clip_bias_kappa": kappa, "clip_bias_order": order, "kl_in_reward": 0.0})
 
 
@@ -29,8 +28,8 @@ def _flat(tensors) -> torch.Tensor:
 
 def _by_hand(t, mini) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, C) over the whole mini-batch in one forward: the policy loss's gradient and the clipping bias."""
-    params = [p for p in t.actor.parameters() if p.requires_grad]
-    logprobs, _ = token_logprobs(t.actor, mini, sampling=t.config.sampling())
+    params = [p for p in t.state.actor.parameters() if p.requires_grad]
+    logprobs, _ = token_logprobs(t.state.actor, mini, sampling=t.config.sampling())
     loss, bias, _ = get_policy_loss(t.algo.policy_loss)(
         logprobs=logprobs, old_logprobs=mini.old_logprobs, advantages=mini.advantages, loss_mask=mini.loss_mask,
         turn_ids=mini.turn_ids, config=t.algo, global_num_tokens=mini.loss_mask.sum().float(),
@@ -44,8 +43,8 @@ def _applied(order: str, max_grad_norm: float, kappa: float) -> tuple[torch.Tens
     t = _trainer(order, max_grad_norm, kappa)
     mini = make_batch().select(ROWS)
     g, c = _by_hand(t, mini)
-    out = PPOUpdate(t).actor_gradients(mini)
-    return _flat([p.grad for p in t.actor.parameters() if p.requires_grad]), out, g, c
+    out = t.actor_gradients(mini)
+    return _flat([p.grad for p in t.state.actor.parameters() if p.requires_grad]), out, g, c
 
 
 def _scale_and_norm() -> tuple[float, float, float]:
@@ -126,9 +125,9 @@ def test_the_order_is_checked_and_the_default_is_the_contracts():
 
 
 def test_without_the_correction_nothing_is_scaled_or_reported():
-    t = fake_trainer("ppo", max_grad_norm=1e-3, step_diagnostics=True,
+    t = update_stage("ppo", max_grad_norm=1e-3, step_diagnostics=True,
                      algorithm={"clip_bias_order": "after_grad_clip", "kl_in_reward": 0.0})
-    out = PPOUpdate(t).actor_gradients(make_batch().select(ROWS))
+    out = t.actor_gradients(make_batch().select(ROWS))
     assert "clip_bias_scale" not in out and "clip_bias_changed" not in out and out["clip_bias_norm"] > 0
-    applied = _flat([p.grad for p in t.actor.parameters() if p.requires_grad])
+    applied = _flat([p.grad for p in t.state.actor.parameters() if p.requires_grad])
     assert float(applied.norm()) == pytest.approx(1e-3, rel=1e-4)

@@ -204,20 +204,18 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stppo_agent.monitoring.rollback import restore_training_state
-
-    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}))
+    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}, rollback_lr_factor=0.25))
     trainer.train()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2" / "actor")
     with torch.no_grad():
-        for p in trainer.actor.parameters():
+        for p in trainer.state.actor.parameters():
             p.add_(1.0)  # what a collapse does to weights, roughly
-    base_lr = trainer.actor_scheduler.base_lrs[0]
-    scale = restore_training_state(trainer, tmp_path / "checkpoints" / "step-2", 0.25)
-    for (name, mine), theirs in zip(trainer.actor.state_dict().items(), saved.state_dict().values()):
+    base_lr = trainer.state.actor_scheduler.base_lrs[0]
+    scale = trainer.roll_back(2)["collapse/lr_scale"]
+    for (name, mine), theirs in zip(trainer.state.actor.state_dict().items(), saved.state_dict().values()):
         assert torch.equal(mine, theirs), name
-    assert scale == pytest.approx(0.25) and trainer.actor_scheduler.base_lrs[0] == pytest.approx(base_lr * 0.25)
-    assert trainer.actor_optimizer.param_groups[0]["lr"] == pytest.approx(base_lr * 0.25)
+    assert scale == pytest.approx(0.25) and trainer.state.actor_scheduler.base_lrs[0] == pytest.approx(base_lr * 0.25)
+    assert trainer.state.actor_optimizer.param_groups[0]["lr"] == pytest.approx(base_lr * 0.25)
 
 
 def cli_train(model: Path, out: Path, action: str, iterations: int = 16) -> list[str]:

@@ -108,7 +108,8 @@ def test_kl_columns_are_the_behaviour_policys_and_the_learners_is_logged_apart(t
     trainer = Trainer(config, report=lambda _: None)
 
     def policies(batch):  # before scoring: the lagged behaviour weights, the actor the update starts from
-        return logprobs_of(trainer, trainer.stale_policy.model, batch), logprobs_of(trainer, trainer.actor, batch)
+        state = trainer.state
+        return logprobs_of(trainer, state.stale_policy.model, batch), logprobs_of(trainer, state.actor, batch)
 
     seen = scored_batches(trainer, before=policies)
     trainer.train()

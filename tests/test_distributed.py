@@ -42,16 +42,16 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
         from stppo_agent.distributed.process_group import distributed_whiten
 
         whitened = distributed_whiten(local.values, local.loss_mask)
-        sharded = [isinstance(p, DTensor) for p in trainer.actor.parameters()]
+        sharded = [isinstance(p, DTensor) for p in trainer.state.actor.parameters()]
         assert all(sharded) if strategy.startswith("fsdp2") else not any(sharded)
         if strategy.startswith("fsdp2"):  # each rank holds about half of every parameter and gradient (dim-0 shards)
-            params = list(trainer.actor.parameters())
+            params = list(trainer.state.actor.parameters())
             held = sum(p.to_local().numel() + p.grad.to_local().numel() for p in params)
             whole = sum(2 * p.numel() for p in params)
             assert held <= whole / 2 + 2 * sum(p.numel() // p.shape[0] for p in params)
         # gathering FSDP2 shards is a collective: every rank takes part
         grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-                 for name, p in trainer.actor.named_parameters()}
+                 for name, p in trainer.state.actor.named_parameters()}
         if rank == 0:
             torch.save({"grads": grads, "metrics": metrics, "whitened": whitened}, result_path)
         else:
@@ -86,7 +86,7 @@ def test_two_process_gradient_equals_single_process(tmp_path, algo, strategy, ti
     start_ranks(_rank_main, args=(free_port(), str(model), str(tmp_path / "ddp"), algo,
                                       str(tmp_path / "batch.pt"), str(result), strategy), nprocs=2)
     got = torch.load(result, weights_only=False)
-    for name, param in single.actor.named_parameters():
+    for name, param in single.state.actor.named_parameters():
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
     for key in ("clip_bias_norm", "clip_bias_scale", "pg_grad_norm", "clip_frac", "grad_norm"):
         assert got["metrics"][key] == pytest.approx(expected[key], rel=1e-5), key
@@ -286,7 +286,7 @@ def _scoring_main(rank: int, port: int, model: str, out: str, result_path: str) 
     batch = trainer.rollout()
     trainer.score(batch)  # gathered forwards
     with torch.no_grad():
-        sharded, _ = token_logprobs(trainer.actor, batch)  # one sharded forward (collective)
+        sharded, _ = token_logprobs(trainer.state.actor, batch)  # one sharded forward (collective)
     same = torch.equal(torch.where(batch.loss_mask, batch.old_logprobs, 0.0),
                        torch.where(batch.loss_mask, sharded, 0.0))
     torch.save({"same": same, "tokens": int(batch.loss_mask.sum())}, f"{result_path}.{rank}")

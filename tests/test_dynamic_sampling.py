@@ -162,7 +162,8 @@ def test_every_resampling_round_passes_the_search_error_check(tiny_model, tmp_pa
 def step(trainer: Trainer, batch) -> tuple[dict, torch.Tensor]:
     """The update's metrics and actor gradient for one optimizer step over ``batch``."""
     metrics = trainer.actor_gradients(batch)
-    return metrics, torch.cat([p.grad.flatten() for p in trainer.actor.parameters() if p.grad is not None]).clone()
+    grads = [p.grad.flatten() for p in trainer.state.actor.parameters() if p.grad is not None]
+    return metrics, torch.cat(grads).clone()
 
 
 def test_filler_groups_do_not_shrink_the_other_groups_step(tiny_model, tmp_path):

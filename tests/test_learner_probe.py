@@ -72,7 +72,7 @@ def test_under_staleness_the_probe_plays_the_learner_not_the_lagged_generator(ti
     measure = trainer.probe.measure
 
     def spy(model, iteration, version):
-        generators[iteration] = {k: v.clone() for k, v in trainer.stale_policy.model.state_dict().items()}
+        generators[iteration] = {k: v.clone() for k, v in trainer.state.stale_policy.model.state_dict().items()}
         return measure(model, iteration, version)
 
     trainer.probe.measure = spy

@@ -30,7 +30,7 @@ def _off_policy_batch(trainer: Trainer):
 
 def _whole_batch_loss(trainer: Trainer, batch):
     with torch.no_grad():
-        logprobs, _ = token_logprobs(trainer.actor, batch, sampling=trainer.config.sampling())
+        logprobs, _ = token_logprobs(trainer.state.actor, batch, sampling=trainer.config.sampling())
         _, _, metrics = get_policy_loss("m2po")(
             logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
             loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, config=trainer.algo)
@@ -117,7 +117,7 @@ def _strategy_rank_main(rank: int, port: int, model: str, out: str, batch_path: 
         batch = torch.load(batch_path, weights_only=False)
         metrics = trainer.actor_gradients(batch.select(list(range(rank, batch.batch_size, 2))))
         grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-                 for name, p in trainer.actor.named_parameters()}  # a collective under FSDP2
+                 for name, p in trainer.state.actor.named_parameters()}  # a collective under FSDP2
         if rank == 0:
             torch.save({"grads": grads, "metrics": metrics}, f"{out}/rank0.pt")
 
@@ -136,7 +136,7 @@ def test_the_whole_batch_forward_runs_under_ddp_and_fsdp2(tmp_path, strategy):
     start_ranks(_strategy_rank_main, args=(free_port(), str(model), str(tmp_path / "two"),
                                                   str(tmp_path / "batch.pt"), strategy), nprocs=2)
     got = torch.load(tmp_path / "two" / "rank0.pt", weights_only=False)
-    for name, param in single.actor.named_parameters():
+    for name, param in single.state.actor.named_parameters():
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-5, atol=1e-7)
     for key in ("clip_frac", "m2po/second_moment", "grad_norm"):
         assert got["metrics"][key] == pytest.approx(expected[key], rel=1e-5), key

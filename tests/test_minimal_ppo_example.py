@@ -63,7 +63,8 @@ def test_scoring_gives_the_trainers_log_probs_values_and_advantages(example, tin
     batch = trainer.rollout()
     mine = as_example_batch(example, batch)
     trainer.score(batch)
-    example.score(mine, trainer.actor, trainer.critic, trainer.reference, trainer.algo)
+    state = trainer.state
+    example.score(mine, state.actor, state.critic, state.reference, trainer.algo)
     # not vacuous: the preset's KL penalty is in both advantages and not 0, nor are the values
     assert trainer.algo.kl_in_reward > 0 and not torch.equal(batch.old_logprobs, batch.ref_logprobs)
     assert bool((batch.values[batch.loss_mask] != 0).all())
@@ -93,13 +94,14 @@ def test_one_update_equals_the_trainers(example, tiny_model, tmp_path, case):
     batch.old_logprobs = torch.where(batch.loss_mask, batch.old_logprobs + noise[0], batch.old_logprobs)
     batch.values = torch.where(batch.loss_mask, batch.values + noise[1], batch.values)
     mine = as_example_batch(example, batch)
-    actor, critic = copy.deepcopy(trainer.actor), copy.deepcopy(trainer.critic)  # before the Trainer steps
+    state = trainer.state
+    actor, critic = copy.deepcopy(state.actor), copy.deepcopy(state.critic)  # before the Trainer steps
     config = trainer.config
     args = example.Args(algo=algo, epochs=1, mini_batch_size=16, max_grad_norm=max_grad_norm, seed=config.seed)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=config.weight_decay)
                   for model in (actor, critic)]
 
-    ours = example.update(mine, actor, critic, *optimizers, trainer.algo, args, trainer.iteration)
+    ours = example.update(mine, actor, critic, *optimizers, trainer.algo, args, state.iteration)
     theirs = trainer.update(batch)
 
     # not vacuous: a turn holds several policy tokens, tokens and turns are clipped, the clip bites
@@ -115,7 +117,7 @@ def test_one_update_equals_the_trainers(example, tiny_model, tmp_path, case):
         assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-7), name
     # The applied gradient is the sharp check: AdamW's first step is lr * g / (|g| + eps), blind to g's scale, so
     # the weights alone would not see a clip-bias scale (or a clipping) gone wrong.
-    for model, reference in ((actor, trainer.actor), (critic, trainer.critic)):
+    for model, reference in ((actor, state.actor), (critic, state.critic)):
         for (name, param), other in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, other.grad, msg=f"gradient of {name}")
             torch.testing.assert_close(param.detach(), other.detach(), msg=f"weight {name}")

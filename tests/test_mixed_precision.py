@@ -83,8 +83,8 @@ def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny
     trainer = Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=6, autocast_dtype="bfloat16",
                                  step_diagnostics=True))
     trainer.train()
-    assert all(p.dtype == torch.float32 for p in trainer.actor.parameters())
-    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.actor_optimizer.state.values())
+    assert all(p.dtype == torch.float32 for p in trainer.state.actor.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.state.actor_optimizer.state.values())
     records = read_metrics(tmp_path)
     assert records[-1]["reward"] > records[0]["reward"] + 0.2, [r["reward"] for r in records]
     # The first (on-policy) step's ratios are old log-probs over training log-probs of the same weights: under

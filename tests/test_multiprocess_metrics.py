@@ -20,6 +20,7 @@ from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_agent.rollouts.statistics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.live_rollouts import RolloutContext
 from stppo_agent.training.log_probs import critic_values, token_logprobs
 from stppo_agent.training.trainer import Trainer
 
@@ -56,12 +57,12 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
         logged[micro] = {k: v for k, v in trainer.update(batch).items() if k not in TIMING}
     # the loss applied to the whole batch in one call: the values a logged metric must have
     with torch.no_grad():
-        logprobs, entropy = token_logprobs(trainer.actor, batch, with_entropy=True)
+        logprobs, entropy = token_logprobs(trainer.state.actor, batch, with_entropy=True)
         _, _, whole = get_policy_loss("ppo_clip")(
             logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
             loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, config=trainer.algo, ref_logprobs=batch.ref_logprobs,
             entropy=entropy)
-        _, critic = value_loss(values=critic_values(trainer.critic, batch), old_values=batch.values,
+        _, critic = value_loss(values=critic_values(trainer.state.critic, batch), old_values=batch.values,
                                returns=batch.returns, loss_mask=batch.loss_mask, config=trainer.algo)
     whole.update(critic)
     assert 0 < whole["turn_clip_frac"] < 1 and 0 < whole["clip_frac"] < 1  # the fractions mean something
@@ -130,15 +131,19 @@ def test_the_observation_cut_rate_over_ranks_is_weighted_by_observations():
 
 
 class FixedShares:
-    """A rollout source serving this rank's share (prompts rank::world) of a batch saved to disk."""
+    """A rollout source (:class:`~stppo_agent.training.live_rollouts.RolloutSource`) serving this rank's share
+    (prompts rank::world) of a batch saved to disk."""
 
-    def __init__(self, trainer, path: str):
-        self.trainer, self.path = trainer, path
+    sampled_by_actor = True
+    env_kwargs = None  # it plays no envs
+
+    def __init__(self, context: RolloutContext, path: str):
+        self.context, self.path = context, path
 
     def next_batch(self, iteration: int):
         batch = torch.load(self.path, weights_only=False)
-        spp = self.trainer.config.samples_per_prompt
-        prompts = range(self.trainer.rank, batch.batch_size // spp, self.trainer.world)
+        spp = self.context.config.samples_per_prompt
+        prompts = range(self.context.rank, batch.batch_size // spp, self.context.world)
         rows = [prompt * spp + sample for prompt in prompts for sample in range(spp)]
         share = batch.select(rows)
         share.stats = share_stats(batch, rows)
@@ -163,10 +168,10 @@ def shared_config(model: str, out: str) -> TrainConfig:
 def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:
     with gloo_rank(rank, port):
         trainer = Trainer(shared_config(model, out), report=lambda _: None,
-                          rollout_source=lambda t: FixedShares(t, batch_path))
+                          rollout_source=lambda context: FixedShares(context, batch_path))
         trainer.train()
         if rank == 0:
-            torch.save({n: p.detach().clone() for n, p in trainer.actor.named_parameters()}, f"{out}/weights.pt")
+            torch.save({n: p.detach().clone() for n, p in trainer.state.actor.named_parameters()}, f"{out}/weights.pt")
 
 
 def test_two_processes_log_and_train_what_one_process_does(tmp_path):
@@ -180,7 +185,7 @@ def test_two_processes_log_and_train_what_one_process_does(tmp_path):
     torch.save(batch, tmp_path / "batch.pt")
 
     single = Trainer(shared_config(str(model), str(tmp_path / "one")), report=lambda _: None,
-                     rollout_source=lambda t: FixedShares(t, str(tmp_path / "batch.pt")))
+                     rollout_source=lambda context: FixedShares(context, str(tmp_path / "batch.pt")))
     single.train()
     start_ranks(_two_process_main, args=(free_port(), str(model), str(tmp_path / "two"),
                                                 str(tmp_path / "batch.pt")), nprocs=2)
@@ -200,6 +205,6 @@ def test_two_processes_log_and_train_what_one_process_does(tmp_path):
         for key, value in first.items():
             assert second[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (first["step"], key)
     weights = torch.load(tmp_path / "two" / "weights.pt")
-    for name, param in single.actor.named_parameters():
+    for name, param in single.state.actor.named_parameters():
         torch.testing.assert_close(weights[name], param.detach(), rtol=1e-4, atol=1e-6)
     print(json.dumps({k: (one[k], two[k]) for k in ("reward", "entropy", "turn_clip_frac", "grad_norm")}))

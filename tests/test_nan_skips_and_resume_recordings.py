@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from .test_pins_training import fake_trainer, make_batch
+from .test_pins_training import make_batch, update_stage
 
 # -- max_nan_skips counts optimizer steps (mini-batches), whichever model's half was non-finite --------------------
 
@@ -21,38 +21,37 @@ def _poisoned(actor: bool, critic: bool):
 
 
 def test_a_step_whose_actor_and_critic_both_fail_counts_once_toward_max_nan_skips():
-    from stppo_agent.training.ppo_update import PPOUpdate, TrainingDivergedError
+    from stppo_agent.training.ppo_update import TrainingDivergedError
 
-    t = fake_trainer(max_nan_skips=2)
-    updater = PPOUpdate(t)
+    t = update_stage(max_nan_skips=2)
+    updater = t
     for expected in (1, 2):  # max_nan_skips=2: two consecutive skipped updates are tolerated
         out = updater._optimizer_step(_poisoned(actor=True, critic=True))
-        assert out["skipped"] == 1.0 and t.nan_skips_in_a_row == expected and t.nan_skips_total == expected
+        assert out["skipped"] == 1.0 and t.state.nan_skips_in_a_row == expected and t.state.nan_skips_total == expected
     with pytest.raises(TrainingDivergedError, match="^3 consecutive updates"):
         updater._optimizer_step(_poisoned(actor=True, critic=True))
-    assert t.reports[0] == "iteration 1: non-finite actor and critic loss or gradient; update skipped (1 in a row)"
+    assert t.report[0] == "iteration 1: non-finite actor and critic loss or gradient; update skipped (1 in a row)"
 
 
 def test_a_critic_that_fails_every_step_stops_the_run_though_the_actor_steps():
-    from stppo_agent.training.ppo_update import PPOUpdate, TrainingDivergedError
+    from stppo_agent.training.ppo_update import TrainingDivergedError
 
-    t = fake_trainer(max_nan_skips=1)
-    updater = PPOUpdate(t)
+    t = update_stage(max_nan_skips=1)
+    updater = t
     out = updater._optimizer_step(_poisoned(actor=False, critic=True))
-    assert out["skipped"] == 1.0 and t.optimizer_steps == 1 and t.nan_skips_in_a_row == 1
+    assert out["skipped"] == 1.0 and t.state.optimizer_steps == 1 and t.state.nan_skips_in_a_row == 1
     with pytest.raises(TrainingDivergedError, match="^2 consecutive updates"):
         updater._optimizer_step(_poisoned(actor=False, critic=True))
-    assert t.optimizer_steps == 2  # the actor kept stepping: only the counter stopped the run
+    assert t.state.optimizer_steps == 2  # the actor kept stepping: only the counter stopped the run
 
 
 def test_a_clean_step_after_a_skipped_one_resets_the_count():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(max_nan_skips=1)
-    updater = PPOUpdate(t)
+    t = update_stage(max_nan_skips=1)
+    updater = t
     updater._optimizer_step(_poisoned(actor=False, critic=True))
     assert "skipped" not in updater._optimizer_step(_poisoned(actor=False, critic=False))
-    assert t.nan_skips_in_a_row == 0 and t.nan_skips_total == 1
+    assert t.state.nan_skips_in_a_row == 0 and t.state.nan_skips_total == 1
 
 
 # -- a resumed run's recording holds its own iterations only ------------------------------------------------------
@@ -95,17 +94,16 @@ def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(ti
 def test_an_iteration_with_a_skipped_step_logs_the_applied_steps_means_and_how_many_were_skipped():
     """One of the iteration's steps is non-finite and skipped: the iteration's means were NaN (grad_norm, pg_loss,
     ...), which the collapse monitor ignores, so the iteration where the trouble began was judged on nothing."""
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
     batch = make_batch()
     batch.advantages[0, 0] = math.nan  # in each epoch row 0's mini-batch is skipped, the other one steps
-    metrics = PPOUpdate(t).update(batch)
-    assert t.optimizer_steps == 2 and t.nan_skips_total == 2
+    metrics = t.update(batch)
+    assert t.state.optimizer_steps == 2 and t.state.nan_skips_total == 2
     assert metrics["skipped"] == 2  # a count of steps, not a mean of flags (which was 1.0)
     assert math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["pg_loss"])
-    clean = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
-    assert "skipped" not in PPOUpdate(clean).update(make_batch())
+    clean = update_stage(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    assert "skipped" not in clean.update(make_batch())
 
 
 def test_skipped_steps_trip_the_monitor_from_the_first_iteration_and_twice_in_a_row_raise_the_alarm():
@@ -123,10 +121,9 @@ def test_skipped_steps_trip_the_monitor_from_the_first_iteration_and_twice_in_a_
 def test_a_skipped_step_with_a_finite_loss_adds_nothing_to_the_means_nor_to_the_off_policy_steps():
     """An inf gradient under a finite loss: the step is skipped, and its pg_loss / clip_frac describe no applied
     step (they were averaged in with the applied ones, and the step counted in offpolicy/steps)."""
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
-    updater = PPOUpdate(t)
+    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    updater = t
     real, calls = updater.actor_gradients, []
 
     def second_step_explodes(mini):
@@ -138,6 +135,6 @@ def test_a_skipped_step_with_a_finite_loss_adds_nothing_to_the_means_nor_to_the_
 
     updater.actor_gradients = second_step_explodes
     metrics = updater.update(make_batch())
-    assert metrics["skipped"] == 1 and t.optimizer_steps == 3
+    assert metrics["skipped"] == 1 and t.state.optimizer_steps == 3
     assert metrics["pg_loss"] < 1e3 and metrics["clip_frac"] < 1.0
     assert metrics["offpolicy/steps"] == 2  # steps 3 and 4; step 1 is on-policy, step 2 was skipped

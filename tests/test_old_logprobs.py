@@ -66,7 +66,7 @@ def test_the_sampler_mode_skips_the_old_log_prob_forward(tiny_model, tmp_path, o
     trainer = Trainer(config(tiny_model, tmp_path, old_logprobs=old_logprobs), report=lambda _: None)
     batch = trainer.rollout()
     calls = []
-    handle = trainer.actor.register_forward_hook(lambda *_: calls.append(1))
+    handle = trainer.state.actor.register_forward_hook(lambda *_: calls.append(1))
     trainer.score(batch)
     handle.remove()
     assert bool(calls) is forwards
@@ -83,8 +83,8 @@ def test_under_staleness_the_sampler_log_probs_are_the_lagged_samplers(tiny_mode
     trainer.score(batch)
     sampling, mask = trainer.config.sampling(), batch.loss_mask
     with torch.no_grad():
-        lagged = token_logprobs(trainer.stale_policy.model, batch, sampling=sampling)[0]
-        current = token_logprobs(trainer.actor, batch, sampling=sampling)[0]
+        lagged = token_logprobs(trainer.state.stale_policy.model, batch, sampling=sampling)[0]
+        current = token_logprobs(trainer.state.actor, batch, sampling=sampling)[0]
     assert torch.equal(batch.old_logprobs[mask], batch.sample_logprobs[mask])
     assert (batch.old_logprobs[mask] - lagged[mask]).abs().max() < 1e-4  # the lagged weights sampled it
     assert (batch.old_logprobs[mask] - current[mask]).abs().max() > 1e-3  # not the actor's

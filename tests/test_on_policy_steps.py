@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.ppo_update import starts_on_policy
 from stppo_agent.training.trainer import Trainer
 
@@ -77,10 +77,11 @@ def test_the_decoupled_objective_starts_every_iteration_on_policy(tiny_model, tm
         assert record["ratio_min"] == pytest.approx(1.0, abs=1e-5)
 
 
-def _trainer(lag=0, old_logprobs="recompute", objective="coupled", backend="hf", autocast=None, source=None):
-    config = SimpleNamespace(old_logprobs=old_logprobs, stale_objective=objective, generation_backend=backend,
-                             generation_autocast_dtype=autocast)
-    return SimpleNamespace(config=config, stale_policy=SimpleNamespace(lag=lag), source=source)
+def _first_step(lag=0, old_logprobs="recompute", objective="coupled", backend="hf", autocast=None,
+                sampled_by_actor=True) -> bool:
+    config = TrainConfig(old_logprobs=old_logprobs, stale_objective=objective, generation_backend=backend,
+                         generation_autocast_dtype=autocast)
+    return starts_on_policy(config, lag, sampled_by_actor)
 
 
 @pytest.mark.parametrize(("settings", "on_policy"), [
@@ -91,9 +92,9 @@ def _trainer(lag=0, old_logprobs="recompute", objective="coupled", backend="hf",
     ({"old_logprobs": "sampler", "autocast": "bfloat16"}, False),  # the precision gap is in the ratio
     ({"old_logprobs": "sampler", "backend": "vllm"}, False),
     ({"old_logprobs": "sampler", "lag": 1}, False),
-    ({"old_logprobs": "sampler", "source": SimpleNamespace(sampled_by_actor=False)}, False),  # a replay, another rule
-    ({"old_logprobs": "sampler", "source": SimpleNamespace(sampled_by_actor=True)}, True),
+    ({"old_logprobs": "sampler", "sampled_by_actor": False}, False),  # a replay through another rule
+    ({"old_logprobs": "sampler", "sampled_by_actor": True}, True),
     ({"autocast": "bfloat16", "backend": "vllm"}, True),  # recomputed: the sampler's precision does not matter
 ])
 def test_which_first_steps_are_on_policy(settings, on_policy):
-    assert starts_on_policy(_trainer(**settings)) is on_policy
+    assert _first_step(**settings) is on_policy

@@ -450,19 +450,16 @@ class FakeStale:
         self.loaded = state
 
 
-def fake_trainer(tmp_path: Path, critic: bool = True, **overrides):
-    from types import SimpleNamespace
-
+def fake_run(tmp_path: Path, critic: bool = True, **overrides):
+    """(a training state of linear models after two schedule steps, at iteration 6, and the config it trains
+    under)."""
     from stppo_agent.training.config import TrainConfig
+    from stppo_agent.training.state import TrainingState
 
     values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model",
                   output_dir=str(tmp_path / "run"), actor_lr=0.01, critic_lr=0.02, weight_decay=0.05,
                   progress=False, tensorboard=False)
     config = TrainConfig(**{**values, **overrides})
-    trainer = SimpleNamespace(config=config, algo=config.algorithm_config(), iteration=6, optimizer_steps=13,
-                              nan_skips_total=2, source=FakeSource(42), stale_policy=FakeStale(), actor_lr_scale=0.25,
-                              messages=[], critic=None, critic_optimizer=None, critic_scheduler=None)
-    trainer.report = trainer.messages.append
 
     def models(lr):
         module = torch.nn.Linear(2, 2)
@@ -474,49 +471,61 @@ def fake_trainer(tmp_path: Path, critic: bool = True, **overrides):
         scheduler.step()
         return module, optimizer, scheduler
 
-    trainer.actor, trainer.actor_optimizer, trainer.actor_scheduler = models(config.actor_lr * 0.25)
-    if critic:
-        trainer.critic, trainer.critic_optimizer, trainer.critic_scheduler = models(config.critic_lr)
-    return trainer
+    actor, actor_optimizer, actor_scheduler = models(config.actor_lr * 0.25)
+    critic_model, critic_optimizer, critic_scheduler = models(config.critic_lr) if critic else (None, None, None)
+    state = TrainingState(tokenizer=None, actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler,
+                          stale_policy=FakeStale(), critic=critic_model, critic_optimizer=critic_optimizer,
+                          critic_scheduler=critic_scheduler, iteration=6, optimizer_steps=13, nan_skips_total=2,
+                          actor_lr_scale=0.25, sampler=FakeSource(42))
+    return state, config
 
 
-def disturb(trainer) -> None:
-    """Other optimizer moments and schedule positions than the saved trainer's."""
-    for name in ("actor", "critic"):
-        module, optimizer = getattr(trainer, name), getattr(trainer, f"{name}_optimizer")
+def disturb(state) -> None:
+    """Other optimizer moments and schedule positions than the saved state's."""
+    for module, optimizer, scheduler in ((state.actor, state.actor_optimizer, state.actor_scheduler),
+                                         (state.critic, state.critic_optimizer, state.critic_scheduler)):
         if optimizer is not None:
             module(torch.full((1, 2), 5.0)).sum().backward()
             optimizer.step()
-            getattr(trainer, f"{name}_scheduler").last_epoch = 0
+            scheduler.last_epoch = 0
 
 
-def checkpoint_of(trainer, run: Path, step: int = 6) -> Path:
-    from stppo_agent.runs.trainer_state import checkpoint_states
+def checkpoint_of(run, folder: Path, step: int = 6) -> Path:
+    state, config = run
+    tensors, saved = state.states(config, config.algorithm_config())
+    return ck.save_checkpoint(folder, step, actor=FakeModel(), tokenizer=FakeTokenizer(), critic=None,
+                              tensor_state=tensors, json_state=saved, keep=3)
 
-    tensors, state = checkpoint_states(trainer)
-    return ck.save_checkpoint(run, step, actor=FakeModel(), tokenizer=FakeTokenizer(), critic=None,
-                              tensor_state=tensors, json_state=state, keep=3)
+
+def resume(run, folder: Path) -> list[str]:
+    """What the resume of ``run`` (state, config) from ``folder`` reported."""
+    from stppo_agent.training.state import Restore
+
+    state, config = run
+    messages = []
+    state.load(folder, config, config.algorithm_config(), Restore.RESUME, messages.append)
+    return messages
 
 
 def test_checkpoint_states_hold_the_counters_the_config_and_every_optimizer(tmp_path):
-    from stppo_agent.runs.trainer_state import checkpoint_states, run_config
+    from stppo_agent.runs.trainer_state import run_config
 
-    trainer = fake_trainer(tmp_path)
-    tensors, state = checkpoint_states(trainer)
+    state, config = fake_run(tmp_path)
+    tensors, saved = state.states(config, config.algorithm_config())
     assert {"actor_optimizer", "actor_scheduler", "torch_rng", "critic_optimizer", "critic_scheduler"} <= set(tensors)
     assert "stale_policy" not in tensors
     assert torch.equal(tensors["torch_rng"], torch.get_rng_state())
     assert tensors["actor_scheduler"]["last_epoch"] == 2 and tensors["critic_scheduler"]["base_lrs"] == [0.02]
     assert set(tensors["actor_optimizer"]["state"]) == {"weight", "bias"}
-    assert {k: state[k] for k in ("iteration", "optimizer_steps", "nan_skips_total", "sampler", "algo", "model",
+    assert {k: saved[k] for k in ("iteration", "optimizer_steps", "nan_skips_total", "sampler", "algo", "model",
                                   "actor_lr_scale")} == {
         "iteration": 6, "optimizer_steps": 13, "nan_skips_total": 2, "sampler": {"position": 42}, "algo": "ppo",
         "model": "tiny-model", "actor_lr_scale": 0.25}
-    assert state["config"] == run_config(trainer) and state["config"]["actor_lr"] == 0.01
-    assert state["config"]["algorithm"]["use_critic"] is True  # every algorithm field resolved
-    json.dumps(state)  # the random states are JSON
-    grpo = fake_trainer(tmp_path, critic=False, rollout_staleness=1)
-    tensors, _ = checkpoint_states(grpo)
+    assert saved["config"] == run_config(config, config.algorithm_config()) and saved["config"]["actor_lr"] == 0.01
+    assert saved["config"]["algorithm"]["use_critic"] is True  # every algorithm field resolved
+    json.dumps(saved)  # the random states are JSON
+    grpo, grpo_config = fake_run(tmp_path, critic=False, rollout_staleness=1)
+    tensors, _ = grpo.states(grpo_config, grpo_config.algorithm_config())
     assert "critic_optimizer" not in tensors and "critic_scheduler" not in tensors
     assert tensors["stale_policy"]["model"]["w"].tolist() == [3.0, 3.0]
 
@@ -526,24 +535,22 @@ def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(
 
     import numpy as np
 
-    from stppo_agent.runs.trainer_state import resume
-
-    saved = fake_trainer(tmp_path, rollout_staleness=1)
+    saved, _ = run = fake_run(tmp_path, rollout_staleness=1)
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    folder = checkpoint_of(saved, tmp_path / "run")
+    folder = checkpoint_of(run, tmp_path / "run")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    fresh = fake_trainer(tmp_path, rollout_staleness=1)
+    fresh, _ = again = fake_run(tmp_path, rollout_staleness=1)
     fresh.iteration, fresh.optimizer_steps, fresh.nan_skips_total, fresh.actor_lr_scale = 0, 0, 0, 1.0
     disturb(fresh)
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    resume(fresh, folder)
+    messages = resume(again, folder)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert (fresh.iteration, fresh.optimizer_steps, fresh.nan_skips_total) == (6, 13, 2)
-    assert fresh.source.loaded == {"position": 42} and fresh.stale_policy.loaded["model"]["w"].tolist() == [3.0, 3.0]
+    assert fresh.sampler.loaded == {"position": 42} and fresh.stale_policy.loaded["model"]["w"].tolist() == [3.0, 3.0]
     assert fresh.stale_policy.loaded["pending"][0]["w"].tolist() == [4.0, 4.0]
     assert fresh.stale_policy.loaded["pending_from_actor"]
     for name in ("actor", "critic"):
@@ -555,60 +562,52 @@ def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(
     assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.25 / 3)
     assert fresh.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.02 / 3)
     assert fresh.actor_optimizer.param_groups[0]["weight_decay"] == 0.05
-    assert fresh.messages[0] == f"resumed from {folder} (iteration 6, 13 optimizer steps)"
-    assert fresh.messages[1] == "actor learning rate 0.0025: actor_lr 0.01 x0.25 from the run's rollbacks"
-    assert len(fresh.messages) == 2
+    assert messages[0] == f"resumed from {folder} (iteration 6, 13 optimizer steps)"
+    assert messages[1] == "actor learning rate 0.0025: actor_lr 0.01 x0.25 from the run's rollbacks"
+    assert len(messages) == 2
 
 
 def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    folder = checkpoint_of(fake_trainer(tmp_path, save_rollouts=True), tmp_path / "run")
-    fresh = fake_trainer(tmp_path, actor_lr=0.5, save_rollouts=True)
-    resume(fresh, folder)
+    folder = checkpoint_of(fake_run(tmp_path, save_rollouts=True), tmp_path / "run")
+    fresh, _ = again = fake_run(tmp_path, actor_lr=0.5, save_rollouts=True)
+    messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0
     assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 3)
     assert fresh.actor_scheduler.base_lrs == [0.5] and fresh.actor_optimizer.param_groups[0]["initial_lr"] == 0.5
-    assert fresh.messages[1] == "changed since the checkpoint: actor_lr 0.01 -> 0.5"
-    assert fresh.messages[2] == ("actor_lr 0.5 is the rate used from now on (the rollbacks' x0.25 applied to the old "
-                                 "one)")
-    assert fresh.messages[3] == ("this run records its rollouts, and stppo replay applies one config (the one in "
-                                 "config.yaml) to every iteration: a replay will not reproduce the iterations before "
-                                 "this change exactly")
-    assert len(fresh.messages) == 4
+    assert messages[1] == "changed since the checkpoint: actor_lr 0.01 -> 0.5"
+    assert messages[2] == ("actor_lr 0.5 is the rate used from now on (the rollbacks' x0.25 applied to the old one)")
+    assert messages[3] == ("this run records its rollouts, and stppo replay applies one config (the one in "
+                           "config.yaml) to every iteration: a replay will not reproduce the iterations before "
+                           "this change exactly")
+    assert len(messages) == 4
 
 
 def test_a_resume_with_nothing_changed_and_no_rollback_says_only_where_it_resumed(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    saved = fake_trainer(tmp_path, save_rollouts=True)
+    saved, _ = run = fake_run(tmp_path, save_rollouts=True)
     saved.actor_lr_scale = 1.0
-    folder = checkpoint_of(saved, tmp_path / "run")
-    fresh = fake_trainer(tmp_path, save_rollouts=True)
-    resume(fresh, folder)
-    assert fresh.actor_lr_scale == 1.0 and len(fresh.messages) == 1
+    folder = checkpoint_of(run, tmp_path / "run")
+    fresh, _ = again = fake_run(tmp_path, save_rollouts=True)
+    messages = resume(again, folder)
+    assert fresh.actor_lr_scale == 1.0 and len(messages) == 1
     assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 3)
 
 
 def test_an_old_checkpoint_without_a_recorded_scale_takes_it_from_its_schedule(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    saved = fake_trainer(tmp_path)  # its schedule's base rate is actor_lr x 0.25
-    folder = checkpoint_of(saved, tmp_path / "run")
-    state = json.loads((folder / "trainer_state.json").read_text())
-    del state["actor_lr_scale"]
-    (folder / "trainer_state.json").write_text(json.dumps(state))
+    folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")  # its schedule's base rate is actor_lr x 0.25
+    saved = json.loads((folder / "trainer_state.json").read_text())
+    del saved["actor_lr_scale"]
+    (folder / "trainer_state.json").write_text(json.dumps(saved))
     (folder / "manifest.json").unlink()
     ck._write_manifest(folder)
-    fresh = fake_trainer(tmp_path)
-    resume(fresh, folder)
+    fresh, _ = again = fake_run(tmp_path)
+    resume(again, folder)
     assert fresh.actor_lr_scale == pytest.approx(0.25)
-    del state["config"]  # older still: no config either, the run's config.yaml is gone, the current rate is used
-    (folder / "trainer_state.json").write_text(json.dumps(state))
+    del saved["config"]  # older still: no config either, the run's config.yaml is gone, the current rate is used
+    (folder / "trainer_state.json").write_text(json.dumps(saved))
     (folder / "manifest.json").unlink()
     ck._write_manifest(folder)
-    fresh = fake_trainer(tmp_path, actor_lr=0.0025)
-    resume(fresh, folder)
+    fresh, _ = again = fake_run(tmp_path, actor_lr=0.0025)
+    resume(again, folder)
     assert fresh.actor_lr_scale == pytest.approx(1.0)
 
 
@@ -628,41 +627,41 @@ def test_checkpoint_config_reads_the_checkpoints_record_else_the_runs_config_yam
 def test_check_resume_settings_refuses_a_fixed_change_before_the_models_load(tmp_path):
     from stppo_agent.runs.trainer_state import check_resume_settings
 
-    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")
-    check_resume_settings(fake_trainer(tmp_path, actor_lr=0.9), folder)
-    check_resume_settings(fake_trainer(tmp_path, seed=5), None)
+    def check(folder, **overrides):
+        config = fake_run(tmp_path, **overrides)[1]
+        check_resume_settings(config, config.algorithm_config(), folder, report=lambda _: None)
+
+    folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")
+    check(folder, actor_lr=0.9)
+    check(None, seed=5)
     with pytest.raises(ValueError, match=r"--resume cannot change seed \(0 -> 5\)"):
-        check_resume_settings(fake_trainer(tmp_path, seed=5), folder)
+        check(folder, seed=5)
     with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
-        check_resume_settings(fake_trainer(tmp_path, save_rollouts=True), folder)
+        check(folder, save_rollouts=True)
 
 
 def test_apply_learning_rates_scales_the_actor_only_at_the_schedules_step(tmp_path):
-    from stppo_agent.runs.trainer_state import apply_learning_rates
-
-    trainer = fake_trainer(tmp_path, actor_lr=0.4, critic_lr=0.6, weight_decay=0.125)
-    trainer.actor_lr_scale = 0.5
-    apply_learning_rates(trainer)
-    actor, critic = trainer.actor_optimizer.param_groups[0], trainer.critic_optimizer.param_groups[0]
+    state, config = fake_run(tmp_path, actor_lr=0.4, critic_lr=0.6, weight_decay=0.125)
+    state.actor_lr_scale = 0.5
+    state.apply_learning_rates(config)
+    actor, critic = state.actor_optimizer.param_groups[0], state.critic_optimizer.param_groups[0]
     assert (actor["initial_lr"], actor["lr"], actor["weight_decay"]) == (0.2, pytest.approx(0.2 / 3), 0.125)
     assert (critic["initial_lr"], critic["lr"], critic["weight_decay"]) == (0.6, pytest.approx(0.6 / 3), 0.125)
-    assert trainer.actor_scheduler.base_lrs == [0.2] and trainer.critic_scheduler.base_lrs == [0.6]
-    assert trainer.actor_scheduler.get_last_lr() == [actor["lr"]]
-    trainer.actor_scheduler.step()
+    assert state.actor_scheduler.base_lrs == [0.2] and state.critic_scheduler.base_lrs == [0.6]
+    assert state.actor_scheduler.get_last_lr() == [actor["lr"]]
+    state.actor_scheduler.step()
     assert actor["lr"] == pytest.approx(0.2 / 4)
-    grpo = fake_trainer(tmp_path, critic=False)
-    apply_learning_rates(grpo)
+    grpo, grpo_config = fake_run(tmp_path, critic=False)
+    grpo.apply_learning_rates(grpo_config)
     assert grpo.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.25 / 3)
 
 
 def test_restore_optimizers_puts_back_both_optimizers_and_schedules(tmp_path):
-    from stppo_agent.runs.trainer_state import checkpoint_states, restore_optimizers
-
-    saved = fake_trainer(tmp_path)
-    tensors, _ = checkpoint_states(saved)
-    fresh = fake_trainer(tmp_path)
+    saved, config = fake_run(tmp_path)
+    tensors, _ = saved.states(config, config.algorithm_config())
+    fresh, _ = fake_run(tmp_path)
     disturb(fresh)
-    restore_optimizers(fresh, tensors)
+    fresh.restore_optimizers(tensors)
     assert torch.equal(fresh.actor_optimizer.state[fresh.actor.weight]["exp_avg_sq"],
                        saved.actor_optimizer.state[saved.actor.weight]["exp_avg_sq"])
     assert torch.equal(fresh.critic_optimizer.state[fresh.critic.bias]["exp_avg"],
@@ -800,15 +799,13 @@ def test_the_rollout_correction_follows_the_data_into_another_rule(tmp_path):
 
 
 def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path):
-    from types import SimpleNamespace
-
     from stppo_agent.models.tiny import word_tokenizer
     from stppo_agent.training.replay import RecordedRollouts
 
     run = recorded_run(tmp_path, worlds={1: 2, 2: 1})
 
     def source(rank, world):
-        return RecordedRollouts(SimpleNamespace(rank=rank, world=world, tokenizer=word_tokenizer()), run)
+        return RecordedRollouts(run, word_tokenizer(), rank, world)
 
     one = source(0, 1)
     assert one.iterations == [1, 2, 3] and one.state() == {} and one.load({"x": 1}) is None
@@ -831,12 +828,14 @@ def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path
     with pytest.raises(ValueError, match=(r"^tokenizer mismatch: the model's tokenizer differs from the "
                                           r"one that recorded /.* \(vocab_sha256, vocab_size\); recorded "
                                           r"token ids would mean other text$")):
-        RecordedRollouts(SimpleNamespace(rank=0, world=1, tokenizer=word_tokenizer(["other", "words"])), run)
+        RecordedRollouts(run, word_tokenizer(["other", "words"]))
 
 
 def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_path, monkeypatch):
     import stppo_agent.training.trainer as trainer_module
     from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.rollouts.vllm_generation import VLLMGenerationBackend
+    from stppo_agent.training.live_rollouts import RolloutContext
     from stppo_agent.training.replay import RecordedRollouts, replay
 
     run = recorded_run(tmp_path, backend="vllm", algorithm={"rollout_correction": "tis"})
@@ -847,7 +846,6 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
             self.config, self.report, self.rollout_source = config, report, rollout_source
             self.intent = (resume, overwrite)
             self.algo = config.algorithm_config()
-            self.rank, self.world, self.tokenizer = 0, 1, word_tokenizer()
             Path(config.output_dir).mkdir(parents=True)
             built.append(self)
 
@@ -861,8 +859,11 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
     trainer = built[0]
     assert trainer.config.algo == "grpo" and trainer.report == messages.append
     assert trainer.intent == (False, False)  # a folder holding a run is refused unless --resume or --overwrite
-    source = trainer.rollout_source(trainer)
+    engine = VLLMGenerationBackend.__new__(VLLMGenerationBackend)
+    source = trainer.rollout_source(RolloutContext(trainer.config, trainer.algo, out, word_tokenizer(), engine, 1, 2))
     assert isinstance(source, RecordedRollouts) and source.folder == run / "rollouts"
+    assert (source.rank, source.world, source.env_kwargs) == (1, 2, None)
+    assert source.sampled_by_actor is False  # another rule than the recorded one
     written = {"replay_of": str(run.resolve()), "recorded_algo": "ppo", "algo": "grpo", "iterations": 2,
                "rollout_correction": "tis"}
     assert (out / "replay.json").read_text() == json.dumps(written, indent=1) + "\n"
@@ -874,17 +875,15 @@ def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_p
 
 
 def test_a_gpu_runs_cuda_random_state_is_saved_and_put_back(tmp_path, monkeypatch):
-    from stppo_agent.runs.trainer_state import checkpoint_states, resume
-
     streams = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: streams)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    saved = fake_trainer(tmp_path)
-    assert checkpoint_states(saved)[0]["cuda_rng"] == streams
-    folder = checkpoint_of(saved, tmp_path / "run")
-    resume(fake_trainer(tmp_path), folder)
+    saved, config = run = fake_run(tmp_path)
+    assert saved.states(config, config.algorithm_config())[0]["cuda_rng"] == streams
+    folder = checkpoint_of(run, tmp_path / "run")
+    resume(fake_run(tmp_path), folder)
     assert len(restored) == 1 and restored[0][0].tolist() == [1, 2, 3]
 
 
@@ -893,30 +892,27 @@ def test_with_two_processes_the_checkpoint_holds_rank_1s_streams_and_rank_1_resu
     import random
 
     from stppo_agent.distributed import process_group
-    from stppo_agent.runs.trainer_state import checkpoint_states, resume
 
     monkeypatch.setattr(process_group, "world_size", lambda: 2)
     monkeypatch.setattr(process_group, "all_gather_objects", lambda local: [local, local])
-    saved = fake_trainer(tmp_path)
+    saved, config = run = fake_run(tmp_path)
     random.seed(5)
-    tensors, state = checkpoint_states(saved)
+    tensors, state = saved.states(config, config.algorithm_config())
     assert len(tensors["rank_rng"]) == 2 and len(state["rank_rng"]) == 2
-    folder = checkpoint_of(saved, tmp_path / "run")
+    folder = checkpoint_of(run, tmp_path / "run")
     expected = random.random()
     monkeypatch.setattr(process_group, "rank", lambda: 1)
-    fresh = fake_trainer(tmp_path)
+    fresh, _ = again = fake_run(tmp_path)
     random.seed(0)
-    resume(fresh, folder)
+    messages = resume(again, folder)
     assert random.random() == expected and fresh.iteration == 6
-    assert fresh.messages == []  # rank 0 says what was resumed
+    assert messages == []  # rank 0 says what was resumed
 
 
 def test_resume_itself_refuses_turning_recording_on_mid_run(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")
+    folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")
     with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
-        resume(fake_trainer(tmp_path, save_rollouts=True), folder)
+        resume(fake_run(tmp_path, save_rollouts=True), folder)
 
 
 def test_a_newer_checkpoint_is_written_even_when_an_older_ones_optimizer_file_already_vanished(tmp_path):
@@ -936,37 +932,29 @@ def without_recorded_scale(folder: Path) -> None:
 
 
 def test_an_old_checkpoints_scale_is_measured_against_its_own_actor_lr_not_the_new_one(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")  # actor_lr 0.01, schedule at 0.0025
+    folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")  # actor_lr 0.01, schedule at 0.0025
     without_recorded_scale(folder)
-    fresh = fake_trainer(tmp_path, actor_lr=0.02)
-    resume(fresh, folder)
+    fresh, _ = again = fake_run(tmp_path, actor_lr=0.02)
+    messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0
-    assert fresh.messages[2] == ("actor_lr 0.02 is the rate used from now on (the rollbacks' x0.25 applied to the "
+    assert messages[2] == ("actor_lr 0.02 is the rate used from now on (the rollbacks' x0.25 applied to the "
                                  "old one)")
 
 
 def test_a_frozen_actor_without_a_recorded_scale_resumes_at_scale_1(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    saved = fake_trainer(tmp_path, actor_lr=0.0)
-    folder = checkpoint_of(saved, tmp_path / "run")
+    folder = checkpoint_of(fake_run(tmp_path, actor_lr=0.0), tmp_path / "run")
     without_recorded_scale(folder)
-    fresh = fake_trainer(tmp_path, actor_lr=0.0)
-    resume(fresh, folder)
-    assert fresh.actor_lr_scale == 1.0 and len(fresh.messages) == 1
+    fresh, _ = again = fake_run(tmp_path, actor_lr=0.0)
+    messages = resume(again, folder)
+    assert fresh.actor_lr_scale == 1.0 and len(messages) == 1
 
 
 def test_a_new_actor_lr_without_rollbacks_is_only_listed_as_a_change(tmp_path):
-    from stppo_agent.runs.trainer_state import resume
-
-    saved = fake_trainer(tmp_path)
+    saved, _ = run = fake_run(tmp_path)
     saved.actor_lr_scale = 1.0
-    folder = checkpoint_of(saved, tmp_path / "run")
-    fresh = fake_trainer(tmp_path, actor_lr=0.5)
-    resume(fresh, folder)
-    assert fresh.messages[1:] == ["changed since the checkpoint: actor_lr 0.01 -> 0.5"]
+    folder = checkpoint_of(run, tmp_path / "run")
+    messages = resume(fake_run(tmp_path, actor_lr=0.5), folder)
+    assert messages[1:] == ["changed since the checkpoint: actor_lr 0.01 -> 0.5"]
 
 
 class Smuggled:
@@ -991,31 +979,27 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_not_unpickled(tmp_path
 
 
 def test_a_gpu_checkpoint_resumes_on_a_machine_without_cuda(tmp_path, monkeypatch):
-    from stppo_agent.runs.trainer_state import checkpoint_states, resume
-
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(2, dtype=torch.uint8)])
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    saved = fake_trainer(tmp_path)
-    assert "cuda_rng" in checkpoint_states(saved)[0]
-    folder = checkpoint_of(saved, tmp_path / "run")
+    saved, config = run = fake_run(tmp_path)
+    assert "cuda_rng" in saved.states(config, config.algorithm_config())[0]
+    folder = checkpoint_of(run, tmp_path / "run")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    fresh = fake_trainer(tmp_path)
-    resume(fresh, folder)
+    fresh, _ = again = fake_run(tmp_path)
+    resume(again, folder)
     assert restored == [] and fresh.iteration == 6
 
 
 def test_rank_1_of_a_checkpoint_written_by_one_process_starts_a_fresh_stream_and_says_so(tmp_path, monkeypatch):
     from stppo_agent.distributed import process_group
-    from stppo_agent.runs.trainer_state import resume
 
-    folder = checkpoint_of(fake_trainer(tmp_path), tmp_path / "run")
+    folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")
     monkeypatch.setattr(process_group, "rank", lambda: 1)
     monkeypatch.setattr(process_group, "seed_everything", lambda seed: None)
-    fresh = fake_trainer(tmp_path)
-    resume(fresh, folder)
-    assert len(fresh.messages) == 1 and fresh.messages[0].startswith(
+    messages = resume(fake_run(tmp_path), folder)
+    assert len(messages) == 1 and messages[0].startswith(
         "rank 1: the checkpoint holds no random state for this rank (written by 1 process(es))")
 
 

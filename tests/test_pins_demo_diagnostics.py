@@ -181,26 +181,30 @@ def test_step_diagnostics_on_resume_drops_the_steps_of_redone_iterations(tmp_pat
     assert step_diagnostics._iteration_of("[1]") == step_diagnostics._iteration_of("7") == 1 << 62
 
 
-def test_step_diagnostics_for_trainer_follows_the_config(tmp_path):
-    def trainer(diagnose, on_collapse):
-        return SimpleNamespace(config=SimpleNamespace(step_diagnostics=diagnose, on_collapse=on_collapse),
-                               run_dir=tmp_path, sharded=True, iteration=4,
-                               algo=SimpleNamespace(clip_low=0.1, clip_high=0.3))
+def test_step_diagnostics_for_a_run_follow_its_config(tmp_path):
+    from stppo_agent.algorithms import AlgorithmConfig
 
-    assert StepDiagnostics.for_trainer(trainer(False, "none")) is None
-    full = StepDiagnostics.for_trainer(trainer(True, "none"))
+    algo = AlgorithmConfig(clip_low=0.1, clip_high=0.3)
+
+    def diagnostics(diagnose, on_collapse):
+        return StepDiagnostics.for_run(tmp_path, algo, step_diagnostics=diagnose, on_collapse=on_collapse,
+                                       sharded=True, iteration=4)
+
+    assert diagnostics(False, "none") is None
+    full = diagnostics(True, "none")
     assert full.path == tmp_path / "steps.jsonl" and full.gradients and full.sharded
     assert (full.log_low, full.log_high) == (pytest.approx(math.log(0.9)), pytest.approx(math.log(1.3)))
-    tails = StepDiagnostics.for_trainer(trainer(False, "warn"))
+    tails = diagnostics(False, "warn")
     assert tails.path is None and not tails.gradients
 
 
 def test_step_diagnostics_resume_keeps_the_start_iterations_steps(tmp_path):
+    from stppo_agent.algorithms import AlgorithmConfig
+
     path = tmp_path / "steps.jsonl"
     path.write_text('{"iteration": 4}\n{"iteration": 5}\n')
-    StepDiagnostics.for_trainer(SimpleNamespace(
-        config=SimpleNamespace(step_diagnostics=True, on_collapse="none"), run_dir=tmp_path, sharded=False,
-        iteration=4, algo=SimpleNamespace(clip_low=0.2, clip_high=0.2)))
+    StepDiagnostics.for_run(tmp_path, AlgorithmConfig(clip_low=0.2, clip_high=0.2), step_diagnostics=True,
+                            on_collapse="none", iteration=4)
     assert path.read_text() == '{"iteration": 4}\n'
 
 
@@ -400,9 +404,11 @@ def test_demo_trainer_counts_an_iteration_done_at_the_next_iterations_first_phas
     progress = Recorder()
     trainer = demo.DemoTrainer("config", progress)
     assert made == [("config", progress.say, True)] and trainer.progress is progress
-    trainer.iteration = 0
+    from .training_states import linear_state
+
+    trainer.state = linear_state()
     trainer.phase("rollout")
-    trainer.iteration = 1
+    trainer.state.iteration = 1
     trainer.phase("rollout")
     trainer.phase("scoring")
     assert phases == ["rollout", "rollout", "scoring"]
@@ -605,6 +611,11 @@ def fake_phases(monkeypatch, tmp_path, metrics_reward=0.5):
 
 
 def test_demo_run_warm_starts_evaluates_trains_and_evaluates_again(monkeypatch, tmp_path):
+    from stppo_agent.models import precision
+
+    # a CPU without AMX, whatever this machine is: autocast_dtype=auto then means float32 forwards
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_amx_bf16", lambda: False)
     calls = fake_phases(monkeypatch, tmp_path)
     progress = Recorder()
     out = tmp_path / "d"

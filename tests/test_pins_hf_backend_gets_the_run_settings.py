@@ -14,8 +14,7 @@ def test_the_hf_backend_gets_the_run_settings(monkeypatch):
     monkeypatch.setattr(model_setup, "HFGenerationBackend", lambda *args, **kw: made.append((args, kw)) or "backend")
     cfg = TrainConfig(model="m", env="stppo/Toy-v0", temperature=0.5, generation_batch_size=3, reuse_kv_cache=False,
                       generation_autocast_dtype="bfloat16")
-    trainer = SimpleNamespace(config=cfg, stale_policy=SimpleNamespace(model="lagged"), tokenizer="tok", rank=0)
-    assert model_setup.generation_backend(trainer, None) == "backend"
+    assert model_setup.generation_backend(cfg, "lagged", "tok", 0, None) == "backend"
     [(args, kw)] = made
     assert args[:2] == ("lagged", "tok") and args[2] == cfg.sampling() and args[2].temperature == 0.5
     assert kw == {"batch_size": 3, "reuse_cache": False, "autocast_dtype": "bfloat16"}
@@ -29,5 +28,5 @@ def test_vllm_samples_in_the_runs_half_precision_and_bfloat16_for_a_float32_run(
     monkeypatch.setitem(sys.modules, "stppo_agent.rollouts.vllm_generation", fake)
     for dtype in ("float16", "float32"):
         cfg = TrainConfig(model="m", env="stppo/Toy-v0", generation_backend="vllm", dtype=dtype)
-        model_setup.generation_backend(SimpleNamespace(config=cfg, rank=0), None)
+        model_setup.generation_backend(cfg, None, None, 0, None)
     assert made == ["float16", "bfloat16"]

@@ -4,6 +4,7 @@ subprocess."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -14,10 +15,11 @@ import pytest
 import torch
 
 from stppo_agent.monitoring import collapse_guard as guard_module
-from stppo_agent.monitoring.collapse_guard import CollapseGuard, Decision, stop_advice
+from stppo_agent.monitoring.collapse_guard import CONTINUE, CollapseGuard, Decision, stop_advice
 from stppo_agent.monitoring.collapse_rules import SIGNALS, CollapseMonitor, MonitorSettings, Signal, Trip, Verdict
-from stppo_agent.monitoring.learning_signal import advice, no_signal_reason, notice_no_learning_signal
-from stppo_agent.monitoring.rollback import load_full_model_state
+from stppo_agent.monitoring.learning_signal import LearningSignalNotice, advice, no_signal_reason
+from stppo_agent.runs.checkpoint import load_full_model_state
+from stppo_agent.training.config import TrainConfig
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -37,13 +39,13 @@ def test_the_signal_table_and_default_settings():
 
 
 def test_settings_from_config_sort_the_limits_and_validate_at_the_boundaries():
-    config = SimpleNamespace(collapse_window=7, collapse_warmup=3, collapse_z=4.5, collapse_patience=4,
-                             collapse_min_families=3, collapse_drawdown=0.25,
-                             collapse_thresholds={"kl_to_reference": 2, "grad_norm": 9})
+    config = TrainConfig(collapse_window=7, collapse_warmup=3, collapse_z=4.5, collapse_patience=4,
+                         collapse_min_families=3, collapse_drawdown=0.25,
+                         collapse_thresholds={"kl_to_reference": 2, "grad_norm": 9})
     assert MonitorSettings.from_config(config) == MonitorSettings(
         window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25,
         thresholds=(("grad_norm", 9.0), ("kl_to_reference", 2.0)))
-    no_limits = SimpleNamespace(**{**vars(config), "collapse_thresholds": None})
+    no_limits = dataclasses.replace(config, collapse_thresholds=None)
     assert MonitorSettings.from_config(no_limits).thresholds == ()
     for ok in (dict(window=2, warmup=2), dict(window=5, warmup=5), dict(z=1e-9), dict(patience=1),
                dict(min_families=1), dict(drawdown=1.0), dict(drawdown=1e-9)):
@@ -308,105 +310,103 @@ def make_checkpoint(run_dir: Path, step: int) -> Path:
     return folder
 
 
-class FakeTrainer:
-    def __init__(self, run_dir: Path, **config):
-        values = dict(collapse_window=20, collapse_warmup=2, collapse_z=6.0, collapse_patience=2,
-                      collapse_min_families=2, collapse_drawdown=0.5, collapse_thresholds={}, on_collapse="rollback",
-                      max_rollbacks=2, rollback_lr_factor=0.5, actor_lr=1e-3, save_every=3)
-        values.update(config)
-        self.config, self.run_dir, self.said, self.actor_lr_scale = SimpleNamespace(**values), run_dir, [], 1.0
-        self.actor_scheduler = SimpleNamespace(get_last_lr=lambda: [self.config.actor_lr * self.actor_lr_scale])
-
-    def report(self, message: str) -> None:
-        self.said.append(message)
+def guard_config(**config) -> TrainConfig:
+    values = dict(collapse_window=20, collapse_warmup=2, collapse_z=6.0, collapse_patience=2,
+                  collapse_min_families=2, collapse_drawdown=0.5, collapse_thresholds={}, on_collapse="rollback",
+                  max_rollbacks=2, rollback_lr_factor=0.5, actor_lr=1e-3, save_every=3, env="stppo/Toy-v0")
+    values.update(config)
+    return TrainConfig(**values)
 
 
 QUIET = {"grad_norm": 1.0, "entropy": 1.0, "reward": 0.5}
 COLLAPSE = {"grad_norm": 9.0, "entropy": 3.0, "reward": 0.5}
 
 
-def quiet_run(tmp_path: Path, iterations: int = 6, **config) -> tuple[FakeTrainer, CollapseGuard]:
-    trainer = FakeTrainer(tmp_path, **config)
-    guard = CollapseGuard(trainer)
+def quiet_run(tmp_path: Path, iterations: int = 6, **config) -> CollapseGuard:
+    guard = CollapseGuard(guard_config(**config), tmp_path)
     for i in range(1, iterations + 1):
-        assert guard.check(i, dict(QUIET)) is None
+        metrics = dict(QUIET)
+        assert guard.check(i, metrics) == CONTINUE and "collapse/action" not in metrics
         make_checkpoint(tmp_path, i)
-    return trainer, guard
+    return guard
 
 
-@pytest.fixture
-def restores(monkeypatch):
-    calls = []
-
-    def restore(trainer, folder, factor):
-        calls.append((folder, factor))
-        trainer.actor_lr_scale *= factor
-        return trainer.actor_lr_scale
-
-    monkeypatch.setattr("stppo_agent.monitoring.rollback.restore_training_state", restore)
-    return calls
-
-
-def test_rollback_goes_to_the_newest_healthy_valid_checkpoint(tmp_path, restores):
-    trainer, guard = quiet_run(tmp_path, iterations=7)
+def test_rollback_goes_to_the_newest_healthy_valid_checkpoint(tmp_path):
+    guard = quiet_run(tmp_path, iterations=7)
     (tmp_path / "checkpoints" / "step-6" / "w.bin").write_bytes(b"corrupt")  # fails its checksum
     metrics = dict(COLLAPSE)
     decision = guard.check(8, metrics)
     # healthy and valid: 3, 4, 5 (7 is not healthy: iteration 8 sampled with its weights; 6 is corrupt): the newest
-    assert decision == Decision("rollback", decision.message, rollback_to=5) and not decision.stops
-    assert restores == [(tmp_path / "checkpoints" / "step-5", 0.5)]
-    assert metrics["collapse/action"] == "rollback" and metrics["collapse/rollback_to"] == 5
-    assert metrics["collapse/lr_scale"] == 0.5 and metrics["collapse/actor_lr"] == pytest.approx(5e-4)
+    assert decision == Decision("rollback", decision.reason, rollback_to=5) and not decision.stops
+    assert decision.rolls_back and decision.alarmed
+    assert metrics["collapse/action"] == "rollback" and "collapse/rollback_to" not in metrics  # the loop's to add
     assert metrics["collapse/alarm"] == 1 and metrics["collapse/onset"] == 8
     assert "Rolling back to step-5 with the actor learning rate x0.5, now 0.0005 (rollback 1 of at most 2)" \
-        in decision.message
-    assert decision.message.startswith("collapse alarm at iteration 8 (signals since iteration 8): entropy 3 (recent "
-                                       "1..1, z=+20.0); grad_norm 9 (recent 1..1, z=+32.0). Rolling back")
-    assert trainer.said == [decision.message]
+        in decision.reason
+    assert decision.reason.startswith("collapse alarm at iteration 8 (signals since iteration 8): entropy 3 (recent "
+                                      "1..1, z=+20.0); grad_norm 9 (recent 1..1, z=+32.0). Rolling back")
+    # deciding changed nothing: the checkpoints, the history and the count move once the rollback is carried out
+    assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 7 and guard.rollbacks == 0
+    guard.rolled_back(decision.rollback_to)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == [".collapsed-step-6", ".collapsed-step-7", "step-1", "step-2", "step-3", "step-4", "step-5"]
     assert max(i for i, _ in guard.monitor.history["grad_norm"]) == 5 and guard.rollbacks == 1
     assert guard.records[-1] == {"step": 8, "reward": 0.5, "collapse/tripped": 2, "collapse/alarm": 1}
 
-    second = guard.check(9, dict(COLLAPSE))  # the compounded rate is what the message says
-    assert second.action == "rollback" and "x0.5, now 0.00025 (rollback 2 of at most 2)" in second.message
-    third = guard.check(10, dict(COLLAPSE))
-    assert third.action == "stop" and third.stops and third.rollback_to is None
-    assert third.message.endswith(". Already rolled back 2 time(s) (max_rollbacks=2): stopping; the newest healthy "
-                                  "checkpoint is step-5. The collapse is not only the learning rate: check the "
-                                  "rewards and the data, or lower actor_lr and clip_high further.")
+    second = guard.check(9, dict(COLLAPSE), actor_lr_scale=0.5)  # the compounded rate is what the reason says
+    assert second.action == "rollback" and "x0.5, now 0.00025 (rollback 2 of at most 2)" in second.reason
+    guard.rolled_back(second.rollback_to)
+    third = guard.check(10, dict(COLLAPSE), actor_lr_scale=0.25)
+    assert third.action == "stop" and third.stops and third.rollback_to is None and not third.rolls_back
+    assert third.reason.endswith(". Already rolled back 2 time(s) (max_rollbacks=2): stopping; the newest healthy "
+                                 "checkpoint is step-5. The collapse is not only the learning rate: check the "
+                                 "rewards and the data, or lower actor_lr and clip_high further.")
 
 
-def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path, restores):
-    trainer, guard = quiet_run(tmp_path, on_collapse="warn")
+def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path):
+    guard = quiet_run(tmp_path, on_collapse="warn")
     metrics = dict(COLLAPSE)
     decision = guard.check(7, metrics)
-    assert decision.action == "warn" and not decision.stops and decision.rollback_to is None
-    assert "Training continues (on_collapse=warn); the newest healthy checkpoint is step-5." in decision.message
-    assert metrics["collapse/action"] == "warn" and "collapse/rollback_to" not in metrics and restores == []
+    assert decision.action == "warn" and not decision.stops and decision.rollback_to is None and decision.alarmed
+    assert "Training continues (on_collapse=warn); the newest healthy checkpoint is step-5." in decision.reason
+    assert metrics["collapse/action"] == "warn" and "collapse/rollback_to" not in metrics
     assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 6
 
-    stopping = quiet_run(tmp_path / "stop", on_collapse="stop")[1].check(7, dict(COLLAPSE))
+    stopping = quiet_run(tmp_path / "stop", on_collapse="stop").check(7, dict(COLLAPSE))
     assert stopping.stops and "Stopping (on_collapse=stop); the newest healthy checkpoint is step-5." in \
-        stopping.message
-    assert stop_advice(stopping, Path("/x/step-7")) == f"{stopping.message} The state at the alarm is saved in " \
+        stopping.reason
+    assert stop_advice(stopping, Path("/x/step-7")) == f"{stopping.reason} The state at the alarm is saved in " \
                                                        "/x/step-7."
 
 
-def test_no_healthy_checkpoint_stops_and_a_spent_budget_stops(tmp_path, restores):
-    _, guard = quiet_run(tmp_path, iterations=2)  # both warm-up iterations: nothing known healthy
+def test_a_decision_is_one_of_four_and_only_a_rollback_names_a_step():
+    assert CONTINUE == Decision("continue", "") and not (CONTINUE.alarmed or CONTINUE.stops or CONTINUE.rolls_back)
+    assert Decision("warn", "w").alarmed and not Decision("warn", "w").stops
+    assert Decision("stop", "s").stops and not Decision("stop", "s").rolls_back
+    back = Decision("rollback", "r", rollback_to=3)
+    assert back.rolls_back and back.alarmed and not back.stops and back.rollback_to == 3
+    with pytest.raises(ValueError, match="a decision is one of continue, warn, stop, rollback, not 'pause'"):
+        Decision("pause", "p")
+    with pytest.raises(ValueError, match="a rollback, and only a rollback, names the checkpoint step"):
+        Decision("rollback", "r")
+    with pytest.raises(ValueError, match="a rollback, and only a rollback, names the checkpoint step"):
+        Decision("stop", "s", rollback_to=2)
+
+
+def test_no_healthy_checkpoint_stops_and_a_spent_budget_stops(tmp_path):
+    guard = quiet_run(tmp_path, iterations=2)  # both warm-up iterations: nothing known healthy
     decision = guard.check(3, dict(COLLAPSE))
-    assert decision.stops and restores == []
-    assert decision.message.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every "
-                                     "save_every=3 iterations; a healthy one needs two quiet iterations). Stopping; "
-                                     "lower actor_lr, or save more often.")
-    _, spent = quiet_run(tmp_path / "spent", max_rollbacks=0)
+    assert decision.stops
+    assert decision.reason.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every "
+                                    "save_every=3 iterations; a healthy one needs two quiet iterations). Stopping; "
+                                    "lower actor_lr, or save more often.")
+    spent = quiet_run(tmp_path / "spent", max_rollbacks=0)
     assert spent.check(7, dict(COLLAPSE)).stops
-    _, one = quiet_run(tmp_path / "one", max_rollbacks=1)
+    one = quiet_run(tmp_path / "one", max_rollbacks=1)
     assert one.check(7, dict(COLLAPSE)).action == "rollback"
 
 
-def test_guard_resumes_from_the_metrics_log_and_protects_healthy_and_best(tmp_path, restores):
+def test_guard_resumes_from_the_metrics_log_and_protects_healthy_and_best(tmp_path):
     records = [{"step": i, "reward": r, "grad_norm": 1.0, "collapse/tripped": 0, "other": 1}
                for i, r in enumerate([0.1, 0.9, 0.2, 0.3, 0.4, 0.5], start=1)]
     records[0]["collapse/warmup"] = 1
@@ -414,8 +414,7 @@ def test_guard_resumes_from_the_metrics_log_and_protects_healthy_and_best(tmp_pa
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     for step in (1, 2, 3, 4, 5):
         make_checkpoint(tmp_path, step)
-    trainer = FakeTrainer(tmp_path)
-    guard = CollapseGuard(trainer)
+    guard = CollapseGuard(guard_config(), tmp_path)
     assert guard.rollbacks == 1
     assert guard.records[0] == {"step": 1, "reward": 0.1, "collapse/tripped": 0, "collapse/warmup": 1}
     assert [i for i, _ in guard.monitor.history["grad_norm"]] == [1, 2, 5, 6]  # 3 and 4 were rolled back
@@ -461,8 +460,8 @@ def test_no_signal_reason_boundaries():
     assert no_signal_reason(torch.zeros(0), torch.zeros(0), None, torch.zeros(0, 2, dtype=torch.bool), False) is None
 
 
-def config(env: str = "stppo/Toy-v0") -> SimpleNamespace:
-    return SimpleNamespace(max_turns=3, max_new_tokens_per_turn=4, temperature=0.7, samples_per_prompt=5, env=env)
+def config(env: str = "stppo/Toy-v0") -> TrainConfig:
+    return TrainConfig(max_turns=3, max_new_tokens_per_turn=4, temperature=0.7, samples_per_prompt=5, env=env)
 
 
 def test_advice_texts():
@@ -486,35 +485,37 @@ def fake_batch(rewards) -> SimpleNamespace:
     return SimpleNamespace(rewards=torch.tensor(rewards), group_ids=GROUPS, advantages=None, loss_mask=MASK)
 
 
-def signal_trainer(advantage: str = "grpo", world: int = 1) -> SimpleNamespace:
-    trainer = FakeTrainer.__new__(FakeTrainer)
-    trainer.said, trainer.world, trainer.device, trainer.iteration = [], world, torch.device("cpu"), 4
-    trainer.algo, trainer.config = SimpleNamespace(advantage=advantage), config()
-    return trainer
+def signal_notice(advantage: str = "grpo", world: int = 1) -> tuple[LearningSignalNotice, list[str]]:
+    """A notice and what it reports, for a run on the CPU."""
+    from stppo_agent.algorithms import ALGORITHMS
+
+    said: list[str] = []
+    algo = dataclasses.replace(ALGORITHMS["grpo"], advantage=advantage)
+    return LearningSignalNotice(config(), algo, said.append, world, torch.device("cpu")), said
 
 
-def test_notice_once_per_trainer_after_a_batch_with_signal():
-    trainer = signal_trainer()
-    notice_no_learning_signal(trainer, fake_batch([1.0, 0.0, 1.0, 0.0]))
-    assert trainer.said == []
-    notice_no_learning_signal(trainer, fake_batch([1.0, 1.0, 0.0, 0.0]))  # grpo: equal inside every group
-    assert trainer.said == [f"iteration 5: {advice(reason([1.0, 1.0, 0.0, 0.0], True), trainer.config)}"]
-    notice_no_learning_signal(trainer, fake_batch([0.0] * 4))
-    assert len(trainer.said) == 1
-    critic = signal_trainer("gae")  # a critic learns from groups that differ
-    notice_no_learning_signal(critic, fake_batch([1.0, 1.0, 0.0, 0.0]))
-    assert critic.said == []
-    ranks = signal_trainer(world=2)  # one process alone: its own batch decides (the all-reduce is the identity)
-    notice_no_learning_signal(ranks, fake_batch([0.0] * 4))
-    assert len(ranks.said) == 1 and "every trajectory's reward is 0" in ranks.said[0]
-    paid = signal_trainer(world=2)
-    notice_no_learning_signal(paid, fake_batch([1.0, 0.0, 1.0, 0.0]))
-    assert paid.said == []
+def test_notice_once_per_run_after_a_batch_with_signal():
+    notice, said = signal_notice()
+    notice.check(fake_batch([1.0, 0.0, 1.0, 0.0]), 4)
+    assert said == []
+    notice.check(fake_batch([1.0, 1.0, 0.0, 0.0]), 4)  # grpo: equal inside every group
+    assert said == [f"iteration 5: {advice(reason([1.0, 1.0, 0.0, 0.0], True), notice.config)}"]
+    notice.check(fake_batch([0.0] * 4), 5)
+    assert len(said) == 1
+    critic, critic_said = signal_notice("gae")  # a critic learns from groups that differ
+    critic.check(fake_batch([1.0, 1.0, 0.0, 0.0]), 4)
+    assert critic_said == []
+    ranks, ranks_said = signal_notice(world=2)  # one process alone: its own batch decides (the all-reduce: identity)
+    ranks.check(fake_batch([0.0] * 4), 4)
+    assert len(ranks_said) == 1 and "every trajectory's reward is 0" in ranks_said[0]
+    paid, paid_said = signal_notice(world=2)
+    paid.check(fake_batch([1.0, 0.0, 1.0, 0.0]), 4)
+    assert paid_said == []
     flat_advantages = fake_batch([1.0, 0.0, 0.5, 0.0])
     flat_advantages.advantages = torch.zeros(4, 2)
-    unlucky = signal_trainer("gae")  # a critic's advantages that came out all 0
-    notice_no_learning_signal(unlucky, flat_advantages)
-    assert len(unlucky.said) == 1 and "every token's advantage is 0" in unlucky.said[0]
+    unlucky, unlucky_said = signal_notice("gae")  # a critic's advantages that came out all 0
+    unlucky.check(flat_advantages, 4)
+    assert len(unlucky_said) == 1 and "every token's advantage is 0" in unlucky_said[0]
 
 
 def test_notice_across_processes_asks_every_rank_once(monkeypatch):
@@ -527,17 +528,17 @@ def test_notice_across_processes_asks_every_rank_once(monkeypatch):
         return torch.tensor(others[0])  # what the other ranks add: one of them had a signal or none did
 
     monkeypatch.setattr(process_group, "all_reduce_sum", all_reduce_sum)
-    alone = signal_trainer()
-    notice_no_learning_signal(alone, fake_batch([0.0] * 4))
-    assert sums == [] and len(alone.said) == 1  # a single process makes no collective call
-    ranks = signal_trainer(world=2)
-    ranks.device = torch.device("meta")  # the collective runs on the trainer's device (NCCL wants CUDA tensors)
-    notice_no_learning_signal(ranks, fake_batch([0.0] * 4))
-    assert sums == [(torch.device("meta"), torch.Size([]))] and len(ranks.said) == 1
+    alone, alone_said = signal_notice()
+    alone.check(fake_batch([0.0] * 4), 4)
+    assert sums == [] and len(alone_said) == 1  # a single process makes no collective call
+    ranks, ranks_said = signal_notice(world=2)
+    ranks.device = torch.device("meta")  # the collective runs on the run's device (NCCL wants CUDA tensors)
+    ranks.check(fake_batch([0.0] * 4), 4)
+    assert sums == [(torch.device("meta"), torch.Size([]))] and len(ranks_said) == 1
     others[0] = 1.0
-    rescued = signal_trainer(world=2)
-    notice_no_learning_signal(rescued, fake_batch([0.0] * 4))  # another rank's batch had a signal: silent
-    assert rescued.said == [] and len(sums) == 2
+    rescued, rescued_said = signal_notice(world=2)
+    rescued.check(fake_batch([0.0] * 4), 4)  # another rank's batch had a signal: silent
+    assert rescued_said == [] and len(sums) == 2
 
 
 def test_load_full_model_state_copies_every_tensor_plain_or_sharded(tmp_path):
@@ -565,22 +566,22 @@ def test_load_full_model_state_copies_every_tensor_plain_or_sharded(tmp_path):
     assert guard_module.CollapseStopped.__mro__[1] is RuntimeError
 
 
-def test_other_ranks_keep_no_records_and_count_rollbacks_from_zero(tmp_path, monkeypatch, restores):
+def test_other_ranks_keep_no_records_and_count_rollbacks_from_zero(tmp_path, monkeypatch):
     from stppo_agent.distributed import process_group
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "collapse/rollback_to": 0, "grad_norm": 1.0}) + "\n")
     make_checkpoint(tmp_path, 1)
     make_checkpoint(tmp_path, 2)
     monkeypatch.setattr(process_group, "is_main", lambda: False)
-    guard = CollapseGuard(FakeTrainer(tmp_path))
+    guard = CollapseGuard(guard_config(), tmp_path)
     assert guard.records == [] and guard.rollbacks == 0 and guard.monitor.seen == 0  # rank 0 reads the log
-    assert guard.check(2, dict(COLLAPSE)) is None and guard.monitor.seen == 0  # rank 0 decides
-    guard._roll_back(1)  # what every rank does with rank 0's decision
-    assert guard.rollbacks == 1 and restores == [(tmp_path / "checkpoints" / "step-1", 0.5)]
+    assert guard.check(2, dict(COLLAPSE)) == CONTINUE and guard.monitor.seen == 0  # rank 0 decides
+    guard.rolled_back(1)  # what every rank does after carrying out rank 0's decision
+    assert guard.rollbacks == 1
     assert (tmp_path / "checkpoints" / "step-2").is_dir()  # rank 0 alone moves checkpoints aside
 
 
-def test_every_rank_acts_on_rank_zeros_decision(tmp_path, monkeypatch, restores):
+def test_every_rank_gets_rank_zeros_decision(tmp_path, monkeypatch):
     from stppo_agent.distributed import process_group
 
     gathered = []
@@ -590,18 +591,18 @@ def test_every_rank_acts_on_rank_zeros_decision(tmp_path, monkeypatch, restores)
         return [obj if process_group.is_main() else Decision("rollback", "rank 0 says", rollback_to=1), None]
 
     monkeypatch.setattr(process_group, "all_gather_objects", all_gather_objects)
-    _, alone = quiet_run(tmp_path / "alone")
+    alone = quiet_run(tmp_path / "alone")
     assert alone.check(7, dict(COLLAPSE)).action == "rollback" and gathered == []  # one process: no collective
     monkeypatch.setattr(process_group, "world_size", lambda: 2)
-    _, main = quiet_run(tmp_path / "main", on_collapse="warn")
-    assert gathered == [None] * 6  # quiet iterations: rank 0 sends "nothing to do"
+    main = quiet_run(tmp_path / "main", on_collapse="warn")
+    assert gathered == [CONTINUE] * 6  # quiet iterations: rank 0 sends "continue"
     gathered.clear()
     decision = main.check(7, dict(COLLAPSE))
     assert gathered == [decision] and decision.action == "warn"  # rank 0 sends its own decision
     make_checkpoint(tmp_path / "other", 1)
     monkeypatch.setattr(process_group, "is_main", lambda: False)
-    other = CollapseGuard(FakeTrainer(tmp_path / "other"))
+    other = CollapseGuard(guard_config(), tmp_path / "other")
     metrics: dict = {}
     received = other.check(2, metrics)
-    assert gathered[-1] is None and received.message == "rank 0 says"
-    assert metrics["collapse/rollback_to"] == 1 and restores[-1] == (tmp_path / "other" / "checkpoints" / "step-1", 0.5)
+    assert gathered[-1] == CONTINUE and received == Decision("rollback", "rank 0 says", rollback_to=1)
+    assert metrics == {"collapse/action": "rollback"}  # every rank's metrics say what it is told to do

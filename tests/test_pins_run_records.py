@@ -10,7 +10,6 @@ import random
 import sys
 import types
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -200,18 +199,18 @@ def test_rank_streams_restore_this_ranks_entry_or_start_a_fresh_stream(monkeypat
     tensors = {"rank_rng": [t for t, _ in saved]}
     json_state = json.loads(json.dumps({"rank_rng": [j for _, j in saved]}))
     notes = []
-    trainer = SimpleNamespace(config=SimpleNamespace(seed=7), iteration=4, report=notes.append)
+    run = dict(seed=7, iteration=4, report=notes.append)  # the run this rank resumes
 
     monkeypatch.setattr(process_group, "rank", lambda: 0)
     state_of(99)
     untouched = draws()
     state_of(99)
-    rank_streams.restore(trainer, tensors, json_state)
+    rank_streams.restore(tensors, json_state, **run)
     assert draws() == untouched and notes == []  # rank 0: the caller restores the main entries
     for rank, seed in ((1, 11), (2, 12)):
         monkeypatch.setattr(process_group, "rank", lambda rank=rank: rank)
         state_of(99)
-        rank_streams.restore(trainer, tensors, json_state)
+        rank_streams.restore(tensors, json_state, **run)
         assert draws() == expected[seed] and notes == []
 
     seeded = []
@@ -221,14 +220,13 @@ def test_rank_streams_restore_this_ranks_entry_or_start_a_fresh_stream(monkeypat
     for short_tensors, short_json, written in ((tensors["rank_rng"][:2], json_state["rank_rng"], 2),
                                                (tensors["rank_rng"], json_state["rank_rng"][:2], 3),
                                                ([], [], 1), (None, None, 1)):
-        rank_streams.restore(trainer, {"rank_rng": short_tensors}, {"rank_rng": short_json})
+        rank_streams.restore({"rank_rng": short_tensors}, {"rank_rng": short_json}, **run)
         assert seeded[-1] == fresh
         assert notes[-1] == (f"rank 2: the checkpoint holds no random state for this rank (written by {written} "
                              f"process(es)); its sampling continues from a fresh stream (seed {fresh})")
-    rank_streams.restore(trainer, {}, {})
+    rank_streams.restore({}, {}, **run)
     assert len(seeded) == 5 and "written by 1 process(es)" in notes[-1]
-    big = SimpleNamespace(config=SimpleNamespace(seed=2**64 + 7), iteration=4, report=notes.append)
-    rank_streams.restore(big, {}, {})
+    rank_streams.restore({}, {}, seed=2**64 + 7, iteration=4, report=notes.append)
     assert seeded[-1] == fresh  # the seed is taken modulo 2**64, as rank_seed does
 
 
@@ -265,14 +263,14 @@ def test_rank_streams_cuda_streams_travel_when_a_gpu_is_there(monkeypatch):
     assert sorted(tensors["rank_rng"][1]) == ["cuda", "torch"]
 
     monkeypatch.setattr(process_group, "rank", lambda: 1)
-    trainer = SimpleNamespace(config=SimpleNamespace(seed=1), iteration=0, report=print)
-    rank_streams.restore(trainer, {"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["rank 1 gpu"]}]},
-                         json.loads(json.dumps(json_state)))
+    run = dict(seed=1, iteration=0, report=print)
+    rank_streams.restore({"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["rank 1 gpu"]}]},
+                         json.loads(json.dumps(json_state)), **run)
     assert set_calls == [["rank 1 gpu"]]
-    rank_streams.restore(trainer, {"rank_rng": [{}, {"torch": torch.get_rng_state()}]}, json_state)
+    rank_streams.restore({"rank_rng": [{}, {"torch": torch.get_rng_state()}]}, json_state, **run)
     assert len(set_calls) == 1  # written without a GPU: nothing to put back
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    rank_streams.restore(trainer, {"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["x"]}]}, json_state)
+    rank_streams.restore({"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["x"]}]}, json_state, **run)
     assert len(set_calls) == 1  # resumed without a GPU
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -480,17 +479,16 @@ def test_recording_initial_weights_from_the_trainer_at_iteration_zero_only(tmp_p
     calls = []
     monkeypatch.setattr(RolloutRecorder, "save_initial", lambda self, *args: calls.append((self.rank, *args)))
 
-    def trainer(iteration, critic_model, rank=0):
-        return SimpleNamespace(run_dir=tmp_path / "run", tokenizer=tokenizer(), rank=rank, world=2,
-                               iteration=iteration, actor="A", critic="C", config=SimpleNamespace(
-                                   critic_model=critic_model), full_states=lambda: ("AS", "CS"))
+    def recorder_at(iteration, critic_model, rank=0):
+        return RolloutRecorder.for_run(tmp_path / "run", tokenizer(), rank, 2, iteration=iteration, actor="A",
+                                       critic="C", critic_model=critic_model, full_states=lambda: ("AS", "CS"))
 
-    recorder = RolloutRecorder.for_trainer(trainer(0, None))
+    recorder = recorder_at(0, None)
     assert (recorder.folder, recorder.rank, recorder.world) == (tmp_path / "run" / "rollouts", 0, 2)
     assert calls == [(0, "A", None, "AS", None)]  # a critic built from the actor is rebuilt on replay
-    RolloutRecorder.for_trainer(trainer(0, "critic-path", rank=1))
+    recorder_at(0, "critic-path", rank=1)
     assert calls[-1] == (1, "A", "C", "AS", "CS")
-    RolloutRecorder.for_trainer(trainer(3, "critic-path"))
+    recorder_at(3, "critic-path")
     assert len(calls) == 2  # a resumed run's initial weights are already recorded
     monkeypatch.undo()
     monkeypatch.setattr(loading, "save_policy", save_policy)

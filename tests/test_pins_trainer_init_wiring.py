@@ -1,7 +1,7 @@
 """Pins of ``Trainer.__init__``'s wiring with every collaborator stubbed in the trainer module (fast: no model is
-built): the defaults of ``resume``/``overwrite``, the order of the config's resolutions, the multiple-of-world
-check, the seeds of rank 0 and of another rank, what resume, the logger, config.yaml, the recorder and the guard
-receive, and what a non-main process leaves unset."""
+built, the training state is a linear one): the defaults of ``resume``/``overwrite``, the order of the config's
+resolutions, the multiple-of-world check, the seeds of rank 0 and of another rank, what each stage, resume, the
+logger, config.yaml, the recorder and the guard receive, and what a non-main process leaves unset."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from stppo_agent.training import trainer as trainer_module
+from stppo_agent.training.live_rollouts import RolloutContext
+from stppo_agent.training.state import Restore
+
+from .training_states import linear_state
 
 
 @dataclasses.dataclass
@@ -25,6 +29,8 @@ class FakeConfig:
     wandb_project: str = "wb"
     save_rollouts: bool = False
     on_collapse: str = "none"
+    step_diagnostics: bool = False
+    critic_model: str | None = None
     stage: str = "raw"
 
     def validate(self):
@@ -38,6 +44,16 @@ class FakeConfig:
 
 
 CALLS: list = []
+STATE = linear_state()
+
+
+@dataclasses.dataclass
+class Source:
+    """What the stubbed rollout source was built from."""
+
+    name: str
+    context: RolloutContext
+    env_kwargs: list | None = None
 
 
 class Logger:
@@ -65,17 +81,24 @@ def _stub(monkeypatch, *, rank=0, world=1, checkpoint=None):
     monkeypatch.setattr(trainer_module, "run_folder",
                         SimpleNamespace(prepare_on_all_ranks=record("prepare", checkpoint)))
     monkeypatch.setattr(trainer_module, "trainer_state", SimpleNamespace(
-        checkpoint_config=lambda ck: f"cfg<{ck}>", check_resume_settings=record("check_resume"),
-        resume=record("resume")))
-    monkeypatch.setattr(trainer_module, "build_models", record("build_models"))
-    monkeypatch.setattr(trainer_module, "PPOUpdate", lambda t: ("updater", t))
-    monkeypatch.setattr(trainer_module, "LiveRollouts", lambda t: ("live", t))
-    monkeypatch.setattr(trainer_module, "LearnerProbe", SimpleNamespace(for_trainer=lambda t: ("probe", t)))
+        checkpoint_config=lambda ck: f"cfg<{ck}>", check_resume_settings=record("check_resume")))
+    global STATE
+    STATE = linear_state()
+    STATE.load = record("load")
+    monkeypatch.setattr(trainer_module, "build_state", record("build_state", STATE))
+    monkeypatch.setattr(trainer_module, "weights_folder", lambda config, ck: f"weights<{ck}>")
+    monkeypatch.setattr(trainer_module, "generation_backend", record("backend", "the backend"))
+    monkeypatch.setattr(trainer_module, "PPOUpdate", lambda *args, **kwargs: ("updater", args, kwargs))
+    monkeypatch.setattr(trainer_module, "LiveRollouts", lambda context: Source("live", context))
+    monkeypatch.setattr(trainer_module, "LearnerProbe", SimpleNamespace(for_run=lambda *args: ("probe", args)))
     monkeypatch.setattr(trainer_module, "MetricsLogger", Logger)
     monkeypatch.setattr(trainer_module, "drop_recordings_after", record("drop"))
-    monkeypatch.setattr(trainer_module, "RolloutRecorder", SimpleNamespace(for_trainer=lambda t: ("recorder", t)))
-    monkeypatch.setattr(trainer_module, "StepDiagnostics", SimpleNamespace(for_trainer=lambda t: ("diag", t)))
-    monkeypatch.setattr(trainer_module, "CollapseGuard", lambda t: ("guard", t))
+    monkeypatch.setattr(trainer_module, "RolloutRecorder", SimpleNamespace(
+        for_run=lambda *args, **kwargs: ("recorder", args, kwargs)))
+    monkeypatch.setattr(trainer_module, "StepDiagnostics", SimpleNamespace(
+        for_run=lambda *args, **kwargs: ("diag", args, kwargs)))
+    monkeypatch.setattr(trainer_module, "CollapseGuard", lambda *args: ("guard", args))
+    monkeypatch.setattr(trainer_module, "LearningSignalNotice", lambda *args: ("signal", args))
 
 
 def report(message):
@@ -93,32 +116,57 @@ def test_defaults_and_wiring_of_a_new_run(monkeypatch, tmp_path):
     assert t.device == "dev<cpu>" and t.run_dir == tmp_path and t.rank == 0 and t.world == 1
     assert t.config.stage == "raw+prec(dev<cpu>)+split(None,report)" and t.algo == "algo<raw+prec(dev<cpu>)>"
     assert _calls("validate") == [("raw",)]
-    assert (t.iteration, t.optimizer_steps, t.nan_skips_in_a_row, t.nan_skips_total) == (0, 0, 0, 0)
-    assert t.actor_lr_scale == 1.0 and t._bar is None and t.sharded is False
+    assert t.state is STATE and (STATE.iteration, STATE.optimizer_steps, STATE.actor_lr_scale) == (0, 0, 1.0)
+    assert t._bar is None and t.sharded is False
     assert t.report is report and t.batch_hook is None
     assert _calls("ensure_process_group") == [] and _calls("seed") == [((7,), {})]
-    assert _calls("check_resume") == [((t, None), {})] and _calls("build_models") == [((t, None), {})]
-    assert t.updater == ("updater", t) and t.source == ("live", t) and t.probe == ("probe", t)
-    assert _calls("resume") == [] and _calls("drop") == []
+    assert _calls("check_resume") == [((t.config, t.algo, None, report), {})]
+    assert _calls("build_state") == [((t.config, t.algo, "dev<cpu>", False, None, report), {})]
+    assert _calls("backend") == [((t.config, STATE.stale_policy.model, STATE.tokenizer, 0, "weights<None>"), {})]
+    names = [call[0] for call in CALLS]
+    assert names.index("check_resume") < names.index("build_state")  # a refused change fails before the models load
+    assert t.backend == "the backend"
+    assert t.source == Source("live", RolloutContext(t.config, t.algo, tmp_path, STATE.tokenizer, "the backend", 0,
+                                                     1, t.phase))
+    assert STATE.sampler is t.source and t.probe == ("probe", (t.config, STATE.tokenizer, None))
+    assert t.updater == ("updater", (STATE, t.config, t.algo), dict(
+        device="dev<cpu>", rank=0, world=1, sharded=False, diagnostics=t.diagnostics, run_dir=tmp_path, report=report,
+        phase=t.phase))
+    assert t.learning_signal == ("signal", (t.config, t.algo, report, 1, "dev<cpu>"))
+    assert _calls("load") == [] and _calls("drop") == []
     config = dataclasses.asdict(t.config)
     assert _calls("logger") == [(tmp_path, {"tensorboard": True, "wandb_project": "wb", "config": config})]
     assert _calls("truncate_after") == [(0, report)]
     assert (tmp_path / "config.yaml").read_text() == f"yaml {t.config.stage} algo<raw+prec(dev<cpu>)>"
-    assert t.recorder is None and t.diagnostics == ("diag", t) and t.guard is None
+    assert t.recorder is None and t.guard is None
+    assert t.diagnostics == ("diag", (tmp_path, t.algo), dict(step_diagnostics=False, on_collapse="none",
+                                                              sharded=False, iteration=0))
 
 
 def test_resume_source_recorder_guard_and_sharding(monkeypatch, tmp_path):
     _stub(monkeypatch, checkpoint="CK")
-    source = lambda t: ("mine", t)  # noqa: E731
+    source = lambda context: Source("mine", context)  # noqa: E731
     t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path), strategy="fsdp2", save_rollouts=True,
-                                          on_collapse="stop"), resume=True, overwrite=True, report=report,
-                               rollout_source=source)
+                                          on_collapse="stop", critic_model="critic0"), resume=True, overwrite=True,
+                               report=report, rollout_source=source)
     assert _calls("prepare")[0][1] == {"resume": True, "overwrite": True, "report": report}
     assert t.sharded is True and len(_calls("ensure_process_group")) == 1
     assert t.config.stage.endswith("+split(cfg<CK>,report)")
-    assert _calls("check_resume") == [((t, "CK"), {})] and _calls("build_models") == [((t, "CK"), {})]
-    assert _calls("resume") == [((t, "CK"), {})] and _calls("drop") == [((tmp_path, 0), {})]
-    assert t.source == ("mine", t) and t.recorder == ("recorder", t) and t.guard == ("guard", t)
+    assert _calls("check_resume") == [((t.config, t.algo, "CK", report), {})]
+    assert _calls("build_state") == [((t.config, t.algo, "dev<cpu>", True, "CK", report), {})]
+    assert _calls("backend")[0][0][-1] == "weights<CK>"
+    assert _calls("load") == [(("CK", t.config, t.algo, Restore.RESUME, report), {})]
+    names = [call[0] for call in CALLS]
+    assert names.index("load") > names.index("backend")  # the sampler's position needs the source built
+    assert _calls("drop") == [((tmp_path, 0), {})]
+    assert t.source.name == "mine" and t.state.sampler is t.source and t.guard == ("guard", (t.config, tmp_path))
+    kind, args, kwargs = t.recorder
+    assert (kind, args) == ("recorder", (tmp_path, STATE.tokenizer, 0, 1))
+    assert {k: kwargs[k] for k in ("iteration", "actor", "critic", "critic_model")} == dict(
+        iteration=0, actor=STATE.actor, critic=None, critic_model="critic0")
+    actor_full, critic_full = kwargs["full_states"]()  # gathered, as the run is sharded (None, None unsharded)
+    assert set(actor_full) == {"weight", "bias"} and critic_full is None
+    assert t.updater[2]["sharded"] is True and t.diagnostics[2]["sharded"] is True
 
 
 def test_another_rank_reseeds_and_writes_nothing(monkeypatch, tmp_path):
@@ -126,7 +174,10 @@ def test_another_rank_reseeds_and_writes_nothing(monkeypatch, tmp_path):
     t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path)), report=report)
     assert _calls("seed") == [((7,), {}), ((701,), {})]
     assert t.logger is None and not (tmp_path / "config.yaml").exists()
-    assert _calls("logger") == [] and _calls("drop") == [] and _calls("resume") == [((t, "CK"), {})]
+    assert _calls("logger") == [] and _calls("drop") == []
+    assert _calls("load") == [(("CK", t.config, t.algo, Restore.RESUME, report), {})]
+    assert (t.source.context.rank, t.source.context.world) == (1, 2)
+    assert t.updater[2]["rank"] == 1 and t.updater[2]["world"] == 2
 
 
 def test_rank_two_reseeds_too(monkeypatch, tmp_path):

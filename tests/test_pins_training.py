@@ -520,26 +520,34 @@ def test_batched_no_grad_keeps_row_order_width_and_the_training_flag(training):
 
 # -- ppo_update -----------------------------------------------------------------------------------------------
 
-def fake_trainer(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **values):
+class Said(list):
+    """What a stage said through its report or phase callback, in order."""
+
+    def __call__(self, text: str) -> None:
+        self.append(text)
+
+
+def update_stage(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **values):
+    """The update stage over a real training state of tiny models with SGD optimizers at constant rates; its
+    ``report`` and ``phase`` are :class:`Said` lists."""
     from pathlib import Path
+
+    from stppo_agent.training.ppo_update import PPOUpdate
+    from stppo_agent.training.stale_policy import StalePolicy
+    from stppo_agent.training.state import TrainingState
 
     values = {"temperature": 0.7, "micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6, **values}
     cfg = config(algo=algo, **values)
     actor = tiny_lm(0)
     value_model = tiny_lm(1, critic=True) if critic else None
-    t = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), actor=actor, actor_train=actor, critic=value_model,
-                        critic_train=value_model, device=torch.device("cpu"), world=1, rank=0, sharded=False,
-                        diagnostics=None, iteration=0, optimizer_steps=0, nan_skips_in_a_row=0, nan_skips_total=0,
-                        reports=[], phases=[], run_dir=Path("runs/pins"), stale_policy=SimpleNamespace(lag=0),
-                        source=None)
-    t.report, t.phase = t.reports.append, t.phases.append
-    t.actor_optimizer = torch.optim.SGD(actor.parameters(), lr=lr)
-    t.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(t.actor_optimizer, lambda step: 1.0)
-    t.critic_optimizer = t.critic_scheduler = None
-    if critic:
-        t.critic_optimizer = torch.optim.SGD(value_model.parameters(), lr=lr)
-        t.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(t.critic_optimizer, lambda step: 1.0)
-    return t
+    actor_optimizer = torch.optim.SGD(actor.parameters(), lr=lr)
+    critic_optimizer = torch.optim.SGD(value_model.parameters(), lr=lr) if critic else None
+    state = TrainingState(
+        tokenizer=None, actor=actor, actor_optimizer=actor_optimizer,
+        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(actor_optimizer, lambda step: 1.0),
+        stale_policy=StalePolicy(actor, 0), critic=value_model, critic_optimizer=critic_optimizer,
+        critic_scheduler=torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda step: 1.0) if critic else None)
+    return PPOUpdate(state, cfg, cfg.algorithm_config(), run_dir=Path("runs/pins"), report=Said(), phase=Said())
 
 
 def reference_actor_grads(t, mini):
@@ -547,8 +555,8 @@ def reference_actor_grads(t, mini):
     from stppo_agent.algorithms import get_policy_loss
     from stppo_agent.training.log_probs import token_logprobs
 
-    t.actor.zero_grad(set_to_none=True)
-    logprobs, entropy = token_logprobs(t.actor, mini, with_entropy=True, entropy_grad=t.algo.entropy_coef > 0,
+    t.state.actor.zero_grad(set_to_none=True)
+    logprobs, entropy = token_logprobs(t.state.actor, mini, with_entropy=True, entropy_grad=t.algo.entropy_coef > 0,
                                        sampling=t.config.sampling())
     loss, _, metrics = get_policy_loss(t.algo.policy_loss)(
         logprobs=logprobs, old_logprobs=mini.old_logprobs, advantages=mini.advantages, loss_mask=mini.loss_mask,
@@ -556,8 +564,8 @@ def reference_actor_grads(t, mini):
         entropy=entropy, global_num_tokens=mini.loss_mask.sum().float(),
         global_num_seqs=mini.loss_mask.any(1).sum().float())
     loss.backward()
-    grads = [p.grad.clone() for p in t.actor.parameters()]
-    t.actor.zero_grad(set_to_none=True)
+    grads = [p.grad.clone() for p in t.state.actor.parameters()]
+    t.state.actor.zero_grad(set_to_none=True)
     return grads, metrics
 
 
@@ -566,13 +574,12 @@ def reference_actor_grads(t, mini):
     ("grpo", {"kl_loss_coef": 0.0, "loss_agg": "seq-mean-token-mean"}),
     ("gspo", {})])
 def test_accumulated_micro_batch_gradients_are_the_whole_mini_batch_gradient(algo, algorithm):
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(algo, algorithm=algorithm, micro_batch_size=1)
+    t = update_stage(algo, algorithm=algorithm, micro_batch_size=1)
     mini = make_batch().select([0, 2, 3, 4])
     want, metrics = reference_actor_grads(t, mini)
-    out = PPOUpdate(t).actor_gradients(mini)
-    got = [p.grad for p in t.actor.parameters()]
+    out = t.actor_gradients(mini)
+    got = [p.grad for p in t.state.actor.parameters()]
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-6, rtol=1e-4)
     norm = torch.sqrt(sum((w ** 2).sum() for w in want))
@@ -581,127 +588,122 @@ def test_accumulated_micro_batch_gradients_are_the_whole_mini_batch_gradient(alg
 
 
 def test_gradients_are_clipped_to_max_grad_norm_and_the_norm_before_is_reported():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(max_grad_norm=1e-3)
+    t = update_stage(max_grad_norm=1e-3)
     mini = make_batch().select([0, 1, 2, 3])
     want, _ = reference_actor_grads(t, mini)
-    out = PPOUpdate(t).actor_gradients(mini)
+    out = t.actor_gradients(mini)
     norm = float(torch.sqrt(sum((w ** 2).sum() for w in want)))
     assert norm > 0.01 and out["grad_norm"] == pytest.approx(norm, rel=1e-4)
-    after = float(torch.sqrt(sum((p.grad ** 2).sum() for p in t.actor.parameters())))
+    after = float(torch.sqrt(sum((p.grad ** 2).sum() for p in t.state.actor.parameters())))
     assert after == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_a_clip_bias_corrected_step_is_the_same_whatever_the_micro_batch_size():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
     mini = make_batch().select([0, 1, 2, 3])
     grads, outs = [], []
     for micro in (1, 4):
-        t = fake_trainer("st_ppo", micro_batch_size=micro, mini_batch_size=4)
+        t = update_stage("st_ppo", micro_batch_size=micro, mini_batch_size=4)
         assert t.algo.clip_bias_correction
-        outs.append(PPOUpdate(t).actor_gradients(mini))
-        grads.append([p.grad.clone() for p in t.actor.parameters()])
+        outs.append(t.actor_gradients(mini))
+        grads.append([p.grad.clone() for p in t.state.actor.parameters()])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert outs[0]["grad_norm"] == pytest.approx(outs[1]["grad_norm"], rel=1e-4)
     corrector_keys = {k for k in outs[0] if k not in ("grad_norm", "learner_kl_to_reference")} - set(
-        reference_actor_grads(fake_trainer("st_ppo"), mini)[1])
+        reference_actor_grads(update_stage("st_ppo"), mini)[1])
     assert corrector_keys and all(outs[0][k] == pytest.approx(outs[1][k], rel=1e-4, abs=1e-7)
                                   for k in corrector_keys)
-    measured = PPOUpdate(fake_trainer("ppo", step_diagnostics=True)).actor_gradients(mini)
+    measured = update_stage("ppo", step_diagnostics=True).actor_gradients(mini)
     assert {"clip_bias_norm", "pg_grad_norm"} <= corrector_keys
     # with step diagnostics ||C|| is measured for every algorithm, but only S-PPO / ST-PPO rescale by it
     assert {"clip_bias_norm", "pg_grad_norm"} <= set(measured) and "clip_bias_scale" not in measured
-    assert not corrector_keys & set(PPOUpdate(fake_trainer("ppo")).actor_gradients(mini))
+    assert not corrector_keys & set(update_stage("ppo").actor_gradients(mini))
 
 
 def test_the_critic_step_fits_the_returns_from_the_old_values():
     from stppo_agent.algorithms import value_loss
     from stppo_agent.training.log_probs import critic_values
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(micro_batch_size=1)
+    t = update_stage(micro_batch_size=1)
     mini = make_batch().select([0, 2, 3, 5])
-    loss, metrics = value_loss(values=critic_values(t.critic, mini), old_values=mini.values, returns=mini.returns,
+    loss, metrics = value_loss(values=critic_values(t.state.critic, mini), old_values=mini.values, returns=mini.returns,
                                loss_mask=mini.loss_mask, config=t.algo, global_num_tokens=mini.loss_mask.sum().float())
     loss.backward()
-    want = [p.grad.clone() for p in t.critic.parameters()]
-    before = [p.detach().clone() for p in t.critic.parameters()]
-    out = PPOUpdate(t)._critic_step(mini)
+    want = [p.grad.clone() for p in t.state.critic.parameters()]
+    before = [p.detach().clone() for p in t.state.critic.parameters()]
+    out = t._critic_step(mini)
     norm = float(torch.sqrt(sum((w ** 2).sum() for w in want)))
     assert out["critic_grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert out["value_loss"] == pytest.approx(float(metrics["value_loss"]), rel=1e-4)
-    for p, b, w in zip(t.critic.parameters(), before, want):  # one SGD step of lr 0.1 on that gradient
+    for p, b, w in zip(t.state.critic.parameters(), before, want):  # one SGD step of lr 0.1 on that gradient
         assert torch.allclose(p.detach(), b - 0.1 * w, atol=1e-6)
 
 
 def test_the_critic_gradient_is_clipped():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(max_grad_norm=1e-4)
-    before = [p.detach().clone() for p in t.critic.parameters()]
-    out = PPOUpdate(t)._critic_step(make_batch().select([0, 1, 2, 3]))
+    t = update_stage(max_grad_norm=1e-4)
+    before = [p.detach().clone() for p in t.state.critic.parameters()]
+    out = t._critic_step(make_batch().select([0, 1, 2, 3]))
     assert out["critic_grad_norm"] > 1e-3
-    moved = math.sqrt(sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(t.critic.parameters(), before)))
+    moved = math.sqrt(sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(t.state.critic.parameters(), before)))
     assert moved == pytest.approx(0.1 * 1e-4, rel=1e-3)
 
 
 def test_an_update_steps_epochs_times_mini_batches_in_a_seeded_order():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3)
-    t.iteration = 2
+    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3)
+    t.state.iteration = 2
     batch = make_batch()
     batch.group_ids = torch.arange(6)
-    updater, seen = PPOUpdate(t), []
+    updater, seen = t, []
     step = updater._optimizer_step
     updater._optimizer_step = lambda mini: seen.append(mini.group_ids.tolist()) or step(mini)
-    before = [p.detach().clone() for p in t.actor.parameters()]
+    before = [p.detach().clone() for p in t.state.actor.parameters()]
     metrics = updater.update(batch)
     g = torch.Generator().manual_seed(3 + 2)
     orders = [torch.randperm(6, generator=g).tolist() for _ in range(2)]
     assert seen == [orders[0][:4], orders[0][4:], orders[1][:4], orders[1][4:]]
-    assert t.optimizer_steps == 4 and t.phases == [f"update step {i}/4" for i in range(1, 5)]
+    assert t.state.optimizer_steps == 4 and t.phase == [f"update step {i}/4" for i in range(1, 5)]
     assert metrics["offpolicy/steps"] == 3.0  # every step after the first
     assert metrics["nan_skips_total"] == 0 and metrics["actor_lr"] == 0.1
     assert metrics["update_tokens_per_s"] > 0
     assert "value_loss" in metrics and "pg_loss" in metrics and "critic_grad_norm" in metrics
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(t.actor.parameters(), before))
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(t.state.actor.parameters(), before))
 
 
 def test_update_counts_the_policy_tokens_it_trained_on(monkeypatch):
     import stppo_agent.training.ppo_update as ppo_update
 
-    t = fake_trainer(ppo_epochs=3, mini_batch_size=6, micro_batch_size=6)
+    t = update_stage(ppo_epochs=3, mini_batch_size=6, micro_batch_size=6)
     batch = make_batch()
     clock = iter([5.0, 5.5])  # half a second (a lower bound of one second on the time would show)
     monkeypatch.setattr(ppo_update.time, "perf_counter", lambda: next(clock))
-    metrics = ppo_update.PPOUpdate(t).update(batch)
+    metrics = t.update(batch)
     assert metrics["update_tokens_per_s"] == pytest.approx(3 * int(batch.loss_mask.sum()) / 0.5)
     monkeypatch.undo()
-    one_epoch = fake_trainer(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4, critic=False)
-    assert ppo_update.PPOUpdate(one_epoch).update(make_batch())["offpolicy/steps"] == 1.0  # only the first is on
+    one_epoch = update_stage(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4, critic=False)
+    assert one_epoch.update(make_batch())["offpolicy/steps"] == 1.0  # only the first is on
 
 
 def test_a_non_finite_step_is_skipped_then_the_run_stops():
-    from stppo_agent.training.ppo_update import PPOUpdate, TrainingDivergedError
+    from stppo_agent.training.ppo_update import TrainingDivergedError
 
-    t = fake_trainer(max_nan_skips=1)
-    updater = PPOUpdate(t)
+    t = update_stage(max_nan_skips=1)
+    updater = t
     bad = make_batch().select([0, 1, 2, 3])
     bad.advantages[0, 0] = math.nan
-    before = [p.detach().clone() for p in t.actor.parameters()]
+    before = [p.detach().clone() for p in t.state.actor.parameters()]
     out = updater._optimizer_step(bad)
     assert out["skipped"] == 1.0 and math.isnan(out["grad_norm"])
-    assert t.optimizer_steps == 0 and t.nan_skips_in_a_row == 1 and t.nan_skips_total == 1
-    assert all(p.grad is None for p in t.actor.parameters())
-    assert all(torch.equal(p.detach(), b) for p, b in zip(t.actor.parameters(), before))
-    assert t.reports == ["iteration 1: non-finite actor loss or gradient; update skipped (1 in a row)"]
+    assert t.state.optimizer_steps == 0 and t.state.nan_skips_in_a_row == 1 and t.state.nan_skips_total == 1
+    assert all(p.grad is None for p in t.state.actor.parameters())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(t.state.actor.parameters(), before))
+    assert t.report == ["iteration 1: non-finite actor loss or gradient; update skipped (1 in a row)"]
     good = make_batch().select([0, 1, 2, 3])
     assert "skipped" not in updater._optimizer_step(good)
-    assert t.nan_skips_in_a_row == 0 and t.nan_skips_total == 1 and t.optimizer_steps == 1
+    assert t.state.nan_skips_in_a_row == 0 and t.state.nan_skips_total == 1 and t.state.optimizer_steps == 1
     updater._optimizer_step(bad)
     with pytest.raises(TrainingDivergedError) as info:
         updater._optimizer_step(bad)
@@ -709,35 +711,34 @@ def test_a_non_finite_step_is_skipped_then_the_run_stops():
         f"2 consecutive updates had NaN/inf losses or gradients; stopping. The last valid checkpoint is in "
         f"{Path('runs/pins/checkpoints')}; lower the learning rate, raise max_grad_norm headroom, or check the data "
         "and rewards, then --resume.")
-    assert t.nan_skips_total == 3
+    assert t.state.nan_skips_total == 3
 
 
 def test_a_non_finite_critic_step_is_skipped_alone():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer()
+    t = update_stage()
     mini = make_batch().select([0, 1, 2, 3])
     mini.returns[1, 0] = math.inf
-    before = [p.detach().clone() for p in t.critic.parameters()]
-    out = PPOUpdate(t)._optimizer_step(mini)
-    assert out["skipped"] == 1.0 and t.optimizer_steps == 1  # the actor stepped
-    assert all(torch.equal(p.detach(), b) for p, b in zip(t.critic.parameters(), before))
-    assert all(p.grad is None for p in t.critic.parameters())
-    assert t.reports == ["iteration 1: non-finite critic loss or gradient; update skipped (1 in a row)"]
-    t2 = fake_trainer(critic=False)
-    out = PPOUpdate(t2)._optimizer_step(make_batch().select([0, 1, 2, 3]))
-    assert "value_loss" not in out and t2.optimizer_steps == 1
+    before = [p.detach().clone() for p in t.state.critic.parameters()]
+    out = t._optimizer_step(mini)
+    assert out["skipped"] == 1.0 and t.state.optimizer_steps == 1  # the actor stepped
+    assert all(torch.equal(p.detach(), b) for p, b in zip(t.state.critic.parameters(), before))
+    assert all(p.grad is None for p in t.state.critic.parameters())
+    assert t.report == ["iteration 1: non-finite critic loss or gradient; update skipped (1 in a row)"]
+    t2 = update_stage(critic=False)
+    out = t2._optimizer_step(make_batch().select([0, 1, 2, 3]))
+    assert "value_loss" not in out and t2.state.optimizer_steps == 1
 
 
 def test_a_critic_step_with_finite_losses_and_an_infinite_gradient_is_skipped(monkeypatch):
     import stppo_agent.training.ppo_update as ppo_update
 
-    t = fake_trainer()
+    t = update_stage()
     monkeypatch.setattr(ppo_update.process_group, "clip_grad_norm", lambda params, norm: torch.tensor(math.inf))
-    before = [p.detach().clone() for p in t.critic.parameters()]
-    out = ppo_update.PPOUpdate(t)._critic_step(make_batch().select([0, 1, 2, 3]))
+    before = [p.detach().clone() for p in t.state.critic.parameters()]
+    out = t._critic_step(make_batch().select([0, 1, 2, 3]))
     assert out["skipped"] == 1.0 and math.isinf(out["critic_grad_norm"])
-    assert all(torch.equal(p.detach(), b) for p, b in zip(t.critic.parameters(), before))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(t.state.critic.parameters(), before))
 
 
 def test_synced_last_skips_the_all_reduce_until_the_last_micro_batch():
@@ -762,44 +763,41 @@ def test_synced_last_skips_the_all_reduce_until_the_last_micro_batch():
 
 
 def test_global_counts_are_policy_tokens_and_trajectories_never_zero():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer()
+    t = update_stage()
     batch = make_batch()
-    tokens, seqs = PPOUpdate(t)._global_counts(batch)
+    tokens, seqs = t._global_counts(batch)
     assert float(tokens) == float(batch.loss_mask.sum()) and float(seqs) == 6.0
     batch.loss_mask[:] = False
     batch.loss_mask[1, 0] = True
-    assert [float(x) for x in PPOUpdate(t)._global_counts(batch)] == [1.0, 1.0]
+    assert [float(x) for x in t._global_counts(batch)] == [1.0, 1.0]
     batch.loss_mask[:] = False
     t.world = 4
-    assert [float(x) for x in PPOUpdate(t)._global_counts(batch)] == [0.25, 0.25]
+    assert [float(x) for x in t._global_counts(batch)] == [0.25, 0.25]
 
 
 def test_whole_batch_statistics_only_for_m2po_over_several_micro_batches():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
     mini = make_batch().select([0, 1, 2, 3])
-    t = fake_trainer("m2po", micro_batch_size=1)
-    updater = PPOUpdate(t)
+    t = update_stage("m2po", micro_batch_size=1)
+    updater = t
     micros = updater._split(mini)
     assert len(micros) == 4
     keywords = updater._whole_batch_keywords(micros)
     assert len(keywords) == 4 and all(k for k in keywords)
     assert updater._whole_batch_keywords(micros[:1]) == [{}]
-    assert PPOUpdate(fake_trainer("ppo"))._whole_batch_keywords(micros) == [{}, {}, {}, {}]
+    assert update_stage("ppo")._whole_batch_keywords(micros) == [{}, {}, {}, {}]
     grads = []
     for micro in (1, 4):
-        t = fake_trainer("m2po", micro_batch_size=micro, algorithm={"m2_threshold": 0.02})
+        t = update_stage("m2po", micro_batch_size=micro, algorithm={"m2_threshold": 0.02})
         mini.old_logprobs = mini.old_logprobs + 0.0
-        PPOUpdate(t).actor_gradients(mini)
-        grads.append([p.grad.clone() for p in t.actor.parameters()])
+        t.actor_gradients(mini)
+        grads.append([p.grad.clone() for p in t.state.actor.parameters()])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_step_diagnostics_hooks_see_every_micro_batch_and_the_step():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
     calls = []
 
@@ -814,10 +812,10 @@ def test_step_diagnostics_hooks_see_every_micro_batch_and_the_step():
             calls.append(("finish", len(params), "grad_norm" in out, steps))
             return {"diag": 1.0}
 
-    t = fake_trainer(mini_batch_size=6, micro_batch_size=2, critic=False)
-    t.iteration, t.optimizer_steps, t.diagnostics = 4, 7, Diagnostics()
-    metrics = PPOUpdate(t).update(make_batch())
-    params = len([p for p in t.actor.parameters() if p.requires_grad])
+    t = update_stage(mini_batch_size=6, micro_batch_size=2, critic=False)
+    t.state.iteration, t.state.optimizer_steps, t.diagnostics = 4, 7, Diagnostics()
+    metrics = t.update(make_batch())
+    params = len([p for p in t.state.actor.parameters() if p.requires_grad])
     assert calls == [("begin", 5, True), ("micro", 2, True), ("micro", 2, True), ("micro", 2, True),
                      ("finish", params, True, 7)]
     assert metrics["diag"] == 1.0
@@ -966,21 +964,22 @@ def test_the_prompt_sampler_walks_a_seeded_permutation_per_epoch():
     assert resumed.take(2) == [pairs[i] for i in second[3:]]
 
 
-def live(env="stppo/Toy-v0", env_kwargs=None, **values):
+def live(env="stppo/Toy-v0", env_kwargs=None, backend=None, **values):
+    """Live rollouts over a backend that holds its own weights (an engine's, which needs nothing gathered); their
+    phases are a :class:`Said` list."""
     from pathlib import Path
 
-    from stppo_agent.training.live_rollouts import LiveRollouts
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.rollouts.vllm_generation import VLLMGenerationBackend
+    from stppo_agent.training.live_rollouts import LiveRollouts, RolloutContext
 
     cfg = config(env=env, env_kwargs=env_kwargs or {}, **values)
-    trainer = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), run_dir=Path("runs/pins"), rank=0, world=1,
-                              backend=object(), tokenizer=SimpleNamespace(pad_token_id=0), actor=torch.nn.Linear(1, 1),
-                              phases=[])
-    trainer.phase = trainer.phases.append
-    return LiveRollouts(trainer)
+    backend = backend or VLLMGenerationBackend.__new__(VLLMGenerationBackend)
+    return LiveRollouts(RolloutContext(cfg, cfg.algorithm_config(), Path("runs/pins"), word_tokenizer(), backend,
+                                       phase=Said()))
 
 
 def test_live_rollouts_build_one_env_per_slot_sharing_the_search_envs_retriever():
-    from stppo_agent.training.live_rollouts import LiveRollouts
 
     from .conftest import KeywordRetriever
 
@@ -998,7 +997,7 @@ def test_live_rollouts_build_one_env_per_slot_sharing_the_search_envs_retriever(
     assert toy._env(0, 0).turns == 3
     with pytest.raises(ValueError, match=r"^env is empty; pass one or more env ids, e\.g\. stppo/NQ-v0,"
                                          r"stppo/HotpotQA-v0$"):
-        LiveRollouts(SimpleNamespace(config=config(env=" , "), run_dir=None))
+        live(" , ")
 
 
 def test_a_search_env_spec_becomes_one_shared_retriever(monkeypatch):
@@ -1009,7 +1008,7 @@ def test_a_search_env_spec_becomes_one_shared_retriever(monkeypatch):
     monkeypatch.setattr(live_rollouts, "shared_retriever_spec", lambda spec, run_dir: specs.append((spec, run_dir))
                         or share(spec, run_dir))
     rollouts = live("stppo/NQ-v0", {"topk": 1})
-    assert specs == [("demo", rollouts.trainer.run_dir)]
+    assert specs == [("demo", rollouts.context.run_dir)]
     retriever = rollouts.env_kwargs[0]["retriever"]
     assert not isinstance(retriever, str) and rollouts._env(0, 0).retriever is retriever
     assert rollouts._env(1, 0).retriever is retriever  # one index in memory for every slot
@@ -1040,21 +1039,21 @@ def test_a_round_assigns_slots_groups_and_seeds(monkeypatch):
     assert own["groups"] == [4, 4, 4, 5, 5, 5] and extra["groups"] == [10**9 + 4] * 3 + [10**9 + 5] * 3
     assert own["seeds"] == [5 + 2_000_006 + slot for slot in range(6)]
     assert extra["seeds"] == [5 + 2_000_006 + slot + 7_919_993 for slot in range(6)]
-    assert own["options"] == [{"index": 0}] * 6 and own["limits"] == rollouts.trainer.config.rollout_limits()
+    assert own["options"] == [{"index": 0}] * 6 and own["limits"] == rollouts.context.config.rollout_limits()
     assert len({id(env) for env in own["envs"]}) == 6
     assert [id(e) for e in own["envs"]] == [id(e) for e in extra["envs"]]  # the same slots, the same envs
-    assert rollouts.trainer.phases == ["rollout turn 2/4 done (4 active)"] * 2
+    assert rollouts.context.phase == ["rollout turn 2/4 done (4 active)"] * 2
     assert rollouts.state() == {"epoch": 4, "cursor": 0}  # one example: each prompt is an epoch
     rollouts.load({"epoch": 1, "cursor": 0})
     assert rollouts.sampler.state() == {"epoch": 1, "cursor": 0}
-    assert own["backend"] is rollouts.trainer.backend and own["tokenizer"] is rollouts.trainer.tokenizer
+    assert own["backend"] is rollouts.context.backend and own["tokenizer"] is rollouts.context.tokenizer
 
 
 def test_hf_generation_holds_the_gathered_actor(monkeypatch):
     import contextlib
 
+    import stppo_agent.rollouts.hf_generation as hf_generation
     import stppo_agent.training.live_rollouts as live_rollouts
-    from stppo_agent.rollouts.hf_generation import HFGenerationBackend
 
     calls, held = [], []
 
@@ -1064,13 +1063,13 @@ def test_hf_generation_holds_the_gathered_actor(monkeypatch):
         yield model
 
     monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
-    monkeypatch.setattr(live_rollouts.process_group, "gathered", gathered)
-    rollouts = live()
-    rollouts._play(0, 0)
-    assert held == []  # an engine with its own weights (vLLM) needs no gathered actor
-    rollouts.trainer.backend = HFGenerationBackend.__new__(HFGenerationBackend)
-    rollouts._play(0, 0)
-    assert held == [rollouts.trainer.actor]
+    monkeypatch.setattr(hf_generation.process_group, "gathered", gathered)
+    live()._play(0, 0)
+    assert held == [] and len(calls) == 1  # an engine with its own weights (vLLM) needs no gathered actor
+    hf = hf_generation.HFGenerationBackend.__new__(hf_generation.HFGenerationBackend)
+    hf.model = actor = torch.nn.Linear(1, 1)
+    live(backend=hf)._play(0, 0)
+    assert held == [actor] and calls[-1]["backend"] is hf
 
 
 def test_each_rank_plays_its_share_of_the_prompts(monkeypatch):
@@ -1079,7 +1078,7 @@ def test_each_rank_plays_its_share_of_the_prompts(monkeypatch):
     calls = []
     monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
     rollouts = live(prompts_per_iteration=4, samples_per_prompt=2, seed=0)
-    rollouts.trainer.rank, rollouts.trainer.world = 1, 2
+    rollouts.context = dataclasses_replace(rollouts.context, rank=1, world=2)
     rollouts._play(0, 0)
     assert calls[0]["groups"] == [1, 1, 3, 3] and calls[0]["seeds"] == [2, 3, 6, 7]
 
@@ -1114,7 +1113,7 @@ def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_r
                                              r"; the policy would learn from error messages. Check the retriever "
                                              r"\(demo\), then --resume"):
         rollouts.next_batch(2)
-    rollouts.trainer.config.env_kwargs = {"retriever": "http://retriever:8000"}
+    rollouts.context.config.env_kwargs = {"retriever": "http://retriever:8000"}
     with pytest.raises(RetrievalError, match=r"Check the retriever \(http://retriever:8000\), then --resume from the "
                                              r"last checkpoint$"):
         rollouts.next_batch(2)
@@ -1145,10 +1144,9 @@ def test_warmup_is_linear_over_its_steps():
     assert warmup(0)(0) == 1.0 and warmup(1)(0) == 1.0
 
 
-def setup_trainer(monkeypatch, **values):
-    """A trainer shell and the recorded call of build_models' loader (models built in memory, no folder)."""
-    from pathlib import Path
-
+def setup_models(monkeypatch, **values):
+    """The config, the recorded call of build_state's loader (models built in memory, no folder) and the devices
+    DDP wrapped for."""
     import stppo_agent.training.model_setup as model_setup
     from stppo_agent.models.loading import PolicyModels
     from stppo_agent.models.tiny import word_tokenizer
@@ -1172,75 +1170,78 @@ def setup_trainer(monkeypatch, **values):
     wrapped = []
     monkeypatch.setattr(model_setup, "load_policy_models", load)
     monkeypatch.setattr(model_setup.process_group, "wrap_ddp", lambda model, device: wrapped.append(device) or model)
-    cfg = config(**values)
-    trainer = SimpleNamespace(config=cfg, algo=cfg.algorithm_config(), device=torch.device("cpu"), sharded=False,
-                              rank=0, run_dir=Path("runs/pins"))
-    return trainer, calls, wrapped
+    return config(**values), calls, wrapped
 
 
-def test_build_models_loads_wraps_and_optimizes_each_model(monkeypatch):
+def build(cfg, checkpoint=None, sharded=False):
+    from stppo_agent.training.model_setup import build_state
+
+    return build_state(cfg, cfg.algorithm_config(), torch.device("cpu"), sharded, checkpoint, report=print)
+
+
+def test_build_state_loads_wraps_and_optimizes_each_model(monkeypatch):
     from stppo_agent.rollouts.hf_generation import HFGenerationBackend
-    from stppo_agent.training.model_setup import build_models
+    from stppo_agent.training.model_setup import generation_backend, weights_folder
 
-    trainer, calls, wrapped = setup_trainer(
+    cfg, calls, wrapped = setup_models(
         monkeypatch, model="init", algo="ppo", critic_model="critic0", dtype="bfloat16", gradient_checkpointing=True,
         actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4,
         algorithm={"kl_loss_coef": 0.1, "kl_in_reward": 0.0},
         temperature=0.5, generation_batch_size=3, reuse_kv_cache=False)
-    build_models(trainer, None)
+    state = build(cfg)
     assert calls == dict(actor_path="init", critic_path="critic0", use_critic=True, need_reference=True,
                          dtype="bfloat16", gradient_checkpointing=True, reference_path="init", autocast_dtype=None)
-    actor, critic = trainer.actor, trainer.critic
-    assert trainer.reference is not None and len(trainer.tokenizer) == 9
+    actor, critic = state.actor, state.critic
+    assert state.reference is not None and len(state.tokenizer) == 9
     assert actor.training and critic.training
     assert actor.config.attention_dropout == 0.0 and actor.drop.p == 0.0 and critic.drop.p == 0.0
-    assert trainer.actor_train is actor and trainer.critic_train is critic and wrapped == [trainer.device] * 2
-    for optimizer, model, lr in ((trainer.actor_optimizer, actor, 0.01), (trainer.critic_optimizer, critic, 0.02)):
+    assert state.actor_train is actor and state.critic_train is critic and wrapped == [torch.device("cpu")] * 2
+    assert (state.iteration, state.optimizer_steps, state.nan_skips_total, state.actor_lr_scale) == (0, 0, 0, 1.0)
+    assert state.sampler is None  # the rollout source, built later, holds the prompt position
+    for optimizer, model, lr in ((state.actor_optimizer, actor, 0.01), (state.critic_optimizer, critic, 0.02)):
         assert isinstance(optimizer, torch.optim.AdamW)
         group = optimizer.param_groups[0]
         assert group["weight_decay"] == 0.1 and group["initial_lr"] == lr and group["lr"] == pytest.approx(lr / 4)
         assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
-    for optimizer, scheduler in ((trainer.actor_optimizer, trainer.actor_scheduler),
-                                 (trainer.critic_optimizer, trainer.critic_scheduler)):
+    for optimizer, scheduler in ((state.actor_optimizer, state.actor_scheduler),
+                                 (state.critic_optimizer, state.critic_scheduler)):
         optimizer.step()
         scheduler.step()
-    assert trainer.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
-    assert trainer.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
-    assert trainer.stale_policy.staleness == 0 and trainer.stale_policy.model is actor
-    backend = trainer.backend
+    assert state.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+    assert state.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert state.stale_policy.staleness == 0 and state.stale_policy.model is actor
+    assert weights_folder(cfg, None) is None
+    backend = generation_backend(cfg, state.stale_policy.model, state.tokenizer, 0, None)
     assert isinstance(backend, HFGenerationBackend) and backend.model is actor
-    assert backend.tokenizer is trainer.tokenizer
+    assert backend.tokenizer is state.tokenizer
     assert backend.sampling.temperature == 0.5 and backend.batch_size == 3 and backend.reuse_cache is False
 
 
-def test_build_models_on_resume_and_without_critic_or_reference(monkeypatch):
+def test_build_state_on_resume_and_without_critic_or_reference(monkeypatch):
     from pathlib import Path
 
-    from stppo_agent.training.model_setup import build_models
+    from stppo_agent.training.model_setup import weights_folder
 
-    trainer, calls, wrapped = setup_trainer(monkeypatch, model="init", algo="grpo", samples_per_prompt=2,
-                                            algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0},
-                                            rollout_staleness=2, autocast_dtype="bfloat16")
-    build_models(trainer, Path("ckpt"))
+    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="grpo", samples_per_prompt=2,
+                                       algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0},
+                                       rollout_staleness=2, autocast_dtype="bfloat16")
+    state = build(cfg, Path("ckpt"))
     assert calls["actor_path"] == str(Path("ckpt") / "actor") and calls["critic_path"] == str(Path("ckpt") / "critic")
     assert calls["reference_path"] == "init" and calls["use_critic"] is False and calls["need_reference"] is False
     assert calls["autocast_dtype"] == "bfloat16"
-    assert trainer.critic is None and trainer.reference is None and trainer.critic_train is None
-    assert trainer.critic_optimizer is None and trainer.critic_scheduler is None and wrapped == [trainer.device]
-    assert trainer.actor_optimizer.param_groups[0]["lr"] == 1e-6  # no warm-up
-    assert trainer.stale_policy.staleness == 2 and trainer.stale_policy.model is not trainer.actor
-    assert trainer.backend.model is trainer.stale_policy.model
+    assert state.critic is None and state.reference is None and state.critic_train is None
+    assert state.critic_optimizer is None and state.critic_scheduler is None and wrapped == [torch.device("cpu")]
+    assert state.actor_optimizer.param_groups[0]["lr"] == 1e-6  # no warm-up
+    assert state.stale_policy.staleness == 2 and state.stale_policy.model is not state.actor
     ids = torch.tensor([[3, 4, 5]])
     with torch.no_grad():  # the lagged copy computes under the run's autocast too
-        assert torch.equal(trainer.stale_policy.model(input_ids=ids).logits, trainer.actor(input_ids=ids).logits)
-    import stppo_agent.training.model_setup as model_setup
-
-    backends = []
-    monkeypatch.setattr(model_setup, "generation_backend", lambda t, checkpoint: backends.append(checkpoint))
-    build_models(trainer, Path("ckpt"))
-    assert backends == [Path("ckpt")]  # vLLM loads the resumed weights from there
-    trainer, calls, _ = setup_trainer(monkeypatch, algo="ppo", algorithm={"kl_in_reward": 0.1, "kl_loss_coef": 0.0})
-    build_models(trainer, None)
+        assert torch.equal(state.stale_policy.model(input_ids=ids).logits, state.actor(input_ids=ids).logits)
+    assert weights_folder(cfg, Path("ckpt")) == Path("ckpt")  # vLLM loads the resumed weights from there
+    warm = config(init_from="runs/a/checkpoints/step-2")
+    assert weights_folder(warm, None) == Path("runs/a/checkpoints/step-2")  # and a warm start's
+    assert weights_folder(warm, Path("ckpt")) == Path("ckpt")  # a resume reads its own checkpoint, not init_from
+    cfg, calls, _ = setup_models(monkeypatch, algo="ppo", algorithm={"kl_in_reward": 0.1, "kl_loss_coef": 0.0})
+    build(cfg)
     assert calls["need_reference"] is True and calls["critic_path"] is None and calls["use_critic"] is True
 
 
@@ -1248,20 +1249,18 @@ def test_sharded_models_are_sharded_in_place_in_the_compute_dtype(monkeypatch):
     import stppo_agent.training.model_setup as model_setup
 
     sharded = []
-    trainer, _, wrapped = setup_trainer(monkeypatch, algo="ppo", strategy="fsdp2", fsdp_compute_dtype="bfloat16",
-                                        algorithm={"kl_loss_coef": 0.1})
+    cfg, _, wrapped = setup_models(monkeypatch, algo="ppo", strategy="fsdp2", fsdp_compute_dtype="bfloat16",
+                                   algorithm={"kl_loss_coef": 0.1})
     monkeypatch.setattr(model_setup.process_group, "shard_fsdp2", lambda model, dtype: sharded.append((model, dtype)))
-    trainer.sharded = True
-    model_setup.build_models(trainer, None)
-    assert [m for m, _ in sharded] == [trainer.actor, trainer.critic, trainer.reference] and not wrapped
+    state = build(cfg, sharded=True)
+    assert [m for m, _ in sharded] == [state.actor, state.critic, state.reference] and not wrapped
     assert {d for _, d in sharded} == {torch.bfloat16}
-    assert trainer.actor_train is trainer.actor and trainer.critic_train is trainer.critic
+    assert state.actor_train is state.actor and state.critic_train is state.critic
     sharded.clear()
-    trainer, _, _ = setup_trainer(monkeypatch, algo="grpo", strategy="fsdp2", samples_per_prompt=2,
-                                  algorithm={"kl_loss_coef": 0.0})
-    trainer.sharded = True
-    model_setup.build_models(trainer, None)
-    assert sharded == [(trainer.actor, None)]
+    cfg, _, _ = setup_models(monkeypatch, algo="grpo", strategy="fsdp2", samples_per_prompt=2,
+                             algorithm={"kl_loss_coef": 0.0})
+    state = build(cfg, sharded=True)
+    assert sharded == [(state.actor, None)]
 
 
 def test_the_vllm_backend_gets_the_run_settings(monkeypatch):
@@ -1275,22 +1274,21 @@ def test_the_vllm_backend_gets_the_run_settings(monkeypatch):
     monkeypatch.setitem(sys.modules, "stppo_agent.rollouts.vllm_generation", fake)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     cfg = config(generation_backend="vllm", seed=7, temperature=0.5, vllm_gpu_memory_utilization=0.6)
-    trainer = SimpleNamespace(config=cfg, rank=0)
-    model_setup.generation_backend(trainer, None)
+    model_setup.generation_backend(cfg, None, None, 0, None)
     import os
 
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     path, sampling, kw = made[0]
     assert path == "m" and sampling.temperature == 0.5
     assert kw == dict(dtype="bfloat16", seed=7, gpu_memory_utilization=0.6)
-    trainer = SimpleNamespace(config=config(generation_backend="vllm", dtype="bfloat16", seed=7), rank=1)
-    model_setup.generation_backend(trainer, Path("ckpt"))
+    cfg = config(generation_backend="vllm", dtype="bfloat16", seed=7)
+    model_setup.generation_backend(cfg, None, None, 1, Path("ckpt"))
     from stppo_agent.distributed.process_group import rank_seed
 
     assert made[1][0] == str(Path("ckpt") / "actor") and made[1][2]["dtype"] == "bfloat16"
     assert made[1][2]["seed"] == rank_seed(7, 1) != 7
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    model_setup.generation_backend(trainer, None)
+    model_setup.generation_backend(cfg, None, None, 1, None)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # the user's own setting wins
 
 
@@ -1504,11 +1502,12 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
                       report=reports.append, batch_hook=batches.append)
     assert [entry[:3] for entry in loggers] == [(tmp_path, True, "pins")] and loggers[0][3]["seed"] == 11
     assert torch.initial_seed() == 11 and trainer.config.autocast_dtype in (None, "bfloat16")  # auto resolved
-    assert (trainer.iteration, trainer.optimizer_steps, trainer.nan_skips_in_a_row, trainer.nan_skips_total,
-            trainer.actor_lr_scale, trainer.rank, trainer.world, trainer.sharded) == (0, 0, 0, 0, 1.0, 0, 1, False)
+    state = trainer.state
+    assert (state.iteration, state.optimizer_steps, state.nan_skips_in_a_row, state.nan_skips_total,
+            state.actor_lr_scale, trainer.rank, trainer.world, trainer.sharded) == (0, 0, 0, 0, 1.0, 0, 1, False)
     assert trainer.algo.advantage == "gae" and trainer.run_dir == tmp_path and trainer.device.type == "cpu"
     assert trainer.guard is not None and trainer.diagnostics is not None and trainer.recorder is not None
-    assert trainer.full_states() == (None, None)
+    assert trainer.state.full_states(trainer.sharded) == (None, None)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["algorithm"]["advantage"] == "gae" and len(saved["algorithm"]) >= 15
     assert saved["autocast_dtype"] == trainer.config.autocast_dtype
@@ -1526,9 +1525,9 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
 
     trainer.backend = Engine(trainer.backend)
     last = trainer.train()
-    assert synced == [trainer.actor] * 3  # after every update
+    assert synced == [trainer.state.actor] * 3  # after every update
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == [1, 2, 3] and trainer.iteration == 3 and trainer.optimizer_steps == 3
+    assert [r["step"] for r in records] == [1, 2, 3] and (state.iteration, state.optimizer_steps) == (3, 3)
     assert [r["staleness"] for r in records] == [0, 1, 1]
     assert last["reward"] == records[-1]["reward"] and last["staleness"] == 1  # train() returns the last metrics
     for r in records:
@@ -1560,7 +1559,8 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     reports = []
     again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none"), resume=True,
                     report=reports.append)
-    assert again.iteration == 1 and again.optimizer_steps == 1 and again.guard is None and again.diagnostics is None
+    assert (again.state.iteration, again.state.optimizer_steps) == (1, 1)
+    assert again.guard is None and again.diagnostics is None
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]  # the records after the checkpoint are dropped
     assert again.train() == {}
     assert reports[-1] == (f"nothing to train: {tmp_path} is at iteration 1 and iterations=1; --iterations 2 or more "
@@ -1568,12 +1568,12 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     longer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", keep_checkpoints=1),
                      resume=True, report=lambda _: None)
     longer.train()
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and longer.optimizer_steps == 2
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and longer.state.optimizer_steps == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-2"]
     with pytest.raises(Exception, match="resume|overwrite"):
         Trainer(toy_run(tiny_folder, tmp_path, iterations=2), report=lambda _: None)
     fresh = Trainer(toy_run(tiny_folder, tmp_path, iterations=2), overwrite=True, report=lambda _: None)
-    assert fresh.iteration == 0 and read_metrics(tmp_path) == []
+    assert fresh.state.iteration == 0 and read_metrics(tmp_path) == []
 
 
 def test_a_bad_config_fails_before_the_run_folder_is_touched(tmp_path):
@@ -1584,46 +1584,99 @@ def test_a_bad_config_fails_before_the_run_folder_is_touched(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_trainer_steps_delegate_in_order():
+class Recording:
+    """A collaborator of the loop (rollout source, recorder, update, learning-signal notice) that records its calls."""
+
+    sampled_by_actor = False
+    env_kwargs = None
+
+    def __init__(self, calls: list, batch=None):
+        self.calls, self.batch = calls, batch
+
+    def next_batch(self, iteration):
+        self.calls.append(("next", iteration))
+        return self.batch
+
+    def record(self, iteration, batch):
+        self.calls.append(("record", iteration, batch is self.batch))
+
+    def update(self, batch, on_policy_start):
+        return "update", batch, on_policy_start
+
+    def actor_gradients(self, mini):
+        return "gradients", mini
+
+    def check(self, batch, iteration):
+        self.calls.append(("signal", batch, iteration))
+
+
+def test_the_trainer_stages_get_what_they_need_in_order(tiny_folder, tmp_path, monkeypatch):
+    import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.monitoring.collapse_guard import CollapseGuard
     from stppo_agent.training.trainer import Trainer
 
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, on_collapse="none", old_logprobs="sampler"),
+                      report=lambda _: None)
     calls = []
     batch = SimpleNamespace(to=lambda device: calls.append(("to", device)) or "moved")
-    shell = SimpleNamespace(iteration=4, device="dev", phase=lambda text: calls.append(("phase", text)),
-                            source=SimpleNamespace(next_batch=lambda i: calls.append(("next", i)) or batch),
-                            recorder=SimpleNamespace(record=lambda i, b: calls.append(("record", i, b is batch))),
-                            batch_hook=lambda b: calls.append(("hook", b is batch)),
-                            updater=SimpleNamespace(update=lambda b: ("update", b),
-                                                    actor_gradients=lambda m: ("gradients", m)))
-    assert Trainer.rollout(shell) == "moved"
-    assert calls == [("phase", "rollout"), ("next", 4), ("record", 5, True), ("hook", True), ("to", "dev")]
-    shell.recorder = shell.batch_hook = None
+    trainer.state.iteration = 4
+    trainer.phase = lambda text: calls.append(("phase", text))
+    trainer.source = trainer.recorder = trainer.updater = trainer.learning_signal = Recording(calls, batch)
+    trainer.batch_hook = lambda b: calls.append(("hook", b is batch))
+    assert trainer.rollout() == "moved"
+    assert calls == [("phase", "rollout"), ("next", 4), ("record", 5, True), ("hook", True), ("to", trainer.device)]
+    trainer.recorder = trainer.batch_hook = None
     calls.clear()
-    Trainer.rollout(shell)
-    assert calls == [("phase", "rollout"), ("next", 4), ("to", "dev")]
-    assert Trainer.update(shell, "b") == ("update", "b") and Trainer.actor_gradients(shell, "m") == ("gradients", "m")
+    trainer.rollout()
+    assert calls == [("phase", "rollout"), ("next", 4), ("to", trainer.device)]
+    # the sampler's own log-probs, sampled by another rule (a replay): not on-policy from the first step
+    assert trainer.update("b") == ("update", "b", False) and trainer.actor_gradients("m") == ("gradients", "m")
+    trainer.source.sampled_by_actor = True
+    assert trainer.update("b") == ("update", "b", True)
+    scored = []
+    monkeypatch.setattr(trainer_module, "score_batch", lambda b, **kw: scored.append((b, kw)))
+    calls.clear()
+    trainer.score("the batch")
+    state = trainer.state
+    assert scored == [("the batch", dict(config=trainer.config, algo=trainer.algo, actor=state.actor,
+                                         generator=state.stale_policy.model, reference=state.reference,
+                                         critic=state.critic, device=trainer.device, world=1))]
+    assert calls == [("signal", "the batch", 4)]
+    saved = []
+    state.save = lambda run_dir, config, algo, **kw: saved.append((run_dir, config, algo, kw)) or "path"
+    assert trainer.save() == "path" and saved == [(tmp_path, trainer.config, trainer.algo,
+                                                   dict(sharded=False, protect=()))]
+    trainer.guard = CollapseGuard(trainer.config, tmp_path)
+    trainer.guard.protected_steps = lambda: (2, 4)
+    trainer.save()
+    assert saved[-1][3] == dict(sharded=False, protect=(2, 4))
 
 
-def test_phase_shows_on_the_bar_only_while_it_is_shown():
+def test_phase_shows_on_the_bar_only_while_it_is_shown(tiny_folder, tmp_path):
     from stppo_agent.training.trainer import Trainer
 
-    shown = []
-    bar = SimpleNamespace(disable=False, set_postfix_str=lambda text, refresh: shown.append((text, refresh)))
-    Trainer.phase(SimpleNamespace(_bar=bar), "scoring")
-    assert shown == [("scoring", True)]
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, on_collapse="none"), report=lambda _: None)
+    bar = RecordedBar(disable=False)
+    trainer._bar = bar
+    trainer.phase("scoring")
+    assert bar.phases == ["scoring"] and bar.refreshed == [True]
     bar.disable = True
-    Trainer.phase(SimpleNamespace(_bar=bar), "x")
-    Trainer.phase(SimpleNamespace(_bar=None), "y")
-    assert shown == [("scoring", True)]
+    trainer.phase("x")
+    trainer._bar = None
+    trainer.phase("y")
+    assert bar.phases == ["scoring"]
 
 
 # -- scoring (mutmut skips score_batch: it is decorated with torch.no_grad) ---------------------------------------
 
-def scoring_trainer(algo="ppo", reference=True, **values):
-    t = fake_trainer(algo, **values)
-    t.stale_policy = SimpleNamespace(model=tiny_lm(5).eval())
-    t.reference = tiny_lm(6).eval() if reference else None
-    return t
+def scoring_inputs(algo="ppo", reference=True, critic=True, **values) -> dict:
+    """What score_batch takes: the config, tiny actor, critic, reference and lagged generator (other weights than
+    the actor's), on the CPU, one process."""
+    values = {"temperature": 0.7, "micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6, **values}
+    cfg = config(algo=algo, **values)
+    return dict(config=cfg, algo=cfg.algorithm_config(), actor=tiny_lm(0), generator=tiny_lm(5).eval(),
+                reference=tiny_lm(6).eval() if reference else None,
+                critic=tiny_lm(1, critic=True) if critic else None, device=torch.device("cpu"), world=1)
 
 
 def expected_scores(t, batch, behaviour, sampler=None):
@@ -1632,15 +1685,16 @@ def expected_scores(t, batch, behaviour, sampler=None):
     from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty
     from stppo_agent.training.log_probs import critic_values, token_logprobs
 
+    sampling, algo, reference, critic = t["config"].sampling(), t["algo"], t["reference"], t["critic"]
     with torch.no_grad():
-        old = token_logprobs(behaviour.eval(), batch, sampling=t.config.sampling())[0]
-        sampled = old if sampler is None else token_logprobs(sampler.eval(), batch, sampling=t.config.sampling())[0]
-        ref = token_logprobs(t.reference, batch, sampling=t.config.sampling())[0] if t.reference is not None else None
-        values = critic_values(t.critic.eval(), batch) if t.critic is not None else torch.zeros_like(old)
-        penalty = kl_reward_penalty(sampled, ref, batch.loss_mask, t.algo) \
-            if t.algo.kl_in_reward > 0 and ref is not None else None
-        adv, ret = estimate_advantages(t.algo.advantage, rewards=batch.rewards, values=values,
-                                       loss_mask=batch.loss_mask, group_ids=batch.group_ids, config=t.algo,
+        old = token_logprobs(behaviour.eval(), batch, sampling=sampling)[0]
+        sampled = old if sampler is None else token_logprobs(sampler.eval(), batch, sampling=sampling)[0]
+        ref = token_logprobs(reference, batch, sampling=sampling)[0] if reference is not None else None
+        values = critic_values(critic.eval(), batch) if critic is not None else torch.zeros_like(old)
+        penalty = kl_reward_penalty(sampled, ref, batch.loss_mask, algo) \
+            if algo.kl_in_reward > 0 and ref is not None else None
+        adv, ret = estimate_advantages(algo.advantage, rewards=batch.rewards, values=values,
+                                       loss_mask=batch.loss_mask, group_ids=batch.group_ids, config=algo,
                                        kl_penalty=penalty, turn_ids=batch.turn_ids)
     return old, ref, values, adv, ret
 
@@ -1649,13 +1703,13 @@ def expected_scores(t, batch, behaviour, sampler=None):
 def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_trainer(stale_objective=objective, rollout_staleness=1, algorithm={"kl_in_reward": 0.2},
-                        micro_batch_size=2)
+    t = scoring_inputs(stale_objective=objective, rollout_staleness=1, algorithm={"kl_in_reward": 0.2},
+                       micro_batch_size=2)
     batch = make_batch()
-    behaviour = t.stale_policy.model if objective == "coupled" else t.actor
-    old, ref, values, adv, ret = expected_scores(t, batch, behaviour, sampler=t.stale_policy.model)
+    behaviour = t["generator"] if objective == "coupled" else t["actor"]
+    old, ref, values, adv, ret = expected_scores(t, batch, behaviour, sampler=t["generator"])
     batch.old_logprobs = batch.ref_logprobs = batch.values = batch.advantages = batch.returns = None
-    score_batch(t, batch)
+    score_batch(batch, **t)
     mask = batch.loss_mask
     assert torch.allclose(batch.old_logprobs[mask], old[mask], atol=1e-5)
     assert torch.allclose(batch.ref_logprobs[mask], ref[mask], atol=1e-5)
@@ -1667,19 +1721,19 @@ def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
     assert torch.allclose(batch.returns[mask], ret[mask], atol=1e-4)
     assert batch.stats["advantage/mean"] == pytest.approx(float(adv[mask].mean()), abs=1e-5)
     assert batch.stats["advantage/std"] == pytest.approx(float(adv[mask].std()), rel=1e-4)
-    sampled = expected_scores(t, batch, t.stale_policy.model)[0]  # kl_to_reference: the lagged policy's, both ways
+    sampled = expected_scores(t, batch, t["generator"])[0]  # kl_to_reference: the lagged policy's, both ways
     assert batch.stats["kl_to_reference"] == pytest.approx(float((sampled - ref)[mask].mean()), abs=1e-5)
 
 
 def test_scoring_without_critic_or_reference():
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_trainer("grpo", reference=False, critic=False, samples_per_prompt=2,
-                        algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0})
+    t = scoring_inputs("grpo", reference=False, critic=False, samples_per_prompt=2,
+                       algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0})
     batch = make_batch()
     batch.ref_logprobs = batch.values = None
-    _, _, _, adv, _ = expected_scores(t, batch, t.stale_policy.model)
-    score_batch(t, batch)
+    _, _, _, adv, _ = expected_scores(t, batch, t["generator"])
+    score_batch(batch, **t)
     assert batch.ref_logprobs is None and batch.values is None and "kl_to_reference" not in batch.stats
     assert torch.allclose(batch.advantages, adv, atol=1e-5)
 
@@ -1690,29 +1744,29 @@ def test_scoring_whitens_over_the_global_batch_with_several_ranks(monkeypatch):
     whitened = []
     monkeypatch.setattr(scoring.process_group, "distributed_whiten",
                         lambda x, mask: whitened.append(x.clone()) or x * 0 + 7.0)
-    t = scoring_trainer(reference=False)
-    t.world = 2
+    t = scoring_inputs(reference=False)
+    t["world"] = 2
     batch = make_batch()
-    scoring.score_batch(t, batch)
+    scoring.score_batch(batch, **t)
     assert len(whitened) == 1 and (batch.advantages == 7.0).all()
-    raw = dataclasses_replace(t.algo, whiten_advantages=False)
-    t.world, t.algo = 1, raw
+    raw = dataclasses_replace(t["algo"], whiten_advantages=False)
+    t["world"], t["algo"] = 1, raw
     again = make_batch()
-    scoring.score_batch(t, again)
+    scoring.score_batch(again, **t)
     assert torch.allclose(whitened[0], again.advantages, atol=1e-5)  # the local estimate, not whitened locally
 
 
 def test_scoring_hands_the_rollout_correction_weights_to_the_loss():
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_trainer(reference=False, algorithm={"rollout_correction": "tis", "rollout_correction_level": "token"})
+    t = scoring_inputs(reference=False, algorithm={"rollout_correction": "tis", "rollout_correction_level": "token"})
     batch = make_batch()
     batch.sample_logprobs = torch.full_like(batch.sample_logprobs, -2.0)
-    plain = scoring_trainer(reference=False, algorithm={"rollout_correction": "none"})
+    plain = scoring_inputs(reference=False, algorithm={"rollout_correction": "none"})
     reference_batch = make_batch()
     reference_batch.sample_logprobs = batch.sample_logprobs.clone()
-    score_batch(t, batch)
-    score_batch(plain, reference_batch)
+    score_batch(batch, **t)
+    score_batch(reference_batch, **plain)
     assert "rollout_logprob_diff" in batch.stats
     mask = batch.loss_mask
     assert torch.allclose(batch.advantages[mask], reference_batch.advantages[mask], atol=1e-6)  # not folded in
@@ -1765,7 +1819,6 @@ def test_sft_draws_its_order_from_the_seed(monkeypatch, tmp_path):
 def test_ddp_all_reduces_once_per_optimizer_step():
     import contextlib
 
-    from stppo_agent.training.ppo_update import PPOUpdate
 
     class DDPLike(torch.nn.Module):
         def __init__(self, module, log):
@@ -1781,9 +1834,9 @@ def test_ddp_all_reduces_once_per_optimizer_step():
             yield
 
     actor_log, critic_log = [], []
-    t = fake_trainer(micro_batch_size=1)
-    t.actor_train, t.critic_train = DDPLike(t.actor, actor_log), DDPLike(t.critic, critic_log)
-    PPOUpdate(t)._optimizer_step(make_batch().select([0, 1, 2, 3]))
+    t = update_stage(micro_batch_size=1)
+    t.state.actor_train, t.state.critic_train = DDPLike(t.state.actor, actor_log), DDPLike(t.state.critic, critic_log)
+    t._optimizer_step(make_batch().select([0, 1, 2, 3]))
     assert actor_log == ["no_sync"] * 3 and critic_log == ["no_sync"] * 3  # all but the last of 4 micro-batches
 
 
@@ -1861,11 +1914,11 @@ def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny
     first.train()
     again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none", actor_lr=0.5), resume=True,
                     report=lambda _: None)
-    trained, resumed = first.actor.state_dict(), again.actor.state_dict()
+    trained, resumed = first.state.actor.state_dict(), again.state.actor.state_dict()
     assert all(torch.equal(trained[k], resumed[k]) for k in trained)  # not the folder's initial weights
     assert not (tmp_path / "rollouts").exists() and again.recorder is None  # save_rollouts is off
     loaded = []
-    monkeypatch.setattr(trainer_module, "build_models", lambda *args: loaded.append(args))
+    monkeypatch.setattr(trainer_module, "build_state", lambda *args: loaded.append(args))
     with pytest.raises(ValueError, match=r"^--resume cannot change seed \(11 -> 12\)"):  # before the models load
         Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", actor_lr=0.5, seed=12),
                 resume=True, report=lambda _: None)
@@ -1877,7 +1930,7 @@ class RecordedBar:
 
     def __init__(self, iterable=None, **kwargs):
         self.iterable, self.kwargs, self.disable = iterable, kwargs, kwargs.get("disable", False)
-        self.updates, self.postfixes, self.phases, self.closed = [], [], [], False
+        self.updates, self.postfixes, self.phases, self.refreshed, self.closed = [], [], [], [], False
 
     def __iter__(self):
         return iter(self.iterable)
@@ -1890,6 +1943,7 @@ class RecordedBar:
 
     def set_postfix_str(self, text, refresh):
         self.phases.append(text)
+        self.refreshed.append(refresh)
 
     def close(self):
         self.closed = True
@@ -1935,74 +1989,144 @@ def test_the_training_bar_counts_iterations_from_where_the_run_stands(tiny_folde
     assert 0 < metrics["rollout_seconds"] <= metrics["iteration_seconds"] < elapsed
 
 
+def scripted_guard(trainer, script: dict):
+    """The run's guard, deciding ``script[iteration]`` (continue otherwise); its calls are kept in ``seen``."""
+    from stppo_agent.monitoring.collapse_guard import CONTINUE, CollapseGuard
+
+    guard = CollapseGuard(trainer.config, trainer.run_dir)
+    seen = []
+
+    def check(iteration, metrics, actor_lr_scale=1.0):
+        seen.append((iteration, "reward" in metrics, actor_lr_scale))
+        return script.get(iteration, CONTINUE)
+
+    guard.check = check
+    trainer.guard = guard
+    return seen
+
+
 def test_a_stop_decision_saves_then_stops_with_the_guards_advice(tiny_folder, tmp_path):
     from stppo_agent.monitoring.collapse_guard import CollapseStopped, Decision
     from stppo_agent.training.trainer import Trainer
 
     trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, save_every=10, on_collapse="none"),
                       report=lambda _: None)
-    checks = []
-
-    def check(iteration, metrics):
-        checks.append((iteration, "reward" in metrics))
-        return Decision("stop", "reward collapsed.") if iteration == 2 else None
-
-    trainer.guard = SimpleNamespace(check=check, protected_steps=lambda: (1,))
+    checks = scripted_guard(trainer, {2: Decision("stop", "reward collapsed.")})
     with pytest.raises(CollapseStopped) as info:
         trainer.train()
-    assert checks == [(1, True), (2, True)]
+    assert checks == [(1, True, 1.0), (2, True, 1.0)]
     assert str(info.value) == ("reward collapsed. The state at the alarm is saved in "
                                f"{tmp_path / 'checkpoints' / 'step-2'}.")
     assert (tmp_path / "checkpoints" / "step-2").is_dir()
 
 
-def test_save_hands_the_gathered_states_and_the_guards_protected_steps(monkeypatch, tmp_path):
-    import stppo_agent.training.trainer as trainer_module
+def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path):
+    """continue: nothing; warn: say it and checkpoint; rollback to step N: step-N's weights and optimizer state at
+    a lowered learning rate, said, logged and checkpointed; stop: checkpoint, then stop."""
+    from safetensors.torch import load_file
+
+    from stppo_agent.monitoring.collapse_guard import CollapseStopped, Decision
+    from stppo_agent.runs.checkpoint import load_trainer_state
+    from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
+
+    reports = []
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=6, save_every=10, on_collapse="none", actor_lr=0.01),
+                      report=reports.append)
+    seen = scripted_guard(trainer, {2: Decision("warn", "looks odd."),
+                                    3: Decision("rollback", "collapsed.", rollback_to=2),
+                                    5: Decision("stop", "collapsed again.")})
+    synced = []  # what an engine with its own copy of the weights (vLLM) was handed, as it was then
+    sync = trainer.backend.sync_weights
+
+    def sync_weights(actor):
+        synced.append((actor, {name: p.detach().clone() for name, p in actor.named_parameters()}))
+        sync(actor)
+
+    trainer.backend.sync_weights = sync_weights
+    with pytest.raises(CollapseStopped) as info:
+        trainer.train()
+    assert [actor for actor, _ in synced] == [trainer.state.actor] * 6  # after each of the 5 updates, the rollback
+    folder = tmp_path / "checkpoints"
+    # the 4th hand-over is the rollback's (iteration 3, after its update's): step-2's weights, not the collapsed ones
+    restored = load_file(folder / "step-2" / "actor" / "model.safetensors")
+    handed = [weights for _, weights in synced]
+    assert restored.keys() <= handed[3].keys() and all(torch.equal(handed[3][k], restored[k]) for k in restored)
+    assert not all(torch.equal(handed[2][k], restored[k]) for k in restored)  # the update had moved them
+    final = dict(trainer.state.actor.named_parameters())
+    assert all(torch.equal(handed[-1][k], final[k]) for k in final)  # the engine ends in step with the actor
+    assert str(info.value) == f"collapsed again. The state at the alarm is saved in {folder / 'step-5'}."
+    assert seen == [(1, True, 1.0), (2, True, 1.0), (3, True, 1.0), (4, True, 0.5), (5, True, 0.5)]
+    assert [m for m in reports if not m.startswith("iteration ")] == ["looks odd.", "collapsed.", "collapsed again."]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3", "step-5"]  # each alarm, at once
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and trainer.state.iteration == 5
+    assert not any("collapse/rollback_to" in r for r in records if r["step"] != 3)
+    rolled = records[2]
+    assert (rolled["collapse/rollback_to"], rolled["collapse/lr_scale"]) == (2, 0.5)
+    assert rolled["collapse/actor_lr"] == pytest.approx(0.005) == trainer.state.actor_scheduler.get_last_lr()[0]
+    assert [r["actor_lr"] for r in records] == [pytest.approx(x) for x in (0.01, 0.01, 0.01, 0.005, 0.005)]
+    assert trainer.guard.rollbacks == 1 and trainer.state.actor_lr_scale == 0.5
+    # step-3 is the state the rollback restored, saved at once: step-2's weights and optimizer moments
+    two, three = load_file(folder / "step-2" / "actor" / "model.safetensors"), \
+        load_file(folder / "step-3" / "actor" / "model.safetensors")
+    assert two.keys() == three.keys() and all(torch.equal(two[k], three[k]) for k in two)
+    (two, saved_two), (three, saved_three) = (load_trainer_state(folder / f"step-{n}") for n in (2, 3))
+    moments = two["actor_optimizer"]["state"]
+    assert moments and all(torch.equal(moments[name][key], three["actor_optimizer"]["state"][name][key])
+                           for name in moments for key in ("exp_avg", "exp_avg_sq"))
+    assert (saved_two["iteration"], saved_three["iteration"]) == (2, 3)  # iterations keep counting
+    assert saved_three["actor_lr_scale"] == 0.5 and saved_two["actor_lr_scale"] == 1.0
+    # the collapsed update's steps count: the policy version is not rolled back
+    assert saved_three["optimizer_steps"] == saved_two["optimizer_steps"] + trainer.config.ppo_epochs
+
+
+def test_save_hands_the_gathered_states_and_the_protected_steps(monkeypatch, tmp_path):
+    import stppo_agent.training.state as state_module
+
+    from .training_states import linear_state
 
     saved = []
-    monkeypatch.setattr(trainer_module, "save_checkpoint", lambda run_dir, iteration, **kw: saved.append(
+    monkeypatch.setattr(state_module, "save_checkpoint", lambda run_dir, iteration, **kw: saved.append(
         (run_dir, iteration, kw)) or run_dir / "saved")
-    monkeypatch.setattr(trainer_module.trainer_state, "checkpoint_states", lambda t: ("tensors", "json"))
-    gathered = {"actor": "full actor", "critic": "full critic"}
-    monkeypatch.setattr(trainer_module, "full_model_state", lambda model: gathered[model])
-    shell = SimpleNamespace(run_dir=tmp_path, iteration=7, actor="actor", critic="critic", tokenizer="tok",
-                            config=SimpleNamespace(keep_checkpoints=3), sharded=True,
-                            guard=SimpleNamespace(protected_steps=lambda: (2, 4)))
-    shell.full_states = lambda: Trainer.full_states(shell)
-    assert Trainer.save(shell) == tmp_path / "saved"
-    assert saved == [(tmp_path, 7, dict(actor="actor", tokenizer="tok", critic="critic", tensor_state="tensors",
-                                        json_state="json", keep=3, actor_state="full actor",
+    monkeypatch.setattr(state_module.TrainingState, "states", lambda self, config, algo: ("tensors", "json"))
+    state = linear_state(iteration=7)
+    state.tokenizer, state.critic = "tok", torch.nn.Linear(1, 1)
+    gathered = {id(state.actor): "full actor", id(state.critic): "full critic"}
+    monkeypatch.setattr(state_module, "full_model_state", lambda model: gathered[id(model)])
+    cfg = config(keep_checkpoints=3)
+    assert state.save(tmp_path, cfg, cfg.algorithm_config(), sharded=True, protect=(2, 4)) == tmp_path / "saved"
+    assert saved == [(tmp_path, 7, dict(actor=state.actor, tokenizer="tok", critic=state.critic,
+                                        tensor_state="tensors", json_state="json", keep=3, actor_state="full actor",
                                         critic_state="full critic", protect=(2, 4)))]
-    shell.critic, shell.guard = None, None
-    assert Trainer.full_states(shell) == ("full actor", None)
-    Trainer.save(shell)
+    state.critic = None
+    assert state.full_states(True) == ("full actor", None)
+    state.save(tmp_path, cfg, cfg.algorithm_config(), sharded=True)
     assert saved[-1][2]["protect"] == () and saved[-1][2]["critic_state"] is None
-    shell.sharded = False
-    assert Trainer.full_states(shell) == (None, None)
+    assert state.full_states(False) == (None, None)
 
 
-def test_train_on_cuda_measures_each_iterations_peak_memory(monkeypatch):
-    """The CUDA-only lines, on a shell trainer: this CPU has no device to measure."""
+def test_train_on_cuda_measures_each_iterations_peak_memory(tiny_folder, tmp_path, monkeypatch):
+    """The CUDA-only lines, on a trainer whose device says cuda: this CPU has no device to measure."""
     import stppo_agent.training.trainer as trainer_module
     from stppo_agent.training.trainer import Trainer
 
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, save_every=10, on_collapse="none"),
+                      report=lambda _: None)
     calls = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append(("peak", device)) or 3 * 2**29)
     monkeypatch.setattr(trainer_module, "rollout_statistics",
                         lambda batch, algo: calls.append(("statistics", algo)) or {"reward": 0.5})
     device = SimpleNamespace(type="cuda")
-    shell = SimpleNamespace(config=SimpleNamespace(iterations=2, progress=False, rollout_staleness=0, save_every=10),
-                            iteration=0, device=device, algo="the algorithm", actor="actor", backend=object(),
-                            rollout=lambda: SimpleNamespace(loss_mask=torch.ones(2, 3)),
-                            stale_policy=SimpleNamespace(lag=0, advance=lambda actor: None),
-                            phase=lambda text: None, score=lambda batch: None,
-                            update=lambda batch: {"update_tokens_per_s": 10.0}, guard=None, logger=None, probe=None,
-                            save=lambda: calls.append("save") or "path", report=print, run_dir="run", _bar=None)
-    metrics = Trainer.train(shell)
-    assert calls == [("reset", device), ("statistics", "the algorithm"), ("peak", device)] * 2 + ["save"]
-    assert metrics["gpu_peak_memory_gib"] == 1.5 and shell.iteration == 2
+    trainer.device = device
+    trainer.rollout = lambda: SimpleNamespace(loss_mask=torch.ones(2, 3))
+    trainer.score = lambda batch: None
+    trainer.update = lambda batch: {"update_tokens_per_s": 10.0}
+    trainer.save = lambda: calls.append("save") or "path"
+    metrics = trainer.train()
+    assert calls == [("reset", device), ("statistics", trainer.algo), ("peak", device)] * 2 + ["save"]
+    assert metrics["gpu_peak_memory_gib"] == 1.5 and trainer.state.iteration == 2
 
 
 def test_an_action_is_tokenised_without_the_special_tokens_a_prompt_gets():
@@ -2076,10 +2200,9 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
 
 
 def test_the_off_policy_means_leave_out_the_first_step_alone():
-    from stppo_agent.training.ppo_update import PPOUpdate
 
-    t = fake_trainer(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, step_diagnostics=True)
-    updater, steps = PPOUpdate(t), []
+    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, step_diagnostics=True)
+    updater, steps = t, []
     step = updater._optimizer_step
     updater._optimizer_step = lambda mini: steps.append(step(mini)) or steps[-1]
     metrics = updater.update(make_batch())
@@ -2093,17 +2216,17 @@ def test_the_off_policy_means_leave_out_the_first_step_alone():
 def test_with_two_processes_the_update_gathers_the_global_batch_and_takes_its_rows(monkeypatch):
     import stppo_agent.training.ppo_update as ppo_update
 
-    t = fake_trainer(mini_batch_size=4, micro_batch_size=2, critic=False)
-    t.world, t.rank, t.tokenizer = 2, 1, SimpleNamespace(pad_token_id=7)
+    t = update_stage(mini_batch_size=4, micro_batch_size=2, critic=False)
+    t.world, t.rank, t.state.tokenizer = 2, 1, SimpleNamespace(pad_token_id=7)
     calls, rows, real_rows = [], [], ppo_update.mini_batch_rows
     monkeypatch.setattr(ppo_update, "gather_global_batch", lambda batch, pad: calls.append(pad) or batch)
     monkeypatch.setattr(ppo_update, "mini_batch_rows", lambda order, start, size, rank, world: rows.append(
         (start, size, rank, world)) or real_rows(order, start, size, rank, world))
     monkeypatch.setattr(ppo_update.process_group, "all_reduce_sum", lambda value: value * 2)  # two equal ranks
-    ppo_update.PPOUpdate(t).update(make_batch())
-    assert calls == [7] and rows == [(0, 4, 1, 2), (4, 4, 1, 2)] and t.optimizer_steps == 2
+    t.update(make_batch())
+    assert calls == [7] and rows == [(0, 4, 1, 2), (4, 4, 1, 2)] and t.state.optimizer_steps == 2
     mini = make_batch().select([0, 1, 2])
-    tokens, seqs = ppo_update.PPOUpdate(t)._global_counts(mini)  # global counts / world: DDP averages gradients
+    tokens, seqs = t._global_counts(mini)  # global counts / world: DDP averages gradients
     assert float(tokens) == float(mini.loss_mask.sum()) and float(seqs) == float(mini.loss_mask.any(1).sum())
 
 
@@ -2127,20 +2250,19 @@ def test_the_clip_bias_corrector_gets_the_algorithms_settings_and_an_anchor(monk
             return {}
 
     monkeypatch.setattr(ppo_update, "ClipBiasCorrector", Corrector)
-    t = fake_trainer("s_ppo", algorithm={"clip_bias_kappa": 2.5}, micro_batch_size=2)
+    t = update_stage("s_ppo", algorithm={"clip_bias_kappa": 2.5}, micro_batch_size=2)
     t.sharded = sharded
-    ppo_update.PPOUpdate(t).actor_gradients(make_batch().select([0, 1, 2, 3]))
-    params = len([p for p in t.actor.parameters() if p.requires_grad])
+    t.actor_gradients(make_batch().select([0, 1, 2, 3]))
+    params = len([p for p in t.state.actor.parameters() if p.requires_grad])
     assert made == [(params, 2.5, sharded, True)]
     assert len(anchors) == 2 and all(isinstance(a, torch.Tensor) and a.requires_grad for a in anchors)
     made.clear()
-    ppo_update.PPOUpdate(fake_trainer("ppo", step_diagnostics=True)).actor_gradients(make_batch().select([0, 1]))
+    update_stage("ppo", step_diagnostics=True).actor_gradients(make_batch().select([0, 1]))
     assert made[0][1:] == (1.0, False, False)  # measured only: no rescaling
 
 
 def test_a_registered_losss_own_metrics_are_weighted_by_policy_tokens(monkeypatch):
     from stppo_agent.algorithms import get_policy_loss, register_policy_loss
-    from stppo_agent.training.ppo_update import PPOUpdate
 
     ppo_clip = get_policy_loss("ppo_clip")
 
@@ -2149,10 +2271,10 @@ def test_a_registered_losss_own_metrics_are_weighted_by_policy_tokens(monkeypatc
         return loss, bias, {"micro_tokens": float(kwargs["loss_mask"].sum())}  # no parts: a plain number
 
     register_policy_loss("pins_plain_metrics", plain)
-    t = fake_trainer("ppo", algorithm={"policy_loss": "pins_plain_metrics"}, micro_batch_size=1)
+    t = update_stage("ppo", algorithm={"policy_loss": "pins_plain_metrics"}, micro_batch_size=1)
     mini = make_batch().select([0, 2, 3])
     tokens = [float(row.sum()) for row in mini.loss_mask]
-    out = PPOUpdate(t).actor_gradients(mini)
+    out = t.actor_gradients(mini)
     assert len(set(tokens)) > 1
     assert out["micro_tokens"] == pytest.approx(sum(n * n for n in tokens) / sum(tokens))
 
@@ -2161,20 +2283,20 @@ def test_a_registered_losss_own_metrics_are_weighted_by_policy_tokens(monkeypatc
 def test_a_step_is_skipped_on_an_infinite_gradient_or_another_ranks_bad_loss(monkeypatch, broken):
     import stppo_agent.training.ppo_update as ppo_update
 
-    t = fake_trainer(critic=False)
+    t = update_stage(critic=False)
     if broken == "gradient":  # finite losses, an overflowing gradient
         monkeypatch.setattr(ppo_update.process_group, "clip_grad_norm", lambda params, norm: torch.tensor(math.inf))
     else:  # this rank's loss is finite, the all-reduced count of finite ranks is not the world
         monkeypatch.setattr(ppo_update.process_group, "all_reduce_sum", lambda value: value * 0)
-    out = ppo_update.PPOUpdate(t)._optimizer_step(make_batch().select([0, 1, 2, 3]))
-    assert math.isnan(out["grad_norm"]) and out["skipped"] == 1.0 and t.optimizer_steps == 0
+    out = t._optimizer_step(make_batch().select([0, 1, 2, 3]))
+    assert math.isnan(out["grad_norm"]) and out["skipped"] == 1.0 and t.state.optimizer_steps == 0
 
 
 def test_the_whole_batch_statistic_scores_under_the_sampling_settings(monkeypatch):
     import stppo_agent.training.ppo_update as ppo_update
     from stppo_agent.training.log_probs import token_logprobs
 
-    t = fake_trainer("m2po", micro_batch_size=2, temperature=0.7, critic=False)
+    t = update_stage("m2po", micro_batch_size=2, temperature=0.7, critic=False)
     seen = []
 
     def statistic(logprobs, old_logprobs, loss_mask, turn_ids, config):
@@ -2182,13 +2304,13 @@ def test_the_whole_batch_statistic_scores_under_the_sampling_settings(monkeypatc
         return [{} for _ in logprobs]
 
     monkeypatch.setattr(ppo_update, "WHOLE_BATCH_STATISTICS", {t.algo.policy_loss: statistic})
-    updater = ppo_update.PPOUpdate(t)
+    updater = t
     micros = updater._split(make_batch().select([0, 1, 2, 3]))
     assert updater._whole_batch_keywords(micros) == [{}, {}]
     with torch.no_grad():
         for got, micro in zip(seen[0], micros):
-            want = token_logprobs(t.actor, micro, sampling=t.config.sampling())[0]
-            assert torch.allclose(got, want) and not torch.allclose(got, token_logprobs(t.actor, micro)[0])
+            want = token_logprobs(t.state.actor, micro, sampling=t.config.sampling())[0]
+            assert torch.allclose(got, want) and not torch.allclose(got, token_logprobs(t.state.actor, micro)[0])
 
 
 def test_sft_resolves_auto_precision_for_its_device(monkeypatch, tmp_path):

@@ -273,7 +273,6 @@ def test_replay_reads_every_ranks_files_of_iterations_recorded_by_another_proces
 
 
 def test_replay_shares_a_recorded_iteration_among_another_number_of_processes(recorded_ppo, tmp_path):
-    from types import SimpleNamespace
 
     from stppo_agent.runs.recording import TENSOR_FIELDS
 
@@ -286,7 +285,7 @@ def test_replay_shares_a_recorded_iteration_among_another_number_of_processes(re
     whole = load_batch(recorded_ppo / "rollouts", 1, 0)
     for world in (1, 2):  # recorded by 2 (iteration 1) and by 1 (iteration 2), replayed by 1 and by 2 processes
         for rank in range(world):
-            source = RecordedRollouts(SimpleNamespace(world=world, rank=rank, tokenizer=word_tokenizer()), run)
+            source = RecordedRollouts(run, word_tokenizer(), rank, world)
             for iteration in (1, 2):
                 expected = _split_as_ranks(load_batch(recorded_ppo / "rollouts", iteration, 0), world)[rank] \
                     if world > 1 else load_batch(recorded_ppo / "rollouts", iteration, 0)

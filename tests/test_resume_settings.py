@@ -10,7 +10,6 @@ import yaml
 
 from stppo_agent.cli import main
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-from stppo_agent.monitoring.rollback import restore_training_state
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
@@ -97,24 +96,25 @@ def test_rollbacks_compound_the_learning_rate_cut_and_resume_keeps_it(tiny_model
     out = tmp_path / "run"
     trainer = Trainer(small(tiny_model, out, 2, actor_lr=3e-3), report=lambda _: None)
     trainer.train()
-    healthy = out / "checkpoints" / "step-1"
     rates = []
+    assert trainer.config.rollback_lr_factor == 0.5
     for _ in range(3):  # every rollback goes back to the same checkpoint, whose own rate is the original one
-        scale = restore_training_state(trainer, healthy, 0.5)
-        rates.append((scale, trainer.actor_scheduler.get_last_lr()[0], trainer.actor_optimizer.param_groups[0]["lr"]))
+        scale = trainer.roll_back(1)["collapse/lr_scale"]
+        state = trainer.state
+        rates.append((scale, state.actor_scheduler.get_last_lr()[0], state.actor_optimizer.param_groups[0]["lr"]))
     assert [r[0] for r in rates] == [0.5, 0.25, 0.125]
     for _, last, group in rates:
         assert last == group
     assert [r[1] for r in rates] == [pytest.approx(x) for x in (1.5e-3, 7.5e-4, 3.75e-4)]
     trainer.save()  # what the guard does right after a rollback; kill -9 here, then --resume
     resumed = Trainer(small(tiny_model, out, 3, actor_lr=3e-3), resume=True, report=lambda _: None)
-    assert resumed.actor_optimizer.param_groups[0]["lr"] == pytest.approx(3.75e-4)
-    assert resumed.actor_scheduler.base_lrs == [pytest.approx(3.75e-4)]
+    assert resumed.state.actor_optimizer.param_groups[0]["lr"] == pytest.approx(3.75e-4)
+    assert resumed.state.actor_scheduler.base_lrs == [pytest.approx(3.75e-4)]
     resumed.train()
     assert read_metrics(out)[-1]["actor_lr"] == pytest.approx(3.75e-4)
     # a new actor_lr on resume is the rate used from then on: the rollbacks' cut was a cut of the old one
     again = Trainer(small(tiny_model, out, 4, actor_lr=1e-4), resume=True, report=lambda _: None)
-    assert again.actor_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert again.state.actor_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
 def test_a_recording_run_keeps_its_sampling_on_resume_and_a_plain_run_may_change_it(tiny_model, tmp_path):

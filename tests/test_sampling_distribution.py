@@ -67,7 +67,7 @@ def test_old_logprobs_equal_the_behaviour_logprobs_at_any_sampling_setting(tiny_
     batch = scored_batch(trainer)
     assert gap(batch).max() < 1e-5 and gap(batch).mean() < 1e-6
     # the same batch under the raw logits is far off: the setting really reshapes the distribution
-    raw = token_logprobs(trainer.actor, batch.to(trainer.device))[0]
+    raw = token_logprobs(trainer.state.actor, batch.to(trainer.device))[0]
     assert (raw - batch.sample_logprobs)[batch.loss_mask].abs().mean() > 0.01
 
 
@@ -102,18 +102,18 @@ def test_checkpoint_processors_are_not_applied_and_are_named_once(penalised_mode
         warnings.simplefilter("error")
         scored_batch(Trainer(quick(penalised_model, tmp_path / "b")))
     # the checkpoint's own generation_config is left as it was (it is saved with every checkpoint)
-    assert trainer.actor.generation_config.repetition_penalty == 1.3
+    assert trainer.state.actor.generation_config.repetition_penalty == 1.3
 
 
 def test_plain_and_greedy_scoring_are_bit_identical_to_the_raw_logits(tiny_model, tmp_path):
     trainer = Trainer(quick(tiny_model, tmp_path))
     batch = scored_batch(trainer).to(trainer.device)
-    raw, raw_entropy = token_logprobs(trainer.actor, batch, with_entropy=True)
+    raw, raw_entropy = token_logprobs(trainer.state.actor, batch, with_entropy=True)
     for sampling in (SamplingSettings(), SamplingSettings(temperature=0.5, top_p=0.5, greedy=True)):
-        scored, entropy = token_logprobs(trainer.actor, batch, with_entropy=True, sampling=sampling)
+        scored, entropy = token_logprobs(trainer.state.actor, batch, with_entropy=True, sampling=sampling)
         assert torch.equal(scored, raw) and torch.equal(entropy, raw_entropy)
     # temperature 1, top-p 1: the trainer's old log-probs are today's computation, bit for bit
-    assert torch.equal(batch.old_logprobs, batched_no_grad(token_logprobs, trainer.actor, batch, 8))
+    assert torch.equal(batch.old_logprobs, batched_no_grad(token_logprobs, trainer.state.actor, batch, 8))
 
 
 def test_temperature_zero_means_greedy_and_bad_settings_are_named():
@@ -181,7 +181,8 @@ def test_the_entropy_is_the_sampled_distributions(tiny_model, tmp_path):
     mask = batch.loss_mask
 
     def entropy(**settings):
-        return token_logprobs(trainer.actor, batch, with_entropy=True, sampling=SamplingSettings(**settings))[1][mask]
+        sampling = SamplingSettings(**settings)
+        return token_logprobs(trainer.state.actor, batch, with_entropy=True, sampling=sampling)[1][mask]
 
     assert entropy(top_k=2).max() <= torch.log(torch.tensor(2.0)) + 1e-6
     assert entropy(temperature=0.5).mean() < entropy().mean()

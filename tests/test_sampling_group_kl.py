@@ -59,7 +59,7 @@ def test_the_trainer_feeds_the_penalty_to_grpo(tmp_path):
                                  max_new_tokens_per_turn=3, max_total_tokens=40, on_collapse="none",
                                  algorithm={"kl_in_reward": 5.0, "kl_loss_coef": 0.0, "grpo_std_normalize": False}))
     with torch.no_grad():  # a reference away from the actor, so that the KL is not 0
-        for parameter in trainer.reference.parameters():
+        for parameter in trainer.state.reference.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.5)
     torch.manual_seed(0)
     batch = trainer.rollout()

@@ -64,7 +64,7 @@ def test_an_independent_copy_computes_with_its_own_weights_under_autocast(tiny_m
 def test_iteration_i_samples_with_the_weights_after_i_minus_k_updates(tiny_model, tmp_path, staleness):
     seen = []  # per iteration, at rollout time: (the generating weights, the actor's weights)
     trainer = Trainer(stale_config(tiny_model, tmp_path, staleness), report=lambda _: None)
-    trainer.batch_hook = lambda batch: seen.append((weights(trainer.backend.model), weights(trainer.actor)))
+    trainer.batch_hook = lambda batch: seen.append((weights(trainer.backend.model), weights(trainer.state.actor)))
     trainer.train()
     assert len(seen) == 5
     for i, (generator, _) in enumerate(seen):
@@ -83,8 +83,8 @@ def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_th
         trainer.score(batch)
         sampling = trainer.config.sampling()
         with torch.no_grad():
-            stale = token_logprobs(trainer.stale_policy.model, batch, sampling=sampling)[0]
-            current = token_logprobs(trainer.actor, batch, sampling=sampling)[0]
+            stale = token_logprobs(trainer.state.stale_policy.model, batch, sampling=sampling)[0]
+            current = token_logprobs(trainer.state.actor, batch, sampling=sampling)[0]
         mask = batch.loss_mask
         assert (stale[mask] - current[mask]).abs().max() > 1e-3  # a lag of one update at lr 2e-2 shows
         chosen, other = (stale, current) if expected == "stale" else (current, stale)
@@ -99,7 +99,7 @@ def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_th
 
 def test_staleness_zero_is_the_trainer_of_before(tiny_model, tmp_path):
     trainer = Trainer(stale_config(tiny_model, tmp_path, 0, iterations=2, save_every=1), report=lambda _: None)
-    assert trainer.stale_policy.model is trainer.actor and trainer.backend.model is trainer.actor
+    assert trainer.state.stale_policy.model is trainer.state.actor and trainer.backend.model is trainer.state.actor
     trainer.train()
     assert "staleness" not in read_metrics(tmp_path)[-1]
     tensors, _ = load_trainer_state(tmp_path / "checkpoints" / "step-2")

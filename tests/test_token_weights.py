@@ -160,7 +160,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def actor_gradient(trainer, batch) -> torch.Tensor:
     trainer.actor_gradients(batch)
-    return torch.cat([p.grad.flatten() for p in trainer.actor.parameters() if p.grad is not None]).clone()
+    return torch.cat([p.grad.flatten() for p in trainer.state.actor.parameters() if p.grad is not None]).clone()
 
 
 @pytest.mark.parametrize("algo", ["gmpo", "gspo", "so_grpo", "m2po"])

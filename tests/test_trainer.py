@@ -201,10 +201,10 @@ def test_bfloat16_and_gradient_checkpointing_options_train(tiny_model, tmp_path)
     trainer = Trainer(config)
     from stppo_agent.models.loading import is_checkpointing
 
-    assert trainer.actor.dtype == torch.bfloat16 and is_checkpointing(trainer.actor)
-    before = {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}
+    assert trainer.state.actor.dtype == torch.bfloat16 and is_checkpointing(trainer.state.actor)
+    before = {n: p.detach().clone() for n, p in trainer.state.actor.named_parameters()}
     trainer.train()
-    assert any(not torch.equal(before[n], p) for n, p in trainer.actor.named_parameters())
+    assert any(not torch.equal(before[n], p) for n, p in trainer.state.actor.named_parameters())
     assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in read_metrics(tmp_path))
 
 
@@ -229,7 +229,7 @@ def test_entropy_bonus_changes_the_gradient(tiny_model, tmp_path):
         batch = trainer.rollout()
         trainer.score(batch)
         metrics = trainer.actor_gradients(batch)
-        grads.append(torch.cat([p.grad.flatten() for p in trainer.actor.parameters()]))
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.state.actor.parameters()]))
         assert metrics["entropy"] > 0
     assert not torch.allclose(grads[0], grads[1])
 

@@ -46,7 +46,7 @@ def warm_config(warm_run: Path, out: Path, **overrides):
 
 
 def actor_weights(trainer) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in trainer.actor.named_parameters()}
+    return {name: p.detach().clone() for name, p in trainer.state.actor.named_parameters()}
 
 
 def test_a_warm_start_holds_the_checkpoints_weights_and_moments_at_iteration_zero(warm_run, tmp_path):
@@ -54,12 +54,12 @@ def test_a_warm_start_holds_the_checkpoints_weights_and_moments_at_iteration_zer
     warm = Trainer(warm_config(warm_run, tmp_path / "warm", warmup_steps=4), report=lambda _: None)
     resumed = Trainer(one_step_config(str(warm_run.parent / "model"), warm_run, iterations=3), resume=True,
                       report=lambda _: None)  # the same checkpoint, as --resume restores it
-    assert warm.iteration == 0 and warm.optimizer_steps == 0
+    assert warm.state.iteration == 0 and warm.state.optimizer_steps == 0
     assert warm.config.model == str(checkpoint / "actor")  # unset: the warm start's actor is the reference too
-    for mine, theirs in ((warm.actor, resumed.actor), (warm.critic, resumed.critic)):
+    for mine, theirs in ((warm.state.actor, resumed.state.actor), (warm.state.critic, resumed.state.critic)):
         assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), theirs.state_dict().values()))
-    for mine, theirs in ((warm.actor_optimizer, resumed.actor_optimizer),
-                         (warm.critic_optimizer, resumed.critic_optimizer)):
+    for mine, theirs in ((warm.state.actor_optimizer, resumed.state.actor_optimizer),
+                         (warm.state.critic_optimizer, resumed.state.critic_optimizer)):
         a, b = mine.state_dict()["state"], theirs.state_dict()["state"]
         assert a.keys() == b.keys() and len(a) > 0
         for key in a:
@@ -67,8 +67,8 @@ def test_a_warm_start_holds_the_checkpoints_weights_and_moments_at_iteration_zer
             assert torch.equal(a[key]["exp_avg"], b[key]["exp_avg"])
             assert torch.equal(a[key]["exp_avg_sq"], b[key]["exp_avg_sq"])
     # this run's own schedule from its first step: lr / warmup_steps, not the old run's rate
-    assert [g["lr"] for g in warm.actor_optimizer.param_groups] == [LR / 4]
-    assert [g["lr"] for g in warm.critic_optimizer.param_groups] == [LR / 4]
+    assert [g["lr"] for g in warm.state.actor_optimizer.param_groups] == [LR / 4]
+    assert [g["lr"] for g in warm.state.critic_optimizer.param_groups] == [LR / 4]
 
 
 def test_the_first_step_from_warm_moments_is_no_sign_step(warm_run, tmp_path):
@@ -157,7 +157,8 @@ def test_warm_up_starts_at_lr_over_warmup_steps_and_logs_the_rate_each_iteration
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     trainer = Trainer(one_step_config(model, tmp_path / "run", iterations=4, warmup_steps=3), report=lambda _: None)
     used = []
-    trainer.actor_optimizer.register_step_pre_hook(lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))
+    trainer.state.actor_optimizer.register_step_pre_hook(
+        lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))
     trainer.train()
     expected = [LR / 3, 2 * LR / 3, LR, LR]
     assert used == pytest.approx(expected, rel=1e-12)

@@ -1,4 +1,5 @@
-"""What the trainer does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``on_collapse``):
+"""What a run does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``on_collapse``): the guard
+decides, every iteration, and returns a :class:`Decision` that the training loop carries out.
 
 - ``warn``: a clear line (which signals, their values, their recent range) and the event in ``metrics.jsonl``;
 - ``stop``: also checkpoints and stops (:class:`CollapseStopped`) with advice;
@@ -17,7 +18,7 @@ holds optimizer state (one written under ``checkpoint_optimizer=newest`` before 
 run stops as ``stop`` does. Pruning keeps the newest healthy checkpoint and the best one (by
 :func:`stppo_agent.runs.checkpoint_health.checkpoint_reward`) besides the ``keep_checkpoints`` newest.
 
-The first process decides (it holds the run's metrics); every process carries out the decision.
+The first process decides (it holds the run's metrics); every process gets its decision and carries it out.
 """
 
 from __future__ import annotations
@@ -36,62 +37,85 @@ class CollapseStopped(RuntimeError):
     """The collapse monitor stopped the run (``on_collapse=stop``, or rollbacks exhausted)."""
 
 
-@dataclasses.dataclass
+ACTIONS = ("continue", "warn", "stop", "rollback")
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
-    action: str
-    """warn, stop or rollback."""
-    message: str
+    """What the run does after an iteration: ``continue`` (no alarm), ``warn`` (say ``reason`` and continue),
+    ``stop`` (checkpoint, then stop) or ``rollback`` (to checkpoint ``step-{rollback_to}``, then continue)."""
+
+    action: str = "continue"
+    reason: str = ""
     rollback_to: int | None = None
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"a decision is one of {', '.join(ACTIONS)}, not {self.action!r}")
+        if (self.action == "rollback") != (self.rollback_to is not None):
+            raise ValueError("a rollback, and only a rollback, names the checkpoint step it returns to")
+
+    @property
+    def alarmed(self) -> bool:
+        """Anything but ``continue``: the run reports the reason and checkpoints at once."""
+        return self.action != "continue"
 
     @property
     def stops(self) -> bool:
         return self.action == "stop"
+
+    @property
+    def rolls_back(self) -> bool:
+        return self.action == "rollback"
+
+
+CONTINUE = Decision()
 
 
 _KEPT_KEYS = ("step", "reward", STALENESS_KEY, "collapse/tripped", "collapse/alarm", "collapse/warmup")
 
 
 class CollapseGuard:
-    def __init__(self, trainer):
-        self.trainer, self.config = trainer, trainer.config
+    """Watches a run's iterations (``config``: its TrainConfig; ``run_dir``: its folder, whose metrics and
+    checkpoints it reads) and decides what the run does."""
+
+    def __init__(self, config, run_dir: Path):
+        self.config, self.run_dir = config, run_dir
         self.monitor = CollapseMonitor(MonitorSettings.from_config(self.config))
         self.records: list[dict[str, Any]] = []  # what checkpoint health needs, per logged iteration
         self.rollbacks = 0
         if process_group.is_main():
             from stppo_agent.runs.metrics_log import read_metrics
 
-            past = read_metrics(trainer.run_dir)  # already cut back to the resumed checkpoint
+            past = read_metrics(run_dir)  # already cut back to the resumed checkpoint
             self.monitor.reobserve(past)
             self.records = [_kept(r) for r in past]
             self.rollbacks = sum("collapse/rollback_to" in r for r in past)
 
     # -- every iteration -----------------------------------------------------------------------------------
-    def check(self, iteration: int, metrics: dict[str, Any]) -> Decision | None:
-        """Score the iteration; adds ``collapse/...`` keys to ``metrics``; carries out a rollback at once."""
-        decision = None
+    def check(self, iteration: int, metrics: dict[str, Any], actor_lr_scale: float = 1.0) -> Decision:
+        """Score iteration ``iteration`` (its ``metrics`` gain the ``collapse/...`` keys, ``collapse/action`` when
+        the decision is not to continue) and decide; ``actor_lr_scale``: the run's rollback factor so far (a
+        rollback's reason states the rate it leads to). Changes nothing else: the caller carries the decision out
+        (a rollback, then :meth:`rolled_back`)."""
+        decision = CONTINUE
         if process_group.is_main():
             verdict = self.monitor.observe(iteration, metrics)
             metrics.update(verdict.metrics())
             self.records.append(_kept({**metrics, "step": iteration}))
             if verdict.alarm:
-                decision = self._decide(verdict)
+                decision = self._decide(verdict, actor_lr_scale)
         if process_group.world_size() > 1:
             decision = process_group.all_gather_objects(decision)[0]
-        if decision is None:
-            return None
-        self.trainer.report(decision.message)
-        metrics["collapse/action"] = decision.action
-        if decision.action == "rollback":
-            lr_scale = self._roll_back(decision.rollback_to)
-            metrics.update({"collapse/rollback_to": decision.rollback_to, "collapse/lr_scale": lr_scale,
-                            "collapse/actor_lr": self.trainer.actor_scheduler.get_last_lr()[0]})
+        if decision.alarmed:
+            metrics["collapse/action"] = decision.action
         return decision
 
-    def _decide(self, verdict: Verdict) -> Decision:
+    def _decide(self, verdict: Verdict, actor_lr_scale: float) -> Decision:
         config = self.config
         head = f"collapse alarm at iteration {verdict.iteration} (signals since iteration {verdict.onset}): " \
                f"{verdict.describe()}"
-        healthy = healthy_steps(self.records, valid_checkpoints(self.trainer.run_dir))
+        healthy = healthy_steps(self.records, valid_checkpoints(self.run_dir))
         known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
         if config.on_collapse == "warn":
             return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
@@ -106,7 +130,7 @@ class CollapseGuard:
                 return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every save_every="
                                         f"{config.save_every} iterations; a healthy one needs two quiet "
                                         "iterations). Stopping; lower actor_lr, or save more often.")
-            folders = self.trainer.run_dir / "checkpoints"
+            folders = self.run_dir / "checkpoints"
             resumable = [s for s in healthy if holds_resume_state(folders / f"step-{s}")]
             if not resumable:
                 return Decision("stop", f"{head}. Cannot roll back: {known}, and no healthy checkpoint holds "
@@ -115,39 +139,35 @@ class CollapseGuard:
                                         f"{folders / f'step-{healthy[-1]}' / 'actor'}, or continue with --resume "
                                         "--set actor_lr=<lower>.")
             factor = config.rollback_lr_factor
-            rate = config.actor_lr * self.trainer.actor_lr_scale * factor  # compounded over earlier rollbacks
+            rate = config.actor_lr * actor_lr_scale * factor  # compounded over earlier rollbacks
             return Decision("rollback", f"{head}. Rolling back to step-{resumable[-1]} with the actor learning "
                                         f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
                                         f"{config.max_rollbacks}).", rollback_to=resumable[-1])
         return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
                                 f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
 
-    # -- rollback ----------------------------------------------------------------------------------------
-    def _roll_back(self, step: int) -> float:
-        from stppo_agent.monitoring.rollback import restore_training_state
-
-        run_dir = self.trainer.run_dir
-        folder = run_dir / "checkpoints" / f"step-{step}"
-        lr_scale = restore_training_state(self.trainer, folder, self.config.rollback_lr_factor)
+    # -- after a rollback --------------------------------------------------------------------------------
+    def rolled_back(self, step: int) -> None:
+        """The run went back to ``step-{step}``: the checkpoints written since are moved aside, the monitor forgets
+        the iterations after it, and the rollback counts toward ``max_rollbacks``."""
         if process_group.is_main():
-            for later in (s for s in list_checkpoints(run_dir) if s > step):
-                set_aside(run_dir / "checkpoints" / f"step-{later}", "collapsed")
+            for later in (s for s in list_checkpoints(self.run_dir) if s > step):
+                set_aside(self.run_dir / "checkpoints" / f"step-{later}", "collapsed")
             self.monitor.forget_after(step)
         process_group.barrier()
         self.rollbacks += 1
-        return lr_scale
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def protected_steps(self) -> set[int]:
         """Checkpoints pruning must keep: the newest healthy one and the best one."""
-        steps = list_checkpoints(self.trainer.run_dir)
+        steps = list_checkpoints(self.run_dir)
         healthy = healthy_steps(self.records, steps)
         best = best_step(self.records, steps)
         return {s for s in (healthy[-1] if healthy else None, best) if s is not None}
 
 
 def stop_advice(decision: Decision, checkpoint: Path) -> str:
-    return f"{decision.message} The state at the alarm is saved in {checkpoint}."
+    return f"{decision.reason} The state at the alarm is saved in {checkpoint}."
 
 
 def _kept(record: dict[str, Any]) -> dict[str, Any]:

@@ -9,11 +9,11 @@ produces a rewarded action at the run's settings (a base model on a search env, 
 
 from __future__ import annotations
 
-import weakref
+from typing import Callable
 
 import torch
 
-from stppo_agent.algorithms import informative_groups
+from stppo_agent.algorithms import AlgorithmConfig, informative_groups
 from stppo_agent.distributed import process_group
 
 TOLERANCE = 1e-6  # rewards closer than this are the same reward (float noise of shaped rewards)
@@ -60,24 +60,30 @@ def advice(reason: str, config) -> str:
             f"({settings}). Try {tries}. (Said once; metrics.jsonl keeps the per-iteration figures.)")
 
 
-_reported: "weakref.WeakSet" = weakref.WeakSet()  # the trainers that said it: one notice per run, not per iteration
+class LearningSignalNotice:
+    """Reports the first batch without learning signal, once per run: the likely cause at the run's settings
+    (``config``, a TrainConfig) and what to try. With several processes every rank checks (one all-reduce, on
+    ``device``) and rank 0 reports."""
 
+    def __init__(self, config, algo: AlgorithmConfig, report: Callable[[str], None], world: int = 1,
+                 device: torch.device = torch.device("cpu")):
+        self.config, self.algo, self.report, self.world, self.device = config, algo, report, world, device
+        self.reported = False
 
-def notice_no_learning_signal(trainer, batch) -> None:
-    """Call after scoring (advantages set): report the first batch without learning signal through
-    ``trainer.report``. With several processes every rank calls it (one all-reduce) and rank 0 reports."""
-    if trainer in _reported:
-        return
-    from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
-
-    reason = no_signal_reason(batch.rewards, batch.group_ids, batch.advantages, batch.loss_mask,
-                              trainer.algo.advantage in GROUP_ESTIMATORS)
-    if trainer.world > 1:  # a signal on any rank is a signal of the global batch
-        with_signal = process_group.all_reduce_sum(torch.tensor(float(reason is None), device=trainer.device))
-        if float(with_signal) > 0:
+    def check(self, batch, iteration: int) -> None:
+        """Call after scoring ``batch`` (advantages set) in iteration ``iteration`` (0-based)."""
+        if self.reported:
             return
-    if reason is None:
-        return
-    _reported.add(trainer)
-    if process_group.is_main():
-        trainer.report(f"iteration {trainer.iteration + 1}: {advice(reason, trainer.config)}")
+        from stppo_agent.algorithms.advantages import GROUP_ESTIMATORS
+
+        reason = no_signal_reason(batch.rewards, batch.group_ids, batch.advantages, batch.loss_mask,
+                                  self.algo.advantage in GROUP_ESTIMATORS)
+        if self.world > 1:  # a signal on any rank is a signal of the global batch
+            with_signal = process_group.all_reduce_sum(torch.tensor(float(reason is None), device=self.device))
+            if float(with_signal) > 0:
+                return
+        if reason is None:
+            return
+        self.reported = True
+        if process_group.is_main():
+            self.report(f"iteration {iteration + 1}: {advice(reason, self.config)}")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from stppo_agent.algorithms import AlgorithmConfig
 from stppo_agent.algorithms.segments import quantile, segment_counts, segment_sum, turn_segment_ids
 from stppo_agent.distributed import process_group
 from stppo_agent.runs.metrics_log import json_value
@@ -99,15 +100,15 @@ class StepDiagnostics:
             path.write_text("".join(line + "\n" for line in kept))
 
     @classmethod
-    def for_trainer(cls, trainer) -> "StepDiagnostics | None":
-        """Full diagnostics with ``step_diagnostics``; the ratio tails alone when only the collapse monitor needs
-        them; None when neither is on."""
-        config = trainer.config
-        if not config.step_diagnostics and config.on_collapse == "none":
+    def for_run(cls, run_dir: Path, algo: AlgorithmConfig, *, step_diagnostics: bool, on_collapse: str,
+                sharded: bool = False, iteration: int = 0) -> "StepDiagnostics | None":
+        """Full diagnostics with ``step_diagnostics`` (written to ``run_dir/steps.jsonl``, continuing after
+        ``iteration``); the ratio tails alone when only the collapse monitor (``on_collapse``) needs them; None when
+        neither is on."""
+        if not step_diagnostics and on_collapse == "none":
             return None
-        return cls(trainer.run_dir / "steps.jsonl" if config.step_diagnostics else None, trainer.sharded,
-                   trainer.iteration, trainer.algo.clip_low, trainer.algo.clip_high,
-                   gradients=config.step_diagnostics)
+        return cls(run_dir / "steps.jsonl" if step_diagnostics else None, sharded, iteration, algo.clip_low,
+                   algo.clip_high, gradients=step_diagnostics)
 
     def begin_iteration(self, iteration: int, on_policy_start: bool = True) -> None:
         """``on_policy_start``: whether the iteration's first step is on-policy (the gradient reference)."""

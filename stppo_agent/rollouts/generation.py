@@ -4,7 +4,7 @@ text really ends. Nothing here depends on a particular inference engine."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Protocol, Sequence
+from typing import ContextManager, Hashable, Protocol, Sequence
 
 STOP_STRINGS = ("</search>", "</answer>")
 
@@ -23,6 +23,20 @@ class GenerationBackend(Protocol):
 
     def generate(self, contexts: Sequence[Sequence[int]], max_new_tokens: int,
                  keys: Sequence[Hashable] | None = None) -> list[Generation]: ...
+
+
+class TrainingBackend(GenerationBackend, Protocol):
+    """A backend a trainer generates its rollouts with: besides one turn (:meth:`generate`), what the trainer needs
+    around a rollout and after an update, so that a rollout source holds the backend and nothing of the trainer."""
+
+    def generating(self) -> ContextManager:
+        """Held while a rollout generates: the generating weights made whole (an FSDP2 model's shards gathered)."""
+        ...
+
+    def sync_weights(self, model) -> None:
+        """The actor was updated (or rolled back): take its weights (a no-op for a backend that generates with the
+        model object itself)."""
+        ...
 
 
 def generated_length(ids: Sequence[int], tokenizer, stop_strings: Sequence[str], eos_ids: Sequence[int]) -> int:

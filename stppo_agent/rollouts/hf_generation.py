@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from typing import Hashable, Sequence
+from typing import ContextManager, Hashable, Sequence
 
 import torch
 import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.append_cache import new_cache
 from stppo_agent.rollouts.batch import left_pad
 from stppo_agent.rollouts.generation import STOP_STRINGS, Generation, generated_length
@@ -84,6 +85,14 @@ class HFGenerationBackend:
 
     def end_rollout(self) -> None:
         self.turns.clear()
+
+    def generating(self) -> ContextManager:
+        """Generation runs a different number of forwards on every rank: an FSDP2 model is gathered for it."""
+        return process_group.gathered(self.model)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to do: ``self.model`` is the generating model itself (the actor, or the lagged copy that
+        :class:`~stppo_agent.training.stale_policy.StalePolicy` moves)."""
 
     def _generate(self, keys, contexts, max_new_tokens: int, state):
         """Generate one chunk, continuing ``state``'s cache when the contexts extend it; returns the generations

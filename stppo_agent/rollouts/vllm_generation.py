@@ -15,8 +15,9 @@ option) reports raw log-probs: the backend then warns when the settings reshape 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 
@@ -130,6 +131,10 @@ class VLLMGenerationBackend:
         self._calls += 1
         outputs = self.llm.generate(token_prompts(contexts), params, use_tqdm=False)
         return generations_from_outputs(outputs)
+
+    def generating(self) -> ContextManager:
+        """The engine holds its own whole copy of the weights: nothing to gather."""
+        return contextlib.nullcontext()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load the trainer's current actor weights into the engine, chunk by chunk; reset the prefix cache."""

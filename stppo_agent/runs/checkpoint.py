@@ -296,6 +296,13 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a whole (unsharded) state dict into ``model``, plain or sharded by FSDP2 (each rank keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Optimizer state keyed by parameter name, with full (unsharded) tensors on rank 0's CPU: loadable under
     DDP or FSDP2 with any number of processes. A collective under FSDP2: every rank calls it."""

@@ -12,7 +12,7 @@ never existed.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,8 +33,10 @@ def save(tensors: dict[str, Any], json_state: dict[str, Any]) -> None:
     json_state["rank_rng"] = [{"python": state["python"], "numpy": state["numpy"]} for state in everyone]
 
 
-def restore(trainer, tensors: dict[str, Any], json_state: dict[str, Any]) -> None:
-    """Put back this rank's streams (rank 0's are the checkpoint's main entries, restored by the caller)."""
+def restore(tensors: dict[str, Any], json_state: dict[str, Any], *, seed: int, iteration: int,
+            report: Callable[[str], None]) -> None:
+    """Put back this rank's streams (rank 0's are the checkpoint's main entries, restored by the caller); a rank
+    the checkpoint holds none for starts a fresh stream from (``seed``, its rank, ``iteration``)."""
     rank = process_group.rank()
     if rank == 0:
         return
@@ -46,10 +48,10 @@ def restore(trainer, tensors: dict[str, Any], json_state: dict[str, Any]) -> Non
         random.setstate(python_state(saved_json[rank]["python"]))
         np.random.set_state(numpy_state(saved_json[rank]["numpy"]))
         return
-    seed = int(np.random.SeedSequence([trainer.config.seed % 2**64, rank, trainer.iteration]).generate_state(1)[0])
-    process_group.seed_everything(seed)
-    trainer.report(f"rank {rank}: the checkpoint holds no random state for this rank (written by "
-                   f"{max(1, len(saved))} process(es)); its sampling continues from a fresh stream (seed {seed})")
+    fresh = int(np.random.SeedSequence([seed % 2**64, rank, iteration]).generate_state(1)[0])
+    process_group.seed_everything(fresh)
+    report(f"rank {rank}: the checkpoint holds no random state for this rank (written by "
+                   f"{max(1, len(saved))} process(es)); its sampling continues from a fresh stream (seed {fresh})")
 
 
 def jsonable(value):

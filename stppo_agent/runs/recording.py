@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 FORMAT_NAME = "stppo-rollouts"
 FORMAT_VERSION = 2
@@ -78,16 +78,19 @@ class RolloutRecorder:
                 indent=1) + "\n")
 
     @classmethod
-    def for_trainer(cls, trainer) -> "RolloutRecorder":
-        """A recorder for ``trainer``'s run; at iteration 0 it also saves the initial weights (a collective under
-        FSDP2: every rank calls this)."""
-        recorder = cls(trainer.run_dir, trainer.tokenizer, trainer.rank, trainer.world)
-        if trainer.iteration == 0:
+    def for_run(cls, run_dir: Path, tokenizer, rank: int, world: int, *, iteration: int, actor, critic,
+                critic_model: str | None,
+                full_states: Callable[[], tuple[dict | None, dict | None]]) -> "RolloutRecorder":
+        """A recorder for a run at ``iteration``; at iteration 0 it also saves the initial weights: ``actor``, and
+        ``critic`` when the run loaded it from ``critic_model``; ``full_states()`` gathers them from FSDP2 shards (a
+        collective: every rank calls this)."""
+        recorder = cls(run_dir, tokenizer, rank, world)
+        if iteration == 0:
             # A critic built from the actor (a new zero value head) is rebuilt the same way on replay: saving and
             # reloading it gives the same values but not bit-identical updates (the head's memory differs).
-            actor_state, critic_state = trainer.full_states()
-            own_critic = trainer.critic if trainer.config.critic_model else None
-            recorder.save_initial(trainer.actor, own_critic, actor_state, critic_state if own_critic else None)
+            actor_state, critic_state = full_states()
+            own_critic = critic if critic_model else None
+            recorder.save_initial(actor, own_critic, actor_state, critic_state if own_critic else None)
         return recorder
 
     def save_initial(self, actor, critic, actor_state: dict | None = None, critic_state: dict | None = None) -> None:

@@ -1,7 +1,7 @@
 """What ``--resume`` may change about a run, compared with the config its checkpoint was trained with.
 
 Most settings may change: learning rates and weight decay (applied to the restored optimizers and schedules by
-:func:`stppo_agent.runs.trainer_state.apply_learning_rates`), iterations, the update's geometry (mini-batch,
+:meth:`stppo_agent.training.state.TrainingState.apply_learning_rates`), iterations, the update's geometry (mini-batch,
 micro-batch, epochs), clipping and the other algorithm coefficients, sampling (not in a run that records its
 rollouts: :data:`RECORDED_SAMPLING`), limits, the collapse monitor,
 checkpointing, logging, the device and the strategy. Every change is printed when the run resumes.

@@ -94,8 +94,8 @@ class DemoTrainer(Trainer):
 
     def phase(self, text: str) -> None:
         super().phase(text)
-        if self.iteration != self.progress.done:  # the first phase of the next iteration: one more is done
-            self.progress.step(self.iteration, text)
+        if self.state.iteration != self.progress.done:  # the first phase of the next iteration: one more is done
+            self.progress.step(self.state.iteration, text)
         else:
             self.progress.note(text)
 

@@ -1,5 +1,6 @@
-"""Building what a trainer trains: the policy models from a model folder or a checkpoint, their distribution
-(FSDP2 shards or DDP wrappers), optimizers with warm-up schedules, and the backend that generates rollouts."""
+"""Building what a trainer trains: the :class:`~stppo_agent.training.state.TrainingState` (the policy models from a
+model folder or a checkpoint, their distribution -- FSDP2 shards or DDP wrappers --, optimizers with warm-up
+schedules, the lagged generator) and the backend that generates rollouts."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from typing import Callable
 
 import torch
 
+from stppo_agent.algorithms import AlgorithmConfig
 from stppo_agent.distributed import process_group
 from stppo_agent.models.loading import load_policy_models
 from stppo_agent.models.precision import DTYPES
+from stppo_agent.rollouts.generation import TrainingBackend
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
+from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.stale_policy import StalePolicy
+from stppo_agent.training.state import TrainingState
 from stppo_agent.training.warm_start import load_warm_optimizers, warm_start_folder
 
 
@@ -31,11 +36,12 @@ def warmup(steps: int) -> Callable[[int], float]:
     return lambda step: min(1.0, (step + 1) / steps) if steps > 0 else 1.0
 
 
-def build_models(trainer, checkpoint: Path | None) -> None:
+def build_state(config: TrainConfig, algo: AlgorithmConfig, device: torch.device, sharded: bool,
+                checkpoint: Path | None, report: Callable[[str], None] = print) -> TrainingState:
     """The actor, critic and frozen reference (from ``checkpoint`` on resume, from ``init_from`` when a new run
     starts from another's checkpoint), sharded (FSDP2) or wrapped for DDP, their optimizers (the warm start's
-    state with ``init_from``) and schedulers, and the generation backend, set on ``trainer``."""
-    config, algo = trainer.config, trainer.algo
+    state with ``init_from``) and schedulers, and the lagged generator, at iteration 0 (a resume then loads the
+    rest of ``checkpoint``: :meth:`TrainingState.load`)."""
     need_reference = algo.kl_in_reward > 0 or algo.kl_loss_coef > 0
     warm = warm_start_folder(config, algo.use_critic) if checkpoint is None and config.init_from else None
     # The actor and critic come from the checkpoint on resume or warm start; the reference is always `model`.
@@ -46,52 +52,60 @@ def build_models(trainer, checkpoint: Path | None) -> None:
                                 need_reference=need_reference, dtype=config.dtype,
                                 gradient_checkpointing=config.gradient_checkpointing, reference_path=config.model,
                                 autocast_dtype=config.autocast_dtype)
-    trainer.tokenizer = models.tokenizer
-    trainer.actor = models.actor.to(trainer.device)
-    trainer.critic = models.critic.to(trainer.device) if models.critic is not None else None
-    trainer.reference = models.reference.to(trainer.device) if models.reference is not None else None
-    for model in (trainer.actor, trainer.critic):
+    actor = models.actor.to(device)
+    critic = models.critic.to(device) if models.critic is not None else None
+    reference = models.reference.to(device) if models.reference is not None else None
+    for model in (actor, critic):
         if model is not None:
             disable_dropout(model)
             model.train()
-    if trainer.sharded:  # sharded in place: the same modules train, score and (gathered) generate
+    if sharded:  # sharded in place: the same modules train, score and (gathered) generate
         compute_dtype = DTYPES[config.fsdp_compute_dtype] if config.fsdp_compute_dtype else None
-        for model in (trainer.actor, trainer.critic, trainer.reference):
+        for model in (actor, critic, reference):
             if model is not None:
                 process_group.shard_fsdp2(model, compute_dtype)
-        trainer.actor_train, trainer.critic_train = trainer.actor, trainer.critic
+        actor_train, critic_train = actor, critic
     else:  # gradients go through DDP wrappers when distributed; generation and scoring use the plain modules
-        trainer.actor_train = process_group.wrap_ddp(trainer.actor, trainer.device)
-        trainer.critic_train = process_group.wrap_ddp(trainer.critic, trainer.device) \
-            if trainer.critic is not None else None
-    trainer.actor_optimizer = torch.optim.AdamW(trainer.actor.parameters(), lr=config.actor_lr,
-                                                weight_decay=config.weight_decay)
-    trainer.actor_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.actor_optimizer, warmup(config.warmup_steps))
-    trainer.critic_optimizer = trainer.critic_scheduler = None
-    if trainer.critic is not None:
-        trainer.critic_optimizer = torch.optim.AdamW(trainer.critic.parameters(), lr=config.critic_lr,
-                                                     weight_decay=config.weight_decay)
-        trainer.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.critic_optimizer,
-                                                                     warmup(config.warmup_steps))
+        actor_train = process_group.wrap_ddp(actor, device)
+        critic_train = process_group.wrap_ddp(critic, device) if critic is not None else None
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.actor_lr, weight_decay=config.weight_decay)
+    critic_optimizer = critic_scheduler = None
+    if critic is not None:
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr,
+                                             weight_decay=config.weight_decay)
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, warmup(config.warmup_steps))
+    state = TrainingState(
+        tokenizer=models.tokenizer, actor=actor, actor_train=actor_train, actor_optimizer=actor_optimizer,
+        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(actor_optimizer, warmup(config.warmup_steps)),
+        critic=critic, critic_train=critic_train, critic_optimizer=critic_optimizer,
+        critic_scheduler=critic_scheduler, reference=reference,
+        # the weights that generate: the actor's own, or with rollout_staleness an independent lagged copy
+        stale_policy=StalePolicy(actor, config.rollout_staleness, config.autocast_dtype))
     if warm is not None:
-        load_warm_optimizers(trainer, warm)
-    # the weights that generate: the actor's own, or with rollout_staleness an independent lagged copy
-    trainer.stale_policy = StalePolicy(trainer.actor, config.rollout_staleness, config.autocast_dtype)
-    trainer.backend = generation_backend(trainer, start)
+        load_warm_optimizers(state, config, warm, report)
+    return state
 
 
-def generation_backend(trainer, checkpoint: Path | None):
-    """The rollout backend; ``checkpoint``: the folder whose actor the run continues from (resume or warm start)."""
-    if trainer.config.generation_backend == "vllm":
+def weights_folder(config: TrainConfig, checkpoint: Path | None) -> Path | None:
+    """The checkpoint folder whose actor the run continues from: ``checkpoint`` on resume, ``init_from`` for a warm
+    start, None for a run from ``model``."""
+    if checkpoint is not None:
+        return checkpoint
+    return Path(config.init_from) if config.init_from else None
+
+
+def generation_backend(config: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
+                       checkpoint: Path | None) -> TrainingBackend:
+    """The rollout backend over ``model`` (the lagged generator's weights); ``checkpoint``: the folder whose actor
+    the run continues from (:func:`weights_folder`), where vLLM loads its own copy."""
+    if config.generation_backend == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights can be synced
         from stppo_agent.rollouts.vllm_generation import VLLMGenerationBackend
 
-        path = str(checkpoint / "actor") if checkpoint is not None else trainer.config.model
-        dtype = "bfloat16" if trainer.config.dtype == "float32" else trainer.config.dtype
-        return VLLMGenerationBackend(path, trainer.config.sampling(), dtype=dtype,
-                                     seed=process_group.rank_seed(trainer.config.seed, trainer.rank),
-                                     gpu_memory_utilization=trainer.config.vllm_gpu_memory_utilization)
-    return HFGenerationBackend(trainer.stale_policy.model, trainer.tokenizer, trainer.config.sampling(),
-                               batch_size=trainer.config.generation_batch_size,
-                               reuse_cache=trainer.config.reuse_kv_cache,
-                               autocast_dtype=trainer.config.generation_autocast_dtype)
+        path = str(checkpoint / "actor") if checkpoint is not None else config.model
+        dtype = "bfloat16" if config.dtype == "float32" else config.dtype
+        return VLLMGenerationBackend(path, config.sampling(), dtype=dtype,
+                                     seed=process_group.rank_seed(config.seed, rank),
+                                     gpu_memory_utilization=config.vllm_gpu_memory_utilization)
+    return HFGenerationBackend(model, tokenizer, config.sampling(), batch_size=config.generation_batch_size,
+                               reuse_cache=config.reuse_kv_cache, autocast_dtype=config.generation_autocast_dtype)

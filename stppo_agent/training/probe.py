@@ -60,10 +60,12 @@ class LearnerProbe:
         self.backend = None
 
     @classmethod
-    def for_trainer(cls, trainer) -> "LearnerProbe | None":
-        if not trainer.config.probe_every:
+    def for_run(cls, config, tokenizer, env_kwargs: list[dict] | None = None) -> "LearnerProbe | None":
+        """The run's probe (None without ``probe_every``); ``env_kwargs``: the rollout source's, so the probe's
+        envs share its retriever."""
+        if not config.probe_every:
             return None
-        return cls(trainer.config, trainer.tokenizer, getattr(trainer.source, "env_kwargs", None))
+        return cls(config, tokenizer, env_kwargs)
 
     def due(self, iteration: int) -> bool:
         """After ``iteration`` iterations (1-based count of updates done): every ``probe_every``-th."""

@@ -63,18 +63,21 @@ class RecordedRollouts:
     rank r takes prompts ``r::world``, as a live run with this many processes would have sampled them; every row
     of every iteration is used either way."""
 
-    def __init__(self, trainer, run_dir: Path, sampled_by_actor: bool = True):
-        """``sampled_by_actor``: the replay applies the recorded run's algorithm settings, so its actor is the one
+    env_kwargs = None  # it plays no envs
+
+    def __init__(self, run_dir: Path, tokenizer, rank: int = 0, world: int = 1, sampled_by_actor: bool = True):
+        """``run_dir``: the recorded run; ``tokenizer``: the replay's own (it must be the recording's).
+        ``sampled_by_actor``: the replay applies the recorded run's algorithm settings, so its actor is the one
         that sampled each batch (what the on-policy flag of ``old_logprobs=sampler`` needs to know)."""
         self.folder = Path(run_dir) / "rollouts"
         self.sampled_by_actor = sampled_by_actor
         meta = read_format(self.folder)
-        mine = tokenizer_fingerprint(trainer.tokenizer)
+        mine = tokenizer_fingerprint(tokenizer)
         if mine != meta["tokenizer"]:
             differing = sorted(k for k in mine if mine[k] != meta["tokenizer"].get(k))
             raise ValueError(f"tokenizer mismatch: the model's tokenizer differs from the one that recorded {run_dir} "
                              f"({', '.join(differing)}); recorded token ids would mean other text")
-        self.rank, self.world, self.pad_id = trainer.rank, trainer.world, trainer.tokenizer.pad_token_id
+        self.rank, self.world, self.pad_id = rank, world, tokenizer.pad_token_id
         self.iterations = recorded_iterations(self.folder, 0)
 
     def next_batch(self, iteration: int) -> RolloutBatch:
@@ -199,7 +202,8 @@ def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Se
     original = recorded_config(run_dir)
     same_rule = config.algorithm_config() == original.algorithm_config()
     trainer = Trainer(config, report=report,
-                      rollout_source=lambda t: RecordedRollouts(t, Path(run_dir), sampled_by_actor=same_rule),
+                      rollout_source=lambda context: RecordedRollouts(Path(run_dir), context.tokenizer, context.rank,
+                                                                      context.world, sampled_by_actor=same_rule),
                       resume=resume, overwrite=overwrite)
     if process_group.is_main():
         report(describe_correction(config, original, overrides))

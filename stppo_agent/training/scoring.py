@@ -8,19 +8,30 @@ import dataclasses
 
 import torch
 
-from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty, rollout_correction_weights
+from stppo_agent.algorithms import (
+    AlgorithmConfig,
+    estimate_advantages,
+    kl_reward_penalty,
+    rollout_correction_weights,
+)
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
+from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import batched_no_grad, critic_values, token_logprobs
 from stppo_agent.training.resampling import without_fillers
 from stppo_agent.training.stale_policy import is_decoupled
 
 
 @torch.no_grad()
-def score_batch(trainer, batch: RolloutBatch) -> None:
-    """Behaviour (pre-update) and reference log-probs, values, then advantages and returns, set on ``batch``, and
-    ``token_weights``: the rollout-correction weights, 0 on DAPO's filler groups (None when every weight is 1)."""
-    micro, sampling = trainer.config.micro_batch_size, trainer.config.sampling()
+def score_batch(batch: RolloutBatch, *, config: TrainConfig, algo: AlgorithmConfig, actor: torch.nn.Module,
+                generator: torch.nn.Module, reference: torch.nn.Module | None, critic: torch.nn.Module | None,
+                device: torch.device, world: int = 1) -> None:
+    """Set on ``batch``: ``old_logprobs`` (the PPO ratio's denominator), ``ref_logprobs`` (with a ``reference``),
+    ``values`` (with a ``critic``), ``advantages`` and ``returns``, and ``token_weights``: the rollout-correction
+    weights, 0 on DAPO's filler groups (None when every weight is 1); and its ``advantage/...``, mismatch and
+    ``kl_to_reference`` stats. ``generator``: the weights that sampled the batch (the lagged copy under
+    ``rollout_staleness``, else ``actor``); ``world``: the processes sharing the global batch."""
+    micro, sampling = config.micro_batch_size, config.sampling()
 
     def scored(model):  # under the distribution the rollout sampled from (as verl)
         # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
@@ -31,31 +42,31 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     # The PPO ratio's denominator: the policy that sampled the batch (the actor itself unless rollout_staleness lags
     # the generator), or for decoupled PPO the proximal policy, the actor before this update; with
     # old_logprobs=sampler, what the sampler computed while generating, in its own precision (no forward here).
-    decoupled = is_decoupled(trainer.config)
-    sampler_logprobs = trainer.config.old_logprobs == "sampler"
+    decoupled = is_decoupled(config)
+    sampler_logprobs = config.old_logprobs == "sampler"
     if sampler_logprobs:
-        batch.old_logprobs = batch.sample_logprobs.to(trainer.device, torch.float32, copy=True)
+        batch.old_logprobs = batch.sample_logprobs.to(device, torch.float32, copy=True)
     else:
-        batch.old_logprobs = scored(trainer.actor if decoupled else trainer.stale_policy.model)
-    if trainer.reference is not None:
-        batch.ref_logprobs = scored(trainer.reference)
-    if trainer.critic is not None:
-        with process_group.gathered(trainer.critic):
-            batch.values = batched_no_grad(critic_values, trainer.critic, batch, micro)
+        batch.old_logprobs = scored(actor if decoupled else generator)
+    if reference is not None:
+        batch.ref_logprobs = scored(reference)
+    if critic is not None:
+        with process_group.gathered(critic):
+            batch.values = batched_no_grad(critic_values, critic, batch, micro)
     # The KL columns and the reward's KL penalty are the behaviour policy's under both objectives: one more forward
     # of the lagged weights under decoupled, where the ratio's denominator is another policy.
     behaviour = batch.old_logprobs
     if decoupled and batch.ref_logprobs is not None:
-        behaviour = scored(trainer.stale_policy.model)
+        behaviour = scored(generator)
     kl_penalty = None
-    if trainer.algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
-        kl_penalty = kl_reward_penalty(behaviour, batch.ref_logprobs, batch.loss_mask, trainer.algo)
+    if algo.kl_in_reward > 0 and batch.ref_logprobs is not None:
+        kl_penalty = kl_reward_penalty(behaviour, batch.ref_logprobs, batch.loss_mask, algo)
     values = batch.values if batch.values is not None else torch.zeros_like(batch.old_logprobs)
     # Whitening must use the statistics of the whole global batch, so with several ranks it happens here.
-    whiten_globally = trainer.world > 1 and trainer.algo.whiten_advantages
-    estimator_config = dataclasses.replace(trainer.algo, whiten_advantages=False) if whiten_globally else trainer.algo
+    whiten_globally = world > 1 and algo.whiten_advantages
+    estimator_config = dataclasses.replace(algo, whiten_advantages=False) if whiten_globally else algo
     batch.advantages, batch.returns = estimate_advantages(
-        trainer.algo.advantage, rewards=batch.rewards.to(trainer.device), values=values, loss_mask=batch.loss_mask,
+        algo.advantage, rewards=batch.rewards.to(device), values=values, loss_mask=batch.loss_mask,
         group_ids=batch.group_ids, config=estimator_config, kl_penalty=kl_penalty, turn_ids=batch.turn_ids)
     if whiten_globally:
         batch.advantages = process_group.distributed_whiten(batch.advantages, batch.loss_mask)
@@ -64,9 +75,9 @@ def score_batch(trainer, batch: RolloutBatch) -> None:
     batch.stats["advantage/std"] = float(batch.advantages[mask].std()) if mask.sum() > 1 else 0.0
     # (with the sampler's log-probs as old ones there is no second measurement to compare: no mismatch metrics)
     weights, mismatch = (None, {}) if sampler_logprobs else rollout_correction_weights(
-        batch.old_logprobs, batch.sample_logprobs, mask, batch.turn_ids, trainer.algo)
+        batch.old_logprobs, batch.sample_logprobs, mask, batch.turn_ids, algo)
     batch.stats.update(mismatch)
     # each rule weights its own per-token terms (a sequence-level rule's are not a sum the advantage could carry)
-    batch.token_weights = without_fillers(weights, batch) if trainer.algo.dynamic_sampling else weights
+    batch.token_weights = without_fillers(weights, batch) if algo.dynamic_sampling else weights
     if batch.ref_logprobs is not None and mask.any():
         batch.stats["kl_to_reference"] = float((behaviour - batch.ref_logprobs)[mask].mean())

@@ -1,10 +1,15 @@
-"""The PPO-family update loop. One iteration reads as its steps:
+"""The PPO-family training loop. One iteration reads as its stages, each a function or small class that takes
+what it needs and returns what it produced (docs/architecture.md draws the data flow):
 
-    batch = rollout()                      multi-turn episodes in the envs, token-in/token-out
-    score(batch)                           old / reference log-probs, values, KL penalty, advantages
-    update(batch)                          PPO epochs over shuffled mini-batches, gradient accumulation,
-                                           clip-bias correction, gradient clipping, optimizer steps
+    batch = rollout()                      multi-turn episodes in the envs, token-in/token-out (a rollout source)
+    score(batch)                           old / reference log-probs, values, KL penalty, advantages (score_batch)
+    metrics = update(batch)                PPO epochs over shuffled mini-batches, gradient accumulation,
+                                           clip-bias correction, gradient clipping, optimizer steps (PPOUpdate)
+    decision = guard.check(metrics)        the collapse monitor: continue, warn, stop or roll back to step N
     log + checkpoint                       metrics.jsonl / TensorBoard; atomic Hugging Face checkpoints
+
+Everything an iteration changes lives in one :class:`~stppo_agent.training.state.TrainingState`, which checkpoints,
+``--resume`` and a collapse rollback save and load.
 """
 
 from __future__ import annotations
@@ -20,20 +25,21 @@ import stppo_envs  # noqa: F401  (registers the env ids)
 from stppo_agent.distributed import process_group
 from stppo_agent.models.loading import resolve_device
 from stppo_agent.models.precision import with_resolved_precision
-from stppo_agent.monitoring.collapse_guard import CollapseGuard, CollapseStopped, stop_advice
+from stppo_agent.monitoring.collapse_guard import CONTINUE, CollapseGuard, CollapseStopped, stop_advice
+from stppo_agent.monitoring.learning_signal import LearningSignalNotice
 from stppo_agent.monitoring.step_diagnostics import StepDiagnostics
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.statistics import rollout_statistics
 from stppo_agent.runs import run_folder, trainer_state
-from stppo_agent.runs.checkpoint import full_model_state, save_checkpoint
 from stppo_agent.runs.metrics_log import MetricsLogger
 from stppo_agent.runs.recording import RolloutRecorder, drop_recordings_after
 from stppo_agent.training.config import TrainConfig
-from stppo_agent.training.live_rollouts import LiveRollouts
-from stppo_agent.training.model_setup import build_models
-from stppo_agent.training.ppo_update import PPOUpdate
+from stppo_agent.training.live_rollouts import LiveRollouts, RolloutContext, RolloutSource
+from stppo_agent.training.model_setup import build_state, generation_backend, weights_folder
+from stppo_agent.training.ppo_update import PPOUpdate, starts_on_policy
 from stppo_agent.training.probe import LearnerProbe
 from stppo_agent.training.scoring import score_batch
+from stppo_agent.training.state import Restore
 from stppo_agent.training.training_split import with_training_split
 
 
@@ -42,8 +48,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, resume: bool = False, report: Callable[[str], None] = print,
                  batch_hook: Callable[[RolloutBatch], None] | None = None,
-                 rollout_source: Callable[["Trainer"], Any] | None = None, overwrite: bool = False):
-        """``rollout_source(trainer)`` builds where batches come from (default :class:`LiveRollouts`: play the
+                 rollout_source: Callable[[RolloutContext], RolloutSource] | None = None, overwrite: bool = False):
+        """``rollout_source(context)`` builds where batches come from (default :class:`LiveRollouts`: play the
         envs now; ``stppo_agent.training.replay`` passes recorded batches). A folder that holds a run needs ``resume``
         or ``overwrite`` (:mod:`stppo_agent.runs.run_folder`)."""
         config.validate()
@@ -59,79 +65,86 @@ class Trainer:
         if config.prompts_per_iteration % self.world or config.mini_batch_size % self.world:
             raise ValueError(f"prompts_per_iteration ({config.prompts_per_iteration}) and mini_batch_size "
                              f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
-        self.iteration, self.optimizer_steps, self.nan_skips_in_a_row, self.nan_skips_total = 0, 0, 0, 0
-        self.actor_lr_scale = 1.0  # the rollbacks' compounded learning-rate factor (saved in checkpoints)
         self._bar = None  # the progress bar while train() runs
         process_group.seed_everything(config.seed)  # the same on every rank: models are built identically
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
         self.config = config = with_training_split(
             config, trainer_state.checkpoint_config(checkpoint) if checkpoint is not None else None, report)
-        trainer_state.check_resume_settings(self, checkpoint)  # a refused change fails before the models load
-        build_models(self, checkpoint)
-        self.updater = PPOUpdate(self)
+        # a refused change fails before the models load
+        trainer_state.check_resume_settings(config, self.algo, checkpoint, report)
+        self.state = state = build_state(config, self.algo, self.device, self.sharded, checkpoint, report)
+        self.backend = generation_backend(config, state.stale_policy.model, state.tokenizer, self.rank,
+                                          weights_folder(config, checkpoint))
         if self.rank > 0:  # each rank samples its own tokens; rank 0 continues the one-process stream unchanged
             process_group.seed_everything(process_group.rank_seed(config.seed, self.rank))
-        self.source = (rollout_source or LiveRollouts)(self)
-        self.probe = LearnerProbe.for_trainer(self)
+        self.source = (rollout_source or LiveRollouts)(RolloutContext(
+            config, self.algo, self.run_dir, state.tokenizer, self.backend, self.rank, self.world, self.phase))
+        state.sampler = self.source
+        self.probe = LearnerProbe.for_run(config, state.tokenizer, self.source.env_kwargs)
         if checkpoint is not None:
-            trainer_state.resume(self, checkpoint)
+            state.load(checkpoint, config, self.algo, Restore.RESUME, report)
         self.logger = None
         if process_group.is_main():  # one process writes the run folder
             self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
                                         wandb_project=config.wandb_project, config=dataclasses.asdict(config))
-            self.logger.truncate_after(self.iteration, report)
+            self.logger.truncate_after(state.iteration, report)
             (self.run_dir / "config.yaml").write_text(config.to_yaml(resolved=self.algo))
         if checkpoint is not None and process_group.is_main():
-            drop_recordings_after(self.run_dir, self.iteration)
-        self.recorder = RolloutRecorder.for_trainer(self) if config.save_rollouts else None
-        self.diagnostics = StepDiagnostics.for_trainer(self)
-        self.guard = CollapseGuard(self) if config.on_collapse != "none" else None
+            drop_recordings_after(self.run_dir, state.iteration)
+        self.recorder = RolloutRecorder.for_run(
+            self.run_dir, state.tokenizer, self.rank, self.world, iteration=state.iteration, actor=state.actor,
+            critic=state.critic, critic_model=config.critic_model,
+            full_states=lambda: state.full_states(self.sharded)) if config.save_rollouts else None
+        self.diagnostics = StepDiagnostics.for_run(self.run_dir, self.algo, step_diagnostics=config.step_diagnostics,
+                                                   on_collapse=config.on_collapse, sharded=self.sharded,
+                                                   iteration=state.iteration)
+        self.guard = CollapseGuard(config, self.run_dir) if config.on_collapse != "none" else None
+        self.updater = PPOUpdate(state, config, self.algo, device=self.device, rank=self.rank, world=self.world,
+                                 sharded=self.sharded, diagnostics=self.diagnostics, run_dir=self.run_dir,
+                                 report=report, phase=self.phase)
+        self.learning_signal = LearningSignalNotice(config, self.algo, report, self.world, self.device)
 
-    # -- setup ---------------------------------------------------------------------------------------------
-    # -- one iteration -----------------------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=self.config.iterations, initial=self.iteration, desc="training", unit="it",
-                   disable=not (self.config.progress and process_group.is_main()))
+        config, state = self.config, self.state
+        bar = tqdm(total=config.iterations, initial=state.iteration, desc="training", unit="it",
+                   disable=not (config.progress and process_group.is_main()))
         self._bar = bar
         metrics: dict[str, Any] = {}
-        if self.iteration >= self.config.iterations:  # a resumed run that is already as long as asked
-            self.report(f"nothing to train: {self.run_dir} is at iteration {self.iteration} and iterations="
-                        f"{self.config.iterations}; --iterations {self.iteration + 1} or more continues it")
+        if state.iteration >= config.iterations:  # a resumed run that is already as long as asked
+            self.report(f"nothing to train: {self.run_dir} is at iteration {state.iteration} and iterations="
+                        f"{config.iterations}; --iterations {state.iteration + 1} or more continues it")
         try:
-            while self.iteration < self.config.iterations:
+            while state.iteration < config.iterations:
                 started = time.perf_counter()
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
                 batch = self.rollout()
-                lag = self.stale_policy.lag  # updates between the weights that sampled the batch and the actor's
+                lag = state.stale_policy.lag  # updates between the weights that sampled the batch and the actor's
                 rollout_seconds = time.perf_counter() - started
                 self.phase("scoring")
                 self.score(batch)
                 metrics = self.update(batch)
-                self.stale_policy.advance(self.actor)
-                if hasattr(self.backend, "sync_weights"):  # an engine with its own copy of the weights
-                    self.backend.sync_weights(self.actor)
-                self.iteration += 1
+                state.stale_policy.advance(state.actor)
+                self.backend.sync_weights(state.actor)  # an engine with its own copy of the weights takes them
+                state.iteration += 1
                 metrics.update(rollout_statistics(batch, self.algo), rollout_seconds=rollout_seconds,
                                iteration_seconds=time.perf_counter() - started,
                                rollout_tokens_per_s=float(batch.loss_mask.sum()) / max(rollout_seconds, 1e-9))
-                if self.config.rollout_staleness:
-                    metrics["staleness"] = lag
-                if self.probe is not None and self.probe.due(self.iteration):  # the learner, not the lagged generator
-                    metrics.update(self.probe.measure(self.actor, self.iteration, self.optimizer_steps))
-                if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
-                    metrics["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                decision = self.guard.check(self.iteration, metrics) if self.guard is not None else None
-                if self.logger is not None:
-                    self.logger.log(self.iteration, metrics)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['update_tokens_per_s']:.0f}")
-                if decision is not None or self.iteration % self.config.save_every == 0 \
-                        or self.iteration == self.config.iterations:
+                metrics.update(self.measure(lag))
+                decision = self.guard.check(state.iteration, metrics, state.actor_lr_scale) \
+                    if self.guard is not None else CONTINUE
+                if decision.alarmed:
+                    self.report(decision.reason)
+                if decision.rolls_back:
+                    metrics.update(self.roll_back(decision.rollback_to))
+                self.log(metrics)
+                if decision.alarmed or state.iteration % config.save_every == 0 \
+                        or state.iteration == config.iterations:
                     path = self.save()  # a collapse's decision is saved at once: the alarm state, or the rollback
-                    if decision is not None and decision.stops:
+                    if decision.stops:
                         raise CollapseStopped(stop_advice(decision, path))
         finally:
             bar.close()
@@ -146,44 +159,63 @@ class Trainer:
         if self._bar is not None and not self._bar.disable:
             self._bar.set_postfix_str(text, refresh=True)
 
+    # -- the stages --------------------------------------------------------------------------------------------
     def rollout(self) -> RolloutBatch:
         self.phase("rollout")
-        batch = self.source.next_batch(self.iteration)
+        batch = self.source.next_batch(self.state.iteration)
         if self.recorder is not None:  # as sampled: before any test hook or scoring touches it
-            self.recorder.record(self.iteration + 1, batch)
+            self.recorder.record(self.state.iteration + 1, batch)
         if self.batch_hook is not None:
             self.batch_hook(batch)
         return batch.to(self.device)
 
     def score(self, batch: RolloutBatch) -> None:
-        score_batch(self, batch)
-        from stppo_agent.monitoring.learning_signal import notice_no_learning_signal  # said once per run
-        notice_no_learning_signal(self, batch)
+        state = self.state
+        score_batch(batch, config=self.config, algo=self.algo, actor=state.actor, generator=state.stale_policy.model,
+                    reference=state.reference, critic=state.critic, device=self.device, world=self.world)
+        self.learning_signal.check(batch, state.iteration)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.updater.update(batch)
+        on_policy = starts_on_policy(self.config, self.state.stale_policy.lag, self.source.sampled_by_actor)
+        return self.updater.update(batch, on_policy)
 
     def actor_gradients(self, mini: RolloutBatch) -> dict[str, float]:
         """Fill the actor's ``.grad`` for one optimizer step over ``mini``; see :class:`PPOUpdate`."""
         return self.updater.actor_gradients(mini)
 
-    # -- checkpoints ---------------------------------------------------------------------------------------
-    def save(self) -> Path:
-        """Rank 0 writes one checkpoint of full tensors (gathered from FSDP2 shards)."""
-        tensor_state, json_state = trainer_state.checkpoint_states(self)
-        actor_state, critic_state = self.full_states()
-        path = self.run_dir / "checkpoints" / f"step-{self.iteration}"
-        if process_group.is_main():  # the full state dicts above live on rank 0 only (cpu_offload)
-            path = save_checkpoint(self.run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
-                                   critic=self.critic, tensor_state=tensor_state, json_state=json_state,
-                                   keep=self.config.keep_checkpoints, actor_state=actor_state,
-                                   critic_state=critic_state,
-                                   protect=self.guard.protected_steps() if self.guard is not None else ())
-        process_group.barrier()
-        return path
+    def measure(self, lag: int) -> dict[str, float]:
+        """What an iteration logs besides its rollouts and update: the lag, the learner probe, the peak memory."""
+        state, out = self.state, {}
+        if self.config.rollout_staleness:
+            out["staleness"] = lag
+        if self.probe is not None and self.probe.due(state.iteration):  # the learner, not the lagged generator
+            out.update(self.probe.measure(state.actor, state.iteration, state.optimizer_steps))
+        if self.device.type == "cuda":  # this rank's peak this iteration: shows what FSDP2 saves
+            out["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return out
 
-    def full_states(self) -> tuple[dict | None, dict | None]:
-        """Full actor and critic state dicts gathered from FSDP2 shards (a collective); None, None unsharded."""
-        if not self.sharded:
-            return None, None
-        return full_model_state(self.actor), full_model_state(self.critic) if self.critic is not None else None
+    def log(self, metrics: dict[str, Any]) -> None:
+        if self.logger is not None:
+            self.logger.log(self.state.iteration, metrics)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['update_tokens_per_s']:.0f}")
+
+    def roll_back(self, step: int) -> dict[str, float]:
+        """Carry out a rollback decision: the weights, optimizers and lagged generator of ``step-{step}``, the actor's
+        learning rate lowered by ``rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken back);
+        returns the ``collapse/...`` metrics that record it."""
+        state = self.state
+        state.actor_lr_scale *= self.config.rollback_lr_factor
+        state.load(self.run_dir / "checkpoints" / f"step-{step}", self.config, self.algo, Restore.ROLLBACK,
+                   self.report)
+        self.backend.sync_weights(state.actor)  # an engine with its own copy of the weights (vLLM)
+        if self.guard is not None:
+            self.guard.rolled_back(step)
+        return {"collapse/rollback_to": step, "collapse/lr_scale": state.actor_lr_scale,
+                "collapse/actor_lr": state.actor_scheduler.get_last_lr()[0]}
+
+    def save(self) -> Path:
+        """Checkpoint the state as ``checkpoints/step-{iteration}`` (every rank calls it: FSDP2 gathers)."""
+        return self.state.save(self.run_dir, self.config, self.algo, sharded=self.sharded,
+                               protect=self.guard.protected_steps() if self.guard is not None else ())

@@ -4,20 +4,20 @@ bias-corrected step moves every weight by about lr in the sign of its gradient, 
 
 Everything else is the new run's own: iteration 0, its folder, its learning rates and warm-up schedule (from step
 0), its seed, prompt order and counters. A resume reads its own checkpoints, never ``init_from`` again; what a
-checkpoint holds and how a resume restores all of it: :mod:`stppo_agent.runs.trainer_state`.
+checkpoint holds and how a resume restores all of it: :mod:`stppo_agent.training.state`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from stppo_agent.distributed import process_group
 from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, load_full_optimizer_state, load_trainer_state
-from stppo_agent.runs.trainer_state import apply_learning_rates
+from stppo_agent.training.state import TrainingState
 
 
 def warm_start_folder(config, use_critic: bool) -> Path:
@@ -38,24 +38,24 @@ def warm_start_folder(config, use_critic: bool) -> Path:
     return folder
 
 
-def load_warm_optimizers(trainer, folder: Path) -> None:
-    """Load the optimizer state of ``folder`` into the trainer's fresh optimizers (the models were built from
+def load_warm_optimizers(state: TrainingState, config, folder: Path, report: Callable[[str], None] = print) -> None:
+    """Load the optimizer state of ``folder`` into ``state``'s fresh optimizers (the models were built from
     ``folder``), then set this run's learning rates and schedule from its first step. Raises naming the
     parameter when the state does not fit a model, or when the reference policy differs from the actor."""
-    tensors, state = load_trainer_state(folder)
-    _check_same_shapes(trainer.reference, trainer.actor, f"model {trainer.config.model} (the reference policy)",
+    tensors, saved = load_trainer_state(folder)
+    _check_same_shapes(state.reference, state.actor, f"model {config.model} (the reference policy)",
                        f"the actor of {folder}")
-    _check_fits(tensors["actor_optimizer"], trainer.actor, f"the actor of {folder}")
-    load_full_optimizer_state(trainer.actor, trainer.actor_optimizer, tensors["actor_optimizer"])
-    if trainer.critic_optimizer is not None:
+    _check_fits(tensors["actor_optimizer"], state.actor, f"the actor of {folder}")
+    load_full_optimizer_state(state.actor, state.actor_optimizer, tensors["actor_optimizer"])
+    if state.critic_optimizer is not None:
         if "critic_optimizer" not in tensors:
             raise ValueError(f"init_from {folder} holds a critic but no critic optimizer state")
-        _check_fits(tensors["critic_optimizer"], trainer.critic, f"the critic of {folder}")
-        load_full_optimizer_state(trainer.critic, trainer.critic_optimizer, tensors["critic_optimizer"])
-    apply_learning_rates(trainer)  # the loaded param groups carry the old run's rates; this run's schedule starts
+        _check_fits(tensors["critic_optimizer"], state.critic, f"the critic of {folder}")
+        load_full_optimizer_state(state.critic, state.critic_optimizer, tensors["critic_optimizer"])
+    state.apply_learning_rates(config)  # the loaded param groups carry the old run's rates; this run's schedule starts
     if process_group.is_main():
-        trainer.report(f"started from {folder}: its weights and optimizer state (after {state['optimizer_steps']} "
-                       "optimizer steps); iteration 0 of a new run")
+        report(f"started from {folder}: its weights and optimizer state (after {saved['optimizer_steps']} "
+               "optimizer steps); iteration 0 of a new run")
 
 
 def _check_fits(optimizer_state: dict[str, Any], model: torch.nn.Module, what: str) -> None:
