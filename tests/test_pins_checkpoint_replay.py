@@ -582,6 +582,17 @@ def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
     assert len(messages) == 4
 
 
+@pytest.mark.parametrize("change,warned", [({"iterations": 12, "save_every": 3, "keep_checkpoints": 5}, False),
+                                           ({"iterations": 12, "ppo_epochs": 2}, True)])
+def test_a_recording_run_warns_about_replays_only_for_changes_a_replay_would_see(tmp_path, change, warned):
+    # running longer or checkpointing more often leaves every recorded iteration's update as it was; more epochs
+    # does not
+    folder = checkpoint_of(fake_run(tmp_path, save_rollouts=True), tmp_path / "run")
+    messages = resume(fake_run(tmp_path, save_rollouts=True, **change), folder)
+    assert messages[1].startswith("changed since the checkpoint: iterations 100 -> 12")
+    assert any("a replay will not reproduce" in m for m in messages) == warned
+
+
 def test_a_resume_with_nothing_changed_and_no_rollback_says_only_where_it_resumed(tmp_path):
     saved, _ = run = fake_run(tmp_path, save_rollouts=True)
     saved.actor_lr_scale = 1.0

@@ -2020,6 +2020,24 @@ def test_a_stop_decision_saves_then_stops_with_the_guards_advice(tiny_folder, tm
     assert (tmp_path / "checkpoints" / "step-2").is_dir()
 
 
+def test_only_the_main_process_says_the_guards_alarm(tiny_folder, tmp_path, monkeypatch):
+    """Every rank reaches the same decision (the monitor reads globally reduced metrics); one line says it, not
+    one per process."""
+    from stppo_agent.distributed import process_group
+    from stppo_agent.monitoring.collapse_guard import Decision
+    from stppo_agent.training.trainer import Trainer
+
+    said = {}
+    for main in (True, False):
+        monkeypatch.setattr(process_group, "is_main", lambda main=main: main)
+        reports = said[main] = []
+        trainer = Trainer(toy_run(tiny_folder, tmp_path / str(main), iterations=2, save_every=10, on_collapse="none"),
+                          report=reports.append)
+        scripted_guard(trainer, {2: Decision("warn", "looks odd.")})
+        trainer.train()
+    assert "looks odd." in said[True] and "looks odd." not in said[False]
+
+
 def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path):
     """continue: nothing; warn: say it and checkpoint; rollback to step N: step-N's weights and optimizer state at
     a lowered learning rate, said, logged and checkpointed; stop: checkpoint, then stop."""

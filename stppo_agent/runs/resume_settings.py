@@ -38,6 +38,15 @@ EXAMPLE_KWARGS = ("dataset", "split", "limit", "shuffle_seed", "benchmark", "fam
 RECORDED_SAMPLING = ("temperature", "top_p", "top_k", "generation_backend", "generation_autocast_dtype")
 # changes no one needs to be told about
 QUIET = {"output_dir"}
+# changes that leave every iteration's computation as it was: a replay of the recorded rollouts still reproduces the
+# run (how long it runs, how often and how many checkpoints it keeps, what it shows while it runs)
+REPLAY_NEUTRAL = {"iterations", "save_every", "keep_checkpoints", "progress", "tensorboard"}
+
+
+def changes_a_replay(found: list[tuple[str, Any, Any]]) -> bool:
+    """Whether any of ``found`` (:func:`check`'s changes) alters what an iteration computes, so that a replay, which
+    applies the run's one config.yaml to every recorded iteration, no longer reproduces the iterations before it."""
+    return any(key not in REPLAY_NEUTRAL | QUIET for key, _, _ in found)
 
 
 def flatten(config: Mapping[str, Any]) -> dict[str, Any]:

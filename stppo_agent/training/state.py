@@ -207,7 +207,7 @@ class TrainingState:
         elif float(scale) != 1.0:
             report(f"actor learning rate {config.actor_lr * scale:g}: actor_lr {config.actor_lr} x{scale:g} from the "
                    "run's rollbacks")
-        if found and config.save_rollouts:
+        if config.save_rollouts and resume_settings.changes_a_replay(found):
             report("this run records its rollouts, and stppo replay applies one config (the one in config.yaml) to "
                    "every iteration: a replay will not reproduce the iterations before this change exactly")
 

@@ -136,7 +136,7 @@ class Trainer:
                 metrics.update(self.measure(lag))
                 decision = self.guard.check(state.iteration, metrics, state.actor_lr_scale) \
                     if self.guard is not None else CONTINUE
-                if decision.alarmed:
+                if decision.alarmed and process_group.is_main():  # every rank decides alike; one says so
                     self.report(decision.reason)
                 if decision.rolls_back:
                     metrics.update(self.roll_back(decision.rollback_to))
