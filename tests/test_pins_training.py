@@ -2020,6 +2020,19 @@ def test_a_stop_decision_saves_then_stops_with_the_guards_advice(tiny_folder, tm
     assert (tmp_path / "checkpoints" / "step-2").is_dir()
 
 
+def test_a_rollback_starts_a_new_streak_of_nan_skips(tiny_folder, tmp_path):
+    """max_nan_skips counts consecutive skipped updates of one set of weights: skips before a rollback belong to
+    the weights it abandoned, so they do not bring the restored run nearer to stopping."""
+    from stppo_agent.training.trainer import Trainer
+
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, save_every=1, on_collapse="none"),
+                      report=lambda message: None)
+    trainer.train()
+    trainer.state.nan_skips_in_a_row, total = 3, trainer.state.nan_skips_total
+    trainer.roll_back(1)
+    assert trainer.state.nan_skips_in_a_row == 0 and trainer.state.nan_skips_total == total  # the total is history
+
+
 def test_only_the_main_process_says_the_guards_alarm(tiny_folder, tmp_path, monkeypatch):
     """Every rank reaches the same decision (the monitor reads globally reduced metrics); one line says it, not
     one per process."""

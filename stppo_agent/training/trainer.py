@@ -210,6 +210,7 @@ class Trainer:
         state.load(self.run_dir / "checkpoints" / f"step-{step}", self.config, self.algo, Restore.ROLLBACK,
                    self.report)
         self.backend.sync_weights(state.actor)  # an engine with its own copy of the weights (vLLM)
+        state.nan_skips_in_a_row = 0  # the skips were the abandoned weights'; the restored ones start a new streak
         if self.guard is not None:
             self.guard.rolled_back(step)
         return {"collapse/rollback_to": step, "collapse/lr_scale": state.actor_lr_scale,
