@@ -708,9 +708,11 @@ def test_a_non_finite_step_is_skipped_then_the_run_stops():
     with pytest.raises(TrainingDivergedError) as info:
         updater._optimizer_step(bad)
     assert str(info.value) == (
-        f"2 consecutive updates had NaN/inf losses or gradients; stopping. The last valid checkpoint is in "
-        f"{Path('runs/pins/checkpoints')}; lower the learning rate, raise max_grad_norm headroom, or check the data "
-        "and rewards, then --resume.")
+        f"2 consecutive updates had NaN/inf losses or gradients; stopping. Checkpoints are in "
+        f"{Path('runs/pins/checkpoints')}; the newest may hold the weights that diverged (a skipped update keeps the "
+        "last finite weights, not healthy ones). Lower the learning rate, raise max_grad_norm headroom, or check the "
+        "data and rewards, then --resume, or start a new run from an earlier checkpoint's actor "
+        "(--model RUN/checkpoints/step-N/actor).")
     assert t.state.nan_skips_total == 3
 
 
