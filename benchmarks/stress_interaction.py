@@ -20,6 +20,7 @@ import argparse
 import json
 
 from stress_cells import final_reward
+from stress_report import reward_text
 from stress_stats import compare_values
 
 
@@ -48,9 +49,8 @@ def arm_comparison(runs: dict, arm: tuple[str, str], reference: tuple[str, str],
 
 
 def _describe(result: dict) -> str:
-    low, high = result["ci95"] or (float("nan"), float("nan"))
-    return (f"{result['mean_difference']:+.3f} (95% t interval {low:+.3f} to {high:+.3f}; {result['wins']} seeds up, "
-            f"{result['losses']} down of {result['pairs']}; Wilcoxon p={result['p']:.3g})")
+    """A paired comparison as the stress report writes one: difference [95% t interval] (wins, losses; p)."""
+    return reward_text({"final_reward": result})
 
 
 def main() -> None:
