@@ -716,6 +716,17 @@ def test_a_non_finite_step_is_skipped_then_the_run_stops():
     assert t.state.nan_skips_total == 3
 
 
+def test_only_the_main_process_says_an_update_was_skipped(monkeypatch):
+    from stppo_agent.distributed import process_group
+
+    monkeypatch.setattr(process_group, "is_main", lambda: False)
+    t = update_stage()
+    bad = make_batch().select([0, 1, 2, 3])
+    bad.advantages[0, 0] = math.nan
+    assert t._optimizer_step(bad)["skipped"] == 1.0 and t.state.nan_skips_in_a_row == 1  # skipped, counted, unsaid
+    assert t.report == []
+
+
 def test_a_non_finite_critic_step_is_skipped_alone():
 
     t = update_stage()

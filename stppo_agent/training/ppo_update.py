@@ -258,8 +258,9 @@ class PPOUpdate:
         state = self.state
         state.nan_skips_in_a_row += 1
         state.nan_skips_total += 1
-        self.report(f"iteration {state.iteration + 1}: non-finite {which} loss or gradient; update skipped "
-                    f"({state.nan_skips_in_a_row} in a row)")
+        if process_group.is_main():  # every rank skips alike (the non-finite check is global); one says so
+            self.report(f"iteration {state.iteration + 1}: non-finite {which} loss or gradient; update skipped "
+                        f"({state.nan_skips_in_a_row} in a row)")
         if state.nan_skips_in_a_row > self.config.max_nan_skips:
             raise TrainingDivergedError(
                 f"{state.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
