@@ -93,10 +93,29 @@ def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_
     assert "--model" in refused.stderr and "Traceback" not in refused.stderr
 
 
+def test_a_weights_only_run_writes_no_optimizer_state_and_its_resume_is_refused_with_what_its_weights_can_do(
+        tmp_path, capsys):
+    run = tmp_path / "run"
+    train(run, 2, "--set", "checkpoint_optimizer=none", "--set", "rollout_staleness=1", capsys=capsys)
+    for step in (1, 2):
+        folder = run / "checkpoints" / f"step-{step}"
+        verify_checkpoint(folder)
+        assert sorted(p.name for p in folder.iterdir()) == ["actor", "critic", "manifest.json", "trainer_state.json",
+                                                            "trainer_state.pt"]  # nor the lagged copies
+        assert parameters(folder / "actor")[1] == torch.float32
+    refused = train(run, 3, "--set", "checkpoint_optimizer=none", "--set", "rollout_staleness=1", "--resume",
+                    capsys=capsys, check=False)
+    assert refused.returncode == 1 and "step-2 holds no optimizer state (its run wrote none" in refused.stderr
+    assert f"--model {run / 'checkpoints' / 'step-2' / 'actor'}" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]  # the refused resume lost nothing
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--set", "checkpoint_dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
-    (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all or newest"),
+    (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all or newest or none"),
     (["--set", "checkpoint_optimizer=newest", "--set", "on_collapse=rollback"], "use checkpoint_optimizer=all"),
+    (["--set", "checkpoint_optimizer=none", "--set", "on_collapse=rollback"], "none never writes the optimizer"),
 ])
 def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, message, capfd, monkeypatch):
     from stppo_agent.cli import main

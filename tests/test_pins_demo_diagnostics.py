@@ -363,7 +363,8 @@ def test_demo_config_is_the_recipe(tmp_path):
                     iterations=3, prompts_per_iteration=1, samples_per_prompt=4, mini_batch_size=2,
                     micro_batch_size=2, ppo_epochs=2, actor_lr=2e-5, critic_lr=1e-5, max_turns=3,
                     max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400,
-                    max_total_tokens=768, save_every=3, keep_checkpoints=1, device="auto", autocast_dtype="auto",
+                    max_total_tokens=768, save_every=3, keep_checkpoints=1, checkpoint_optimizer="none",
+                    device="auto", autocast_dtype="auto",
                     progress=False, step_diagnostics=True, on_collapse="warn", seed=0)
     assert {key: getattr(config, key) for key in expected} == expected
     algo = config.algorithm_config()  # ST-PPO with DAPO's dynamic sampling on top
@@ -374,6 +375,8 @@ def test_demo_config_is_the_recipe(tmp_path):
     assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).autocast_dtype is None
     rollback = demo.demo_config(DemoSettings(iterations=3, on_collapse="rollback"), "m", tmp_path)
     assert rollback.save_every == 1 and rollback.on_collapse == "rollback"
+    assert rollback.checkpoint_optimizer == "all"  # a rollback restores AdamW's state too
+    rollback.validate()
 
 
 class Recorder(DemoProgress):

@@ -24,9 +24,10 @@ weights, critic and lagged copies included, in bfloat16 (half of float32; resume
 weights; ``float16`` too, refused for a weight beyond its range), and ``checkpoint_optimizer=newest`` keeps what
 only a resume reads (the optimizer state, the lagged copies) in the newest checkpoint only: an older one drops it
 (manifest entry first, then the file) once a newer one is complete, so a kill -9 at any moment leaves the newest
-checkpoint whole and the older ones verifying. (on_collapse=rollback restores an older checkpoint's optimizer
-state, so it needs checkpoint_optimizer=all.) Pruning skips a checkpoint a reader has pinned
-(:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
+checkpoint whole and the older ones verifying; ``checkpoint_optimizer=none`` never writes them (verl's
+``save_contents: [model]``): checkpoints to evaluate or to start a new run from, not to resume. (on_collapse=rollback
+restores an older checkpoint's optimizer state, so it needs checkpoint_optimizer=all.) Pruning skips a checkpoint a
+reader has pinned (:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ STATE_FILES = ("trainer_state.json", "trainer_state.pt")  # read whenever the ch
 MODEL_FOLDERS = ("actor", "critic")
 # what a Hugging Face loader may read from a model folder, listed or not: weights, configs, tokenizer files
 LOADER_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".jinja", ".tiktoken", ".py", ".h5", ".msgpack")
-CHECKPOINT_OPTIMIZER = ("all", "newest")
+CHECKPOINT_OPTIMIZER = ("all", "newest", "none")
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -157,6 +158,8 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
         for entry in (lagged.get("model", {}), *lagged.get("pending", ())):
             _check_range(entry, dtype, "lagged policy")  # save_lagged converts it
     optimizer_state = {k: v for k, v in tensor_state.items() if k in OPTIMIZER_KEYS}
+    if optimizer_policy == "none":  # what only a resume reads is not written at all
+        optimizer_state, lagged = {}, {}
     tensor_state = {k: v for k, v in tensor_state.items() if k not in (*OPTIMIZER_KEYS, "stale_policy")}
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -239,9 +242,11 @@ def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_colla
     if optimizer_policy not in CHECKPOINT_OPTIMIZER:
         raise ValueError(f"checkpoint_optimizer must be {' or '.join(CHECKPOINT_OPTIMIZER)}, got {optimizer_policy!r}"
                          f"{did_you_mean(str(optimizer_policy), CHECKPOINT_OPTIMIZER)}")
-    if optimizer_policy == "newest" and on_collapse == "rollback":
-        raise ValueError("checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback restores "
-                         "from an older checkpoint: use checkpoint_optimizer=all with rollback")
+    if optimizer_policy != "all" and on_collapse == "rollback":
+        dropped = "drops" if optimizer_policy == "newest" else "never writes"
+        raise ValueError(f"checkpoint_optimizer={optimizer_policy} {dropped} the optimizer state that "
+                         "on_collapse=rollback restores from an older checkpoint: use checkpoint_optimizer=all with "
+                         "rollback")
 
 
 def in_dtype(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
@@ -359,7 +364,19 @@ def set_aside(folder: Path, prefix: str) -> Path:
 
 
 class NoOptimizerStateError(CorruptCheckpointError):
-    """A checkpoint without optimizer state (``checkpoint_optimizer=newest`` kept it in a newer one only)."""
+    """A checkpoint without optimizer state (``checkpoint_optimizer=newest`` kept it in a newer one only, ``none`` in
+    none)."""
+
+
+def _why_no_optimizer_state(folder: Path) -> str:
+    """Which checkpoint_optimizer setting left ``folder`` without optimizer state, as its run recorded it."""
+    try:
+        policy = json.loads((folder / "trainer_state.json").read_text()).get("config", {}).get("checkpoint_optimizer")
+    except (OSError, ValueError, AttributeError):
+        policy = None
+    if policy == "none":
+        return "its run wrote none: checkpoint_optimizer=none"
+    return "checkpoint_optimizer=newest keeps it in the newest checkpoint only"
 
 
 def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -374,6 +391,6 @@ def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, 
         tensors["stale_policy"] = load_lagged(folder / LAGGED_FILE)
     if optimizer and "actor_optimizer" not in tensors:
         raise NoOptimizerStateError(
-            f"{folder} holds no optimizer state (checkpoint_optimizer=newest keeps it in the newest checkpoint only), "
-            f"so it cannot be resumed or rolled back to; its weights start a new run: --model {folder / 'actor'}")
+            f"{folder} holds no optimizer state ({_why_no_optimizer_state(folder)}), so it cannot be resumed or rolled "
+            f"back to; its weights start a new run: --model {folder / 'actor'}")
     return tensors, json.loads((folder / "trainer_state.json").read_text())

@@ -168,7 +168,8 @@ class TrainConfig:
     loads them back into `dtype` and continues from the rounded weights. None: the weights' own dtype."""
     checkpoint_optimizer: str = "all"
     """all: every kept checkpoint holds the optimizer state (any of them resumes exactly); newest: only the newest
-    does (resume needs no other), older ones drop it, two thirds of their size with AdamW (not with rollback)."""
+    does (resume needs no other), older ones drop it, two thirds of their size with AdamW (not with rollback);
+    none: no checkpoint holds it (weights to evaluate or start a new run from; --resume refuses them)."""
     max_nan_skips: int = 3
     """Consecutive skipped updates (NaN/inf loss or gradient) before the run stops."""
     max_search_error_rate: float = 0.05

@@ -28,9 +28,10 @@ def warm_start_folder(config, use_critic: bool) -> Path:
         raise ValueError(f"init_from {folder} is not a checkpoint folder (RUN/checkpoints/step-N, with actor/ and "
                          "manifest.json)")
     if OPTIMIZER_FILE not in json.loads((folder / "manifest.json").read_text()):
-        raise ValueError(f"init_from {folder} holds no optimizer state (its run kept it in the newest checkpoint "
-                         f"only: checkpoint_optimizer=newest): use that one, or start from the weights alone with "
-                         f"--model {folder / 'actor'} (a cold AdamW)")
+        raise ValueError(f"init_from {folder} holds no optimizer state (its run wrote it under "
+                         f"checkpoint_optimizer=newest in the newest checkpoint only, under none in none): use a "
+                         f"checkpoint that holds it, or start from the weights alone with --model {folder / 'actor'} "
+                         "(a cold AdamW)")
     if use_critic and not (folder / "critic").is_dir():
         raise ValueError(f"init_from {folder} holds no critic (its run trained none) but algo {config.algo} trains "
                          f"one: start from its weights alone with --model {folder / 'actor'} (a new critic, a cold "
