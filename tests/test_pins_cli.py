@@ -331,7 +331,7 @@ def test_demo_defaults_are_demo_settings_own(monkeypatch, capsys):
     assert run(capsys, "demo") == (0, "", "")
     (settings,), _ = recorded.only
     assert settings == DemoSettings()
-    assert DEMO_DEFAULTS == {"iterations": 1, "sft_steps": 8, "limit": 8, "lr": 2e-5, "seed": 0,
+    assert DEMO_DEFAULTS == {"iterations": 1, "sft_steps": 8, "limit": 8, "lr": 1.5e-5, "seed": 0,
                              "autocast_dtype": "auto"}
     assert (settings.model, settings.output_dir, settings.on_collapse) == ("smollm2", "runs/demo", "warn")
     assert (settings.seed, settings.autocast_dtype) == (0, "auto")

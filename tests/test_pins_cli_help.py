@@ -51,7 +51,7 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--limit': 'evaluation examples per benchmark, before and after RL (default 8)',
             '--model': 'model to train (default: SmolLM2-135M-Instruct)',
             '--output-dir': 'run folder (default runs/demo)',
-            '--lr': 'ST-PPO actor learning rate (default 2e-05)',
+            '--lr': 'ST-PPO actor learning rate (default 1.5e-05)',
             '--on-collapse': 'what a collapse alarm does (rollback checkpoints every iteration; default warn)',
             '--seed': "seed of the warm start's batch order and the RL step's prompts and samples (default 0)",
             '--autocast-dtype': ("the RL step's forwards: auto (bfloat16 on a GPU or a CPU with AMX, else float32), "

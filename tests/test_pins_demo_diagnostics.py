@@ -343,7 +343,7 @@ def test_demo_progress_the_thread_redraws_every_refresh_and_stops_and_clears_at_
 # -- demo.py -----------------------------------------------------------------------------------------------------
 def test_demo_settings_and_constants_are_the_recipes():
     assert DemoSettings() == DemoSettings(model="smollm2", output_dir="runs/demo", iterations=1, sft_steps=8,
-                                          limit=8, lr=2e-5, on_collapse="warn", seed=0, autocast_dtype="auto")
+                                          limit=8, lr=1.5e-5, on_collapse="warn", seed=0, autocast_dtype="auto")
     with pytest.raises(ValueError, match="autocast_dtype must be one of auto, bfloat16, none, got 'float16'"):
         DemoSettings(autocast_dtype="float16")
     assert demo.DEMO_BENCHMARKS == ("nq", "hotpotqa", "medqa")
