@@ -19,9 +19,10 @@ own scorer, then GRPO advantages and one AdamW step over micro-batches. The two 
   reference model, the same thread count and allocator settings (``THP_MEM_ALLOC_ENABLE=1``, stppo's default).
 
 Each worker reports those settings as they are in effect and the table says which agree. What is left is printed
-beside the ratios: stppo scores the batch with one more forward (the old log-probs; TRL on-policy reuses the
-training forward's), sorts micro-batches by length, TRL computes per-token entropies in its training forward and
-trains one end-of-turn token after a stop string. Per iteration: seconds, generation / scoring / update split,
+beside the ratios: stppo sorts micro-batches by length, TRL computes per-token entropies in its training forward
+and trains one end-of-turn token after a stop string. (Neither scores old log-probs with a forward of its own: with
+one optimizer step per batch both take them from the training forward.)
+Per iteration: seconds, generation / scoring / update split,
 generated tokens and tokens/s, mean reward; at the end the medians, the paired ratios with their range, peak
 memory (RSS; CUDA's peak on a GPU) and both reward curves. ``--quick``: a tiny random Llama with SmolLM2's
 tokenizer, one iteration, no warm-up (CI: plumbing, not a measurement). Needs TRL (``pip install .[trl]``).
@@ -263,8 +264,6 @@ def worker(kind: str, s: Settings, conn) -> None:
 SIDES = ("stppo", "trl")
 PHASES = ("seconds", "generate", "score", "update")
 LEFT_OVER = (
-    "stppo scores the batch with one more forward for the old log-probs (TRL on-policy takes them from its training "
-    "forward): its 'scoring forward' column; the ratio without it is printed",
     "stppo's sampler keeps every step's processed scores to record the behaviour log-probs (a log-softmax over "
     "the vocabulary per token); TRL's transformers path records none",
     "stppo sorts micro-batches by length (less padding); TRL keeps the generation order",
@@ -319,8 +318,6 @@ def report(s: Settings, result: dict, header: str) -> list[str]:
         ours, theirs = ([r[phase] for r in rows[kind]] for kind in SIDES)
         lines.append(f"  {phase:9} stppo {statistics.median(ours):7.2f} s   trl {statistics.median(theirs):7.2f} s   "
                      f"ratio {spread([a / max(b, 1e-9) for a, b in zip(ours, theirs)])}")
-    without = [(a["seconds"] - a["scoring_forward"]) / b["seconds"] for a, b in zip(rows["stppo"], rows["trl"])]
-    lines.append(f"  time without stppo's scoring forward: ratio {spread(without)}")
     rates = [(a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"]) for a, b in zip(rows["stppo"], rows["trl"])]
     lines.append(f"  tokens/s  stppo {statistics.median(r['tokens'] / r['seconds'] for r in rows['stppo']):7.1f}   "
                  f"trl {statistics.median(r['tokens'] / r['seconds'] for r in rows['trl']):7.1f}   "

@@ -1649,12 +1649,14 @@ def test_the_trainer_stages_get_what_they_need_in_order(tiny_folder, tmp_path, m
     scored = []
     monkeypatch.setattr(trainer_module, "score_batch", lambda b, **kw: scored.append((b, kw)))
     calls.clear()
-    trainer.score("the batch")
+    the_batch = SimpleNamespace(batch_size=8)
+    trainer.score(the_batch)
     state = trainer.state
-    assert scored == [("the batch", dict(config=trainer.config, algo=trainer.algo, actor=state.actor,
-                                         generator=state.stale_policy.model, reference=state.reference,
-                                         critic=state.critic, device=trainer.device, world=1))]
-    assert calls == [("signal", "the batch", 4)]
+    assert scored == [(the_batch, dict(config=trainer.config, algo=trainer.algo, actor=state.actor,
+                                       generator=state.stale_policy.model, reference=state.reference,
+                                       critic=state.critic, device=trainer.device, world=1,
+                                       old_from_update=False))]  # old_logprobs=sampler: no forward to save
+    assert calls == [("signal", the_batch, 4)]
     saved = []
     state.save = lambda run_dir, config, algo, **kw: saved.append((run_dir, config, algo, kw)) or "path"
     assert trainer.save() == "path" and saved == [(tmp_path, trainer.config, trainer.algo,

@@ -41,9 +41,10 @@ def penalised_model(tmp_path_factory) -> Path:
 
 
 def quick(model, out, **overrides):
-    """One iteration, one on-policy mini-batch: everything the scoring sees, nothing the update changes."""
-    values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=8,
-                  micro_batch_size=8, ppo_epochs=1, max_new_tokens_per_turn=3, max_total_tokens=40,
+    """One iteration; its first mini-batch on-policy: everything the scoring sees, nothing the update changes. Two
+    mini-batches, so that scoring computes the old log-probs (one would leave them to the update's forward)."""
+    values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=4,
+                  micro_batch_size=4, ppo_epochs=1, max_new_tokens_per_turn=3, max_total_tokens=40,
                   on_collapse="none")
     values.update(overrides)
     return toy_config(model, out, "grpo", **values)

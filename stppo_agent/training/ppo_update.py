@@ -30,6 +30,7 @@ from stppo_agent.rollouts.global_batch import gather_global_batch, mini_batch_ro
 from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import critic_values, length_sorted_micro_batches, token_logprobs
+from stppo_agent.training.scoring import finish_scoring
 from stppo_agent.training.stale_policy import is_decoupled
 from stppo_agent.training.state import TrainingState
 
@@ -87,13 +88,24 @@ class PPOUpdate:
             batch = gather_global_batch(batch, state.tokenizer.pad_token_id)
         size = config.mini_batch_size
         total_steps, step, skipped = config.ppo_epochs * math.ceil(batch.batch_size / size), 0, 0
+        filled = batch.old_logprobs is None  # scoring left the denominator to this update's forward
+        if filled and (total_steps != 1 or self.world != 1):
+            raise ValueError(f"old log-probs can come from the update's own forward only when it is one optimizer "
+                             f"step in one process (scoring.old_logprobs_from_update), not {total_steps} steps in "
+                             f"{self.world} process(es)")
         for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
             for start in range(0, batch.batch_size, size):
-                mini = batch.select(mini_batch_rows(order, start, size, self.rank, self.world))
+                rows = mini_batch_rows(order, start, size, self.rank, self.world)
+                mini = batch.select(rows)
                 step += 1
                 self.phase(f"update step {step}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)
+                if filled:  # the whole batch in a permuted order: its rows back in the batch's own
+                    batch.old_logprobs = torch.zeros(batch.loss_mask.shape, dtype=torch.float32,
+                                                     device=mini.old_logprobs.device)
+                    batch.old_logprobs[rows.to(mini.old_logprobs.device)] = mini.old_logprobs
+                    finish_scoring(batch, self.algo)
                 tokens += int(mini.loss_mask.sum())
                 actor_stepped = math.isfinite(step_metrics["grad_norm"])  # what decides an actor skip
                 if "skipped" in step_metrics:  # its NaN would make the iteration's means NaN: the monitor ignores
@@ -129,7 +141,11 @@ class PPOUpdate:
 
     def _split(self, mini: RolloutBatch) -> list[RolloutBatch]:
         """Length-grouped, trimmed micro-batches of ``mini``."""
-        return [micro for _, micro in length_sorted_micro_batches(mini, self.config.micro_batch_size)]
+        return [micro for _, micro in self._split_rows(mini)]
+
+    def _split_rows(self, mini: RolloutBatch) -> list[tuple[torch.Tensor, RolloutBatch]]:
+        """(rows of ``mini``, micro-batch) pairs of :meth:`_split`."""
+        return list(length_sorted_micro_batches(mini, self.config.micro_batch_size))
 
     @staticmethod
     def _synced_last(micros: list[RolloutBatch], ddp_module: torch.nn.Module | None = None):
@@ -164,13 +180,21 @@ class PPOUpdate:
         # tokens of weight 0 (masked by the rollout correction, DAPO's fillers) count in no denominator
         global_tokens, global_seqs = self._global_counts(mini, policy_token_mask(mini.loss_mask, mini.token_weights))
         state.actor_optimizer.zero_grad(set_to_none=True)
-        micros = self._split(mini)
-        whole_batch = self._whole_batch_keywords(micros)
+        rows, micros = zip(*self._split_rows(mini))
+        # No denominator yet (scoring.old_logprobs_from_update): each micro-batch's forward below gives its own,
+        # detached, and ``mini`` collects them for what reads them after the update.
+        fill = mini.old_logprobs is None
+        if fill:
+            mini.old_logprobs = torch.zeros(mini.loss_mask.shape, dtype=torch.float32, device=mini.loss_mask.device)
+        whole_batch = self._whole_batch_keywords(list(micros))
         step_metrics = StepMetrics()
         finite = torch.ones((), device=self.device)
         for number, micro in enumerate(self._synced_last(micros, state.actor_train)):
             logprobs, entropy = token_logprobs(state.actor_train, micro, with_entropy=True,
                                                entropy_grad=algo.entropy_coef > 0, sampling=config.sampling())
+            if fill:
+                micro.old_logprobs = logprobs.detach()
+                mini.old_logprobs[rows[number].to(logprobs.device), :logprobs.shape[1]] = micro.old_logprobs
             loss, bias, metrics = call_policy_loss(
                 loss_fn, logprobs=logprobs, old_logprobs=micro.old_logprobs, advantages=micro.advantages,
                 loss_mask=micro.loss_mask, turn_ids=micro.turn_ids, config=algo,
@@ -225,7 +249,8 @@ class PPOUpdate:
             with torch.no_grad():
                 numerators = [token_logprobs(self.state.actor_train, micro, sampling=self.config.sampling())[0]
                               for micro in micros]
-            denominators = [micro.old_logprobs for micro in micros]
+            denominators = [micro.old_logprobs if micro.old_logprobs is not None else numerator  # the same weights
+                            for micro, numerator in zip(micros, numerators)]
         return statistic(logprobs=numerators, old_logprobs=denominators,
                          loss_mask=[policy_token_mask(m.loss_mask, m.token_weights) for m in micros],
                          turn_ids=[micro.turn_ids for micro in micros], config=self.algo)

@@ -38,7 +38,7 @@ from stppo_agent.training.live_rollouts import LiveRollouts, RolloutContext, Rol
 from stppo_agent.training.model_setup import build_state, generation_backend, weights_folder
 from stppo_agent.training.ppo_update import PPOUpdate, starts_on_policy
 from stppo_agent.training.probe import LearnerProbe
-from stppo_agent.training.scoring import score_batch
+from stppo_agent.training.scoring import old_logprobs_from_update, score_batch
 from stppo_agent.training.state import Restore
 from stppo_agent.training.training_split import with_training_split
 
@@ -169,10 +169,21 @@ class Trainer:
             self.batch_hook(batch)
         return batch.to(self.device)
 
+    def old_logprobs_from_update(self, batch: RolloutBatch) -> bool:
+        """Whether this batch's update can take the ratio's denominator from its own forward (one step on the
+        sampling weights; :func:`~stppo_agent.training.scoring.old_logprobs_from_update`): the loop then scores
+        without that forward."""
+        state = self.state
+        return old_logprobs_from_update(self.config, self.algo, batch_size=batch.batch_size,
+                                        lag=state.stale_policy.lag, world=self.world, reference=state.reference)
+
     def score(self, batch: RolloutBatch) -> None:
+        """Scores ``batch`` for its update; ``batch.old_logprobs`` stays None when the update's own forward gives
+        them (:meth:`old_logprobs_from_update`), and is filled in by the update."""
         state = self.state
         score_batch(batch, config=self.config, algo=self.algo, actor=state.actor, generator=state.stale_policy.model,
-                    reference=state.reference, critic=state.critic, device=self.device, world=self.world)
+                    reference=state.reference, critic=state.critic, device=self.device, world=self.world,
+                    old_from_update=self.old_logprobs_from_update(batch))
         self.learning_signal.check(batch, state.iteration)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
