@@ -25,6 +25,9 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 GROUP_ESTIMATORS = {"grpo", "rloo"}
 """Estimators that compare a trajectory with the others of its group: a group of one has advantage 0 and teaches
 nothing, so they need samples_per_prompt >= 2 (add a user estimator's name here when it is group-based too)."""
+UNWHITENED_ESTIMATORS = {"grpo", "rloo"}
+"""Estimators whose advantages are normalised within their groups and never whitened over the batch, whatever
+``whiten_advantages`` says: with several processes the trainer must not whiten them globally either."""
 
 
 def register_advantage_estimator(name: str, fn: AdvantageEstimator | None = None):

@@ -14,6 +14,7 @@ from stppo_agent.algorithms import (
     kl_reward_penalty,
     rollout_correction_weights,
 )
+from stppo_agent.algorithms.advantages import UNWHITENED_ESTIMATORS
 from stppo_agent.distributed import process_group
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.training.config import TrainConfig
@@ -91,7 +92,7 @@ def score_batch(batch: RolloutBatch, *, config: TrainConfig, algo: AlgorithmConf
     values = batch.values if batch.values is not None else \
         torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=batch.loss_mask.device)  # critic-free
     # Whitening must use the statistics of the whole global batch, so with several ranks it happens here.
-    whiten_globally = world > 1 and algo.whiten_advantages
+    whiten_globally = world > 1 and algo.whiten_advantages and algo.advantage not in UNWHITENED_ESTIMATORS
     estimator_config = dataclasses.replace(algo, whiten_advantages=False) if whiten_globally else algo
     batch.advantages, batch.returns = estimate_advantages(
         algo.advantage, rewards=batch.rewards.to(device), values=values, loss_mask=batch.loss_mask,
