@@ -70,7 +70,8 @@ def test_float16_refuses_a_weight_beyond_its_range_and_keeps_the_last_checkpoint
                             "rollback?)"),
     ("checkpoint_dtype=bfloat61", "checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' (did "
                                   "you mean bfloat16?)"),
-    ("checkpoint_optimizer=newset", "checkpoint_optimizer must be all or newest, got 'newset' (did you mean newest?)"),
+    ("checkpoint_optimizer=newset", "checkpoint_optimizer must be all, newest or none, got 'newset' (did you mean "
+                                    "newest?)"),
 ])
 @pytest.mark.parametrize("command", ["train", "replay"])
 def test_a_misspelt_setting_gets_the_closest_value_before_anything_loads(tmp_path, capsys, monkeypatch, setting,

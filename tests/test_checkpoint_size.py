@@ -113,7 +113,7 @@ def test_a_weights_only_run_writes_no_optimizer_state_and_its_resume_is_refused_
 
 @pytest.mark.parametrize("bad, message", [
     (["--set", "checkpoint_dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
-    (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all or newest or none"),
+    (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all, newest or none"),
     (["--set", "checkpoint_optimizer=newest", "--set", "on_collapse=rollback"], "use checkpoint_optimizer=all"),
     (["--set", "checkpoint_optimizer=none", "--set", "on_collapse=rollback"], "none never writes the optimizer"),
 ])

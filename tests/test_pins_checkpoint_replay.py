@@ -213,10 +213,13 @@ def test_in_dtype_keeps_tied_tensors_tied_and_distinct_ones_distinct():
     ("bfloat61", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' "
                               r"\(did you mean bfloat16\?\)$"),
     ("int8", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'int8'$"),
-    (None, "oldest", None, "^checkpoint_optimizer must be all or newest, got 'oldest'$"),
-    (None, "newset", None, r"^checkpoint_optimizer must be all or newest, got 'newset' \(did you mean newest\?\)$"),
+    (None, "oldest", None, "^checkpoint_optimizer must be all, newest or none, got 'oldest'$"),
+    (None, "newset", None, "^checkpoint_optimizer must be all, newest or none, got 'newset' "
+                           r"\(did you mean newest\?\)$"),
     (None, "newest", "rollback", "^checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback "
-                                 "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$")])
+                                 "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$"),
+    (None, "none", "rollback", "^checkpoint_optimizer=none never writes the optimizer state that on_collapse=rollback "
+                               "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$")])
 def test_bad_checkpoint_settings_are_refused(dtype, policy, on_collapse, message):
     with pytest.raises(ValueError, match=message):
         ck.check_checkpoint_settings(dtype, policy, on_collapse)

@@ -240,7 +240,8 @@ def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_colla
         raise ValueError(f"checkpoint_dtype must be {', '.join(CHECKPOINT_DTYPES)} or null, got {dtype!r}"
                          f"{did_you_mean(str(dtype), CHECKPOINT_DTYPES)}")
     if optimizer_policy not in CHECKPOINT_OPTIMIZER:
-        raise ValueError(f"checkpoint_optimizer must be {' or '.join(CHECKPOINT_OPTIMIZER)}, got {optimizer_policy!r}"
+        choices = f"{', '.join(CHECKPOINT_OPTIMIZER[:-1])} or {CHECKPOINT_OPTIMIZER[-1]}"
+        raise ValueError(f"checkpoint_optimizer must be {choices}, got {optimizer_policy!r}"
                          f"{did_you_mean(str(optimizer_policy), CHECKPOINT_OPTIMIZER)}")
     if optimizer_policy != "all" and on_collapse == "rollback":
         dropped = "drops" if optimizer_policy == "newest" else "never writes"
@@ -368,7 +369,7 @@ class NoOptimizerStateError(CorruptCheckpointError):
     none)."""
 
 
-def _why_no_optimizer_state(folder: Path) -> str:
+def why_no_optimizer_state(folder: Path) -> str:
     """Which checkpoint_optimizer setting left ``folder`` without optimizer state, as its run recorded it."""
     try:
         policy = json.loads((folder / "trainer_state.json").read_text()).get("config", {}).get("checkpoint_optimizer")
@@ -391,6 +392,6 @@ def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, 
         tensors["stale_policy"] = load_lagged(folder / LAGGED_FILE)
     if optimizer and "actor_optimizer" not in tensors:
         raise NoOptimizerStateError(
-            f"{folder} holds no optimizer state ({_why_no_optimizer_state(folder)}), so it cannot be resumed or rolled "
+            f"{folder} holds no optimizer state ({why_no_optimizer_state(folder)}), so it cannot be resumed or rolled "
             f"back to; its weights start a new run: --model {folder / 'actor'}")
     return tensors, json.loads((folder / "trainer_state.json").read_text())

@@ -16,7 +16,12 @@ from typing import Any, Callable
 import torch
 
 from stppo_agent.distributed import process_group
-from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, load_full_optimizer_state, load_trainer_state
+from stppo_agent.runs.checkpoint import (
+    OPTIMIZER_FILE,
+    load_full_optimizer_state,
+    load_trainer_state,
+    why_no_optimizer_state,
+)
 from stppo_agent.training.state import TrainingState
 
 
@@ -28,8 +33,7 @@ def warm_start_folder(config, use_critic: bool) -> Path:
         raise ValueError(f"init_from {folder} is not a checkpoint folder (RUN/checkpoints/step-N, with actor/ and "
                          "manifest.json)")
     if OPTIMIZER_FILE not in json.loads((folder / "manifest.json").read_text()):
-        raise ValueError(f"init_from {folder} holds no optimizer state (its run wrote it under "
-                         f"checkpoint_optimizer=newest in the newest checkpoint only, under none in none): use a "
+        raise ValueError(f"init_from {folder} holds no optimizer state ({why_no_optimizer_state(folder)}): use a "
                          f"checkpoint that holds it, or start from the weights alone with --model {folder / 'actor'} "
                          "(a cold AdamW)")
     if use_critic and not (folder / "critic").is_dir():
