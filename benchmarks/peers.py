@@ -128,7 +128,7 @@ class StppoSide:
         started = time.perf_counter()
         batch = trainer.rollout()
         rolled = time.perf_counter()
-        trainer.score(batch)
+        trainer.score(batch, old_from_update=trainer.old_logprobs_from_update(batch))  # as the training loop does
         scored = time.perf_counter()
         trainer.update(batch)
         done = time.perf_counter()

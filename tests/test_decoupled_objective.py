@@ -35,9 +35,9 @@ def scored_batches(trainer: Trainer, before=None) -> list:
     """Every batch the trainer scores, as scored (``before(batch)`` runs first, on the batch about to be scored)."""
     seen, score = [], trainer.score
 
-    def watched(batch):
+    def watched(batch, **keywords):
         extra = before(batch) if before is not None else None
-        score(batch)
+        score(batch, **keywords)
         seen.append((batch, extra))
 
     trainer.score = watched

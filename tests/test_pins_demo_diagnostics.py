@@ -425,7 +425,7 @@ def test_demo_trainer_keeps_every_scored_trajectorys_reward(monkeypatch):
 
     scored = []
     monkeypatch.setattr(Trainer, "__init__", lambda self, config, report, overwrite: None)
-    monkeypatch.setattr(Trainer, "score", lambda self, batch: scored.append(batch))
+    monkeypatch.setattr(Trainer, "score", lambda self, batch, old_from_update=False: scored.append(batch))
     trainer = demo.DemoTrainer("config", Recorder())
     assert trainer.rewards == []
     first, second = SimpleNamespace(rewards=torch.tensor([1.0, 0.2])), SimpleNamespace(rewards=torch.tensor([0.0]))

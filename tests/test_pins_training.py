@@ -794,7 +794,7 @@ def test_whole_batch_statistics_only_for_m2po_over_several_micro_batches():
     mini = make_batch().select([0, 1, 2, 3])
     t = update_stage("m2po", micro_batch_size=1)
     updater = t
-    micros = updater._split(mini)
+    micros = [micro for _, micro in updater._split(mini)]
     assert len(micros) == 4
     keywords = updater._whole_batch_keywords(micros)
     assert len(keywords) == 4 and all(k for k in keywords)
@@ -1655,7 +1655,7 @@ def test_the_trainer_stages_get_what_they_need_in_order(tiny_folder, tmp_path, m
     assert scored == [(the_batch, dict(config=trainer.config, algo=trainer.algo, actor=state.actor,
                                        generator=state.stale_policy.model, reference=state.reference,
                                        critic=state.critic, device=trainer.device, world=1,
-                                       old_from_update=False))]  # old_logprobs=sampler: no forward to save
+                                       old_from_update=False))]  # only the training loop asks for it
     assert calls == [("signal", the_batch, 4)]
     saved = []
     state.save = lambda run_dir, config, algo, **kw: saved.append((run_dir, config, algo, kw)) or "path"
@@ -2166,8 +2166,8 @@ def test_train_on_cuda_measures_each_iterations_peak_memory(tiny_folder, tmp_pat
                         lambda batch, algo: calls.append(("statistics", algo)) or {"reward": 0.5})
     device = SimpleNamespace(type="cuda")
     trainer.device = device
-    trainer.rollout = lambda: SimpleNamespace(loss_mask=torch.ones(2, 3))
-    trainer.score = lambda batch: None
+    trainer.rollout = lambda: SimpleNamespace(loss_mask=torch.ones(2, 3), batch_size=2)
+    trainer.score = lambda batch, old_from_update=False: None
     trainer.update = lambda batch: {"update_tokens_per_s": 10.0}
     trainer.save = lambda: calls.append("save") or "path"
     metrics = trainer.train()
@@ -2351,7 +2351,7 @@ def test_the_whole_batch_statistic_scores_under_the_sampling_settings(monkeypatc
 
     monkeypatch.setattr(ppo_update, "WHOLE_BATCH_STATISTICS", {t.algo.policy_loss: statistic})
     updater = t
-    micros = updater._split(make_batch().select([0, 1, 2, 3]))
+    micros = [micro for _, micro in updater._split(make_batch().select([0, 1, 2, 3]))]
     assert updater._whole_batch_keywords(micros) == [{}, {}]
     with torch.no_grad():
         for got, micro in zip(seen[0], micros):

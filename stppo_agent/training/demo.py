@@ -103,8 +103,8 @@ class DemoTrainer(Trainer):
         else:
             self.progress.note(text)
 
-    def score(self, batch) -> None:
-        super().score(batch)
+    def score(self, batch, old_from_update: bool = False) -> None:
+        super().score(batch, old_from_update)
         self.rewards += [float(reward) for reward in batch.rewards.tolist()]
 
 

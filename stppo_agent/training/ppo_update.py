@@ -56,6 +56,25 @@ def starts_on_policy(config: TrainConfig, lag: int, sampled_by_actor: bool = Tru
     return not lagged and same_precision and sampled_by_actor
 
 
+def denominator_from_update(batch: RolloutBatch, total_steps: int, world: int) -> bool:
+    """Whether scoring left the ratio's denominator to the update's forward (raises where it cannot be)."""
+    if batch.old_logprobs is not None:
+        return False
+    if total_steps != 1 or world != 1:
+        raise ValueError(f"old log-probs can come from the update's own forward only when it is one optimizer step "
+                         f"in one process (scoring.old_logprobs_from_update), not {total_steps} steps in {world} "
+                         "process(es)")
+    return True
+
+
+def take_denominator_from(mini: RolloutBatch, rows: torch.Tensor, batch: RolloutBatch, algo: AlgorithmConfig) -> None:
+    """The denominators the update's forward gave ``mini`` (the batch's ``rows``, in a permuted order) back in the
+    batch's own row order, then the mismatch statistics scoring left."""
+    batch.old_logprobs = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=mini.old_logprobs.device)
+    batch.old_logprobs[rows.to(mini.old_logprobs.device)] = mini.old_logprobs
+    finish_scoring(batch, algo)
+
+
 class PPOUpdate:
     """The update of one iteration on a scored batch: steps ``state``'s models and optimizers and counts its
     optimizer steps and skips. ``rank`` / ``world``: this process's place among those sharing the global batch;
@@ -88,11 +107,7 @@ class PPOUpdate:
             batch = gather_global_batch(batch, state.tokenizer.pad_token_id)
         size = config.mini_batch_size
         total_steps, step, skipped = config.ppo_epochs * math.ceil(batch.batch_size / size), 0, 0
-        filled = batch.old_logprobs is None  # scoring left the denominator to this update's forward
-        if filled and (total_steps != 1 or self.world != 1):
-            raise ValueError(f"old log-probs can come from the update's own forward only when it is one optimizer "
-                             f"step in one process (scoring.old_logprobs_from_update), not {total_steps} steps in "
-                             f"{self.world} process(es)")
+        filled = denominator_from_update(batch, total_steps, self.world)
         for epoch in range(config.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
             for start in range(0, batch.batch_size, size):
@@ -101,11 +116,8 @@ class PPOUpdate:
                 step += 1
                 self.phase(f"update step {step}/{total_steps}")
                 step_metrics = self._optimizer_step(mini)
-                if filled:  # the whole batch in a permuted order: its rows back in the batch's own
-                    batch.old_logprobs = torch.zeros(batch.loss_mask.shape, dtype=torch.float32,
-                                                     device=mini.old_logprobs.device)
-                    batch.old_logprobs[rows.to(mini.old_logprobs.device)] = mini.old_logprobs
-                    finish_scoring(batch, self.algo)
+                if filled:
+                    take_denominator_from(mini, rows, batch, self.algo)
                 tokens += int(mini.loss_mask.sum())
                 actor_stepped = math.isfinite(step_metrics["grad_norm"])  # what decides an actor skip
                 if "skipped" in step_metrics:  # its NaN would make the iteration's means NaN: the monitor ignores
@@ -139,12 +151,8 @@ class PPOUpdate:
             self.state.nan_skips_in_a_row = 0
         return metrics
 
-    def _split(self, mini: RolloutBatch) -> list[RolloutBatch]:
-        """Length-grouped, trimmed micro-batches of ``mini``."""
-        return [micro for _, micro in self._split_rows(mini)]
-
-    def _split_rows(self, mini: RolloutBatch) -> list[tuple[torch.Tensor, RolloutBatch]]:
-        """(rows of ``mini``, micro-batch) pairs of :meth:`_split`."""
+    def _split(self, mini: RolloutBatch) -> list[tuple[torch.Tensor, RolloutBatch]]:
+        """(rows of ``mini``, micro-batch) pairs: length-grouped, trimmed micro-batches."""
         return list(length_sorted_micro_batches(mini, self.config.micro_batch_size))
 
     @staticmethod
@@ -180,7 +188,7 @@ class PPOUpdate:
         # tokens of weight 0 (masked by the rollout correction, DAPO's fillers) count in no denominator
         global_tokens, global_seqs = self._global_counts(mini, policy_token_mask(mini.loss_mask, mini.token_weights))
         state.actor_optimizer.zero_grad(set_to_none=True)
-        rows, micros = zip(*self._split_rows(mini))
+        rows, micros = zip(*self._split(mini))
         # No denominator yet (scoring.old_logprobs_from_update): each micro-batch's forward below gives its own,
         # detached, and ``mini`` collects them for what reads them after the update.
         fill = mini.old_logprobs is None
@@ -300,7 +308,7 @@ class PPOUpdate:
         state.critic_optimizer.zero_grad(set_to_none=True)
         step_metrics = StepMetrics()
         finite = torch.ones((), device=self.device)
-        for micro in self._synced_last(self._split(mini), state.critic_train):
+        for micro in self._synced_last([micro for _, micro in self._split(mini)], state.critic_train):
             values = critic_values(state.critic_train, micro)
             loss, metrics = value_loss(values=values, old_values=micro.values, returns=micro.returns,
                                        loss_mask=micro.loss_mask, config=self.algo, global_num_tokens=global_tokens)

@@ -125,7 +125,10 @@ class Trainer:
                 lag = state.stale_policy.lag  # updates between the weights that sampled the batch and the actor's
                 rollout_seconds = time.perf_counter() - started
                 self.phase("scoring")
-                self.score(batch)
+                if self.old_logprobs_from_update(batch):  # one step on the sampling weights: no scoring forward
+                    self.score(batch, old_from_update=True)
+                else:
+                    self.score(batch)
                 metrics = self.update(batch)
                 state.stale_policy.advance(state.actor)
                 self.backend.sync_weights(state.actor)  # an engine with its own copy of the weights takes them
@@ -177,13 +180,13 @@ class Trainer:
         return old_logprobs_from_update(self.config, self.algo, batch_size=batch.batch_size,
                                         lag=state.stale_policy.lag, world=self.world, reference=state.reference)
 
-    def score(self, batch: RolloutBatch) -> None:
-        """Scores ``batch`` for its update; ``batch.old_logprobs`` stays None when the update's own forward gives
-        them (:meth:`old_logprobs_from_update`), and is filled in by the update."""
+    def score(self, batch: RolloutBatch, old_from_update: bool = False) -> None:
+        """Scores ``batch`` for its update. ``old_from_update`` (what :meth:`old_logprobs_from_update` allows; the
+        training loop asks for it): ``batch.old_logprobs`` stay None for the update's forward to fill in."""
         state = self.state
         score_batch(batch, config=self.config, algo=self.algo, actor=state.actor, generator=state.stale_policy.model,
                     reference=state.reference, critic=state.critic, device=self.device, world=self.world,
-                    old_from_update=self.old_logprobs_from_update(batch))
+                    old_from_update=old_from_update)
         self.learning_signal.check(batch, state.iteration)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
