@@ -360,7 +360,7 @@ def test_demo_config_is_the_recipe(tmp_path):
     expected = dict(algo="st_ppo", env="stppo/NQ-v0", model="the/model",
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
                     algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
-                    iterations=3, prompts_per_iteration=1, samples_per_prompt=4, mini_batch_size=2,
+                    iterations=3, prompts_per_iteration=1, samples_per_prompt=8, mini_batch_size=4,
                     micro_batch_size=2, ppo_epochs=2, actor_lr=2e-5, critic_lr=1e-5, max_turns=3,
                     max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400,
                     max_total_tokens=768, save_every=3, keep_checkpoints=1, checkpoint_optimizer="none",
