@@ -359,7 +359,7 @@ def test_demo_config_is_the_recipe(tmp_path):
     config = demo.demo_config(DemoSettings(iterations=3, lr=2e-5), "the/model", tmp_path)
     expected = dict(algo="st_ppo", env="stppo/NQ-v0", model="the/model",
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
-                    algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
+                    algorithm={"dynamic_sampling": True, "max_resample_rounds": 4, "clip_bias_kappa": 0.5},
                     iterations=3, prompts_per_iteration=1, samples_per_prompt=8, mini_batch_size=4,
                     micro_batch_size=2, ppo_epochs=2, actor_lr=2e-5, critic_lr=1e-5, max_turns=3,
                     max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400,
@@ -370,6 +370,7 @@ def test_demo_config_is_the_recipe(tmp_path):
     algo = config.algorithm_config()  # ST-PPO with DAPO's dynamic sampling on top
     assert (algo.name, algo.ratio_level, algo.clip_bias_correction, algo.dynamic_sampling) == ("st_ppo", "turn",
                                                                                                True, True)
+    assert algo.clip_bias_kappa == 0.5  # set to the demo's measured ||C||, not the spec's default 1
     seeded = demo.demo_config(DemoSettings(seed=5, autocast_dtype="bfloat16"), "m", tmp_path)
     assert (seeded.seed, seeded.autocast_dtype) == (5, "bfloat16")
     assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).autocast_dtype is None
