@@ -76,17 +76,20 @@ def test_sharing_the_prefill_gives_the_same_rollout_bit_for_bit(smollm2_tokenize
     assert rows[1:] == plain_rows[1:]  # later forwards (decode steps, later turns) are the model's own
 
 
-def generate(model, ids, mask, share: bool, cache=None):
+def generate(model, ids, mask, share: bool, cache=None, autocast: bool = False):
     torch.manual_seed(1)
     cache = new_cache(model.config) if cache is None else cache
-    with torch.no_grad(), (shared_prefill(model, CACHE_ARGUMENT, CACHE_OUTPUT) if share else contextlib.nullcontext()):
+    precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.no_grad(), precision, \
+            (shared_prefill(model, CACHE_ARGUMENT, CACHE_OUTPUT) if share else contextlib.nullcontext()):
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=4, min_new_tokens=4,
                              output_scores=True, return_dict_in_generate=True, pad_token_id=0,
                              **{CACHE_ARGUMENT: cache})
     return out
 
 
-def test_the_cache_and_scores_equal_those_of_a_plain_prefill(smollm2_tokenizer, tmp_path):
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bfloat16-autocast"])
+def test_the_cache_and_scores_equal_those_of_a_plain_prefill(smollm2_tokenizer, tmp_path, autocast):
     # wide enough that the output head's matrix product over 8 rows rounds otherwise than over 32: the head must
     # run over every row (a cheaper sharing that copied the logits out fails here)
     model = load_actor(build_tiny_llama(tmp_path / "tiny", smollm2_tokenizer, hidden=256, layers=1, seed=5)).eval()
@@ -94,7 +97,8 @@ def test_the_cache_and_scores_equal_those_of_a_plain_prefill(smollm2_tokenizer, 
     ids = torch.randint(100, 1000, (8, 9), generator=generator).repeat_interleave(4, dim=0)
     mask = torch.ones_like(ids)
     mask[4:8, :2] = 0  # left padding on the copies of one prompt
-    plain, shared = generate(model, ids, mask, share=False), generate(model, ids, mask, share=True)
+    plain = generate(model, ids, mask, share=False, autocast=autocast)
+    shared = generate(model, ids, mask, share=True, autocast=autocast)
     assert torch.equal(plain.sequences, shared.sequences)
     assert all(torch.equal(a, b) for a, b in zip(plain.scores, shared.scores))
     plain_cache, shared_cache = plain[CACHE_OUTPUT], shared[CACHE_OUTPUT]
@@ -162,3 +166,12 @@ def test_no_logits_processor_runs_at_temperature_one_without_truncation(sampling
         generation_config=config, input_ids_seq_length=3, encoder_input_ids=torch.ones(1, 3, dtype=torch.long),
         prefix_allowed_tokens_fn=None, logits_processor=transformers.LogitsProcessorList())
     assert list(processors) == []
+
+
+def test_by_default_a_cpu_backend_shares_the_prefill(smollm2_tokenizer, tmp_path):
+    model = load_actor(build_tiny_llama(tmp_path / "tiny", smollm2_tokenizer, hidden=32, layers=2, seed=5))
+    backend = HFGenerationBackend(model, smollm2_tokenizer, SamplingSettings(), batch_size=8)
+    assert backend.share_prefill is None  # auto: on a CPU
+    rows = decoder_rows(model)
+    backend.generate([[5, 6, 7]] * 4 + [[8, 9]] * 4, 3, keys=list(range(8)))
+    assert rows[0] == 2

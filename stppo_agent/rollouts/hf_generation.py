@@ -58,8 +58,9 @@ class HFGenerationBackend:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.turns = TurnCaches(batch_size)
         # a fresh chunk's prefill encodes each distinct context once (:mod:`stppo_agent.rollouts.shared_prefill`):
-        # the same tokens, log-probs and caches as encoding every copy
-        self.share_prefill = True
+        # the same tokens, log-probs and caches as encoding every copy -- tested bit for bit on CPUs only, so None
+        # (the default) shares on a CPU alone; True / False force it
+        self.share_prefill: bool | None = None
         warn_ignored_checkpoint_settings(model)
 
     @torch.no_grad()
@@ -125,8 +126,9 @@ class HFGenerationBackend:
         # torch.autocast refuses a device type it has no autocast for (meta, ...) even when disabled: not entered
         sampler_precision = (contextlib.nullcontext() if self.autocast_dtype is None
                              else torch.autocast(device.type, dtype=self.autocast_dtype))
+        share = self.share_prefill if self.share_prefill is not None else device.type == "cpu"
         sharing = (shared_prefill(self.model, CACHE_ARGUMENT, CACHE_OUTPUT)
-                   if self.share_prefill and new is None and cache is not None else contextlib.nullcontext())
+                   if share and new is None and cache is not None else contextlib.nullcontext())
         with project_generation(self.model, config), sampler_precision, sharing:
             output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         self.model.train(was_training)
