@@ -81,6 +81,8 @@ def shared_prefill(model, cache_argument: str, cache_output: str) -> Iterator[No
         narrowed[cache_argument] = scratch
 
         def widen(module, inputs, output):  # every row's hidden states, before the head
+            if isinstance(output, tuple):  # a decoder that returns tuples: the hidden states come first
+                return (output[0].index_select(0, inverse), *output[1:])
             output["last_hidden_state"] = output["last_hidden_state"].index_select(0, inverse)
             return output
 
