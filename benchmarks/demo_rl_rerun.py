@@ -52,14 +52,7 @@ def main() -> None:
     before = json.loads((args.demo_dir / "eval_before" / "results.json").read_text())
     progress, started = DemoProgress(), time.perf_counter()
     with progress:
-        trainer = demo.DemoTrainer(config, progress)
-        metrics = trainer.train()
-        means = demo.off_policy_means(args.out / "train")
-        progress.say(demo.off_policy_summary(means, trainer.rewards, metrics.get("dynamic_sampling/rounds", 0.0)))
-        after = demo.evaluate_demo(f"hf:{args.out / 'train'}@latest", settings, progress, args.out / "eval",
-                                   "evaluation after RL")
-        progress.say(demo.before_after_table(before, after))
-        progress.say(demo.range_check(demo.demo_figures(before, after, means, trainer.rewards)))
+        demo.train_and_check(settings, config, progress, args.out, before)
     print(f"RL step and evaluation: {time.perf_counter() - started:.0f} s on {torch.get_num_threads()} threads")
 
 
