@@ -111,16 +111,16 @@ class StppoSide:
 
     def settings(self) -> dict:
         trainer, sampling, actor = self.trainer, self.trainer.config.sampling(), self.trainer.state.actor
-        return {**optimizer_settings(trainer.state.actor_optimizer), "max_grad_norm": trainer.config.max_grad_norm,
+        return {**optimizer_settings(trainer.state.actor_optimizer), "max_grad_norm": trainer.config.optimizer.max_grad_norm,
                 "dtype": str(next(actor.parameters()).dtype), "attention": actor.config._attn_implementation,
                 "gradient_checkpointing": actor.is_gradient_checkpointing, "bf16": False,
                 "reference_model": trainer.state.reference is not None, "threads": threads(),
                 "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
                 "stop_strings": list(trainer.backend.stop_strings),
-                "max_new_tokens": trainer.config.max_new_tokens_per_turn,
+                "max_new_tokens": trainer.config.rollout.max_new_tokens_per_turn,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                "completions_per_optimizer_step": trainer.config.mini_batch_size,
-                "micro_batch": trainer.config.micro_batch_size}
+                "completions_per_optimizer_step": trainer.config.optimizer.mini_batch_size,
+                "micro_batch": trainer.config.optimizer.micro_batch_size}
 
     def iteration(self) -> dict:
         trainer = self.trainer

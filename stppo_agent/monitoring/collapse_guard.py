@@ -117,18 +117,18 @@ class CollapseGuard:
                f"{verdict.describe()}"
         healthy = healthy_steps(self.records, valid_checkpoints(self.run_dir))
         known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
-        if config.on_collapse == "warn":
+        if config.monitor.on_collapse == "warn":
             return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
                                     f"falls, lower actor_lr or use --set on_collapse=rollback.")
-        if config.on_collapse == "rollback":
-            if self.rollbacks >= config.max_rollbacks:
+        if config.monitor.on_collapse == "rollback":
+            if self.rollbacks >= config.monitor.max_rollbacks:
                 return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (max_rollbacks="
-                                        f"{config.max_rollbacks}): stopping; {known}. The collapse is not only "
+                                        f"{config.monitor.max_rollbacks}): stopping; {known}. The collapse is not only "
                                         "the learning rate: check the rewards and the data, or lower actor_lr "
                                         "and clip_high further.")
             if not healthy:
                 return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every save_every="
-                                        f"{config.save_every} iterations; a healthy one needs two quiet "
+                                        f"{config.checkpoint.every} iterations; a healthy one needs two quiet "
                                         "iterations). Stopping; lower actor_lr, or save more often.")
             folders = self.run_dir / "checkpoints"
             resumable = [s for s in healthy if holds_resume_state(folders / f"step-{s}")]
@@ -138,11 +138,11 @@ class CollapseGuard:
                                         f"in the newest only). Stopping; its weights start a new run: --model "
                                         f"{folders / f'step-{healthy[-1]}' / 'actor'}, or continue with --resume "
                                         "--set actor_lr=<lower>.")
-            factor = config.rollback_lr_factor
-            rate = config.actor_lr * actor_lr_scale * factor  # compounded over earlier rollbacks
+            factor = config.monitor.rollback_lr_factor
+            rate = config.optimizer.actor_lr * actor_lr_scale * factor  # compounded over earlier rollbacks
             return Decision("rollback", f"{head}. Rolling back to step-{resumable[-1]} with the actor learning "
                                         f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
-                                        f"{config.max_rollbacks}).", rollback_to=resumable[-1])
+                                        f"{config.monitor.max_rollbacks}).", rollback_to=resumable[-1])
         return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
                                 f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
 

@@ -96,10 +96,10 @@ class MonitorSettings:
 
     @classmethod
     def from_config(cls, config) -> "MonitorSettings":
-        return cls(window=config.collapse_window, warmup=config.collapse_warmup, z=config.collapse_z,
-                   patience=config.collapse_patience, min_families=config.collapse_min_families,
-                   drawdown=config.collapse_drawdown,
-                   thresholds=tuple(sorted((k, float(v)) for k, v in (config.collapse_thresholds or {}).items())))
+        return cls(window=config.monitor.window, warmup=config.monitor.warmup, z=config.monitor.z,
+                   patience=config.monitor.patience, min_families=config.monitor.min_families,
+                   drawdown=config.monitor.drawdown,
+                   thresholds=tuple(sorted((k, float(v)) for k, v in (config.monitor.thresholds or {}).items())))
 
     def validate(self) -> None:
         if self.window < 2 or self.warmup < 2 or self.warmup > self.window:

@@ -53,7 +53,7 @@ class LearnerProbe:
         env_ids = [e.strip() for e in config.env.split(",") if e.strip()]
         kwargs = env_kwargs or [dict(config.env_kwargs) for _ in env_ids]
         sizes = [prompt_count(make_env(env_id, kw)) for env_id, kw in zip(env_ids, kwargs)]
-        pairs = PromptSampler(sizes, config.seed + PROBE_SEED).take(config.probe_prompts)
+        pairs = PromptSampler(sizes, config.seed + PROBE_SEED).take(config.monitor.probe_prompts)
         self.envs = [make_env(env_ids[e], kwargs[e]) for e, _ in pairs]  # one per trajectory, as in a rollout
         self.options = [{"index": example} for _, example in pairs]
         self.seeds = [config.seed + PROBE_SEED + slot for slot in range(len(pairs))]
@@ -63,13 +63,13 @@ class LearnerProbe:
     def for_run(cls, config, tokenizer, env_kwargs: list[dict] | None = None) -> "LearnerProbe | None":
         """The run's probe (None without ``probe_every``); ``env_kwargs``: the rollout source's, so the probe's
         envs share its retriever."""
-        if not config.probe_every:
+        if not config.monitor.probe_every:
             return None
         return cls(config, tokenizer, env_kwargs)
 
     def due(self, iteration: int) -> bool:
         """After ``iteration`` iterations (1-based count of updates done): every ``probe_every``-th."""
-        return iteration % self.config.probe_every == 0
+        return iteration % self.config.monitor.probe_every == 0
 
     def measure(self, model: torch.nn.Module, iteration: int, policy_version: int) -> dict[str, float]:
         """The probe's metrics for ``model`` as it is after ``iteration`` iterations and ``policy_version`` optimizer
@@ -78,8 +78,8 @@ class LearnerProbe:
         if self.backend is None or self.backend.model is not model:
             config = self.config
             self.backend = HFGenerationBackend(model, self.tokenizer, config.sampling(),
-                                               batch_size=config.generation_batch_size,
-                                               reuse_cache=config.reuse_kv_cache)
+                                               batch_size=config.rollout.generation_batch_size,
+                                               reuse_cache=config.rollout.reuse_kv_cache)
         device = next(model.parameters()).device
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), process_group.gathered(model):

@@ -44,15 +44,16 @@ from stppo_agent.runs.recording import (
     recorded_iterations,
     tokenizer_fingerprint,
 )
-from stppo_agent.training.config import TrainConfig, load_config
+from stppo_agent.training.config import TrainConfig, load_config, set_value
+from stppo_agent.training.config_checks import setting
 
 # The distribution the recorded tokens were sampled from: a property of the data, never changed by a replay.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
-# and which weights sampled them: with rollout_staleness K the behaviour log-probs come from the weights K updates back
-RECORDED_FIELDS = (*SAMPLING_FIELDS, "rollout_staleness")
+SAMPLING_FIELDS = ("rollout.temperature", "rollout.top_p", "rollout.top_k")
+# and which weights sampled them: with rollout.staleness K the behaviour log-probs come from the weights K updates back
+RECORDED_FIELDS = (*SAMPLING_FIELDS, "rollout.staleness")
 
-# Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
-_REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retriever": False}
+# Settings of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
+_REPLAY_FIXED = {"logging.save_rollouts": False, "rollout.backend": "hf", "distributed.share_retriever": False}
 
 
 class RecordedRollouts:
@@ -127,10 +128,11 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
         check_iteration_files(folder, number)
     values = dataclasses.asdict(original)
     same_algo = algo is None or algo == original.algo
-    values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,
+    values.update(algo=original.algo if same_algo else algo, output_dir=output_dir,
                   algorithm=values["algorithm"] if same_algo else recorded_correction(original),
-                  iterations=len(available),
-                  step_diagnostics=True, model=str(folder / "initial" / "actor"))
+                  iterations=len(available), model=str(folder / "initial" / "actor"))
+    for key, value in {**_REPLAY_FIXED, "logging.step_diagnostics": True}.items():
+        set_value(values, key, value)
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
     if original.init_from:  # the run's weights and AdamW state came from there, and `model` was its reference
@@ -139,14 +141,14 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
                              "needs: that checkpoint is gone")
         values.update(model=original.model, critic_model=None)
     if not same_algo:  # another rule scores with its own weights (old_logprobs=sampler, set here, takes the run's)
-        values["old_logprobs"] = "recompute"
+        values["rollout"]["old_logprobs"] = "recompute"
     config = load_config(None, list(overrides), **values)
     config.algorithm = {**config.algorithm, **correction_for_recording(config, original)}
-    changed = [name for name in RECORDED_FIELDS if getattr(config, name) != getattr(original, name)]
+    changed = [name for name in RECORDED_FIELDS if setting(config, name) != setting(original, name)]
     if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
         raise ValueError(f"a replay scores the recorded tokens with the settings that sampled them; "
-                         f"{', '.join(f'{n}={getattr(original, n)}' for n in changed)} recorded, "
-                         f"{', '.join(f'{n}={getattr(config, n)}' for n in changed)} asked: drop that --set")
+                         f"{', '.join(f'{n}={setting(original, n)}' for n in changed)} recorded, "
+                         f"{', '.join(f'{n}={setting(config, n)}' for n in changed)} asked: drop that --set")
     if iterations is not None:
         config.iterations = iterations
     if config.iterations > len(available):
@@ -162,8 +164,8 @@ def recorded_correction(original: TrainConfig) -> dict:
     kept = {"rollout_correction": asked["rollout_correction"],
             "rollout_correction_cap": recorded.rollout_correction_cap}
     automatic = resolve_rollout_correction(dataclasses.replace(recorded, rollout_correction_level="auto"),
-                                           original.generation_backend,
-                                           original.generation_autocast_dtype).rollout_correction_level
+                                           original.rollout.backend,
+                                           original.precision.generation_autocast_dtype).rollout_correction_level
     if asked["rollout_correction_level"] not in ("auto", automatic):  # set by hand for that run: keep it
         kept["rollout_correction_level"] = asked["rollout_correction_level"]
     return kept
@@ -173,8 +175,10 @@ def correction_for_recording(config: TrainConfig, original: TrainConfig) -> dict
     """The replay's rollout-correction fields, resolved: ``auto`` against the backend and sampler precision that
     sampled the recorded batches (a replay generates nothing: its own backend is not theirs), for the replay's rule
     and objective."""
-    sampled = dataclasses.replace(config, generation_backend=original.generation_backend,
-                                  generation_autocast_dtype=original.generation_autocast_dtype)
+    sampled = dataclasses.replace(
+        config, rollout=dataclasses.replace(config.rollout, backend=original.rollout.backend),
+        precision=dataclasses.replace(config.precision,
+                                      generation_autocast_dtype=original.precision.generation_autocast_dtype))
     algo = sampled.algorithm_config()
     return {field: getattr(algo, field) for field in AUTO_FIELDS}
 
@@ -186,7 +190,7 @@ def describe_correction(config: TrainConfig, original: TrainConfig, overrides: S
     if any(item.startswith("algorithm.rollout_correction") for item in overrides):
         return f"rollout correction: {used} (set here; the recorded run used {recorded.rollout_correction})"
     return (f"rollout correction: {used}, kept from the recorded run (its batches were sampled by "
-            f"{original.generation_backend}); --set algorithm.rollout_correction=none|tis|mis to change it")
+            f"{original.rollout.backend}); --set algorithm.rollout_correction=none|tis|mis to change it")
 
 
 def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),

@@ -35,7 +35,7 @@ OBJECTIVES = ("coupled", "decoupled")
 
 def is_decoupled(config) -> bool:
     """The decoupled objective is in effect: ``stale_objective=decoupled`` with a lag to decouple (K > 0)."""
-    return config.rollout_staleness > 0 and config.stale_objective == "decoupled"
+    return config.rollout.staleness > 0 and config.rollout.stale_objective == "decoupled"
 
 
 class StalePolicy:
