@@ -72,7 +72,7 @@ from stress_tiers import COPY, DEMO, GPU, TIERS, TOY, Tier  # noqa: F401  (TOY: 
 CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "so_grpo"]
 DEFAULT_RULES = ["ppo", "st_ppo"]
 LEVEL_OWNED = ("ppo_epochs", "mini_batch_size", "micro_batch_size", "actor_lr", "critic_lr")
-QUICK_SETS = ["probe_every=1", "probe_prompts=4"]
+QUICK_SETS = ["monitor.probe_every=1", "monitor.probe_prompts=4"]
 
 
 
@@ -83,8 +83,8 @@ def run_overrides(args, tier: Tier, name: str, seed: int) -> tuple[list[str], ob
     base = [*common, *base_sets(args, tier)[len(tier.common):]]
     level_plan = plan(tier_with_lr(tier, args), args.levels, name, base, args.versions)
     start = [f"init_from={args.init_from}"] if args.init_from else []
-    return [*base, *level_plan.sets, f"seed={seed}", f"device={args.device}", "save_every=1000",
-            "keep_checkpoints=1", "progress=false", "tensorboard=false", *start], level_plan
+    return [*base, *level_plan.sets, f"seed={seed}", f"device={args.device}", "checkpoint.every=1000",
+            "checkpoint.keep=1", "logging.progress=false", "logging.tensorboard=false", *start], level_plan
 
 
 def base_sets(args, tier: Tier) -> list[str]:
@@ -150,8 +150,8 @@ def warm_start(args, tier: Tier) -> tuple[str, str | None, str]:
     out = args.out / "warm-start"
     common = base_sets(args, tier)
     sets = [*common, *plan(tier_with_lr(tier, args), args.levels, "lag0", common, 1).sets,
-            "probe_every=0", "seed=1000", f"device={args.device}", "save_every=1000", "keep_checkpoints=1",
-            "progress=false", "tensorboard=false"]
+            "monitor.probe_every=0", "seed=1000", f"device={args.device}", "checkpoint.every=1000", "checkpoint.keep=1",
+            "logging.progress=false", "logging.tensorboard=false"]
     train(args, tier, str(base), "ppo", sets, iterations, out)
     checkpoint = out / "checkpoints" / f"step-{iterations}"
     carried = has_option("init_from")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, kl_reward_penalty
+from stppo_agent.training.config import merged
 from stppo_agent.algorithms.losses import explained_variance, value_loss
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
@@ -25,9 +26,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def small(model, out, algo="ppo", **overrides):
-    values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=4,
-                  micro_batch_size=2, ppo_epochs=2, save_every=1, actor_lr=1e-2, critic_lr=1e-2)
-    values.update(overrides)
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2), optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=1e-2, critic_lr=1e-2), checkpoint=dict(every=1))
+    values = merged(values, overrides)
     return toy_config(model, out, algo, **values)
 
 
@@ -59,7 +59,7 @@ def test_the_reference_stays_the_initial_policy_after_resume(tiny_model, tmp_pat
 
 def test_later_mini_batches_are_off_policy(tiny_model, tmp_path):
     """Old log-probs come from before the update: after the first step the ratios leave 1 and clipping acts."""
-    Trainer(small(tiny_model, tmp_path, step_diagnostics=True, actor_lr=5e-2)).train()
+    Trainer(small(tiny_model, tmp_path, logging=dict(step_diagnostics=True), optimizer=dict(actor_lr=5e-2))).train()
     record = read_metrics(tmp_path)[0]
     assert record["offpolicy/steps"] == 3 and record["offpolicy/clip_frac"] > 0
     assert record["offpolicy/tail/ratio_max"] > 1.2
@@ -173,7 +173,7 @@ def test_rates_are_per_turn_and_per_search_not_per_episode():
 
 
 def test_training_shows_progress_within_iterations(tiny_model, tmp_path, capsys):
-    Trainer(small(tiny_model, tmp_path, progress=True)).train()
+    Trainer(small(tiny_model, tmp_path, logging=dict(progress=True))).train()
     err = capsys.readouterr().err
     for phase in ("rollout turn 1/2", "scoring", "update step 1/4", "update step 4/4"):
         assert phase in err, phase

@@ -23,7 +23,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):
-    return stppo(*toy_train_command(model, run, iterations, resume=resume, extra=("on_collapse=none", *sets))[3:],
+    return stppo(*toy_train_command(model, run, iterations, resume=resume, extra=("monitor.on_collapse=none", *sets))[3:],
                  capsys=capsys)
 
 
@@ -55,22 +55,22 @@ def test_float16_refuses_a_weight_beyond_its_range_and_keeps_the_last_checkpoint
     weights.save_pretrained(model)
     run = tmp_path / "run"
     assert train(model, run, 1, capsys=capsys).returncode == 0
-    refused = train(model, run, 2, "checkpoint_dtype=float16", capsys=capsys, resume=True)
+    refused = train(model, run, 2, "checkpoint.dtype=float16", capsys=capsys, resume=True)
     error = [line for line in refused.stderr.splitlines() if line.startswith("stppo train:")]
     assert refused.returncode == 1 and len(error) == 1, refused.stderr[-2000:]
-    assert "checkpoint_dtype=float16 cannot hold the actor's model.embed_tokens.weight" in error[0]
-    assert "checkpoint_dtype=bfloat16" in error[0]
+    assert "checkpoint.dtype=float16 cannot hold the actor's model.embed_tokens.weight" in error[0]
+    assert "checkpoint.dtype=bfloat16" in error[0]
     assert list_checkpoints(run) == [1] and not list((run / "checkpoints").glob(".step-*"))
-    again = train(model, run, 2, "checkpoint_dtype=bfloat16", capsys=capsys, resume=True)
+    again = train(model, run, 2, "checkpoint.dtype=bfloat16", capsys=capsys, resume=True)
     assert again.returncode == 0, again.stderr[-2000:]
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("on_collapse=rolback", "on_collapse must be one of none, warn, stop, rollback, got 'rolback' (did you mean "
+    ("monitor.on_collapse=rolback", "on_collapse must be one of none, warn, stop, rollback, got 'rolback' (did you mean "
                             "rollback?)"),
-    ("checkpoint_dtype=bfloat61", "checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' (did "
+    ("checkpoint.dtype=bfloat61", "checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' (did "
                                   "you mean bfloat16?)"),
-    ("checkpoint_optimizer=newset", "checkpoint_optimizer must be all, newest or none, got 'newset' (did you mean "
+    ("checkpoint.optimizer=newset", "checkpoint_optimizer must be all, newest or none, got 'newset' (did you mean "
                                     "newest?)"),
 ])
 @pytest.mark.parametrize("command", ["train", "replay"])

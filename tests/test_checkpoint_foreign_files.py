@@ -31,7 +31,7 @@ def evaluate(agent: str, out: Path, capsys):
 def test_files_written_inside_the_newest_checkpoint_leave_it_the_one_evaluated_and_resumed(tiny_model, tmp_path,
                                                                                           capsys):
     run = tmp_path / "run"
-    newest = ("checkpoint_optimizer=newest", "on_collapse=none")  # only step-2 can resume: nothing to fall back on
+    newest = ("checkpoint.optimizer=newest", "monitor.on_collapse=none")  # only step-2 can resume: nothing to fall back on
     assert train(tiny_model, run, 2, *newest, capsys=capsys).returncode == 0
     step2 = run / "checkpoints" / "step-2"
     (step2 / "eval").mkdir()
@@ -52,7 +52,7 @@ def test_files_written_inside_the_newest_checkpoint_leave_it_the_one_evaluated_a
 
 def test_an_unlisted_weights_file_in_a_model_folder_still_makes_the_checkpoint_corrupt(tiny_model, tmp_path, capsys):
     run = tmp_path / "run"
-    assert train(tiny_model, run, 2, "on_collapse=none", capsys=capsys).returncode == 0
+    assert train(tiny_model, run, 2, "monitor.on_collapse=none", capsys=capsys).returncode == 0
     # from_pretrained reads the folder, not the manifest: a stray weights index there would load unverified
     (run / "checkpoints" / "step-2" / "actor" / "model.safetensors.index.json").write_text("{}")
     done = evaluate(f"hf:{run}@latest", tmp_path / "eval", capsys)
@@ -68,7 +68,7 @@ def test_an_unlisted_weights_file_in_a_model_folder_still_makes_the_checkpoint_c
 ])
 def test_no_command_writes_inside_a_checkpoint(tiny_model, tmp_path, capsys, command):
     run = tmp_path / "run"
-    assert train(tiny_model, run, 1, "on_collapse=none", capsys=capsys).returncode == 0
+    assert train(tiny_model, run, 1, "monitor.on_collapse=none", capsys=capsys).returncode == 0
     step = run / "checkpoints" / "step-1"
     before = sorted(str(p.relative_to(step)) for p in step.rglob("*"))
     arguments = [word.format(run=run, step=step).replace("tiny-placeholder", f"hf:{run}@latest") for word in command]

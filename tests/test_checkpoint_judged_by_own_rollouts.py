@@ -21,7 +21,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
-QUIET = ("keep_checkpoints=20", "collapse_warmup=2", "collapse_z=1000")  # every checkpoint kept, no signal trips
+QUIET = ("checkpoint.keep=20", "monitor.warmup=2", "monitor.z=1000")  # every checkpoint kept, no signal trips
 
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):
@@ -49,7 +49,7 @@ def rewrite(run: Path, rewards: dict[int, object], tripped: set[int] = frozenset
 
 def test_with_stale_rollouts_best_and_healthy_use_the_iteration_the_weights_sampled(tiny_model, tmp_path, capsys):
     run = tmp_path / "run"
-    train(tiny_model, run, 10, "rollout_staleness=2", *QUIET, capsys=capsys)
+    train(tiny_model, run, 10, "rollout.staleness=2", *QUIET, capsys=capsys)
     assert [r["staleness"] for r in read_metrics(run)] == [0, 1, 2, 2, 2, 2, 2, 2, 2, 2]
     # past the warm-up (iterations 1 and 2), step S's weights sampled iteration S + 3: step-3 -> 6 (0.9), step-4 -> 7,
     # step-5 -> 8; steps 6 and 7 sampled the tripped iterations 9 and 10. Judged by the next iteration instead,
@@ -65,10 +65,10 @@ def test_with_stale_rollouts_best_and_healthy_use_the_iteration_the_weights_samp
 def test_with_stale_rollouts_a_rollback_returns_to_a_checkpoint_whose_own_rollouts_were_quiet(tiny_model, tmp_path,
                                                                                              capsys):
     run = tmp_path / "run"
-    train(tiny_model, run, 8, "rollout_staleness=2", *QUIET, capsys=capsys)
+    train(tiny_model, run, 8, "rollout.staleness=2", *QUIET, capsys=capsys)
     # every iteration from 9 on trips (an absolute limit no response stays under) and alarms at once
-    said = train(tiny_model, run, 9, "rollout_staleness=2", *QUIET, "on_collapse=rollback", "collapse_patience=1",
-                 "collapse_thresholds.response_tokens=0.5", capsys=capsys, resume=True)
+    said = train(tiny_model, run, 9, "rollout.staleness=2", *QUIET, "monitor.on_collapse=rollback", "monitor.patience=1",
+                 "monitor.thresholds.response_tokens=0.5", capsys=capsys, resume=True)
     alarm = read_metrics(run)[-1]
     assert alarm["step"] == 9 and alarm["collapse/alarm"] and alarm["collapse/action"] == "rollback"
     # step-6's and step-7's weights sampled 9 and 10 (tripped, not yet logged): step-5 (it sampled 8) is the newest
@@ -79,7 +79,7 @@ def test_with_stale_rollouts_a_rollback_returns_to_a_checkpoint_whose_own_rollou
 def test_a_checkpoint_whose_own_rollouts_reward_is_not_finite_is_not_scored_by_the_older_weights(tiny_model, tmp_path,
                                                                                               capsys):
     run = tmp_path / "run"
-    train(tiny_model, run, 4, "keep_checkpoints=20", "on_collapse=none", capsys=capsys)
+    train(tiny_model, run, 4, "checkpoint.keep=20", "monitor.on_collapse=none", capsys=capsys)
     # step-1's weights sampled iteration 2, whose reward is NaN: step-1 has no score (iteration 1's 0.95 is the
     # initial weights'), so the best is step-2 (iteration 3's 0.3)
     rewrite(run, {1: 0.95, 2: "nan", 3: 0.3, 4: 0.2})

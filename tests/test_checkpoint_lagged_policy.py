@@ -27,7 +27,7 @@ def tied_model(tmp_path_factory) -> Path:  # an output head sharing the embeddin
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):
     done = stppo(*toy_train_command(model, run, iterations, resume=resume,
-                                    extra=("rollout_staleness=2", "on_collapse=none", "keep_checkpoints=3", *sets))[3:],
+                                    extra=("rollout.staleness=2", "monitor.on_collapse=none", "checkpoint.keep=3", *sets))[3:],
                  capsys=capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     return done
@@ -59,7 +59,7 @@ def test_staleness_2_stores_two_copies_of_the_actor_and_a_small_trainer_state(ti
 
 def test_with_bfloat16_and_newest_the_copies_are_half_size_and_only_in_the_newest(tied_model, tmp_path, capsys):
     run = tmp_path / "run"
-    small = ("checkpoint_dtype=bfloat16", "checkpoint_optimizer=newest")
+    small = ("checkpoint.dtype=bfloat16", "checkpoint.optimizer=newest")
     train(tied_model, run, 4, *small, capsys=capsys)
     newest = run / "checkpoints" / "step-4"
     count, dtypes, _ = copies(newest)

@@ -22,7 +22,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
-KEEP_ONE = ("keep_checkpoints=1", "on_collapse=none")
+KEEP_ONE = ("checkpoint.keep=1", "monitor.on_collapse=none")
 
 
 def test_the_trainer_does_not_prune_the_checkpoint_an_evaluation_is_about_to_load(tiny_model, tmp_path, capsys,

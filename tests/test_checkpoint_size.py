@@ -23,13 +23,13 @@ from stppo_agent.runs.metrics_log import read_metrics
 from .cli_in_process import stppo
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--set", "checkpoint_dtype=bfloat16", "--set", "checkpoint_optimizer=newest"]
+SMALL = ["--set", "checkpoint.dtype=bfloat16", "--set", "checkpoint.optimizer=newest"]
 
 
 def train_arguments(out: Path, iterations: int, *extra: str) -> list[str]:
     return ["train", "--algo", "st_ppo", "--env", "stppo/Toy-v0", "--model", "tiny", "--output-dir", str(out),
-            "--iterations", str(iterations), "--set", "save_every=1", "--set", "keep_checkpoints=2", "--set",
-            "tensorboard=false", "--set", "progress=false", *extra]
+            "--iterations", str(iterations), "--set", "checkpoint.every=1", "--set", "checkpoint.keep=2", "--set",
+            "logging.tensorboard=false", "--set", "logging.progress=false", *extra]
 
 
 def train(out: Path, iterations: int, *extra: str, capsys, check: bool = True) -> subprocess.CompletedProcess:
@@ -96,14 +96,14 @@ def test_a_small_run_keeps_bfloat16_weights_and_the_optimizer_state_only_in_the_
 def test_a_weights_only_run_writes_no_optimizer_state_and_its_resume_is_refused_with_what_its_weights_can_do(
         tmp_path, capsys):
     run = tmp_path / "run"
-    train(run, 2, "--set", "checkpoint_optimizer=none", "--set", "rollout_staleness=1", capsys=capsys)
+    train(run, 2, "--set", "checkpoint.optimizer=none", "--set", "rollout.staleness=1", capsys=capsys)
     for step in (1, 2):
         folder = run / "checkpoints" / f"step-{step}"
         verify_checkpoint(folder)
         assert sorted(p.name for p in folder.iterdir()) == ["actor", "critic", "manifest.json", "trainer_state.json",
                                                             "trainer_state.pt"]  # nor the lagged copies
         assert parameters(folder / "actor")[1] == torch.float32
-    refused = train(run, 3, "--set", "checkpoint_optimizer=none", "--set", "rollout_staleness=1", "--resume",
+    refused = train(run, 3, "--set", "checkpoint.optimizer=none", "--set", "rollout.staleness=1", "--resume",
                     capsys=capsys, check=False)
     assert refused.returncode == 1 and "step-2 holds no optimizer state (its run wrote none" in refused.stderr
     assert f"--model {run / 'checkpoints' / 'step-2' / 'actor'}" in refused.stderr
@@ -112,10 +112,10 @@ def test_a_weights_only_run_writes_no_optimizer_state_and_its_resume_is_refused_
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--set", "checkpoint_dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
-    (["--set", "checkpoint_optimizer=latest"], "checkpoint_optimizer must be all, newest or none"),
-    (["--set", "checkpoint_optimizer=newest", "--set", "on_collapse=rollback"], "use checkpoint_optimizer=all"),
-    (["--set", "checkpoint_optimizer=none", "--set", "on_collapse=rollback"], "none never writes the optimizer"),
+    (["--set", "checkpoint.dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
+    (["--set", "checkpoint.optimizer=latest"], "checkpoint_optimizer must be all, newest or none"),
+    (["--set", "checkpoint.optimizer=newest", "--set", "monitor.on_collapse=rollback"], "use checkpoint_optimizer=all"),
+    (["--set", "checkpoint.optimizer=none", "--set", "monitor.on_collapse=rollback"], "none never writes the optimizer"),
 ])
 def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, message, capfd, monkeypatch):
     from stppo_agent.cli import main
@@ -130,7 +130,7 @@ def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, mes
 
 def test_kill_9_then_resume_with_the_optimizer_state_in_the_newest_only_matches_an_uninterrupted_run(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    iterations, newest = 8, ["--set", "checkpoint_optimizer=newest"]
+    iterations, newest = 8, ["--set", "checkpoint.optimizer=newest"]
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(toy_train_command(model, interrupted, iterations) + newest, env=env, cwd=REPO,

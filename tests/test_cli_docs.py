@@ -67,13 +67,13 @@ def test_every_documented_flag_exists(command):
 
 
 @pytest.mark.parametrize("command, shown", [(["eval"], "(default: 3)"), (["index", "bm25"], "(default: 1)"),
-                                            (["serve"], "(default: 8000)"), (["train"], "actor_lr=1e-6")])
+                                            (["serve"], "(default: 8000)"), (["train"], "optimizer.actor_lr=1e-6")])
 def test_help_shows_defaults(command, shown, capsys):
     with pytest.raises(SystemExit):
         main([*command, "--help"])
     out = capsys.readouterr().out
     assert shown in out
-    assert "lr=1e-6," not in out.replace("actor_lr=1e-6", "")
+    assert "lr=1e-6," not in out.replace("optimizer.actor_lr=1e-6", "")
 
 
 def test_third_party_noise_is_hidden_unless_verbose(tmp_path):
@@ -120,9 +120,7 @@ def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path
 
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # responses of 1-6 tokens over 1-3 turns, one row per micro-batch: each is trimmed to its own length
-    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", prompts_per_iteration=6, samples_per_prompt=2,
-                                 mini_batch_size=12, micro_batch_size=1, ppo_epochs=1, max_turns=3,
-                                 max_new_tokens_per_turn=2), report=lambda _: None)
+    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", rollout=dict(prompts_per_iteration=6, samples_per_prompt=2, max_turns=3, max_new_tokens_per_turn=2), optimizer=dict(mini_batch_size=12, micro_batch_size=1, epochs=1)), report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)
     assert len(set(batch.lengths().tolist())) > 1  # rows differ in length, so trimming has something to trim
@@ -134,7 +132,7 @@ def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path
         trainer.update(batch)
         trainers = dict(seen)
         seen.update(head=[], body=[])
-        _benchmark("trainer").raw_update(trainer.state.actor, batch, trainer.config.micro_batch_size)
+        _benchmark("trainer").raw_update(trainer.state.actor, batch, trainer.config.optimizer.micro_batch_size)
     finally:
         head.remove()
         body.remove()

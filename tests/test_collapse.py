@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
+from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.monitoring.collapse_guard import CollapseStopped
 from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings
@@ -131,10 +132,8 @@ def test_checkpoint_health_and_best_from_records():
 
 
 def flip_config(model: Path, out: Path, action: str, **overrides):
-    values = dict(iterations=16, save_every=1, keep_checkpoints=1, on_collapse=action,
-                  # one target, so the tiny policy is good before the flip and the flip is a fall from a height
-                  env_kwargs={"fixed_target": "red", "reward_flip_episodes": FLIP})
-    values.update(overrides)
+    values = dict(iterations=16, env_kwargs={"fixed_target": "red", "reward_flip_episodes": FLIP}, checkpoint=dict(every=1, keep=1), monitor=dict(on_collapse=action))
+    values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
 
@@ -188,9 +187,7 @@ def test_an_alarm_during_the_warm_up_cannot_roll_back_and_stops(tiny_model, tmp_
     # the KL to the reference grows as the policy learns and passes a low absolute limit after a few clean
     # iterations, all inside a long warm-up: their checkpoints are not known healthy (the demo at lr 1e-4 collapsed
     # inside the warm-up, and was first rolled back to a checkpoint that had collapsed already)
-    config = flip_config(tiny_model, tmp_path, "rollback", iterations=10, env_kwargs={}, collapse_warmup=12,
-                         collapse_thresholds={"kl_to_reference": 0.3},
-                         algorithm={"kl_in_reward": 0.001, "kl_loss_coef": 0.0})
+    config = flip_config(tiny_model, tmp_path, "rollback", iterations=10, env_kwargs={}, algorithm={"kl_in_reward": 0.001, "kl_loss_coef": 0.0}, monitor=dict(warmup=12, thresholds={"kl_to_reference": 0.3}))
     with pytest.raises(CollapseStopped, match="Cannot roll back: no checkpoint is known healthy"):
         Trainer(config, report=lambda _: None).train()
     records = read_metrics(tmp_path)
@@ -204,7 +201,7 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}, rollback_lr_factor=0.25))
+    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}, monitor=dict(rollback_lr_factor=0.25)))
     trainer.train()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2" / "actor")
     with torch.no_grad():
@@ -220,12 +217,12 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
 
 def cli_train(model: Path, out: Path, action: str, iterations: int = 16) -> list[str]:
     return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
-            "--iterations", str(iterations), "--set", f"on_collapse={action}", "--set", "save_every=1",
-            "--set", "keep_checkpoints=1", "--set", "prompts_per_iteration=8", "--set", "samples_per_prompt=8",
-            "--set", "mini_batch_size=32", "--set", "micro_batch_size=16", "--set", "ppo_epochs=2",
-            "--set", "actor_lr=3e-3", "--set", "critic_lr=3e-3", "--set", "max_turns=2",
-            "--set", "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8", "--set", "max_total_tokens=32",
-            "--set", "progress=false", "--set", "tensorboard=false", "--set", "algorithm.kl_in_reward=0",
+            "--iterations", str(iterations), "--set", f"on_collapse={action}", "--set", "checkpoint.every=1",
+            "--set", "checkpoint.keep=1", "--set", "rollout.prompts_per_iteration=8", "--set", "rollout.samples_per_prompt=8",
+            "--set", "optimizer.mini_batch_size=32", "--set", "optimizer.micro_batch_size=16", "--set", "optimizer.epochs=2",
+            "--set", "optimizer.actor_lr=3e-3", "--set", "optimizer.critic_lr=3e-3", "--set", "rollout.max_turns=2",
+            "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set", "rollout.max_total_tokens=32",
+            "--set", "logging.progress=false", "--set", "logging.tensorboard=false", "--set", "algorithm.kl_in_reward=0",
             "--set", "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=red",
             "--set", f"env_kwargs.reward_flip_episodes={json.dumps(FLIP)}"]
 
@@ -235,7 +232,7 @@ def test_stop_from_the_cli_checkpoints_and_exits_3(tiny_model, tmp_path, capsys)
     code = main(cli_train(tiny_model, out, "stop"))
     err = capsys.readouterr().err
     assert code == 3, err
-    assert "stopped: collapse alarm at iteration" in err and "on_collapse=stop" in err and "--resume" in err
+    assert "stopped: collapse alarm at iteration" in err and "monitor.on_collapse=stop" in err and "--resume" in err
     records = read_metrics(out)
     last = records[-1]
     assert last["collapse/alarm"] == 1 and last["collapse/action"] == "stop" and last["step"] <= FLIP[0] + 2
@@ -268,23 +265,21 @@ def test_config_rejects_bad_collapse_settings():
             TrainConfig(model="m", **{field: value}).validate()
     from stppo_agent.training.config import load_config
 
-    config = load_config(None, ["collapse_thresholds.tail/ratio_max=50", "on_collapse=rollback"], model="m")
-    assert config.collapse_thresholds == {"kl_to_reference": 1.0, "tail/ratio_max": 50}
+    config = load_config(None, ["monitor.thresholds.tail/ratio_max=50", "monitor.on_collapse=rollback"], model="m")
+    assert config.monitor.thresholds == {"kl_to_reference": 1.0, "tail/ratio_max": 50}
     config.validate()
     with pytest.raises(ValueError, match="not a monitored signal"):
-        load_config(None, ["collapse_thresholds.ratio=5"], model="m").validate()
+        load_config(None, ["monitor.thresholds.ratio=5"], model="m").validate()
 
 
 def test_an_unmonitored_run_has_no_healthy_checkpoint_and_its_best_says_so(tiny_model, tmp_path):
     # on_collapse=none: no monitor judged any iteration, so none can vouch for a checkpoint (issue 33, item 10)
-    config = toy_config(tiny_model, tmp_path, "ppo", iterations=4, save_every=1, keep_checkpoints=4,
-                        prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=8, micro_batch_size=4,
-                        on_collapse="none")
+    config = toy_config(tiny_model, tmp_path, "ppo", iterations=4, checkpoint=dict(every=1, keep=4), rollout=dict(prompts_per_iteration=4, samples_per_prompt=2), optimizer=dict(mini_batch_size=8, micro_batch_size=4), monitor=dict(on_collapse="none"))
     Trainer(config, report=lambda _: None).train()
     records = read_metrics(tmp_path)
     assert not any(key.startswith("collapse/") for r in records for key in r)
     assert healthy_steps(records, [1, 2, 3, 4]) == []
-    with pytest.raises(FileNotFoundError, match="on_collapse=none.*no collapse monitor.*@best, @latest or @STEP"):
+    with pytest.raises(FileNotFoundError, match="monitor.on_collapse=none.*no collapse monitor.*@best, @latest or @STEP"):
         pick_checkpoint(tmp_path, "healthy")
     folder, why = pick_checkpoint(tmp_path, "best")
     rewards = {s: checkpoint_reward(records, s) for s in (1, 2, 3, 4)}

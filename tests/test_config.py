@@ -6,13 +6,14 @@ import pytest
 
 from stppo_agent.cli import main
 from stppo_agent.training.config import TrainConfig, load_config
+from stppo_agent.training.config_sections import OptimizerConfig, RolloutConfig
 
 
 @pytest.mark.parametrize("raw, value", [("1e-6", 1e-6), ("1E-6", 1e-6), ("1e+3", 1000.0), ("2.5e-3", 2.5e-3),
                                         (".5", 0.5), ("5.", 5.0), ("-1e-2", -0.01), ("3", 3.0), ("0.001", 0.001)])
 def test_numbers_parse_in_every_common_spelling(raw, value, tmp_path):
     config = load_config(None, [f"actor_lr={raw}", f"algorithm.kl_in_reward={raw}", "model=m"])
-    assert config.actor_lr == value and isinstance(config.actor_lr, float)
+    assert config.optimizer.actor_lr == value and isinstance(config.optimizer.actor_lr, float)
     assert config.algorithm_config().kl_in_reward == value
     path = tmp_path / "run.yaml"
     path.write_text(f"actor_lr: {raw}\nalgorithm:\n  entropy_coef: {raw}\n")
@@ -26,12 +27,12 @@ def test_strings_stay_strings():
 
 
 @pytest.mark.parametrize("item, message", [("algorithm.clip_high=abc", "algorithm.clip_high expects float"),
-                                           ("actor_lr=fast", "actor_lr expects float"),
+                                           ("optimizer.actor_lr=fast", "actor_lr expects float"),
                                            ("iterations=1.5", "iterations expects int"),
                                            ("no_such_field=1", "unknown config fields"),
                                            ("algorithm.no_such=1", "unknown algorithm fields"),
                                            ("actor_lr", "expects key=value"),
-                                           ("actor_lr=[1", "not valid YAML")])
+                                           ("optimizer.actor_lr=[1", "not valid YAML")])
 def test_bad_values_get_a_message_naming_the_field(item, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [item, "model=m"]).validate()
@@ -47,9 +48,9 @@ def test_a_broken_yaml_file_names_the_file(tmp_path):
 @pytest.mark.parametrize("algo", ["grpo", "gspo", "so_grpo"])
 def test_group_algorithms_refuse_groups_of_one(algo):
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
-        TrainConfig(algo=algo, model="m", samples_per_prompt=1).validate()
-    TrainConfig(algo=algo, model="m", samples_per_prompt=2, mini_batch_size=8, micro_batch_size=4).validate()
-    TrainConfig(algo="ppo", model="m", samples_per_prompt=1).validate()  # GAE needs no group
+        TrainConfig(algo=algo, model="m", rollout=RolloutConfig(samples_per_prompt=1)).validate()
+    TrainConfig(algo=algo, model="m", rollout=RolloutConfig(samples_per_prompt=2), optimizer=OptimizerConfig(mini_batch_size=8, micro_batch_size=4)).validate()
+    TrainConfig(algo="ppo", model="m", rollout=RolloutConfig(samples_per_prompt=1)).validate()  # GAE needs no group
 
 
 def test_cli_reports_config_errors_without_a_traceback(capsys):
@@ -72,9 +73,9 @@ def test_a_user_algorithm_is_chosen_from_the_cli_and_the_run_reproduces_from_its
     monkeypatch.syspath_prepend(str(tmp_path))
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     run = tmp_path / "run"
-    common = ["--set", "prompts_per_iteration=2", "--set", "mini_batch_size=2", "--set", "micro_batch_size=2",
-              "--set", "max_turns=2", "--set", "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8",
-              "--set", "max_total_tokens=32", "--set", "progress=false", "--set", "save_every=1"]
+    common = ["--set", "rollout.prompts_per_iteration=2", "--set", "optimizer.mini_batch_size=2", "--set", "optimizer.micro_batch_size=2",
+              "--set", "rollout.max_turns=2", "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8",
+              "--set", "rollout.max_total_tokens=32", "--set", "logging.progress=false", "--set", "checkpoint.every=1"]
     assert main(["train", "--algo", "my_algo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
                  str(run), "--iterations", "1"] + common) == 1  # not imported: unknown
     assert main(["train", "--import", "my_algos", "--algo", "my_algo", "--env", "stppo/Toy-v0", "--model",

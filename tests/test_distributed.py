@@ -14,6 +14,7 @@ import torch.distributed as dist
 from stppo_agent.distributed.shared_retrieval import free_port
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config_sections import DistributedConfig, LoggingConfig, OptimizerConfig, RolloutConfig
 from stppo_agent.training.trainer import Trainer
 
 from .gloo_ranks import start_ranks
@@ -21,11 +22,7 @@ from .gloo_ranks import start_ranks
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
     """``strategy``: ddp, fsdp2, or fsdp2+checkpointing (activation checkpointing recomputes inside both backwards)."""
-    return TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
-                       strategy=strategy.split("+")[0], gradient_checkpointing=strategy.endswith("+checkpointing"),
-                       prompts_per_iteration=8, samples_per_prompt=1, mini_batch_size=8, micro_batch_size=2,
-                       max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32,
-                       progress=False, tensorboard=False, algorithm={"kl_in_reward": 0.0, "clip_bias_kappa": 0.01})
+    return TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1, algorithm={"kl_in_reward": 0.0, "clip_bias_kappa": 0.01}, distributed=DistributedConfig(strategy=strategy.split("+")[0]), optimizer=OptimizerConfig(gradient_checkpointing=strategy.endswith("+checkpointing"), mini_batch_size=8, micro_batch_size=2), rollout=RolloutConfig(prompts_per_iteration=8, samples_per_prompt=1, max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32), logging=LoggingConfig(progress=False, tensorboard=False))
 
 
 def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path: str, result_path: str,
@@ -115,9 +112,9 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
     def command(launcher, iterations, strategy, resume=False):
         args = [*launcher, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0", "--model",
                 str(model), "--output-dir", str(out), "--iterations", str(iterations), "--set", f"strategy={strategy}"]
-        for item in ("prompts_per_iteration=8", "mini_batch_size=8", "micro_batch_size=2", "max_turns=2",
-                     "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32", "progress=false",
-                     "tensorboard=false", "save_every=1", "actor_lr=0.003"):
+        for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2", "rollout.max_turns=2",
+                     "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false",
+                     "logging.tensorboard=false", "checkpoint.every=1", "optimizer.actor_lr=0.003"):
             args += ["--set", item]
         return args + (["--resume"] if resume else [])
 
@@ -150,9 +147,9 @@ def test_torchrun_ranks_share_one_retrieval_server(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/NQ-v0", "--model", str(model),
                "--output-dir", str(out), "--iterations", "1"]
-    for item in ("prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4", "micro_batch_size=2",
-                 "max_turns=2", "max_new_tokens_per_turn=8", "max_prompt_tokens=512", "max_total_tokens=1024",
-                 "progress=false", "tensorboard=false", "env_kwargs.retriever=demo"):
+    for item in ("rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4", "optimizer.micro_batch_size=2",
+                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "rollout.max_prompt_tokens=512", "rollout.max_total_tokens=1024",
+                 "logging.progress=false", "logging.tensorboard=false", "env_kwargs.retriever=demo"):
         command += ["--set", item]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -178,9 +175,9 @@ def test_two_node_rendezvous_on_one_host(tmp_path):
                    "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
                    "--rdzv_id", "stppo-test", "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env",
                    "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
-        for item in ("prompts_per_iteration=8", "mini_batch_size=8", "micro_batch_size=2", "max_turns=2",
-                     "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32", "progress=false",
-                     "tensorboard=false"):
+        for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2", "rollout.max_turns=2",
+                     "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false",
+                     "logging.tensorboard=false"):
             command += ["--set", item]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -235,7 +232,7 @@ def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
 
 @pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
 def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
-    """strategy=fsdp2 without torchrun: a one-process group and a one-way mesh; the run trains and saves a plain
+    """distributed.strategy=fsdp2 without torchrun: a one-process group and a one-way mesh; the run trains and saves a plain
     Hugging Face checkpoint. With a bf16 compute dtype the master weights (and so the checkpoint) stay float32."""
     import subprocess
     import sys
@@ -246,9 +243,9 @@ def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
                "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
-    for item in ("strategy=fsdp2", "prompts_per_iteration=8", "mini_batch_size=8", "micro_batch_size=2",
-                 "max_turns=2", "max_new_tokens_per_turn=1", "max_prompt_tokens=8", "max_total_tokens=32",
-                 "progress=false", "tensorboard=false"):
+    for item in ("distributed.strategy=fsdp2", "rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2",
+                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32",
+                 "logging.progress=false", "logging.tensorboard=false"):
         command += ["--set", item]
     if compute_dtype:
         command += ["--set", f"fsdp_compute_dtype={compute_dtype}"]
@@ -269,9 +266,9 @@ def test_a_finished_command_leaves_its_process_group(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     args = ["train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
             str(tmp_path / "run"), "--iterations", "1"]
-    for item in ("strategy=fsdp2", "prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4",
-                 "micro_batch_size=2", "max_turns=1", "max_new_tokens_per_turn=1", "max_prompt_tokens=8",
-                 "max_total_tokens=16", "progress=false", "tensorboard=false"):  # fsdp2 makes a one-process group
+    for item in ("distributed.strategy=fsdp2", "rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4",
+                 "optimizer.micro_batch_size=2", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8",
+                 "rollout.max_total_tokens=16", "logging.progress=false", "logging.tensorboard=false"):  # fsdp2 makes a one-process group
         args += ["--set", item]
     assert main(args) == 0
     assert not dist.is_initialized()

@@ -102,8 +102,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def test_dapo_trains_on_informative_groups_and_logs_what_it_dropped(tiny_model, tmp_path):
     seen = []
-    config = toy_config(tiny_model, tmp_path, "dapo", iterations=3, prompts_per_iteration=4, samples_per_prompt=2,
-                        mini_batch_size=8, micro_batch_size=4, ppo_epochs=1, on_collapse="none")
+    config = toy_config(tiny_model, tmp_path, "dapo", iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2), optimizer=dict(mini_batch_size=8, micro_batch_size=4, epochs=1), monitor=dict(on_collapse="none"))
     trainer = Trainer(config, report=lambda _: None, batch_hook=seen.append)
     assert trainer.algo.dynamic_sampling
     trainer.train()
@@ -133,9 +132,8 @@ def test_zero_rounds_means_no_cap_as_in_verl():
 
 
 def dapo_trainer(model: Path, out: Path, **overrides) -> Trainer:
-    values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=8,
-                  ppo_epochs=1, on_collapse="none", max_grad_norm=1e6)  # gradients compared before any clipping
-    return Trainer(toy_config(model, out, "dapo", **{**values, **overrides}), report=lambda _: None)
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, max_grad_norm=1e6), monitor=dict(on_collapse="none"))  # gradients compared before any clipping
+    return Trainer(toy_config(model, out, "dapo", **merged(values, overrides)), report=lambda _: None)
 
 
 def test_every_resampling_round_passes_the_search_error_check(tiny_model, tmp_path):
@@ -191,7 +189,7 @@ def test_dynamic_sampling_with_a_critic_is_a_choice_and_allowed(tiny_model, tmp_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(algo="dapo", samples_per_prompt=1),
+    (dict(algo="dapo", rollout=dict(samples_per_prompt=1)),
      "algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs in reward, so "
      "every round would be dropped): set samples_per_prompt >= 2"),
 ])
@@ -207,7 +205,7 @@ def test_the_cli_refuses_dynamic_sampling_with_groups_of_one(tiny_model, tmp_pat
 
     done = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
                  str(tmp_path / "run"), "--iterations", "1", "--set", "algorithm.dynamic_sampling=true",
-                 "--set", "samples_per_prompt=1", "--set", "max_turns=1", "--set", "progress=false", capsys=capsys)
+                 "--set", "rollout.samples_per_prompt=1", "--set", "rollout.max_turns=1", "--set", "logging.progress=false", capsys=capsys)
     assert done.returncode == 1
     assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling needs groups of >= 2 trajectories")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

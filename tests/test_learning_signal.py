@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from stppo_agent.monitoring.learning_signal import advice, no_signal_reason
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, from_dict, merged
+from stppo_agent.training.config_sections import RolloutConfig
 from stppo_agent.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,25 +42,22 @@ def test_zero_advantages_are_no_signal_even_with_varied_rewards():
 
 
 def test_the_advice_names_the_settings_and_what_to_try():
-    config = TrainConfig(model="m", env="stppo/NQ-v0", max_new_tokens_per_turn=2, samples_per_prompt=2)
+    config = TrainConfig(model="m", env="stppo/NQ-v0", rollout=RolloutConfig(max_new_tokens_per_turn=2, samples_per_prompt=2))
     text = advice("every trajectory's reward is 0", config)
     assert "never (or always) produces a rewarded action" in text
-    assert "max_new_tokens_per_turn=2" in text and "samples_per_prompt=2" in text
+    assert "rollout.max_new_tokens_per_turn=2" in text and "rollout.samples_per_prompt=2" in text
     assert "env_kwargs.format_reward" in text and "--model tiny" not in text
     toy = advice("every trajectory's reward is 0", TrainConfig(model="m", env="stppo/Toy-v0"))
     assert "--model tiny" in toy and "format_reward" not in toy  # the toy env takes no format reward
 
 
 def small_toy(out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="grpo", env="stppo/Toy-v0", model="tiny", output_dir=str(out), iterations=3,
-                  prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=8, micro_batch_size=8,
-                  max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32, progress=False,
-                  tensorboard=False, save_every=100)
-    values.update(overrides)
+    values = dict(algo="grpo", env="stppo/Toy-v0", model="tiny", output_dir=str(out), iterations=3, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32)), optimizer=dict(optimizer=dict(mini_batch_size=8, micro_batch_size=8)), logging=dict(logging=dict(progress=False, tensorboard=False)), checkpoint=dict(every=100))
+    values = merged(values, overrides)
     from stppo_agent.models.default_model import resolve_model
 
     values["model"] = resolve_model(values["model"])
-    return TrainConfig(**values)
+    return from_dict(values)
 
 
 def test_the_trainer_says_it_once_per_run(tmp_path):
@@ -75,7 +73,7 @@ def test_the_trainer_says_it_once_per_run(tmp_path):
 
 def test_a_paid_run_says_nothing(tmp_path):
     said: list[str] = []
-    Trainer(small_toy(tmp_path / "paid", samples_per_prompt=4, iterations=1), report=said.append).train()
+    Trainer(small_toy(tmp_path / "paid", iterations=1, rollout=dict(samples_per_prompt=4)), report=said.append).train()
     assert not [line for line in said if "no learning signal" in line], said
 
 
@@ -84,8 +82,8 @@ def test_stppo_train_says_it_for_a_target_the_model_cannot_say(tmp_path):
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/Toy-v0",
                "--model", "tiny", "--output-dir", str(tmp_path / "run"), "--iterations", "2",
                "--set", "env_kwargs.choices=[purple,orange]", "--set", "env_kwargs.fixed_target=purple",
-               "--set", "samples_per_prompt=2", "--set", "prompts_per_iteration=2", "--set", "mini_batch_size=4",
-               "--set", "micro_batch_size=4", "--set", "max_new_tokens_per_turn=1", "--set", "tensorboard=false"]
+               "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2", "--set", "optimizer.mini_batch_size=4",
+               "--set", "optimizer.micro_batch_size=4", "--set", "rollout.max_new_tokens_per_turn=1", "--set", "logging.tensorboard=false"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("no learning signal") == 1, done.stdout

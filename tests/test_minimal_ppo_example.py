@@ -15,6 +15,13 @@ import torch
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config_sections import (
+    CheckpointConfig,
+    LoggingConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    RolloutConfig,
+)
 from stppo_agent.training.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minimal_ppo.py"
@@ -41,11 +48,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def toy_trainer(model: Path, out: Path, algo: str, max_grad_norm: float = 1.0, **algorithm) -> Trainer:
     """One epoch, one mini-batch of the whole batch, one micro-batch: the update the example's loop makes. Three
     tokens per turn, so a turn-level ratio (the geometric mean over a turn) is not the token ratio."""
-    config = TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
-                         prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=16,
-                         ppo_epochs=1, actor_lr=LR, critic_lr=LR, max_grad_norm=max_grad_norm, max_turns=2,
-                         max_new_tokens_per_turn=3, max_prompt_tokens=8, max_total_tokens=32, progress=False,
-                         tensorboard=False, save_every=100, on_collapse="none", algorithm=algorithm)
+    config = TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1, algorithm=algorithm, rollout=RolloutConfig(prompts_per_iteration=4, samples_per_prompt=4, max_turns=2, max_new_tokens_per_turn=3, max_prompt_tokens=8, max_total_tokens=32), optimizer=OptimizerConfig(mini_batch_size=16, micro_batch_size=16, epochs=1, actor_lr=LR, critic_lr=LR, max_grad_norm=max_grad_norm), logging=LoggingConfig(progress=False, tensorboard=False), checkpoint=CheckpointConfig(every=100), monitor=MonitorConfig(on_collapse="none"))
     return Trainer(config, report=lambda _: None)
 
 
@@ -98,7 +101,7 @@ def test_one_update_equals_the_trainers(example, tiny_model, tmp_path, case):
     actor, critic = copy.deepcopy(state.actor), copy.deepcopy(state.critic)  # before the Trainer steps
     config = trainer.config
     args = example.Args(algo=algo, epochs=1, mini_batch_size=16, max_grad_norm=max_grad_norm, seed=config.seed)
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=config.weight_decay)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=config.optimizer.weight_decay)
                   for model in (actor, critic)]
 
     ours = example.update(mine, actor, critic, *optimizers, trainer.algo, args, state.iteration)

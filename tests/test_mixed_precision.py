@@ -15,6 +15,7 @@ from stppo_agent.models.precision import autocast_forward, resolve_autocast_dtyp
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config_sections import DistributedConfig, PrecisionConfig
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
@@ -72,16 +73,15 @@ def test_gradients_are_float32_and_close_to_full_precision(tiny_model):
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="autocast_dtype must be bfloat16, auto"):
-        TrainConfig(model="m", autocast_dtype="int8").validate()
+        TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="int8")).validate()
     with pytest.raises(ValueError, match="needs dtype=float32"):
-        TrainConfig(model="m", autocast_dtype="bfloat16", dtype="bfloat16").validate()
+        TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16", dtype="bfloat16")).validate()
     with pytest.raises(ValueError, match="with fsdp2 use fsdp_compute_dtype"):
-        TrainConfig(model="m", autocast_dtype="bfloat16", strategy="fsdp2").validate()
+        TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16"), distributed=DistributedConfig(strategy="fsdp2")).validate()
 
 
 def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny_model, tmp_path):
-    trainer = Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=6, autocast_dtype="bfloat16",
-                                 step_diagnostics=True))
+    trainer = Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=6, precision=dict(autocast_dtype="bfloat16"), logging=dict(step_diagnostics=True)))
     trainer.train()
     assert all(p.dtype == torch.float32 for p in trainer.state.actor.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.state.actor_optimizer.state.values())
@@ -96,9 +96,9 @@ def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny
 
 
 @pytest.mark.parametrize("settings, name", [
-    (dict(dtype="float16"), "dtype"),
-    (dict(autocast_dtype="float16"), "autocast_dtype"),
-    (dict(strategy="fsdp2", fsdp_compute_dtype="float16"), "fsdp_compute_dtype"),
+    (dict(precision=dict(precision=dict(dtype="float16"))), "dtype"),
+    (dict(precision=dict(precision=dict(autocast_dtype="float16"))), "autocast_dtype"),
+    (dict(distributed=dict(distributed=dict(strategy="fsdp2")), precision=dict(precision=dict(fsdp_compute_dtype="float16"))), "fsdp_compute_dtype"),
 ])
 def test_float16_training_is_refused_with_the_alternatives(settings, name):
     """No loss scaler exists, so float16 gradients would silently underflow: refused, naming what works."""
@@ -164,8 +164,8 @@ def test_cpu_flags_are_this_machines():
 
 def test_the_run_records_what_auto_chose(tiny_model, tmp_path, monkeypatch):
     _mock_cpu(monkeypatch, {"avx512_bf16"})
-    trainer = Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=1, autocast_dtype="auto"))
-    assert trainer.config.autocast_dtype is None
+    trainer = Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=1, precision=dict(autocast_dtype="auto")))
+    assert trainer.config.precision.autocast_dtype is None
     assert "autocast_dtype: null" in (tmp_path / "config.yaml").read_text()
 
 
@@ -176,9 +176,7 @@ def test_a_run_under_autocast_replays_exactly(tiny_model, tmp_path):
     from .test_replay import TIMING
 
     run = tmp_path / "recorded"
-    Trainer(toy_config(tiny_model, run, "ppo", iterations=2, prompts_per_iteration=4, samples_per_prompt=4,
-                       mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, actor_lr=2e-2, save_rollouts=True,
-                       autocast_dtype="bfloat16")).train()
+    Trainer(toy_config(tiny_model, run, "ppo", iterations=2, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=2e-2), logging=dict(save_rollouts=True), precision=dict(autocast_dtype="bfloat16"))).train()
     replay(run, None, str(tmp_path / "again"), report=lambda _: None)
     original, again = read_metrics(run), read_metrics(tmp_path / "again")
     assert len(original) == len(again) == 2

@@ -19,7 +19,7 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_agent.rollouts.statistics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.runs.metrics_log import read_metrics
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.live_rollouts import RolloutContext
 from stppo_agent.training.log_probs import critic_values, token_logprobs
 from stppo_agent.training.trainer import Trainer
@@ -30,13 +30,9 @@ TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "updat
 
 
 def toy_config(model: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="st_ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
-                  prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=8, micro_batch_size=2,
-                  ppo_epochs=1, max_turns=2, max_new_tokens_per_turn=2, max_prompt_tokens=8, max_total_tokens=32,
-                  progress=False, tensorboard=False,
-                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01})
-    values.update(overrides)
-    return TrainConfig(**values)
+    values = dict(algo="st_ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01}, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=2, max_prompt_tokens=8, max_total_tokens=32)), optimizer=dict(epochs=1, optimizer=dict(mini_batch_size=8, micro_batch_size=2)), logging=dict(logging=dict(progress=False, tensorboard=False)))
+    values = merged(values, overrides)
+    return from_dict(values)
 
 
 def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
@@ -44,7 +40,7 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
     value_loss, clip and turn-clip fractions, and each equals the loss's own value over the whole batch."""
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # learning rates 0: every update sees the same weights, so the runs differ only in how the batch is split
-    trainer = Trainer(toy_config(model, tmp_path / "run", actor_lr=0.0, critic_lr=0.0), report=lambda _: None)
+    trainer = Trainer(toy_config(model, tmp_path / "run", optimizer=dict(actor_lr=0.0, critic_lr=0.0)), report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)
     # every statistic a rollout and its scoring report has a declared population to be combined over ranks by
@@ -53,7 +49,7 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
     batch.old_logprobs = batch.old_logprobs + 0.3 * noise  # off-policy: ratios leave the clip range
     logged = {}
     for micro in (1, 2, 4, 8):
-        trainer.config.micro_batch_size = micro
+        trainer.config.optimizer.micro_batch_size = micro
         logged[micro] = {k: v for k, v in trainer.update(batch).items() if k not in TIMING}
     # the loss applied to the whole batch in one call: the values a logged metric must have
     with torch.no_grad():
@@ -159,10 +155,8 @@ class FixedShares:
 def shared_config(model: str, out: str) -> TrainConfig:
     # two mini-batches of 4 over two epochs: the shuffle decides which rows share a step; step diagnostics log
     # every step; rollout correction (tis) logs weight statistics; the reference model logs kl_to_reference
-    return toy_config(Path(model), Path(out), ppo_epochs=2, mini_batch_size=4, micro_batch_size=1,
-                      actor_lr=3e-3, critic_lr=3e-3, step_diagnostics=True,
-                      algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
-                                 "rollout_correction": "tis", "rollout_correction_cap": 1.2})
+    return toy_config(Path(model), Path(out), algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
+                                 "rollout_correction": "tis", "rollout_correction_cap": 1.2}, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=1, actor_lr=3e-3, critic_lr=3e-3), logging=dict(step_diagnostics=True))
 
 
 def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:

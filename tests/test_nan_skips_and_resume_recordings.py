@@ -23,7 +23,7 @@ def _poisoned(actor: bool, critic: bool):
 def test_a_step_whose_actor_and_critic_both_fail_counts_once_toward_max_nan_skips():
     from stppo_agent.training.ppo_update import TrainingDivergedError
 
-    t = update_stage(max_nan_skips=2)
+    t = update_stage(monitor=dict(max_nan_skips=2))
     updater = t
     for expected in (1, 2):  # max_nan_skips=2: two consecutive skipped updates are tolerated
         out = updater._optimizer_step(_poisoned(actor=True, critic=True))
@@ -36,7 +36,7 @@ def test_a_step_whose_actor_and_critic_both_fail_counts_once_toward_max_nan_skip
 def test_a_critic_that_fails_every_step_stops_the_run_though_the_actor_steps():
     from stppo_agent.training.ppo_update import TrainingDivergedError
 
-    t = update_stage(max_nan_skips=1)
+    t = update_stage(monitor=dict(max_nan_skips=1))
     updater = t
     out = updater._optimizer_step(_poisoned(actor=False, critic=True))
     assert out["skipped"] == 1.0 and t.state.optimizer_steps == 1 and t.state.nan_skips_in_a_row == 1
@@ -47,7 +47,7 @@ def test_a_critic_that_fails_every_step_stops_the_run_though_the_actor_steps():
 
 def test_a_clean_step_after_a_skipped_one_resets_the_count():
 
-    t = update_stage(max_nan_skips=1)
+    t = update_stage(monitor=dict(max_nan_skips=1))
     updater = t
     updater._optimizer_step(_poisoned(actor=False, critic=True))
     assert "skipped" not in updater._optimizer_step(_poisoned(actor=False, critic=False))
@@ -76,12 +76,11 @@ def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(ti
 
     from .test_trainer import toy_config
 
-    small = dict(prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=4, ppo_epochs=1,
-                 save_every=2, keep_checkpoints=3, save_rollouts=True, on_collapse="none")
+    small = dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2), optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1), checkpoint=dict(every=2, keep=3), logging=dict(save_rollouts=True), monitor=dict(on_collapse="none"))
     Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=4, **small)).train()
     shutil.rmtree(tmp_path / "checkpoints" / "step-4")  # the kill came before iteration 4's checkpoint
     assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3, 4]
-    resumed = toy_config(tiny_model, tmp_path, "grpo", iterations=3, **dict(small, save_rollouts=still_recording))
+    resumed = toy_config(tiny_model, tmp_path, "grpo", iterations=3, **dict(small, logging=dict(save_rollouts=still_recording)))
     Trainer(resumed, resume=True, report=lambda _: None).train()
     kept = [1, 2, 3] if still_recording else [1, 2]  # not recording: the dead run's iteration 3 goes too
     assert recorded_iterations(tmp_path / "rollouts", 0) == kept
@@ -95,14 +94,14 @@ def test_an_iteration_with_a_skipped_step_logs_the_applied_steps_means_and_how_m
     """One of the iteration's steps is non-finite and skipped: the iteration's means were NaN (grad_norm, pg_loss,
     ...), which the collapse monitor ignores, so the iteration where the trouble began was judged on nothing."""
 
-    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    t = update_stage(seed=3, critic=False, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=2))
     batch = make_batch()
     batch.advantages[0, 0] = math.nan  # in each epoch row 0's mini-batch is skipped, the other one steps
     metrics = t.update(batch)
     assert t.state.optimizer_steps == 2 and t.state.nan_skips_total == 2
     assert metrics["skipped"] == 2  # a count of steps, not a mean of flags (which was 1.0)
     assert math.isfinite(metrics["grad_norm"]) and math.isfinite(metrics["pg_loss"])
-    clean = update_stage(ppo_epochs=1, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    clean = update_stage(seed=3, critic=False, optimizer=dict(epochs=1, mini_batch_size=4, micro_batch_size=2))
     assert "skipped" not in clean.update(make_batch())
 
 
@@ -122,7 +121,7 @@ def test_a_skipped_step_with_a_finite_loss_adds_nothing_to_the_means_nor_to_the_
     """An inf gradient under a finite loss: the step is skipped, and its pg_loss / clip_frac describe no applied
     step (they were averaged in with the applied ones, and the step counted in offpolicy/steps)."""
 
-    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, critic=False)
+    t = update_stage(seed=3, critic=False, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=2))
     updater = t
     real, calls = updater.actor_gradients, []
 

@@ -232,7 +232,7 @@ def test_good_checkpoint_settings_pass(dtype, policy, on_collapse):
 
 
 def test_save_checkpoint_checks_the_recorded_settings_before_writing(tmp_path):
-    with pytest.raises(ValueError, match="checkpoint_optimizer=newest drops"):
+    with pytest.raises(ValueError, match="checkpoint.optimizer=newest drops"):
         save(tmp_path, 1, config={"checkpoint_optimizer": "newest", "on_collapse": "rollback"})
     with pytest.raises(ValueError, match="checkpoint_dtype must be"):
         save(tmp_path, 1, config={"checkpoint_dtype": "int8"})
@@ -459,10 +459,8 @@ def fake_run(tmp_path: Path, critic: bool = True, **overrides):
     from stppo_agent.training.config import TrainConfig
     from stppo_agent.training.state import TrainingState
 
-    values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model",
-                  output_dir=str(tmp_path / "run"), actor_lr=0.01, critic_lr=0.02, weight_decay=0.05,
-                  progress=False, tensorboard=False)
-    config = TrainConfig(**{**values, **overrides})
+    values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model", output_dir=str(tmp_path / "run"), optimizer=dict(optimizer=dict(actor_lr=0.01, critic_lr=0.02, weight_decay=0.05)), logging=dict(logging=dict(progress=False, tensorboard=False)))
+    config = from_dict(merged(values, overrides))
 
     def models(lr):
         module = torch.nn.Linear(2, 2)
@@ -474,8 +472,8 @@ def fake_run(tmp_path: Path, critic: bool = True, **overrides):
         scheduler.step()
         return module, optimizer, scheduler
 
-    actor, actor_optimizer, actor_scheduler = models(config.actor_lr * 0.25)
-    critic_model, critic_optimizer, critic_scheduler = models(config.critic_lr) if critic else (None, None, None)
+    actor, actor_optimizer, actor_scheduler = models(config.optimizer.actor_lr * 0.25)
+    critic_model, critic_optimizer, critic_scheduler = models(config.optimizer.critic_lr) if critic else (None, None, None)
     state = TrainingState(tokenizer=None, actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler,
                           stale_policy=FakeStale(), critic=critic_model, critic_optimizer=critic_optimizer,
                           critic_scheduler=critic_scheduler, iteration=6, optimizer_steps=13, nan_skips_total=2,
@@ -527,7 +525,7 @@ def test_checkpoint_states_hold_the_counters_the_config_and_every_optimizer(tmp_
     assert saved["config"] == run_config(config, config.algorithm_config()) and saved["config"]["actor_lr"] == 0.01
     assert saved["config"]["algorithm"]["use_critic"] is True  # every algorithm field resolved
     json.dumps(saved)  # the random states are JSON
-    grpo, grpo_config = fake_run(tmp_path, critic=False, rollout_staleness=1)
+    grpo, grpo_config = fake_run(tmp_path, critic=False, rollout=dict(staleness=1))
     tensors, _ = grpo.states(grpo_config, grpo_config.algorithm_config())
     assert "critic_optimizer" not in tensors and "critic_scheduler" not in tensors
     assert tensors["stale_policy"]["model"]["w"].tolist() == [3.0, 3.0]
@@ -538,13 +536,13 @@ def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(
 
     import numpy as np
 
-    saved, _ = run = fake_run(tmp_path, rollout_staleness=1)
+    saved, _ = run = fake_run(tmp_path, rollout=dict(staleness=1))
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
     folder = checkpoint_of(run, tmp_path / "run")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    fresh, _ = again = fake_run(tmp_path, rollout_staleness=1)
+    fresh, _ = again = fake_run(tmp_path, rollout=dict(staleness=1))
     fresh.iteration, fresh.optimizer_steps, fresh.nan_skips_total, fresh.actor_lr_scale = 0, 0, 0, 1.0
     disturb(fresh)
     random.seed(9)
@@ -571,8 +569,8 @@ def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(
 
 
 def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
-    folder = checkpoint_of(fake_run(tmp_path, save_rollouts=True), tmp_path / "run")
-    fresh, _ = again = fake_run(tmp_path, actor_lr=0.5, save_rollouts=True)
+    folder = checkpoint_of(fake_run(tmp_path, logging=dict(save_rollouts=True)), tmp_path / "run")
+    fresh, _ = again = fake_run(tmp_path, optimizer=dict(actor_lr=0.5), logging=dict(save_rollouts=True))
     messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0
     assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 3)
@@ -585,22 +583,22 @@ def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
     assert len(messages) == 4
 
 
-@pytest.mark.parametrize("change,warned", [({"iterations": 12, "save_every": 3, "keep_checkpoints": 5}, False),
-                                           ({"iterations": 12, "ppo_epochs": 2}, True)])
+@pytest.mark.parametrize("change,warned", [({"iterations": 12, "checkpoint": {"every": 3, "keep": 5}}, False),
+                                           ({"iterations": 12, "optimizer": {"epochs": 2}}, True)])
 def test_a_recording_run_warns_about_replays_only_for_changes_a_replay_would_see(tmp_path, change, warned):
     # running longer or checkpointing more often leaves every recorded iteration's update as it was; more epochs
     # does not
-    folder = checkpoint_of(fake_run(tmp_path, save_rollouts=True), tmp_path / "run")
-    messages = resume(fake_run(tmp_path, save_rollouts=True, **change), folder)
+    folder = checkpoint_of(fake_run(tmp_path, logging=dict(logging=dict(save_rollouts=True))), tmp_path / "run")
+    messages = resume(fake_run(tmp_path, **change, logging=dict(logging=dict(save_rollouts=True))), folder)
     assert messages[1].startswith("changed since the checkpoint: iterations 100 -> 12")
     assert any("a replay will not reproduce" in m for m in messages) == warned
 
 
 def test_a_resume_with_nothing_changed_and_no_rollback_says_only_where_it_resumed(tmp_path):
-    saved, _ = run = fake_run(tmp_path, save_rollouts=True)
+    saved, _ = run = fake_run(tmp_path, logging=dict(save_rollouts=True))
     saved.actor_lr_scale = 1.0
     folder = checkpoint_of(run, tmp_path / "run")
-    fresh, _ = again = fake_run(tmp_path, save_rollouts=True)
+    fresh, _ = again = fake_run(tmp_path, logging=dict(save_rollouts=True))
     messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0 and len(messages) == 1
     assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 3)
@@ -620,7 +618,7 @@ def test_an_old_checkpoint_without_a_recorded_scale_takes_it_from_its_schedule(t
     (folder / "trainer_state.json").write_text(json.dumps(saved))
     (folder / "manifest.json").unlink()
     ck._write_manifest(folder)
-    fresh, _ = again = fake_run(tmp_path, actor_lr=0.0025)
+    fresh, _ = again = fake_run(tmp_path, optimizer=dict(actor_lr=0.0025))
     resume(again, folder)
     assert fresh.actor_lr_scale == pytest.approx(1.0)
 
@@ -646,16 +644,16 @@ def test_check_resume_settings_refuses_a_fixed_change_before_the_models_load(tmp
         check_resume_settings(config, config.algorithm_config(), folder, report=lambda _: None)
 
     folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")
-    check(folder, actor_lr=0.9)
+    check(folder, optimizer=dict(actor_lr=0.9))
     check(None, seed=5)
     with pytest.raises(ValueError, match=r"--resume cannot change seed \(0 -> 5\)"):
         check(folder, seed=5)
     with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
-        check(folder, save_rollouts=True)
+        check(folder, logging=dict(save_rollouts=True))
 
 
 def test_apply_learning_rates_scales_the_actor_only_at_the_schedules_step(tmp_path):
-    state, config = fake_run(tmp_path, actor_lr=0.4, critic_lr=0.6, weight_decay=0.125)
+    state, config = fake_run(tmp_path, optimizer=dict(actor_lr=0.4, critic_lr=0.6, weight_decay=0.125))
     state.actor_lr_scale = 0.5
     state.apply_learning_rates(config)
     actor, critic = state.actor_optimizer.param_groups[0], state.critic_optimizer.param_groups[0]
@@ -706,11 +704,8 @@ def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = Non
     from stppo_agent.training.config import TrainConfig
 
     run = tmp_path / "recorded"
-    values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run), progress=False,
-                  tensorboard=False, save_rollouts=True, generation_backend=backend, share_retriever=True,
-                  iterations=config.pop("planned", len(iterations)), temperature=0.9,
-                  algorithm=algorithm or {"clip_high": 0.3})
-    original = TrainConfig(**{**values, **config})
+    values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run), iterations=config.pop("planned", len(iterations)), algorithm=algorithm or {"clip_high": 0.3}, logging=dict(logging=dict(progress=False, tensorboard=False, save_rollouts=True)), rollout=dict(backend=backend, rollout=dict(temperature=0.9)), distributed=dict(distributed=dict(share_retriever=True)))
+    original = from_dict(merged(values, config))
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(original.to_yaml(resolved=original.algorithm_config()))
     (run / "rollouts" / "initial" / "actor").mkdir(parents=True)
@@ -731,11 +726,11 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
     from stppo_agent.training.replay import replay_config
 
     run = recorded_run(tmp_path)
-    config = replay_config(run, None, str(tmp_path / "out"), ["actor_lr=0.5"])
-    assert (config.algo, config.iterations, config.actor_lr) == ("ppo", 3, 0.5)
+    config = replay_config(run, None, str(tmp_path / "out"), ["optimizer.actor_lr=0.5"])
+    assert (config.algo, config.iterations, config.optimizer.actor_lr) == ("ppo", 3, 0.5)
     assert config.output_dir == str(tmp_path / "out")
-    assert (config.save_rollouts, config.generation_backend, config.share_retriever) == (False, "hf", False)
-    assert config.step_diagnostics is True and config.temperature == 0.9
+    assert (config.logging.save_rollouts, config.rollout.backend, config.distributed.share_retriever) == (False, "hf", False)
+    assert config.logging.step_diagnostics is True and config.rollout.temperature == 0.9
     assert config.model == str(run / "rollouts" / "initial" / "actor") and config.critic_model is None
     assert config.algorithm_config().clip_high == 0.3  # the same algorithm keeps the recorded overrides
     assert replay_config(run, "ppo", str(tmp_path / "o")).algorithm_config().clip_high == 0.3
@@ -752,9 +747,9 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
     assert replay_config(with_critic, None, "o").critic_model == str(with_critic / "rollouts" / "initial" / "critic")
 
 
-@pytest.mark.parametrize("override, said", [("temperature=0.7", "temperature=0.9 recorded, temperature=0.7 asked"),
-                                            ("top_p=0.5", "top_p=1.0 recorded, top_p=0.5 asked"),
-                                            ("top_k=3", "top_k=0 recorded, top_k=3 asked")])
+@pytest.mark.parametrize("override, said", [("rollout.temperature=0.7", "rollout.temperature=0.9 recorded, temperature=0.7 asked"),
+                                            ("rollout.top_p=0.5", "rollout.top_p=1.0 recorded, top_p=0.5 asked"),
+                                            ("rollout.top_k=3", "rollout.top_k=0 recorded, top_k=3 asked")])
 def test_replay_config_refuses_another_sampling_distribution(tmp_path, override, said):
     from stppo_agent.training.replay import replay_config
 
@@ -926,7 +921,7 @@ def test_with_two_processes_the_checkpoint_holds_rank_1s_streams_and_rank_1_resu
 def test_resume_itself_refuses_turning_recording_on_mid_run(tmp_path):
     folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")
     with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
-        resume(fake_run(tmp_path, save_rollouts=True), folder)
+        resume(fake_run(tmp_path, logging=dict(save_rollouts=True)), folder)
 
 
 def test_a_newer_checkpoint_is_written_even_when_an_older_ones_optimizer_file_already_vanished(tmp_path):
@@ -948,7 +943,7 @@ def without_recorded_scale(folder: Path) -> None:
 def test_an_old_checkpoints_scale_is_measured_against_its_own_actor_lr_not_the_new_one(tmp_path):
     folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")  # actor_lr 0.01, schedule at 0.0025
     without_recorded_scale(folder)
-    fresh, _ = again = fake_run(tmp_path, actor_lr=0.02)
+    fresh, _ = again = fake_run(tmp_path, optimizer=dict(actor_lr=0.02))
     messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0
     assert messages[2] == ("actor_lr 0.02 is the rate used from now on (the rollbacks' x0.25 applied to the "
@@ -956,9 +951,9 @@ def test_an_old_checkpoints_scale_is_measured_against_its_own_actor_lr_not_the_n
 
 
 def test_a_frozen_actor_without_a_recorded_scale_resumes_at_scale_1(tmp_path):
-    folder = checkpoint_of(fake_run(tmp_path, actor_lr=0.0), tmp_path / "run")
+    folder = checkpoint_of(fake_run(tmp_path, optimizer=dict(actor_lr=0.0)), tmp_path / "run")
     without_recorded_scale(folder)
-    fresh, _ = again = fake_run(tmp_path, actor_lr=0.0)
+    fresh, _ = again = fake_run(tmp_path, optimizer=dict(actor_lr=0.0))
     messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0 and len(messages) == 1
 
@@ -967,7 +962,7 @@ def test_a_new_actor_lr_without_rollbacks_is_only_listed_as_a_change(tmp_path):
     saved, _ = run = fake_run(tmp_path)
     saved.actor_lr_scale = 1.0
     folder = checkpoint_of(run, tmp_path / "run")
-    messages = resume(fake_run(tmp_path, actor_lr=0.5), folder)
+    messages = resume(fake_run(tmp_path, optimizer=dict(actor_lr=0.5)), folder)
     assert messages[1:] == ["changed since the checkpoint: actor_lr 0.01 -> 0.5"]
 
 
@@ -1021,4 +1016,4 @@ def test_every_changed_sampling_setting_is_named(tmp_path):
     from stppo_agent.training.replay import replay_config
 
     with pytest.raises(ValueError, match="; temperature=0.9, top_p=1.0 recorded, temperature=0.7, top_p=0.5 asked: "):
-        replay_config(recorded_run(tmp_path), "grpo", "o", ["temperature=0.7", "top_p=0.5"])
+        replay_config(recorded_run(tmp_path), "grpo", "o", ["rollout.temperature=0.7", "rollout.top_p=0.5"])

@@ -16,6 +16,7 @@ import pytest
 
 from stppo_agent.cli import build_parser, main
 from stppo_agent.cli.arguments import HelpFormatter, Parser, key_value, positive_int
+from stppo_agent.training.config_sections import OptimizerConfig
 
 
 def plugin_file(tmp_path: Path, tag: str = "") -> Path:
@@ -630,11 +631,11 @@ def test_replay_defaults_and_the_summary(monkeypatch, capsys):
 def test_replay_options_reach_the_replay(monkeypatch, capsys):
     replay, loaded, _ = _replay(monkeypatch, recorded_plugins=["/abs/rec.py"])
     code, out, _ = run(capsys, "replay", "runs/a", "--output-dir", "runs/b", "--algo", "grpo", "--iterations", "3",
-                       "--set", "actor_lr=1e-6", "--set", "algorithm.clip_high=0.28", "--import", "my_pkg.algos",
+                       "--set", "optimizer.actor_lr=1e-6", "--set", "algorithm.clip_high=0.28", "--import", "my_pkg.algos",
                        "--import", "/abs/rec.py", "--json")
     assert code == 0
     plugins = 'plugins=["/abs/rec.py", "my_pkg.algos"]'  # the recorded run's first, each once; --set after it wins
-    assert replay.replay.only == (("runs/a", "grpo", "runs/b", [plugins, "actor_lr=1e-6",
+    assert replay.replay.only == (("runs/a", "grpo", "runs/b", [plugins, "optimizer.actor_lr=1e-6",
                                                                  "algorithm.clip_high=0.28"], 3),
                                   {"resume": False, "overwrite": False})
     assert loaded.calls == [((["/abs/rec.py", "my_pkg.algos"],), {}), ((["/abs/rec.py"],), {})]
@@ -682,8 +683,8 @@ def test_sft_defaults_are_sftconfigs(monkeypatch, capsys):
         (0, "loss 2.346 -> 0.500; saved out\n", "")
     (config,), _ = trained.only
     assert config == SFTConfig(model="resolved/smollm2", output_dir="out", benchmarks=["nq", "hotpotqa"])
-    assert (config.teacher, config.split, config.retriever, config.max_turns, config.steps, config.batch_size,
-            config.lr, config.dtype, config.autocast_dtype, config.seed, config.limit, config.datasets) == \
+    assert (config.teacher, config.split, config.retriever, config.rollout.max_turns, config.steps, config.batch_size,
+            config.lr, config.precision.dtype, config.precision.autocast_dtype, config.seed, config.limit, config.datasets) == \
         ("gold-search", "train", "demo", 3, 60, 4, 2e-5, "float32", None, 0, None, {})
     assert loaded.only == (([],), {})
 
@@ -756,12 +757,12 @@ def test_train_flags_and_sets_reach_the_trainer(monkeypatch, capsys, tmp_path):
     made, summary = _train(monkeypatch)
     plugin = plugin_file(tmp_path)
     code, out, err = run(capsys, "train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", "tiny",
-                         "--output-dir", str(tmp_path / "run"), "--iterations", "2", "--set", "actor_lr=3e-6",
+                         "--output-dir", str(tmp_path / "run"), "--iterations", "2", "--set", "optimizer.actor_lr=3e-6",
                          "--set", "algorithm.clip_high=0.3", "--import", str(plugin), "--import", str(plugin))
     assert (code, err) == (0, "")
     (config, resume, overwrite), = made
     assert (resume, overwrite) == (False, False)
-    assert (config.algo, config.env, config.model, config.output_dir, config.iterations, config.actor_lr) == \
+    assert (config.algo, config.env, config.model, config.output_dir, config.iterations, config.optimizer.actor_lr) == \
         ("grpo", "stppo/Toy-v0", "resolved/tiny", str(tmp_path / "run"), 2, 3e-6)
     assert config.algorithm["clip_high"] == 0.3 and config.plugins == [str(plugin)]  # absolute, once
     assert out == f"SUMMARY {tmp_path / 'run'} | trained\n" and len(summary.calls) == 1
@@ -796,13 +797,12 @@ def test_train_resume_reads_the_runs_own_config_unless_one_is_given(monkeypatch,
     made, _ = _train(monkeypatch)
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "config.yaml").write_text(TrainConfig(algo="grpo", env="stppo/Toy-v0", model="tiny", actor_lr=5e-6,
-                                                    output_dir=str(folder)).to_yaml())
+    (folder / "config.yaml").write_text(TrainConfig(algo="grpo", env="stppo/Toy-v0", model="tiny", output_dir=str(folder), optimizer=OptimizerConfig(actor_lr=5e-6)).to_yaml())
     other = tmp_path / "other.yaml"
-    other.write_text(TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", actor_lr=7e-6).to_yaml())
+    other.write_text(TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", optimizer=OptimizerConfig(actor_lr=7e-6)).to_yaml())
     assert run(capsys, "train", "--resume", "--output-dir", str(folder))[0] == 0
     config, resume, overwrite = made[-1]
-    assert (config.algo, config.actor_lr, config.model, resume, overwrite) == ("grpo", 5e-6, "resolved/tiny", True,
+    assert (config.algo, config.optimizer.actor_lr, config.model, resume, overwrite) == ("grpo", 5e-6, "resolved/tiny", True,
                                                                                False)
     run(capsys, "train", "--resume", "--output-dir", str(folder), "--config", str(other))
     assert (made[-1][0].algo, made[-1][0].actor_lr) == ("ppo", 7e-6)
@@ -815,9 +815,9 @@ def test_train_resume_reads_the_runs_own_config_unless_one_is_given(monkeypatch,
 def test_train_checks_run_before_the_trainer(monkeypatch, capsys, tmp_path):
     made, _ = _train(monkeypatch)
     base = ["train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", "tiny", "--output-dir", str(tmp_path)]
-    code, _, err = run(capsys, *base, "--set", "checkpoint_optimizer=newest", "--set", "on_collapse=rollback")
-    assert code == 1 and "checkpoint_optimizer=newest drops the optimizer state" in err
-    code, _, err = run(capsys, *base, "--set", "checkpoint_dtype=int3")
+    code, _, err = run(capsys, *base, "--set", "checkpoint.optimizer=newest", "--set", "monitor.on_collapse=rollback")
+    assert code == 1 and "checkpoint.optimizer=newest drops the optimizer state" in err
+    code, _, err = run(capsys, *base, "--set", "checkpoint.dtype=int3")
     assert code == 1 and "checkpoint_dtype must be" in err
     code, _, err = run(capsys, *base[:2], "st_ppp", *base[3:])
     assert code == 1 and "did you mean st_ppo?" in err

@@ -680,9 +680,9 @@ def test_demo_warm_start_hands_the_recipe_to_the_supervised_trainer(monkeypatch,
     config = seen["config"]
     assert (config.model, config.output_dir, tuple(config.benchmarks), config.limit, config.steps) == (
         "/m", str(tmp_path / "sft"), ("nq", "hotpotqa", "medqa"), 11, 8)  # ceil(8 steps x 4 / 3 benchmarks)
-    assert (config.batch_size, config.lr, config.max_observation_tokens, config.max_total_tokens, config.progress) == (
+    assert (config.batch_size, config.lr, config.rollout.max_observation_tokens, config.rollout.max_total_tokens, config.logging.progress) == (
         4, 1e-4, 160, 1024, False)
-    assert config.seed == 0 and config.autocast_dtype is None  # the warm start runs in float32 everywhere
+    assert config.seed == 0 and config.precision.autocast_dtype is None  # the warm start runs in float32 everywhere
     assert seen["report"] == progress.note
     assert progress.calls == [("phase", "warm start: the gold-search teacher's demonstrations", 0),
                               ("phase", "warm start", 8), ("step", 1, "loss 1.235"), ("step", 2, "loss 0.500"),

@@ -7,14 +7,15 @@ import re
 
 import pytest
 
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, from_dict, merged
+from stppo_agent.training.config_sections import PrecisionConfig
 
-NEEDS_FLOAT32 = ("generation_autocast_dtype=bfloat16 samples in bfloat16 against a float32 learner: it needs "
-                 "dtype=float32 and neither autocast_dtype nor fsdp_compute_dtype")
+NEEDS_FLOAT32 = ("precision.generation_autocast_dtype=bfloat16 samples in bfloat16 against a float32 learner: it needs "
+                 "precision.dtype=float32 and neither autocast_dtype nor fsdp_compute_dtype")
 
 
 def config(**values) -> TrainConfig:
-    return TrainConfig(**{"model": "m", "env": "stppo/Toy-v0", "generation_autocast_dtype": "bfloat16", **values})
+    return from_dict(merged({"model": "m", "env": "stppo/Toy-v0", "precision": {"precision": {"generation_autocast_dtype": "bfloat16"}}}, values))
 
 
 def refused(message: str, **values) -> None:
@@ -24,20 +25,19 @@ def refused(message: str, **values) -> None:
 
 def test_a_bfloat16_sampler_against_a_float32_ddp_or_fsdp2_learner_is_accepted():
     config().validate()
-    config(strategy="fsdp2").validate()
-    TrainConfig(model="m", env="stppo/Toy-v0", dtype="bfloat16").validate()  # unset: no check of the learner
+    config(distributed=dict(strategy="fsdp2")).validate()
+    TrainConfig(model="m", env="stppo/Toy-v0", precision=PrecisionConfig(dtype="bfloat16")).validate()  # unset: no check of the learner
 
 
 def test_the_sampler_dtype_and_backend_are_refused_word_for_word():
-    refused("generation_autocast_dtype must be bfloat16 (or unset), got 'float16'", generation_autocast_dtype="float16")
-    refused("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)",
-            generation_backend="vllm")
+    refused("generation_autocast_dtype must be bfloat16 (or unset), got 'float16'", precision=dict(generation_autocast_dtype="float16"))
+    refused("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)", rollout=dict(backend="vllm"))
 
 
 @pytest.mark.parametrize("learner", [
-    {"dtype": "bfloat16"},
-    {"autocast_dtype": "bfloat16"},
-    {"strategy": "fsdp2", "fsdp_compute_dtype": "bfloat16"},
+    {"precision": {"dtype": "bfloat16"}},
+    {"precision": {"autocast_dtype": "bfloat16"}},
+    {"distributed": {"strategy": "fsdp2"}, "precision": {"fsdp_compute_dtype": "bfloat16"}},
 ])
 def test_each_learner_setting_that_is_not_float32_is_refused_alone(learner):
     refused(NEEDS_FLOAT32, **learner)

@@ -19,7 +19,8 @@ from stppo_agent.monitoring.collapse_guard import CONTINUE, CollapseGuard, Decis
 from stppo_agent.monitoring.collapse_rules import SIGNALS, CollapseMonitor, MonitorSettings, Signal, Trip, Verdict
 from stppo_agent.monitoring.learning_signal import LearningSignalNotice, advice, no_signal_reason
 from stppo_agent.runs.checkpoint import load_full_model_state
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, from_dict
+from stppo_agent.training.config_sections import MonitorConfig, RolloutConfig
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -39,9 +40,7 @@ def test_the_signal_table_and_default_settings():
 
 
 def test_settings_from_config_sort_the_limits_and_validate_at_the_boundaries():
-    config = TrainConfig(collapse_window=7, collapse_warmup=3, collapse_z=4.5, collapse_patience=4,
-                         collapse_min_families=3, collapse_drawdown=0.25,
-                         collapse_thresholds={"kl_to_reference": 2, "grad_norm": 9})
+    config = TrainConfig(monitor=MonitorConfig(window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25, thresholds={"kl_to_reference": 2, "grad_norm": 9}))
     assert MonitorSettings.from_config(config) == MonitorSettings(
         window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25,
         thresholds=(("grad_norm", 9.0), ("kl_to_reference", 2.0)))
@@ -311,11 +310,9 @@ def make_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def guard_config(**config) -> TrainConfig:
-    values = dict(collapse_window=20, collapse_warmup=2, collapse_z=6.0, collapse_patience=2,
-                  collapse_min_families=2, collapse_drawdown=0.5, collapse_thresholds={}, on_collapse="rollback",
-                  max_rollbacks=2, rollback_lr_factor=0.5, actor_lr=1e-3, save_every=3, env="stppo/Toy-v0")
+    values = dict(env="stppo/Toy-v0", monitor=dict(window=20, warmup=2, z=6.0, patience=2, min_families=2, drawdown=0.5, thresholds={}, monitor=dict(on_collapse="rollback", max_rollbacks=2, rollback_lr_factor=0.5)), optimizer=dict(optimizer=dict(actor_lr=1e-3)), checkpoint=dict(every=3))
     values.update(config)
-    return TrainConfig(**values)
+    return from_dict(values)
 
 
 QUIET = {"grad_norm": 1.0, "entropy": 1.0, "reward": 0.5}
@@ -364,7 +361,7 @@ def test_rollback_goes_to_the_newest_healthy_valid_checkpoint(tmp_path):
 
 
 def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path):
-    guard = quiet_run(tmp_path, on_collapse="warn")
+    guard = quiet_run(tmp_path, monitor=dict(on_collapse="warn"))
     metrics = dict(COLLAPSE)
     decision = guard.check(7, metrics)
     assert decision.action == "warn" and not decision.stops and decision.rollback_to is None and decision.alarmed
@@ -372,7 +369,7 @@ def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path):
     assert metrics["collapse/action"] == "warn" and "collapse/rollback_to" not in metrics
     assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 6
 
-    stopping = quiet_run(tmp_path / "stop", on_collapse="stop").check(7, dict(COLLAPSE))
+    stopping = quiet_run(tmp_path / "stop", monitor=dict(on_collapse="stop")).check(7, dict(COLLAPSE))
     assert stopping.stops and "Stopping (on_collapse=stop); the newest healthy checkpoint is step-5." in \
         stopping.reason
     assert stop_advice(stopping, Path("/x/step-7")) == f"{stopping.reason} The state at the alarm is saved in " \
@@ -398,11 +395,11 @@ def test_no_healthy_checkpoint_stops_and_a_spent_budget_stops(tmp_path):
     decision = guard.check(3, dict(COLLAPSE))
     assert decision.stops
     assert decision.reason.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every "
-                                    "save_every=3 iterations; a healthy one needs two quiet iterations). Stopping; "
+                                    "checkpoint.every=3 iterations; a healthy one needs two quiet iterations). Stopping; "
                                     "lower actor_lr, or save more often.")
-    spent = quiet_run(tmp_path / "spent", max_rollbacks=0)
+    spent = quiet_run(tmp_path / "spent", monitor=dict(max_rollbacks=0))
     assert spent.check(7, dict(COLLAPSE)).stops
-    one = quiet_run(tmp_path / "one", max_rollbacks=1)
+    one = quiet_run(tmp_path / "one", monitor=dict(max_rollbacks=1))
     assert one.check(7, dict(COLLAPSE)).action == "rollback"
 
 
@@ -461,7 +458,7 @@ def test_no_signal_reason_boundaries():
 
 
 def config(env: str = "stppo/Toy-v0") -> TrainConfig:
-    return TrainConfig(max_turns=3, max_new_tokens_per_turn=4, temperature=0.7, samples_per_prompt=5, env=env)
+    return TrainConfig(env=env, rollout=RolloutConfig(max_turns=3, max_new_tokens_per_turn=4, temperature=0.7, samples_per_prompt=5))
 
 
 def test_advice_texts():
@@ -475,7 +472,7 @@ def test_advice_texts():
     assert toy.startswith("no learning signal: every trajectory's reward is 0, so this update cannot learn the task. "
                           "Likely cause: the model never (or always) produces a rewarded action at these settings "
                           "(max_turns=3, ")
-    assert "Try longer turns (--set max_new_tokens_per_turn=...), more samples (--set samples_per_prompt=...), a " \
+    assert "Try longer turns (--set rollout.max_new_tokens_per_turn=...), more samples (--set rollout.samples_per_prompt=...), a " \
            "model whose vocabulary holds the env's words (--model tiny on stppo/Toy-v0)." in toy
     mixed = advice("every trajectory's reward is 0", config(" stppo/Toy-v0, stppo/NQ-v0 ,"))
     assert "a shaped reward (--set env_kwargs.format_reward=0.2), a warm start (stppo sft)." in mixed
@@ -594,7 +591,7 @@ def test_every_rank_gets_rank_zeros_decision(tmp_path, monkeypatch):
     alone = quiet_run(tmp_path / "alone")
     assert alone.check(7, dict(COLLAPSE)).action == "rollback" and gathered == []  # one process: no collective
     monkeypatch.setattr(process_group, "world_size", lambda: 2)
-    main = quiet_run(tmp_path / "main", on_collapse="warn")
+    main = quiet_run(tmp_path / "main", monitor=dict(on_collapse="warn"))
     assert gathered == [CONTINUE] * 6  # quiet iterations: rank 0 sends "continue"
     gathered.clear()
     decision = main.check(7, dict(COLLAPSE))

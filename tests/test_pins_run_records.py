@@ -279,7 +279,7 @@ def test_resume_settings_flatten_one_level_of_the_three_nested_sections():
     config = {"algorithm": {"clip_high": 0.2}, "env_kwargs": {"split": "dev"}, "collapse_thresholds": {"a": 1},
               "other": {"x": 1}, "seed": 3}
     assert resume_settings.flatten(config) == {"algorithm.clip_high": 0.2, "env_kwargs.split": "dev",
-                                               "collapse_thresholds.a": 1, "other": {"x": 1}, "seed": 3}
+                                               "monitor.thresholds.a": 1, "other": {"x": 1}, "seed": 3}
     assert resume_settings.flatten({"algorithm": "ppo"}) == {"algorithm": "ppo"}
 
 

@@ -299,7 +299,7 @@ def test_recording_read_format_refuses_a_missing_or_foreign_format(tmp_path):
     with pytest.raises(FileNotFoundError) as caught:
         read_format(folder)
     assert str(caught.value) == (f"{tmp_path / 'run'} has no recorded rollouts ({folder / 'format.json'} is missing): "
-                                 "train it with --set save_rollouts=true to record them")
+                                 "train it with --set logging.save_rollouts=true to record them")
     for meta, shown in (({"format": "other", "version": 2}, "'other' v2"), ({"format": "stppo-rollouts", "version": 3},
                                                                              "'stppo-rollouts' v3"),
                         ({"version": 0}, "None v0"), ({"format": "stppo-rollouts"}, "'stppo-rollouts' vNone")):

@@ -13,12 +13,12 @@ import pytest
 import torch
 import yaml
 
-from stppo_agent.training.config import TrainConfig, _coerce, from_dict, load_config, unknown_fields
+from stppo_agent.training.config import TrainConfig, _coerce, from_dict, load_config, merged, unknown_fields
 
 # -- config ---------------------------------------------------------------------------------------------------
 
 def config(**values) -> TrainConfig:
-    return TrainConfig(**{"model": "m", "env": "stppo/Toy-v0", **values})
+    return from_dict(merged({"model": "m", "env": "stppo/Toy-v0"}, values))
 
 
 def refused(message: str, **values) -> None:
@@ -43,15 +43,14 @@ def test_config_defaults_are_the_documented_ones():
 
 def test_a_valid_config_passes():
     config().validate()
-    config(strategy="fsdp2", fsdp_compute_dtype="bfloat16").validate()
-    config(autocast_dtype="bfloat16").validate()
-    config(rollout_staleness=2, stale_objective="decoupled").validate()
-    config(rollout_staleness=1).validate()
-    config(mini_batch_size=8, micro_batch_size=8).validate()
-    config(iterations=1, prompts_per_iteration=1, ppo_epochs=1, mini_batch_size=1, micro_batch_size=1,
-           generation_batch_size=1, save_every=1, keep_checkpoints=1).validate()
-    config(temperature=0.0).validate()  # greedy
-    config(rollback_lr_factor=1.0, max_rollbacks=0).validate()
+    config(distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="bfloat16")).validate()
+    config(precision=dict(autocast_dtype="bfloat16")).validate()
+    config(rollout=dict(staleness=2, stale_objective="decoupled")).validate()
+    config(rollout=dict(staleness=1)).validate()
+    config(optimizer=dict(mini_batch_size=8, micro_batch_size=8)).validate()
+    config(iterations=1, rollout=dict(prompts_per_iteration=1, generation_batch_size=1), optimizer=dict(epochs=1, mini_batch_size=1, micro_batch_size=1), checkpoint=dict(every=1, keep=1)).validate()
+    config(rollout=dict(temperature=0.0)).validate()  # greedy
+    config(monitor=dict(rollback_lr_factor=1.0, max_rollbacks=0)).validate()
 
 
 def test_model_is_required():
@@ -67,82 +66,76 @@ def test_counts_below_one_are_refused_by_name(name):
 
 
 def test_mini_batches_must_be_whole_micro_batches():
-    refused(r"mini_batch_size \(6\) must be a multiple of micro_batch_size \(4\)", mini_batch_size=6)
+    refused(r"mini_batch_size \(6\) must be a multiple of micro_batch_size \(4\)", optimizer=dict(mini_batch_size=6))
 
 
 def test_strategy_and_fsdp_compute_dtype():
-    refused(r"strategy must be ddp or fsdp2, got 'zero'", strategy="zero")
-    refused(r"^fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)$", fsdp_compute_dtype="bfloat16")
-    refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", strategy="fsdp2",
-            fsdp_compute_dtype="float32")
-    refused(r"^fsdp_compute_dtype=float16 is refused for training", strategy="fsdp2", fsdp_compute_dtype="float16")
-    refused(r"^dtype=float16 is refused for training", dtype="float16")
+    refused(r"strategy must be ddp or fsdp2, got 'zero'", distributed=dict(strategy="zero"))
+    refused(r"^fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)$", precision=dict(fsdp_compute_dtype="bfloat16"))
+    refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float32"))
+    refused(r"^fsdp_compute_dtype=float16 is refused for training", distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float16"))
+    refused(r"^dtype=float16 is refused for training", precision=dict(dtype="float16"))
 
 
 def test_autocast_settings():
-    refused(r"^autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype \(FSDP2's own mixed precision\)$",
-            strategy="fsdp2",
-            autocast_dtype="bfloat16")
-    refused(r"^autocast_dtype must be", autocast_dtype="int8")
-    refused(r"autocast_dtype=bfloat16 needs dtype=float32", autocast_dtype="bfloat16", dtype="bfloat16")
+    refused(r"^autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype \(FSDP2's own mixed precision\)$", distributed=dict(strategy="fsdp2"), precision=dict(autocast_dtype="bfloat16"))
+    refused(r"^autocast_dtype must be", precision=dict(autocast_dtype="int8"))
+    refused(r"autocast_dtype=bfloat16 needs dtype=float32", precision=dict(autocast_dtype="bfloat16", dtype="bfloat16"))
 
 
 def test_sampling_backend_and_env_are_checked_before_loading():
-    refused("temperature must be > 0", temperature=-1.0)
-    refused("top_p", top_p=0.0)
-    refused(r"generation_backend must be hf or vllm, got 'sglang'", generation_backend="sglang")
+    refused("temperature must be > 0", rollout=dict(temperature=-1.0))
+    refused("top_p", rollout=dict(top_p=0.0))
+    refused(r"generation_backend must be hf or vllm, got 'sglang'", rollout=dict(backend="sglang"))
     with pytest.raises(Exception, match="NoSuch"):
         config(env="stppo/Toy-v0, stppo/NoSuch-v0").validate()
     config(env=" stppo/Toy-v0 ,").validate()  # blanks and empty items are skipped
 
 
 def test_collapse_checkpoint_and_rollout_limit_settings():
-    refused(r"on_collapse must be one of none, warn, stop, rollback, got 'panic'", on_collapse="panic")
-    refused(r"collapse_warmup", collapse_warmup=1)
-    refused(r"rollback_lr_factor must be in \(0, 1\], got 0.0", rollback_lr_factor=0.0)
-    refused(r"rollback_lr_factor must be in \(0, 1\], got 1.5", rollback_lr_factor=1.5)
-    refused(r"max_rollbacks must be >= 0, got -1", max_rollbacks=-1)
-    refused(r"checkpoint_dtype must be", checkpoint_dtype="int8")
-    refused(r"checkpoint_optimizer must be", checkpoint_optimizer="some")
-    refused(r"checkpoint_optimizer=newest drops", checkpoint_optimizer="newest", on_collapse="rollback")
-    config(checkpoint_optimizer="newest", on_collapse="stop").validate()
-    refused(r"max_total_tokens \(10\) must fit", max_prompt_tokens=8, max_new_tokens_per_turn=4, max_total_tokens=10)
-    refused(r"rollout limit max_turns must be >= 1", max_turns=0)
+    refused(r"on_collapse must be one of none, warn, stop, rollback, got 'panic'", monitor=dict(on_collapse="panic"))
+    refused(r"collapse_warmup", monitor=dict(warmup=1))
+    refused(r"rollback_lr_factor must be in \(0, 1\], got 0.0", monitor=dict(rollback_lr_factor=0.0))
+    refused(r"rollback_lr_factor must be in \(0, 1\], got 1.5", monitor=dict(rollback_lr_factor=1.5))
+    refused(r"max_rollbacks must be >= 0, got -1", monitor=dict(max_rollbacks=-1))
+    refused(r"checkpoint_dtype must be", checkpoint=dict(dtype="int8"))
+    refused(r"checkpoint_optimizer must be", checkpoint=dict(optimizer="some"))
+    refused(r"checkpoint_optimizer=newest drops", checkpoint=dict(optimizer="newest"), monitor=dict(on_collapse="rollback"))
+    config(checkpoint=dict(optimizer="newest"), monitor=dict(on_collapse="stop")).validate()
+    refused(r"max_total_tokens \(10\) must fit", rollout=dict(max_prompt_tokens=8, max_new_tokens_per_turn=4, max_total_tokens=10))
+    refused(r"rollout limit max_turns must be >= 1", rollout=dict(max_turns=0))
 
 
 def test_group_advantages_need_groups_of_two():
     refused(r"algorithm grpo uses group-relative advantages \(grpo\): a group of one", algo="grpo")
-    config(algo="grpo", samples_per_prompt=2).validate()
-    config(algo="ppo", samples_per_prompt=1).validate()
+    config(algo="grpo", rollout=dict(samples_per_prompt=2)).validate()
+    config(algo="ppo", rollout=dict(samples_per_prompt=1)).validate()
 
 
 def test_staleness_settings():
-    refused(r"^rollout_staleness must be >= 0, got -1$", rollout_staleness=-1)
-    refused(r"^stale_objective must be coupled or decoupled, got 'mixed'$", stale_objective="mixed")
-    config(rollout_staleness=0, strategy="fsdp2").validate()  # K = 0: nothing lags, any strategy
-    config(rollout_staleness=0, stale_objective="decoupled", algorithm={"rollout_correction": "none"}).validate()
+    refused(r"^rollout_staleness must be >= 0, got -1$", rollout=dict(staleness=-1))
+    refused(r"^stale_objective must be coupled or decoupled, got 'mixed'$", rollout=dict(stale_objective="mixed"))
+    config(rollout=dict(staleness=0), distributed=dict(strategy="fsdp2")).validate()  # K = 0: nothing lags, any strategy
+    config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=0, stale_objective="decoupled")).validate()
     refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf \(the lagged copy of the weights is "
-            r"a whole module; sharded and vLLM copies are not implemented\)$", rollout_staleness=1, strategy="fsdp2")
-    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout_staleness=1,
-            generation_backend="vllm")
+            r"a whole module; sharded and vLLM copies are not implemented\)$", rollout=dict(staleness=1), distributed=dict(strategy="fsdp2"))
+    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout=dict(staleness=1, backend="vllm"))
     refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav: set algorithm.rollout_correction "
-            r"to mis, tis or auto \(auto picks mis\), not none$", rollout_staleness=1,
-            stale_objective="decoupled", algorithm={"rollout_correction": "none"})
-    config(rollout_staleness=1, stale_objective="coupled", algorithm={"rollout_correction": "none"}).validate()
-    config(rollout_staleness=1, stale_objective="decoupled", algorithm={"rollout_correction": "tis"}).validate()
+            r"to mis, tis or auto \(auto picks mis\), not none$", algorithm={"rollout_correction": "none"}, rollout=dict(staleness=1, stale_objective="decoupled"))
+    config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=1, stale_objective="coupled")).validate()
+    config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).validate()
 
 
 def test_algorithm_config_merges_the_preset_the_overrides_and_the_backend():
     algo = config(algo="grpo", algorithm={"clip_high": 1}).algorithm_config()
     assert algo.advantage == "grpo" and algo.clip_high == 1.0 and isinstance(algo.clip_high, float)
     assert algo.rollout_correction == "none" and algo.rollout_correction_level == "token"
-    assert config(generation_backend="vllm").algorithm_config().rollout_correction == "tis"
+    assert config(rollout=dict(backend="vllm")).algorithm_config().rollout_correction == "tis"
     # decoupled PPO needs the behaviour weight: auto -> mis, but only with a lag and that objective
-    assert config(rollout_staleness=1, stale_objective="decoupled").algorithm_config().rollout_correction == "mis"
-    assert config(rollout_staleness=0, stale_objective="decoupled").algorithm_config().rollout_correction == "none"
-    assert config(rollout_staleness=1, stale_objective="coupled").algorithm_config().rollout_correction == "none"
-    assert config(rollout_staleness=1, stale_objective="decoupled",
-                  algorithm={"rollout_correction": "tis"}).algorithm_config().rollout_correction == "tis"
+    assert config(rollout=dict(staleness=1, stale_objective="decoupled")).algorithm_config().rollout_correction == "mis"
+    assert config(rollout=dict(staleness=0, stale_objective="decoupled")).algorithm_config().rollout_correction == "none"
+    assert config(rollout=dict(staleness=1, stale_objective="coupled")).algorithm_config().rollout_correction == "none"
+    assert config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).algorithm_config().rollout_correction == "tis"
     with pytest.raises(ValueError, match=r"^unknown algorithm fields \['clip_hihg'\] \(did you mean clip_high\?\)"):
         config(algorithm={"clip_hihg": 0.3}).algorithm_config()
     with pytest.raises(ValueError, match=r"config field algorithm.clip_high expects float, got 'x'"):
@@ -160,14 +153,13 @@ def test_plugins_are_loaded_before_the_preset_is_looked_up(tmp_path, monkeypatch
 
 
 def test_rollout_limits_and_sampling_come_from_the_flat_fields():
-    c = config(max_turns=3, max_new_tokens_per_turn=5, max_observation_tokens=7, max_prompt_tokens=11,
-               max_total_tokens=99, temperature=0.7, top_p=0.9, top_k=5)
+    c = config(rollout=dict(max_turns=3, max_new_tokens_per_turn=5, max_observation_tokens=7, max_prompt_tokens=11, max_total_tokens=99, temperature=0.7, top_p=0.9, top_k=5))
     limits = c.rollout_limits()
     assert (limits.max_turns, limits.max_new_tokens_per_turn, limits.max_observation_tokens,
             limits.max_prompt_tokens, limits.max_total_tokens) == (3, 5, 7, 11, 99)
     s = c.sampling()
     assert (s.temperature, s.top_p, s.top_k, s.greedy) == (0.7, 0.9, 5, False)
-    assert config(temperature=0.0).sampling().greedy is True
+    assert config(rollout=dict(temperature=0.0)).sampling().greedy is True
 
 
 def test_to_yaml_holds_the_overrides_or_every_resolved_field():
@@ -213,7 +205,7 @@ def test_load_config_layers_file_flags_and_overrides(tmp_path):
 
 
 def test_sectioned_overrides_keep_the_section_defaults():
-    c = load_config(None, ["collapse_thresholds.entropy=0.5"])
+    c = load_config(None, ["monitor.thresholds.entropy=0.5"])
     assert c.collapse_thresholds == {"kl_to_reference": 1.0, "entropy": 0.5}
     c = load_config(None, ["env_kwargs.topk=3", "env_kwargs.split=dev"])
     assert c.env_kwargs == {"topk": 3, "split": "dev"}
@@ -221,7 +213,7 @@ def test_sectioned_overrides_keep_the_section_defaults():
     assert c.algorithm == {"clip_high": 0.35}
     assert TrainConfig().collapse_thresholds is not TrainConfig().collapse_thresholds
     assert load_config(None, ["env_kwargs.a.b=1"]).env_kwargs == {"a.b": 1}  # the first dot splits
-    c = load_config(None, ["collapse_thresholds.kl_to_reference=2"])
+    c = load_config(None, ["monitor.thresholds.kl_to_reference=2"])
     assert TrainConfig().collapse_thresholds == {"kl_to_reference": 1.0} and c.collapse_thresholds[
         "kl_to_reference"] == 2
 
@@ -242,7 +234,7 @@ def test_a_run_config_under_another_algo_drops_the_old_resolved_fields(tmp_path)
 
 
 def test_from_dict_and_unknown_field_messages():
-    assert from_dict({"seed": 4, "actor_lr": 2}).actor_lr == 2.0
+    assert from_dict({"seed": 4, "optimizer": {"actor_lr": 2}}).actor_lr == 2.0
     with pytest.raises(ValueError, match=r"^config field seed expects int, got 'x'$"):
         from_dict({"seed": "x"})
     with pytest.raises(ValueError, match=r"^unknown config fields \['actor_lrr'\] \(did you mean actor_lr\?\); "
@@ -536,7 +528,7 @@ def update_stage(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **valu
     from stppo_agent.training.stale_policy import StalePolicy
     from stppo_agent.training.state import TrainingState
 
-    values = {"temperature": 0.7, "micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6, **values}
+    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6}}
     cfg = config(algo=algo, **values)
     actor = tiny_lm(0)
     value_model = tiny_lm(1, critic=True) if critic else None
@@ -575,7 +567,7 @@ def reference_actor_grads(t, mini):
     ("gspo", {})])
 def test_accumulated_micro_batch_gradients_are_the_whole_mini_batch_gradient(algo, algorithm):
 
-    t = update_stage(algo, algorithm=algorithm, micro_batch_size=1)
+    t = update_stage(algo, algorithm=algorithm, optimizer=dict(micro_batch_size=1))
     mini = make_batch().select([0, 2, 3, 4])
     want, metrics = reference_actor_grads(t, mini)
     out = t.actor_gradients(mini)
@@ -589,7 +581,7 @@ def test_accumulated_micro_batch_gradients_are_the_whole_mini_batch_gradient(alg
 
 def test_gradients_are_clipped_to_max_grad_norm_and_the_norm_before_is_reported():
 
-    t = update_stage(max_grad_norm=1e-3)
+    t = update_stage(optimizer=dict(max_grad_norm=1e-3))
     mini = make_batch().select([0, 1, 2, 3])
     want, _ = reference_actor_grads(t, mini)
     out = t.actor_gradients(mini)
@@ -604,7 +596,7 @@ def test_a_clip_bias_corrected_step_is_the_same_whatever_the_micro_batch_size():
     mini = make_batch().select([0, 1, 2, 3])
     grads, outs = [], []
     for micro in (1, 4):
-        t = update_stage("st_ppo", micro_batch_size=micro, mini_batch_size=4)
+        t = update_stage("st_ppo", optimizer=dict(micro_batch_size=micro, mini_batch_size=4))
         assert t.algo.clip_bias_correction
         outs.append(t.actor_gradients(mini))
         grads.append([p.grad.clone() for p in t.state.actor.parameters()])
@@ -615,7 +607,7 @@ def test_a_clip_bias_corrected_step_is_the_same_whatever_the_micro_batch_size():
         reference_actor_grads(update_stage("st_ppo"), mini)[1])
     assert corrector_keys and all(outs[0][k] == pytest.approx(outs[1][k], rel=1e-4, abs=1e-7)
                                   for k in corrector_keys)
-    measured = update_stage("ppo", step_diagnostics=True).actor_gradients(mini)
+    measured = update_stage("ppo", logging=dict(step_diagnostics=True)).actor_gradients(mini)
     assert {"clip_bias_norm", "pg_grad_norm"} <= corrector_keys
     # with step diagnostics ||C|| is measured for every algorithm, but only S-PPO / ST-PPO rescale by it
     assert {"clip_bias_norm", "pg_grad_norm"} <= set(measured) and "clip_bias_scale" not in measured
@@ -626,7 +618,7 @@ def test_the_critic_step_fits_the_returns_from_the_old_values():
     from stppo_agent.algorithms import value_loss
     from stppo_agent.training.log_probs import critic_values
 
-    t = update_stage(micro_batch_size=1)
+    t = update_stage(optimizer=dict(micro_batch_size=1))
     mini = make_batch().select([0, 2, 3, 5])
     loss, metrics = value_loss(values=critic_values(t.state.critic, mini), old_values=mini.values, returns=mini.returns,
                                loss_mask=mini.loss_mask, config=t.algo, global_num_tokens=mini.loss_mask.sum().float())
@@ -643,7 +635,7 @@ def test_the_critic_step_fits_the_returns_from_the_old_values():
 
 def test_the_critic_gradient_is_clipped():
 
-    t = update_stage(max_grad_norm=1e-4)
+    t = update_stage(optimizer=dict(max_grad_norm=1e-4))
     before = [p.detach().clone() for p in t.state.critic.parameters()]
     out = t._critic_step(make_batch().select([0, 1, 2, 3]))
     assert out["critic_grad_norm"] > 1e-3
@@ -653,7 +645,7 @@ def test_the_critic_gradient_is_clipped():
 
 def test_an_update_steps_epochs_times_mini_batches_in_a_seeded_order():
 
-    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3)
+    t = update_stage(seed=3, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=2))
     t.state.iteration = 2
     batch = make_batch()
     batch.group_ids = torch.arange(6)
@@ -676,21 +668,21 @@ def test_an_update_steps_epochs_times_mini_batches_in_a_seeded_order():
 def test_update_counts_the_policy_tokens_it_trained_on(monkeypatch):
     import stppo_agent.training.ppo_update as ppo_update
 
-    t = update_stage(ppo_epochs=3, mini_batch_size=6, micro_batch_size=6)
+    t = update_stage(optimizer=dict(epochs=3, mini_batch_size=6, micro_batch_size=6))
     batch = make_batch()
     clock = iter([5.0, 5.5])  # half a second (a lower bound of one second on the time would show)
     monkeypatch.setattr(ppo_update.time, "perf_counter", lambda: next(clock))
     metrics = t.update(batch)
     assert metrics["update_tokens_per_s"] == pytest.approx(3 * int(batch.loss_mask.sum()) / 0.5)
     monkeypatch.undo()
-    one_epoch = update_stage(ppo_epochs=1, mini_batch_size=4, micro_batch_size=4, critic=False)
+    one_epoch = update_stage(critic=False, optimizer=dict(epochs=1, mini_batch_size=4, micro_batch_size=4))
     assert one_epoch.update(make_batch())["offpolicy/steps"] == 1.0  # only the first is on
 
 
 def test_a_non_finite_step_is_skipped_then_the_run_stops():
     from stppo_agent.training.ppo_update import TrainingDivergedError
 
-    t = update_stage(max_nan_skips=1)
+    t = update_stage(monitor=dict(max_nan_skips=1))
     updater = t
     bad = make_batch().select([0, 1, 2, 3])
     bad.advantages[0, 0] = math.nan
@@ -792,7 +784,7 @@ def test_global_counts_are_policy_tokens_and_trajectories_never_zero():
 def test_whole_batch_statistics_only_for_m2po_over_several_micro_batches():
 
     mini = make_batch().select([0, 1, 2, 3])
-    t = update_stage("m2po", micro_batch_size=1)
+    t = update_stage("m2po", optimizer=dict(micro_batch_size=1))
     updater = t
     micros = [micro for _, micro in updater._split(mini)]
     assert len(micros) == 4
@@ -802,7 +794,7 @@ def test_whole_batch_statistics_only_for_m2po_over_several_micro_batches():
     assert update_stage("ppo")._whole_batch_keywords(micros) == [{}, {}, {}, {}]
     grads = []
     for micro in (1, 4):
-        t = update_stage("m2po", micro_batch_size=micro, algorithm={"m2_threshold": 0.02})
+        t = update_stage("m2po", algorithm={"m2_threshold": 0.02}, optimizer=dict(micro_batch_size=micro))
         mini.old_logprobs = mini.old_logprobs + 0.0
         t.actor_gradients(mini)
         grads.append([p.grad.clone() for p in t.state.actor.parameters()])
@@ -825,7 +817,7 @@ def test_step_diagnostics_hooks_see_every_micro_batch_and_the_step():
             calls.append(("finish", len(params), "grad_norm" in out, steps))
             return {"diag": 1.0}
 
-    t = update_stage(mini_batch_size=6, micro_batch_size=2, critic=False)
+    t = update_stage(critic=False, optimizer=dict(mini_batch_size=6, micro_batch_size=2))
     t.state.iteration, t.state.optimizer_steps, t.diagnostics = 4, 7, Diagnostics()
     metrics = t.update(make_batch())
     params = len([p for p in t.state.actor.parameters() if p.requires_grad])
@@ -997,7 +989,7 @@ def test_live_rollouts_build_one_env_per_slot_sharing_the_search_envs_retriever(
     from .conftest import KeywordRetriever
 
     retriever = KeywordRetriever()
-    rollouts = live(" stppo/NQ-v0 , stppo/HotpotQA-v0,", {"retriever": retriever, "topk": 2}, max_turns=3)
+    rollouts = live(" stppo/NQ-v0 , stppo/HotpotQA-v0,", {"retriever": retriever, "topk": 2}, rollout=dict(max_turns=3))
     assert rollouts.env_ids == ["stppo/NQ-v0", "stppo/HotpotQA-v0"]
     assert rollouts.env_kwargs == [{"retriever": retriever, "topk": 2, "max_turns": 3}] * 2
     sizes = [len(rollouts._env(0, i).examples) for i in (0, 1)]
@@ -1026,7 +1018,7 @@ def test_a_search_env_spec_becomes_one_shared_retriever(monkeypatch):
     assert not isinstance(retriever, str) and rollouts._env(0, 0).retriever is retriever
     assert rollouts._env(1, 0).retriever is retriever  # one index in memory for every slot
     live("stppo/Toy-v0")
-    live("stppo/NQ-v0", {"topk": 1}, share_retriever=False)
+    live("stppo/NQ-v0", {"topk": 1}, distributed=dict(share_retriever=False))
     assert len(specs) == 1  # neither a toy env nor share_retriever=false asks for a shared spec
 
 
@@ -1045,7 +1037,7 @@ def test_a_round_assigns_slots_groups_and_seeds(monkeypatch):
 
     calls = []
     monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
-    rollouts = live(prompts_per_iteration=2, samples_per_prompt=3, seed=5, max_turns=4)
+    rollouts = live(seed=5, rollout=dict(prompts_per_iteration=2, samples_per_prompt=3, max_turns=4))
     rollouts._play(2, 0)
     rollouts._play(2, 1)
     own, extra = calls
@@ -1090,7 +1082,7 @@ def test_each_rank_plays_its_share_of_the_prompts(monkeypatch):
 
     calls = []
     monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls))
-    rollouts = live(prompts_per_iteration=4, samples_per_prompt=2, seed=0)
+    rollouts = live(seed=0, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2))
     rollouts.context = dataclasses_replace(rollouts.context, rank=1, world=2)
     rollouts._play(0, 0)
     assert calls[0]["groups"] == [1, 1, 3, 3] and calls[0]["seeds"] == [2, 3, 6, 7]
@@ -1103,21 +1095,21 @@ def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_r
     calls = []
     informative_from = lambda round, groups: [float(round >= 2 and i % 2) for i in range(len(groups))]  # noqa: E731
     monkeypatch.setattr(live_rollouts, "collect_rollouts", recording_collect(calls, informative_from))
-    rollouts = live(algo="dapo", prompts_per_iteration=2, samples_per_prompt=2)
+    rollouts = live(algo="dapo", rollout=dict(prompts_per_iteration=2, samples_per_prompt=2))
     batch = rollouts.next_batch(0)
     assert [c["groups"][0] // 10**9 for c in calls] == [0, 1, 2]
     assert batch.stats["dynamic_sampling/rounds"] == 2.0
     assert batch.group_ids.tolist() == [2 * 10**9, 2 * 10**9, 2 * 10**9 + 1, 2 * 10**9 + 1]
-    capped = live(algo="dapo", prompts_per_iteration=2, samples_per_prompt=2, algorithm={"max_resample_rounds": 1})
+    capped = live(algo="dapo", algorithm={"max_resample_rounds": 1}, rollout=dict(prompts_per_iteration=2, samples_per_prompt=2))
     calls.clear()
     capped.next_batch(0)
     assert len(calls) == 2
     calls.clear()
-    live(algo="grpo", samples_per_prompt=2).next_batch(0)
+    live(algo="grpo", rollout=dict(samples_per_prompt=2)).next_batch(0)
     assert len(calls) == 1  # no dynamic sampling
     rates = {}
     monkeypatch.setattr(live_rollouts, "rollout_statistics", lambda batch, algo: rates)
-    rollouts = live(max_search_error_rate=0.25, env_kwargs={"turns": 2})
+    rollouts = live(env_kwargs={"turns": 2}, monitor=dict(max_search_error_rate=0.25))
     rollouts.next_batch(0)  # no searches: no rate
     rates["search_error_rate"] = 0.25
     rollouts.next_batch(0)
@@ -1196,11 +1188,7 @@ def test_build_state_loads_wraps_and_optimizes_each_model(monkeypatch):
     from stppo_agent.rollouts.hf_generation import HFGenerationBackend
     from stppo_agent.training.model_setup import generation_backend, weights_folder
 
-    cfg, calls, wrapped = setup_models(
-        monkeypatch, model="init", algo="ppo", critic_model="critic0", dtype="bfloat16", gradient_checkpointing=True,
-        actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4,
-        algorithm={"kl_loss_coef": 0.1, "kl_in_reward": 0.0},
-        temperature=0.5, generation_batch_size=3, reuse_kv_cache=False)
+    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="ppo", critic_model="critic0", algorithm={"kl_loss_coef": 0.1, "kl_in_reward": 0.0}, precision=dict(dtype="bfloat16"), optimizer=dict(gradient_checkpointing=True, actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4), rollout=dict(temperature=0.5, generation_batch_size=3, reuse_kv_cache=False))
     state = build(cfg)
     assert calls == dict(actor_path="init", critic_path="critic0", use_critic=True, need_reference=True,
                          dtype="bfloat16", gradient_checkpointing=True, reference_path="init", autocast_dtype=None)
@@ -1235,9 +1223,7 @@ def test_build_state_on_resume_and_without_critic_or_reference(monkeypatch):
 
     from stppo_agent.training.model_setup import weights_folder
 
-    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="grpo", samples_per_prompt=2,
-                                       algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0},
-                                       rollout_staleness=2, autocast_dtype="bfloat16")
+    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="grpo", algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0}, rollout=dict(samples_per_prompt=2, staleness=2), precision=dict(autocast_dtype="bfloat16"))
     state = build(cfg, Path("ckpt"))
     assert calls["actor_path"] == str(Path("ckpt") / "actor") and calls["critic_path"] == str(Path("ckpt") / "critic")
     assert calls["reference_path"] == "init" and calls["use_critic"] is False and calls["need_reference"] is False
@@ -1262,16 +1248,14 @@ def test_sharded_models_are_sharded_in_place_in_the_compute_dtype(monkeypatch):
     import stppo_agent.training.model_setup as model_setup
 
     sharded = []
-    cfg, _, wrapped = setup_models(monkeypatch, algo="ppo", strategy="fsdp2", fsdp_compute_dtype="bfloat16",
-                                   algorithm={"kl_loss_coef": 0.1})
+    cfg, _, wrapped = setup_models(monkeypatch, algo="ppo", algorithm={"kl_loss_coef": 0.1}, distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="bfloat16"))
     monkeypatch.setattr(model_setup.process_group, "shard_fsdp2", lambda model, dtype: sharded.append((model, dtype)))
     state = build(cfg, sharded=True)
     assert [m for m, _ in sharded] == [state.actor, state.critic, state.reference] and not wrapped
     assert {d for _, d in sharded} == {torch.bfloat16}
     assert state.actor_train is state.actor and state.critic_train is state.critic
     sharded.clear()
-    cfg, _, _ = setup_models(monkeypatch, algo="grpo", strategy="fsdp2", samples_per_prompt=2,
-                             algorithm={"kl_loss_coef": 0.0})
+    cfg, _, _ = setup_models(monkeypatch, algo="grpo", algorithm={"kl_loss_coef": 0.0}, distributed=dict(strategy="fsdp2"), rollout=dict(samples_per_prompt=2))
     state = build(cfg, sharded=True)
     assert sharded == [(state.actor, None)]
 
@@ -1286,7 +1270,7 @@ def test_the_vllm_backend_gets_the_run_settings(monkeypatch):
     fake = SimpleNamespace(VLLMGenerationBackend=lambda path, sampling, **kw: made.append((path, sampling, kw)))
     monkeypatch.setitem(sys.modules, "stppo_agent.rollouts.vllm_generation", fake)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    cfg = config(generation_backend="vllm", seed=7, temperature=0.5, vllm_gpu_memory_utilization=0.6)
+    cfg = config(seed=7, rollout=dict(backend="vllm", temperature=0.5, vllm_gpu_memory_utilization=0.6))
     model_setup.generation_backend(cfg, None, None, 0, None)
     import os
 
@@ -1294,7 +1278,7 @@ def test_the_vllm_backend_gets_the_run_settings(monkeypatch):
     path, sampling, kw = made[0]
     assert path == "m" and sampling.temperature == 0.5
     assert kw == dict(dtype="bfloat16", seed=7, gpu_memory_utilization=0.6)
-    cfg = config(generation_backend="vllm", dtype="bfloat16", seed=7)
+    cfg = config(seed=7, rollout=dict(backend="vllm"), precision=dict(dtype="bfloat16"))
     model_setup.generation_backend(cfg, None, None, 1, Path("ckpt"))
     from stppo_agent.distributed.process_group import rank_seed
 
@@ -1487,13 +1471,9 @@ def tiny_folder(tmp_path_factory):
 
 
 def toy_run(model, out, **values):
-    settings = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=3,
-                    prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2,
-                    max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=16,
-                    progress=False, tensorboard=False, save_every=2, keep_checkpoints=5, seed=11,
-                    algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, actor_lr=0.01)
+    settings = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=3, seed=11, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=16)), optimizer=dict(optimizer=dict(mini_batch_size=4, micro_batch_size=2, actor_lr=0.01)), logging=dict(logging=dict(progress=False, tensorboard=False)), checkpoint=dict(every=2, keep=5))
     settings.update(values)
-    return TrainConfig(**settings)
+    return from_dict(settings)
 
 
 def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end(tiny_folder, tmp_path,
@@ -1510,11 +1490,10 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
 
     monkeypatch.setattr(trainer_module, "MetricsLogger", metrics_logger)
     reports, batches = [], []
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, rollout_staleness=1, save_rollouts=True, step_diagnostics=True,
-                              autocast_dtype="auto", device="cpu", tensorboard=True, wandb_project="pins"),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, device="cpu", rollout=dict(staleness=1), logging=dict(save_rollouts=True, step_diagnostics=True, tensorboard=True, wandb_project="pins"), precision=dict(autocast_dtype="auto")),
                       report=reports.append, batch_hook=batches.append)
     assert [entry[:3] for entry in loggers] == [(tmp_path, True, "pins")] and loggers[0][3]["seed"] == 11
-    assert torch.initial_seed() == 11 and trainer.config.autocast_dtype in (None, "bfloat16")  # auto resolved
+    assert torch.initial_seed() == 11 and trainer.config.precision.autocast_dtype in (None, "bfloat16")  # auto resolved
     state = trainer.state
     assert (state.iteration, state.optimizer_steps, state.nan_skips_in_a_row, state.nan_skips_total,
             state.actor_lr_scale, trainer.rank, trainer.world, trainer.sharded) == (0, 0, 0, 0, 1.0, 0, 1, False)
@@ -1523,7 +1502,7 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
     assert trainer.state.full_states(trainer.sharded) == (None, None)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["algorithm"]["advantage"] == "gae" and len(saved["algorithm"]) >= 15
-    assert saved["autocast_dtype"] == trainer.config.autocast_dtype
+    assert saved["autocast_dtype"] == trainer.config.precision.autocast_dtype
     synced = []
 
     class Engine:  # a backend with its own copy of the weights (vLLM's role), generating through the HF one
@@ -1559,7 +1538,7 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
 
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", save_every=1, progress=True),
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, monitor=dict(on_collapse="none"), checkpoint=dict(every=1), logging=dict(progress=True)),
             report=lambda _: None).train()
     bar = capsys.readouterr().err
     assert "training: 100%" in bar and " 2/2 " in bar and "scoring" in bar  # the progress bar
@@ -1570,7 +1549,7 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     assert not (tmp_path / "tensorboard").exists() and "training" not in capsys.readouterr().err  # both off
     shutil.rmtree(tmp_path / "checkpoints" / "step-2")  # as if killed before the second checkpoint
     reports = []
-    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none"), resume=True,
+    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none")), resume=True,
                     report=reports.append)
     assert (again.state.iteration, again.state.optimizer_steps) == (1, 1)
     assert again.guard is None and again.diagnostics is None
@@ -1578,7 +1557,7 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     assert again.train() == {}
     assert reports[-1] == (f"nothing to train: {tmp_path} is at iteration 1 and iterations=1; --iterations 2 or more "
                            "continues it")
-    longer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", keep_checkpoints=1),
+    longer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, monitor=dict(on_collapse="none"), checkpoint=dict(keep=1)),
                      resume=True, report=lambda _: None)
     longer.train()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and longer.state.optimizer_steps == 2
@@ -1593,7 +1572,7 @@ def test_a_bad_config_fails_before_the_run_folder_is_touched(tmp_path):
     from stppo_agent.training.trainer import Trainer
 
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
-        Trainer(toy_run("nowhere", tmp_path / "run", algo="grpo", samples_per_prompt=1))
+        Trainer(toy_run("nowhere", tmp_path / "run", algo="grpo", rollout=dict(samples_per_prompt=1)))
     assert not (tmp_path / "run").exists()
 
 
@@ -1628,7 +1607,7 @@ def test_the_trainer_stages_get_what_they_need_in_order(tiny_folder, tmp_path, m
     from stppo_agent.monitoring.collapse_guard import CollapseGuard
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, on_collapse="none", old_logprobs="sampler"),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, monitor=dict(on_collapse="none"), rollout=dict(old_logprobs="sampler")),
                       report=lambda _: None)
     calls = []
     batch = SimpleNamespace(to=lambda device: calls.append(("to", device)) or "moved")
@@ -1670,7 +1649,7 @@ def test_the_trainer_stages_get_what_they_need_in_order(tiny_folder, tmp_path, m
 def test_phase_shows_on_the_bar_only_while_it_is_shown(tiny_folder, tmp_path):
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, on_collapse="none"), report=lambda _: None)
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, monitor=dict(on_collapse="none")), report=lambda _: None)
     bar = RecordedBar(disable=False)
     trainer._bar = bar
     trainer.phase("scoring")
@@ -1687,7 +1666,7 @@ def test_phase_shows_on_the_bar_only_while_it_is_shown(tiny_folder, tmp_path):
 def scoring_inputs(algo="ppo", reference=True, critic=True, **values) -> dict:
     """What score_batch takes: the config, tiny actor, critic, reference and lagged generator (other weights than
     the actor's), on the CPU, one process."""
-    values = {"temperature": 0.7, "micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6, **values}
+    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6}}
     cfg = config(algo=algo, **values)
     return dict(config=cfg, algo=cfg.algorithm_config(), actor=tiny_lm(0), generator=tiny_lm(5).eval(),
                 reference=tiny_lm(6).eval() if reference else None,
@@ -1718,8 +1697,7 @@ def expected_scores(t, batch, behaviour, sampler=None):
 def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_inputs(stale_objective=objective, rollout_staleness=1, algorithm={"kl_in_reward": 0.2},
-                       micro_batch_size=2)
+    t = scoring_inputs(algorithm={"kl_in_reward": 0.2}, rollout=dict(stale_objective=objective, staleness=1), optimizer=dict(micro_batch_size=2))
     batch = make_batch()
     behaviour = t["generator"] if objective == "coupled" else t["actor"]
     old, ref, values, adv, ret = expected_scores(t, batch, behaviour, sampler=t["generator"])
@@ -1743,8 +1721,7 @@ def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
 def test_scoring_without_critic_or_reference():
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_inputs("grpo", reference=False, critic=False, samples_per_prompt=2,
-                       algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0})
+    t = scoring_inputs("grpo", reference=False, critic=False, algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0}, rollout=dict(samples_per_prompt=2))
     batch = make_batch()
     batch.ref_logprobs = batch.values = None
     _, _, _, adv, _ = expected_scores(t, batch, t["generator"])
@@ -1849,7 +1826,7 @@ def test_ddp_all_reduces_once_per_optimizer_step():
             yield
 
     actor_log, critic_log = [], []
-    t = update_stage(micro_batch_size=1)
+    t = update_stage(optimizer=dict(micro_batch_size=1))
     t.state.actor_train, t.state.critic_train = DDPLike(t.state.actor, actor_log), DDPLike(t.state.critic, critic_log)
     t._optimizer_step(make_batch().select([0, 1, 2, 3]))
     assert actor_log == ["no_sync"] * 3 and critic_log == ["no_sync"] * 3  # all but the last of 4 micro-batches
@@ -1862,8 +1839,7 @@ def test_every_process_must_divide_both_batch_sizes(tiny_folder, tmp_path, monke
     monkeypatch.setattr(process_group, "world_size", lambda: 2)
     for prompts, mini in ((3, 2), (2, 3)):  # either one indivisible is refused
         with pytest.raises(ValueError) as info:
-            Trainer(toy_run(tiny_folder, tmp_path / "run", prompts_per_iteration=prompts, mini_batch_size=mini,
-                            samples_per_prompt=2 if prompts == 3 else 3, micro_batch_size=1))
+            Trainer(toy_run(tiny_folder, tmp_path / "run", rollout=dict(prompts_per_iteration=prompts, samples_per_prompt=2 if prompts == 3 else 3), optimizer=dict(mini_batch_size=mini, micro_batch_size=1)))
         assert str(info.value) == (f"prompts_per_iteration ({prompts}) and mini_batch_size ({mini}) must be "
                                    "multiples of the number of processes (2)")
     assert not (tmp_path / "run").exists()
@@ -1878,7 +1854,7 @@ def test_fsdp2_joins_the_process_group_before_anything_else(tiny_folder, tmp_pat
 
     monkeypatch.setattr(process_group, "ensure_process_group", joined)
     with pytest.raises(RuntimeError, match="joined the process group"):
-        Trainer(toy_run(tiny_folder, tmp_path / "run", strategy="fsdp2"))
+        Trainer(toy_run(tiny_folder, tmp_path / "run", distributed=dict(strategy="fsdp2")))
     assert not (tmp_path / "run").exists()
 
 
@@ -1892,7 +1868,7 @@ def test_only_a_later_rank_reseeds_and_only_the_first_writes_the_run(tiny_folder
     seeds, seed_everything = [], process_group.seed_everything
     monkeypatch.setattr(process_group, "seed_everything", lambda seed: seeds.append(seed) or seed_everything(seed))
     monkeypatch.setattr(process_group, "rank", lambda: rank)
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
                       report=lambda _: None)
     assert seeds == ([11] if rank == 0 else [11, process_group.rank_seed(11, 1)])
     assert trainer._bar is None and trainer.phase("rollout") is None  # no bar outside train(): phases show nowhere
@@ -1906,17 +1882,17 @@ def test_only_a_later_rank_reseeds_and_only_the_first_writes_the_run(tiny_folder
 def test_the_folder_and_the_metrics_log_report_through_the_trainer(tiny_folder, tmp_path):
     from stppo_agent.training.trainer import Trainer
 
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
             report=lambda _: None).train()
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 2, "rew')  # a torn last record, as kill -9 during a write leaves
     reports = []
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"), resume=True,
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")), resume=True,
             report=reports.append)
     assert reports[-1] == f"{tmp_path / 'metrics.jsonl'}: dropped a torn last record (line 2, an interrupted write)"
     assert reports[0].startswith(f"resumed from {tmp_path / 'checkpoints' / 'step-1'} (iteration 1")
     reports.clear()
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none"), overwrite=True, report=reports.append)
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none")), overwrite=True, report=reports.append)
     assert len(reports) == 1 and reports[0].startswith(f"--overwrite: removing the run in {tmp_path} (")
 
 
@@ -1924,10 +1900,10 @@ def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny
     import stppo_agent.training.trainer as trainer_module
     from stppo_agent.training.trainer import Trainer
 
-    first = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none", actor_lr=0.5),
+    first = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)),
                     report=lambda _: None)
     first.train()
-    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, on_collapse="none", actor_lr=0.5), resume=True,
+    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)), resume=True,
                     report=lambda _: None)
     trained, resumed = first.state.actor.state_dict(), again.state.actor.state_dict()
     assert all(torch.equal(trained[k], resumed[k]) for k in trained)  # not the folder's initial weights
@@ -1935,7 +1911,7 @@ def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny
     loaded = []
     monkeypatch.setattr(trainer_module, "build_state", lambda *args: loaded.append(args))
     with pytest.raises(ValueError, match=r"^--resume cannot change seed \(11 -> 12\)"):  # before the models load
-        Trainer(toy_run(tiny_folder, tmp_path, iterations=2, on_collapse="none", actor_lr=0.5, seed=12),
+        Trainer(toy_run(tiny_folder, tmp_path, iterations=2, seed=12, monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)),
                 resume=True, report=lambda _: None)
     assert loaded == []
 
@@ -1988,11 +1964,11 @@ def test_the_training_bar_counts_iterations_from_where_the_run_stands(tiny_folde
 
     bars = record_bars(monkeypatch, "training")
 
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, save_every=1, on_collapse="none"),
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
             report=lambda _: None).train()
     assert bars[0].kwargs == dict(total=1, initial=0, desc="training", unit="it", disable=True)  # progress=False
     started = time.perf_counter()
-    metrics = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, on_collapse="none", progress=True), resume=True,
+    metrics = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, monitor=dict(on_collapse="none"), logging=dict(progress=True)), resume=True,
                       report=lambda _: None).train()
     elapsed = time.perf_counter() - started
     bar = bars[1]
@@ -2024,7 +2000,7 @@ def test_a_stop_decision_saves_then_stops_with_the_guards_advice(tiny_folder, tm
     from stppo_agent.monitoring.collapse_guard import CollapseStopped, Decision
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, save_every=10, on_collapse="none"),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, checkpoint=dict(every=10), monitor=dict(on_collapse="none")),
                       report=lambda _: None)
     checks = scripted_guard(trainer, {2: Decision("stop", "reward collapsed.")})
     with pytest.raises(CollapseStopped) as info:
@@ -2040,7 +2016,7 @@ def test_a_rollback_starts_a_new_streak_of_nan_skips(tiny_folder, tmp_path):
     the weights it abandoned, so they do not bring the restored run nearer to stopping."""
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, save_every=1, on_collapse="none"),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
                       report=lambda message: None)
     trainer.train()
     trainer.state.nan_skips_in_a_row, total = 3, trainer.state.nan_skips_total
@@ -2059,7 +2035,7 @@ def test_only_the_main_process_says_the_guards_alarm(tiny_folder, tmp_path, monk
     for main in (True, False):
         monkeypatch.setattr(process_group, "is_main", lambda main=main: main)
         reports = said[main] = []
-        trainer = Trainer(toy_run(tiny_folder, tmp_path / str(main), iterations=2, save_every=10, on_collapse="none"),
+        trainer = Trainer(toy_run(tiny_folder, tmp_path / str(main), iterations=2, checkpoint=dict(every=10), monitor=dict(on_collapse="none")),
                           report=reports.append)
         scripted_guard(trainer, {2: Decision("warn", "looks odd.")})
         trainer.train()
@@ -2077,7 +2053,7 @@ def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path)
     from stppo_agent.training.trainer import Trainer
 
     reports = []
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=6, save_every=10, on_collapse="none", actor_lr=0.01),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=6, checkpoint=dict(every=10), monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.01)),
                       report=reports.append)
     seen = scripted_guard(trainer, {2: Decision("warn", "looks odd."),
                                     3: Decision("rollback", "collapsed.", rollback_to=2),
@@ -2124,7 +2100,7 @@ def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path)
     assert (saved_two["iteration"], saved_three["iteration"]) == (2, 3)  # iterations keep counting
     assert saved_three["actor_lr_scale"] == 0.5 and saved_two["actor_lr_scale"] == 1.0
     # the collapsed update's steps count: the policy version is not rolled back
-    assert saved_three["optimizer_steps"] == saved_two["optimizer_steps"] + trainer.config.ppo_epochs
+    assert saved_three["optimizer_steps"] == saved_two["optimizer_steps"] + trainer.config.optimizer.epochs
 
 
 def test_save_hands_the_gathered_states_and_the_protected_steps(monkeypatch, tmp_path):
@@ -2140,7 +2116,7 @@ def test_save_hands_the_gathered_states_and_the_protected_steps(monkeypatch, tmp
     state.tokenizer, state.critic = "tok", torch.nn.Linear(1, 1)
     gathered = {id(state.actor): "full actor", id(state.critic): "full critic"}
     monkeypatch.setattr(state_module, "full_model_state", lambda model: gathered[id(model)])
-    cfg = config(keep_checkpoints=3)
+    cfg = config(checkpoint=dict(keep=3))
     assert state.save(tmp_path, cfg, cfg.algorithm_config(), sharded=True, protect=(2, 4)) == tmp_path / "saved"
     assert saved == [(tmp_path, 7, dict(actor=state.actor, tokenizer="tok", critic=state.critic,
                                         tensor_state="tensors", json_state="json", keep=3, actor_state="full actor",
@@ -2157,7 +2133,7 @@ def test_train_on_cuda_measures_each_iterations_peak_memory(tiny_folder, tmp_pat
     import stppo_agent.training.trainer as trainer_module
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, save_every=10, on_collapse="none"),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, checkpoint=dict(every=10), monitor=dict(on_collapse="none")),
                       report=lambda _: None)
     calls = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
@@ -2247,7 +2223,7 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
 
 def test_the_off_policy_means_leave_out_the_first_step_alone():
 
-    t = update_stage(ppo_epochs=2, mini_batch_size=4, micro_batch_size=2, seed=3, step_diagnostics=True)
+    t = update_stage(seed=3, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=2), logging=dict(step_diagnostics=True))
     updater, steps = t, []
     step = updater._optimizer_step
     updater._optimizer_step = lambda mini: steps.append(step(mini)) or steps[-1]
@@ -2262,7 +2238,7 @@ def test_the_off_policy_means_leave_out_the_first_step_alone():
 def test_with_two_processes_the_update_gathers_the_global_batch_and_takes_its_rows(monkeypatch):
     import stppo_agent.training.ppo_update as ppo_update
 
-    t = update_stage(mini_batch_size=4, micro_batch_size=2, critic=False)
+    t = update_stage(critic=False, optimizer=dict(mini_batch_size=4, micro_batch_size=2))
     t.world, t.rank, t.state.tokenizer = 2, 1, SimpleNamespace(pad_token_id=7)
     calls, rows, real_rows = [], [], ppo_update.mini_batch_rows
     monkeypatch.setattr(ppo_update, "gather_global_batch", lambda batch, pad: calls.append(pad) or batch)
@@ -2296,14 +2272,14 @@ def test_the_clip_bias_corrector_gets_the_algorithms_settings_and_an_anchor(monk
             return {}
 
     monkeypatch.setattr(ppo_update, "ClipBiasCorrector", Corrector)
-    t = update_stage("s_ppo", algorithm={"clip_bias_kappa": 2.5}, micro_batch_size=2)
+    t = update_stage("s_ppo", algorithm={"clip_bias_kappa": 2.5}, optimizer=dict(micro_batch_size=2))
     t.sharded = sharded
     t.actor_gradients(make_batch().select([0, 1, 2, 3]))
     params = len([p for p in t.state.actor.parameters() if p.requires_grad])
     assert made == [(params, 2.5, sharded, True)]
     assert len(anchors) == 2 and all(isinstance(a, torch.Tensor) and a.requires_grad for a in anchors)
     made.clear()
-    update_stage("ppo", step_diagnostics=True).actor_gradients(make_batch().select([0, 1]))
+    update_stage("ppo", logging=dict(step_diagnostics=True)).actor_gradients(make_batch().select([0, 1]))
     assert made[0][1:] == (1.0, False, False)  # measured only: no rescaling
 
 
@@ -2317,7 +2293,7 @@ def test_a_registered_losss_own_metrics_are_weighted_by_policy_tokens(monkeypatc
         return loss, bias, {"micro_tokens": float(kwargs["loss_mask"].sum())}  # no parts: a plain number
 
     register_policy_loss("pins_plain_metrics", plain)
-    t = update_stage("ppo", algorithm={"policy_loss": "pins_plain_metrics"}, micro_batch_size=1)
+    t = update_stage("ppo", algorithm={"policy_loss": "pins_plain_metrics"}, optimizer=dict(micro_batch_size=1))
     mini = make_batch().select([0, 2, 3])
     tokens = [float(row.sum()) for row in mini.loss_mask]
     out = t.actor_gradients(mini)
@@ -2342,7 +2318,7 @@ def test_the_whole_batch_statistic_scores_under_the_sampling_settings(monkeypatc
     import stppo_agent.training.ppo_update as ppo_update
     from stppo_agent.training.log_probs import token_logprobs
 
-    t = update_stage("m2po", micro_batch_size=2, temperature=0.7, critic=False)
+    t = update_stage("m2po", critic=False, optimizer=dict(micro_batch_size=2), rollout=dict(temperature=0.7))
     seen = []
 
     def statistic(logprobs, old_logprobs, loss_mask, turn_ids, config):

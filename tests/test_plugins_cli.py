@@ -19,10 +19,10 @@ import dataclasses
 from stppo_agent.algorithms import ALGORITHMS, register_algorithm
 register_algorithm(dataclasses.replace(ALGORITHMS["{base}"], name="{name}", clip_high=0.31))
 '''
-FAST = ["--env", "stppo/Toy-v0", "--iterations", "1", "--set", "prompts_per_iteration=2", "--set",
-        "mini_batch_size=2", "--set", "micro_batch_size=2", "--set", "max_turns=2", "--set",
-        "max_new_tokens_per_turn=1", "--set", "max_prompt_tokens=8", "--set", "max_total_tokens=32", "--set",
-        "progress=false", "--set", "tensorboard=false"]
+FAST = ["--env", "stppo/Toy-v0", "--iterations", "1", "--set", "rollout.prompts_per_iteration=2", "--set",
+        "optimizer.mini_batch_size=2", "--set", "optimizer.micro_batch_size=2", "--set", "rollout.max_turns=2", "--set",
+        "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set", "rollout.max_total_tokens=32", "--set",
+        "logging.progress=false", "--set", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,13 @@ def test_a_plugin_file_in_the_current_directory_trains_and_replays(model, tmp_pa
     (tmp_path / "rule_file_a.py").write_text(RULE.format(base="turn_ppo", name="rule_a"))
     (tmp_path / "rule_file_b.py").write_text(RULE.format(base="ppo", name="rule_b"))
     assert main(["train", "--import", "./rule_file_a.py", "--algo", "rule_a", "--model", str(model),
-                 "--output-dir", "run", "--set", "save_rollouts=true", *FAST]) == 0, capsys.readouterr().err
+                 "--output-dir", "run", "--set", "logging.save_rollouts=true", *FAST]) == 0, capsys.readouterr().err
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     # recorded as an absolute path: --resume and replay find it from any directory
     assert saved["plugins"] == [str(tmp_path / "rule_file_a.py")] and saved["algorithm"]["clip_high"] == 0.31
     # replay through a second rule from another file: the recorded plugin is imported again, the new one added
     assert main(["replay", "run", "--import", "rule_file_b.py", "--algo", "rule_b", "--output-dir", "rep",
-                 "--set", "progress=false", "--set", "tensorboard=false"]) == 0, capsys.readouterr().err
+                 "--set", "logging.progress=false", "--set", "logging.tensorboard=false"]) == 0, capsys.readouterr().err
     replayed = yaml.safe_load((tmp_path / "rep" / "config.yaml").read_text())
     assert replayed["algo"] == "rule_b"
     assert replayed["plugins"] == [str(tmp_path / "rule_file_a.py"), str(tmp_path / "rule_file_b.py")]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stppo_agent.cli import main
+from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.recording import load_batch, recorded_iterations, recorded_world_size
@@ -29,9 +30,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def off_policy_config(model: Path, out: Path, algo: str, **overrides):
     """4 mini-batches x 2 epochs per iteration at a high learning rate: 7 of the 8 steps are off-policy."""
-    values = dict(iterations=3, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=4,
-                  micro_batch_size=2, ppo_epochs=2, actor_lr=2e-2, save_rollouts=True)
-    values.update(overrides)
+    values = dict(iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=2e-2), logging=dict(save_rollouts=True))
+    values = merged(values, overrides)
     return toy_config(model, out, algo, **values)
 
 
@@ -138,7 +138,7 @@ def test_replay_differs_from_the_recording_under_another_rule(recorded_ppo, tmp_
 def test_replay_errors_are_clear(recorded_ppo, tiny_model, tmp_path):
     plain = tmp_path / "plain"
     Trainer(toy_config(tiny_model, plain, "ppo", iterations=1)).train()
-    with pytest.raises(FileNotFoundError, match="save_rollouts=true"):
+    with pytest.raises(FileNotFoundError, match="logging.save_rollouts=true"):
         replay(plain, None, str(tmp_path / "x"))
     with pytest.raises(KeyError, match="unknown algorithm"):
         replay(recorded_ppo, "no_such_algo", str(tmp_path / "y"))
@@ -216,7 +216,7 @@ def test_replay_refuses_other_sampling_settings_than_the_recorded_ones(recorded_
     from stppo_agent.training.replay import replay_config
 
     recorded = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"))
-    for override in ("temperature=0.7", "top_p=0.9", "top_k=20"):
+    for override in ("rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=20"):
         with pytest.raises(ValueError, match="settings that sampled them.*drop that --set"):
             replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"), [override])
     same = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"), [f"temperature={recorded.temperature}"])

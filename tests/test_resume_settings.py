@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from stppo_agent.cli import main
+from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
@@ -23,17 +24,16 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def small(model: Path, out: Path, iterations: int, **overrides):
-    values = dict(iterations=iterations, save_every=1, keep_checkpoints=2, prompts_per_iteration=2,
-                  samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, on_collapse="none")
-    values.update(overrides)
+    values = dict(iterations=iterations, checkpoint=dict(every=1, keep=2), rollout=dict(prompts_per_iteration=2, samples_per_prompt=2), optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none"))
+    values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
 
 def cli(model: Path, out: Path, iterations: int, *extra: str) -> list[str]:
-    settings = ["prompts_per_iteration=2", "samples_per_prompt=2", "mini_batch_size=4", "micro_batch_size=2",
-                "ppo_epochs=2", "actor_lr=3e-3", "critic_lr=3e-3", "max_turns=2", "max_new_tokens_per_turn=1",
-                "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
-                "save_every=1", "on_collapse=none", "algorithm.kl_in_reward=0", "algorithm.kl_loss_coef=0"]
+    settings = ["rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4", "optimizer.micro_batch_size=2",
+                "optimizer.epochs=2", "optimizer.actor_lr=3e-3", "optimizer.critic_lr=3e-3", "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=1",
+                "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false", "logging.tensorboard=false",
+                "checkpoint.every=1", "monitor.on_collapse=none", "algorithm.kl_in_reward=0", "algorithm.kl_loss_coef=0"]
     return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
             "--iterations", str(iterations), *[x for s in settings for x in ("--set", s)], *extra]
 
@@ -42,8 +42,8 @@ def test_resume_applies_new_learning_rates_and_weight_decay_and_says_what_change
     out = tmp_path / "run"
     assert main(cli(tiny_model, out, 2)) == 0
     capsys.readouterr()
-    assert main(["train", "--output-dir", str(out), "--iterations", "3", "--resume", "--set", "actor_lr=1e-3",
-                 "--set", "critic_lr=2e-3", "--set", "weight_decay=0.01"]) == 0
+    assert main(["train", "--output-dir", str(out), "--iterations", "3", "--resume", "--set", "optimizer.actor_lr=1e-3",
+                 "--set", "optimizer.critic_lr=2e-3", "--set", "optimizer.weight_decay=0.01"]) == 0
     said = capsys.readouterr().out
     assert "actor_lr 0.003 -> 0.001" in said and "critic_lr 0.003 -> 0.002" in said, said
     assert "weight_decay 0.0 -> 0.01" in said and "iterations 2 -> 3" in said, said
@@ -67,14 +67,13 @@ def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tin
     assert any(line.startswith("nothing to train:") and "iteration 1" in line and "--iterations 2" in line
                for line in said), said
     refusals = {"seed=7": "seed", "env=stppo/NQ-v0": "env", "algorithm.use_critic=false": "algorithm.use_critic",
-                "dtype=bfloat16": "dtype", "save_rollouts=true": "save_rollouts"}
+                "precision.dtype=bfloat16": "dtype", "logging.save_rollouts=true": "save_rollouts"}
     for setting, field in refusals.items():
         with pytest.raises(ValueError, match=f"--resume cannot change {field}") as caught:
             Trainer(small(tiny_model, out, 2, **dict([_parsed(setting)])), resume=True, report=lambda _: None)
         assert "\n" not in str(caught.value)
     with pytest.raises(ValueError, match="--resume cannot change algo .ppo -> grpo."):
-        Trainer(toy_config(tiny_model, out, "grpo", iterations=2, save_every=1, prompts_per_iteration=2,
-                           samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, on_collapse="none"),
+        Trainer(toy_config(tiny_model, out, "grpo", iterations=2, checkpoint=dict(every=1), rollout=dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2)), optimizer=dict(optimizer=dict(mini_batch_size=4, micro_batch_size=2)), monitor=dict(monitor=dict(on_collapse="none"))),
                 resume=True, report=lambda _: None)
     capsys.readouterr()
     assert main(["train", "--output-dir", str(out), "--iterations", "2", "--resume", "--set", "seed=7"]) == 1
@@ -94,10 +93,10 @@ def _parsed(setting: str):
 
 def test_rollbacks_compound_the_learning_rate_cut_and_resume_keeps_it(tiny_model, tmp_path):
     out = tmp_path / "run"
-    trainer = Trainer(small(tiny_model, out, 2, actor_lr=3e-3), report=lambda _: None)
+    trainer = Trainer(small(tiny_model, out, 2, optimizer=dict(actor_lr=3e-3)), report=lambda _: None)
     trainer.train()
     rates = []
-    assert trainer.config.rollback_lr_factor == 0.5
+    assert trainer.config.monitor.rollback_lr_factor == 0.5
     for _ in range(3):  # every rollback goes back to the same checkpoint, whose own rate is the original one
         scale = trainer.roll_back(1)["collapse/lr_scale"]
         state = trainer.state
@@ -107,13 +106,13 @@ def test_rollbacks_compound_the_learning_rate_cut_and_resume_keeps_it(tiny_model
         assert last == group
     assert [r[1] for r in rates] == [pytest.approx(x) for x in (1.5e-3, 7.5e-4, 3.75e-4)]
     trainer.save()  # what the guard does right after a rollback; kill -9 here, then --resume
-    resumed = Trainer(small(tiny_model, out, 3, actor_lr=3e-3), resume=True, report=lambda _: None)
+    resumed = Trainer(small(tiny_model, out, 3, optimizer=dict(actor_lr=3e-3)), resume=True, report=lambda _: None)
     assert resumed.state.actor_optimizer.param_groups[0]["lr"] == pytest.approx(3.75e-4)
     assert resumed.state.actor_scheduler.base_lrs == [pytest.approx(3.75e-4)]
     resumed.train()
     assert read_metrics(out)[-1]["actor_lr"] == pytest.approx(3.75e-4)
     # a new actor_lr on resume is the rate used from then on: the rollbacks' cut was a cut of the old one
-    again = Trainer(small(tiny_model, out, 4, actor_lr=1e-4), resume=True, report=lambda _: None)
+    again = Trainer(small(tiny_model, out, 4, optimizer=dict(actor_lr=1e-4)), resume=True, report=lambda _: None)
     assert again.state.actor_optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
@@ -121,14 +120,14 @@ def test_a_recording_run_keeps_its_sampling_on_resume_and_a_plain_run_may_change
     """stppo replay reads temperature & co. from the run's config.yaml for every recorded iteration: a resume that
     changed them would have the replay recompute the earlier iterations' log-probs at the new temperature."""
     recorded = tmp_path / "recorded"
-    Trainer(small(tiny_model, recorded, 1, save_rollouts=True)).train()
+    Trainer(small(tiny_model, recorded, 1, logging=dict(save_rollouts=True))).train()
     for key, value in (("temperature", 0.7), ("top_p", 0.9), ("top_k", 5), ("generation_autocast_dtype", "bfloat16")):
         with pytest.raises(ValueError, match=f"--resume cannot change {key} .* iterations 1..1 were recorded"):
-            Trainer(small(tiny_model, recorded, 2, save_rollouts=True, **{key: value}), resume=True,
+            Trainer(small(tiny_model, recorded, 2, **{key: value}, logging=dict(save_rollouts=True)), resume=True,
                     report=lambda _: None)
     plain = tmp_path / "plain"
     Trainer(small(tiny_model, plain, 1)).train()
     said = []
-    Trainer(small(tiny_model, plain, 2, temperature=0.7), resume=True, report=said.append).train()
+    Trainer(small(tiny_model, plain, 2, rollout=dict(temperature=0.7)), resume=True, report=said.append).train()
     assert any("temperature" in line for line in said), said
     assert [r["step"] for r in read_metrics(plain)] == [1, 2]

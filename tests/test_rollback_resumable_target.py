@@ -21,9 +21,9 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
-QUIET = ("keep_checkpoints=20", "collapse_warmup=2", "collapse_z=1000")
-ALARM_AT_ONCE = ("collapse_patience=1", "collapse_thresholds.response_tokens=0.5")  # every iteration trips
-ROLLBACK = ("checkpoint_optimizer=all", "on_collapse=rollback")
+QUIET = ("checkpoint.keep=20", "monitor.warmup=2", "monitor.z=1000")
+ALARM_AT_ONCE = ("monitor.patience=1", "monitor.thresholds.response_tokens=0.5")  # every iteration trips
+ROLLBACK = ("checkpoint.optimizer=all", "monitor.on_collapse=rollback")
 
 
 def holds_resume_state(checkpoint: Path) -> bool:
@@ -36,7 +36,7 @@ def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: b
 
 def test_no_rollback_to_a_healthy_checkpoint_without_optimizer_state(tiny_model, tmp_path, capsys):
     run = tmp_path / "run"
-    assert train(tiny_model, run, 6, *QUIET, "checkpoint_optimizer=newest", capsys=capsys).returncode == 0
+    assert train(tiny_model, run, 6, *QUIET, "checkpoint.optimizer=newest", capsys=capsys).returncode == 0
     folders = run / "checkpoints"
     assert [s for s in range(1, 7) if holds_resume_state(folders / f"step-{s}")] == [6]
     # steps 3, 4 and 5 are healthy, but only step-6 (whose own rollouts, iteration 7's, trip) can be resumed
@@ -49,7 +49,7 @@ def test_no_rollback_to_a_healthy_checkpoint_without_optimizer_state(tiny_model,
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7] and records[-1]["collapse/action"] == "stop"
     assert holds_resume_state(folders / "step-7")  # the state at the alarm, saved: resuming goes on from there
-    resumed = train(tiny_model, run, 8, "on_collapse=none", capsys=capsys, resume=True)  # config.yaml's alarm is off
+    resumed = train(tiny_model, run, 8, "monitor.on_collapse=none", capsys=capsys, resume=True)  # config.yaml's alarm is off
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {folders / 'step-7'} (iteration 7" in resumed.stdout
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -57,9 +57,9 @@ def test_no_rollback_to_a_healthy_checkpoint_without_optimizer_state(tiny_model,
 
 def test_a_rollback_returns_to_the_newest_healthy_checkpoint_holding_optimizer_state(tiny_model, tmp_path, capsys):
     run = tmp_path / "run"
-    assert train(tiny_model, run, 6, *QUIET, "checkpoint_optimizer=newest", capsys=capsys).returncode == 0
+    assert train(tiny_model, run, 6, *QUIET, "checkpoint.optimizer=newest", capsys=capsys).returncode == 0
     # three quiet iterations under checkpoint_optimizer=all: step-6 (optimizer state kept) and step-7 become healthy
-    assert train(tiny_model, run, 9, *QUIET, "checkpoint_optimizer=all", capsys=capsys, resume=True).returncode == 0
+    assert train(tiny_model, run, 9, *QUIET, "checkpoint.optimizer=all", capsys=capsys, resume=True).returncode == 0
     done = train(tiny_model, run, 10, *QUIET, *ALARM_AT_ONCE, *ROLLBACK, capsys=capsys, resume=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert read_metrics(run)[-1]["collapse/rollback_to"] == 8  # healthy 3..8; 6, 7 and 8 hold optimizer state

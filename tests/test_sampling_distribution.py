@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+from stppo_agent.training.config import merged
 from stppo_agent.rollouts.sampling import SamplingSettings
+from stppo_agent.training.config_sections import RolloutConfig
 from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
 from stppo_agent.training.trainer import Trainer
 
@@ -43,10 +45,8 @@ def penalised_model(tmp_path_factory) -> Path:
 def quick(model, out, **overrides):
     """One iteration; its first mini-batch on-policy: everything the scoring sees, nothing the update changes. Two
     mini-batches, so that scoring computes the old log-probs (one would leave them to the update's forward)."""
-    values = dict(iterations=1, prompts_per_iteration=4, samples_per_prompt=2, mini_batch_size=4,
-                  micro_batch_size=4, ppo_epochs=1, max_new_tokens_per_turn=3, max_total_tokens=40,
-                  on_collapse="none")
-    values.update(overrides)
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=3, max_total_tokens=40), optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1), monitor=dict(on_collapse="none"))
+    values = merged(values, overrides)
     return toy_config(model, out, "grpo", **values)
 
 
@@ -61,8 +61,8 @@ def gap(batch) -> torch.Tensor:
     return (batch.old_logprobs - batch.sample_logprobs)[batch.loss_mask].abs()
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(top_p=0.9), dict(temperature=0.7, top_p=0.9),
-                                      dict(top_k=3), dict(temperature=1.3, top_k=4, top_p=0.8)])
+@pytest.mark.parametrize("sampling", [dict(rollout=dict(temperature=0.7)), dict(rollout=dict(top_p=0.9)), dict(rollout=dict(temperature=0.7, top_p=0.9)),
+                                      dict(rollout=dict(top_k=3)), dict(rollout=dict(temperature=1.3, top_k=4, top_p=0.8))])
 def test_old_logprobs_equal_the_behaviour_logprobs_at_any_sampling_setting(tiny_model, tmp_path, sampling):
     trainer = Trainer(quick(tiny_model, tmp_path, **sampling))
     batch = scored_batch(trainer)
@@ -74,7 +74,7 @@ def test_old_logprobs_equal_the_behaviour_logprobs_at_any_sampling_setting(tiny_
 
 def test_the_update_scores_the_same_distribution(tiny_model, tmp_path):
     """On the first mini-batch (the actor has not moved) every ratio is 1 under temperature and top-p."""
-    trainer = Trainer(quick(tiny_model, tmp_path, temperature=0.7, top_p=0.9))
+    trainer = Trainer(quick(tiny_model, tmp_path, rollout=dict(temperature=0.7, top_p=0.9)))
     batch = scored_batch(trainer)
     metrics = trainer.actor_gradients(batch)
     assert metrics["ratio/max"] == pytest.approx(1.0, abs=1e-5)
@@ -85,8 +85,7 @@ def test_the_update_scores_the_same_distribution(tiny_model, tmp_path):
 def test_reference_logprobs_use_the_sampling_distribution(tiny_model, tmp_path):
     """The reference starts equal to the actor: under the same temperature and top-p its log-probs equal the
     behaviour log-probs."""
-    config = quick(tiny_model, tmp_path, temperature=0.7, top_p=0.9,
-                   algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1})
+    config = quick(tiny_model, tmp_path, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1}, rollout=dict(temperature=0.7, top_p=0.9))
     batch = scored_batch(Trainer(config))
     mask = batch.loss_mask
     assert (batch.ref_logprobs - batch.sample_logprobs)[mask].abs().max() < 1e-5
@@ -120,11 +119,11 @@ def test_plain_and_greedy_scoring_are_bit_identical_to_the_raw_logits(tiny_model
 def test_temperature_zero_means_greedy_and_bad_settings_are_named():
     from stppo_agent.training.config import TrainConfig
 
-    assert TrainConfig(model="m", temperature=0.0).sampling().greedy
-    assert TrainConfig(model="m", temperature=0.7, top_p=0.9, top_k=5).sampling() == \
+    assert TrainConfig(model="m", rollout=RolloutConfig(temperature=0.0)).sampling().greedy
+    assert TrainConfig(model="m", rollout=RolloutConfig(temperature=0.7, top_p=0.9, top_k=5)).sampling() == \
         SamplingSettings(temperature=0.7, top_p=0.9, top_k=5)
-    for bad, match in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-                       (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k")):
+    for bad, match in ((dict(rollout=dict(rollout=dict(temperature=-1.0))), "temperature"), (dict(rollout=dict(rollout=dict(top_p=0.0))), "top_p"),
+                       (dict(rollout=dict(rollout=dict(top_p=1.5))), "top_p"), (dict(rollout=dict(rollout=dict(top_k=-2))), "top_k")):
         with pytest.raises(ValueError, match=match):
             SamplingSettings(**bad)
         with pytest.raises(ValueError, match=match):  # named by validate(), before any model loads
@@ -177,7 +176,7 @@ def test_a_sampled_token_outside_the_nucleus_keeps_a_finite_logprob_and_the_grad
 
 def test_the_entropy_is_the_sampled_distributions(tiny_model, tmp_path):
     """Sampled with top-k 2, no position has more entropy than log 2; at temperature 0.5 it is lower than at 1."""
-    trainer = Trainer(quick(tiny_model, tmp_path, top_k=2))
+    trainer = Trainer(quick(tiny_model, tmp_path, rollout=dict(top_k=2)))
     batch = scored_batch(trainer).to(trainer.device)
     mask = batch.loss_mask
 

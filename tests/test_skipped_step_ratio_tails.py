@@ -11,7 +11,7 @@ from .test_pins_training import make_batch, update_stage
 def _diagnosed_trainer():
     from stppo_agent.monitoring.step_diagnostics import StepDiagnostics
 
-    t = update_stage(critic=False, max_nan_skips=5)
+    t = update_stage(critic=False, monitor=dict(max_nan_skips=5))
     t.diagnostics = StepDiagnostics(None, gradients=False)
     return t
 

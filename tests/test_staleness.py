@@ -15,7 +15,7 @@ from stppo_agent.models.precision import autocast_forward, independent_copy
 from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, merged
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
@@ -31,9 +31,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def stale_config(model: Path, out: Path, staleness: int, **overrides) -> TrainConfig:
-    values = dict(iterations=5, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=8, micro_batch_size=4,
-                  ppo_epochs=1, actor_lr=2e-2, rollout_staleness=staleness, on_collapse="none")
-    values.update(overrides)
+    values = dict(iterations=5, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=staleness), optimizer=dict(mini_batch_size=8, micro_batch_size=4, epochs=1, actor_lr=2e-2), monitor=dict(on_collapse="none"))
+    values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
 
@@ -76,7 +75,7 @@ def test_iteration_i_samples_with_the_weights_after_i_minus_k_updates(tiny_model
 
 def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_the_current(tiny_model, tmp_path):
     for objective, expected in (("coupled", "stale"), ("decoupled", "actor")):
-        trainer = Trainer(stale_config(tiny_model, tmp_path / objective, 1, iterations=2, stale_objective=objective),
+        trainer = Trainer(stale_config(tiny_model, tmp_path / objective, 1, iterations=2, rollout=dict(stale_objective=objective)),
                           report=lambda _: None)
         trainer.train()
         batch = trainer.rollout()
@@ -98,7 +97,7 @@ def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_th
 
 
 def test_staleness_zero_is_the_trainer_of_before(tiny_model, tmp_path):
-    trainer = Trainer(stale_config(tiny_model, tmp_path, 0, iterations=2, save_every=1), report=lambda _: None)
+    trainer = Trainer(stale_config(tiny_model, tmp_path, 0, iterations=2, checkpoint=dict(every=1)), report=lambda _: None)
     assert trainer.state.stale_policy.model is trainer.state.actor and trainer.backend.model is trainer.state.actor
     trainer.train()
     assert "staleness" not in read_metrics(tmp_path)[-1]
@@ -110,13 +109,12 @@ def test_bad_settings_are_refused(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="rollout_staleness must be >= 0"):
         stale_config(tiny_model, tmp_path, -1).validate()
     with pytest.raises(ValueError, match="stale_objective must be coupled or decoupled"):
-        stale_config(tiny_model, tmp_path, 1, stale_objective="async").validate()
+        stale_config(tiny_model, tmp_path, 1, rollout=dict(stale_objective="async")).validate()
     with pytest.raises(ValueError, match="needs strategy=ddp and generation_backend=hf"):
-        stale_config(tiny_model, tmp_path, 1, strategy="fsdp2").validate()
+        stale_config(tiny_model, tmp_path, 1, distributed=dict(strategy="fsdp2")).validate()
     with pytest.raises(ValueError, match="set algorithm.rollout_correction to mis, tis or auto"):
-        stale_config(tiny_model, tmp_path, 1, stale_objective="decoupled",
-                     algorithm={"rollout_correction": "none"}).validate()
-    stale_config(tiny_model, tmp_path, 0, stale_objective="decoupled", algorithm={"rollout_correction": "none"}) \
+        stale_config(tiny_model, tmp_path, 1, algorithm={"rollout_correction": "none"}, rollout=dict(stale_objective="decoupled")).validate()
+    stale_config(tiny_model, tmp_path, 0, algorithm={"rollout_correction": "none"}, rollout=dict(stale_objective="decoupled")) \
         .validate()  # without staleness the objective has nothing to decouple
 
 
@@ -124,7 +122,7 @@ def test_a_resume_continues_the_lag_and_refuses_another_k(tiny_model, tmp_path):
     straight = tmp_path / "straight"
     Trainer(stale_config(tiny_model, straight, 2), report=lambda _: None).train()
     stopped = tmp_path / "stopped"
-    Trainer(stale_config(tiny_model, stopped, 2, iterations=3, save_every=1), report=lambda _: None).train()
+    Trainer(stale_config(tiny_model, stopped, 2, iterations=3, checkpoint=dict(every=1)), report=lambda _: None).train()
     tensors, _ = load_trainer_state(stopped / "checkpoints" / "step-3")
     # two queued weights: the older stored, the newer the checkpoint's own actor
     assert len(tensors["stale_policy"]["pending"]) == 1 and tensors["stale_policy"]["pending_from_actor"]
@@ -139,7 +137,7 @@ def test_a_resume_continues_the_lag_and_refuses_another_k(tiny_model, tmp_path):
 
 
 def test_kill_9_then_resume_with_staleness_matches_an_uninterrupted_run(tiny_model, tmp_path):
-    iterations, extra = 8, ("rollout_staleness=2",)
+    iterations, extra = 8, ("rollout.staleness=2",)
     interrupted, reference = tmp_path / "interrupted", tmp_path / "reference"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(toy_train_command(tiny_model, interrupted, iterations, extra=extra), env=env, cwd=REPO,
@@ -164,7 +162,7 @@ def test_kill_9_then_resume_with_staleness_matches_an_uninterrupted_run(tiny_mod
 
 def test_a_stale_run_replays_exactly(tiny_model, tmp_path):
     run = tmp_path / "run"
-    Trainer(stale_config(tiny_model, run, 1, iterations=3, save_rollouts=True), report=lambda _: None).train()
+    Trainer(stale_config(tiny_model, run, 1, iterations=3, logging=dict(save_rollouts=True)), report=lambda _: None).train()
     replay(run, None, str(tmp_path / "again"), report=lambda _: None)
     original, again = read_metrics(run), read_metrics(tmp_path / "again")
     assert len(original) == len(again) == 3

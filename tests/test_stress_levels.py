@@ -24,32 +24,32 @@ def plan(name, extra=(), versions=10, tier=stress.TOY, table=KNOWN):
 def test_a_lag_level_trains_n_plus_k_iterations_at_one_step_each():
     lag16 = plan("lag16")
     assert lag16.iterations == 26 and lag16.staleness == 16 and lag16.steps_per_iteration == 1
-    assert lag16.sets == ["ppo_epochs=1", "prompts_per_iteration=8", "mini_batch_size=32", "micro_batch_size=16",
-                          "actor_lr=0.003", "critic_lr=0.003", "rollout_staleness=16", "probe_every=4"]
+    assert lag16.sets == ["optimizer.epochs=1", "rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=32", "optimizer.micro_batch_size=16",
+                          "optimizer.actor_lr=0.003", "optimizer.critic_lr=0.003", "rollout.staleness=16", "monitor.probe_every=4"]
     assert plan("lag0").sets == [s.replace("16", "0") if s.startswith("rollout") else s for s in lag16.sets]
 
 
 def test_mini_batches_split_the_runs_actual_batch_not_a_tier_constant():
     # 4 prompts x 4 samples = 16 trajectories: 4 mini-batches are 4 trajectories each (a constant 32 made 8)
-    reuse = plan("reuse4x4", ["prompts_per_iteration=4"])
-    assert "mini_batch_size=4" in reuse.sets and "micro_batch_size=4" in reuse.sets
+    reuse = plan("reuse4x4", ["rollout.prompts_per_iteration=4"])
+    assert "optimizer.mini_batch_size=4" in reuse.sets and "optimizer.micro_batch_size=4" in reuse.sets
     assert reuse.steps_per_iteration == 16
     with pytest.raises(SystemExit, match="mini_batches=4 does not divide the run's batch of 15"):
-        plan("reuse4x4", ["prompts_per_iteration=5", "samples_per_prompt=3"])
+        plan("reuse4x4", ["rollout.prompts_per_iteration=5", "rollout.samples_per_prompt=3"])
 
 
 def test_the_step_matched_control_takes_the_same_steps_on_the_same_mini_batch_size_each_on_fresh_rollouts():
     reuse, control = plan("reuse2x4"), plan("steps8")
     assert reuse.steps_per_iteration == 8 and reuse.versions == control.versions == 40 and reuse.iterations == 40
-    assert "mini_batch_size=8" in reuse.sets and "mini_batch_size=8" in control.sets
-    assert "prompts_per_iteration=2" in control.sets and control.steps_per_iteration == 1
+    assert "optimizer.mini_batch_size=8" in reuse.sets and "optimizer.mini_batch_size=8" in control.sets
+    assert "rollout.prompts_per_iteration=2" in control.sets and control.steps_per_iteration == 1
     assert control.iterations == 320 and control.scale == 8  # 8x the iterations, one step on 8 fresh trajectories
-    assert "probe_every=8" in control.sets and "probe_every=1" in reuse.sets  # probes at the same step counts
+    assert "monitor.probe_every=8" in control.sets and "monitor.probe_every=1" in reuse.sets  # probes at the same step counts
     quick_reuse, quick_control = plan("reuse2x2", versions=3), plan("steps4", versions=3)
     assert (quick_reuse.iterations, quick_control.iterations) == (3, 12)  # no versions knob: the grid's N
-    assert "probe_every=4" in quick_reuse.sets and "probe_every=16" in quick_control.sets
-    with pytest.raises(SystemExit, match="prompts_per_iteration=6 does not split into its 4 mini-batches"):
-        plan("steps8", ["prompts_per_iteration=6"])
+    assert "monitor.probe_every=4" in quick_reuse.sets and "monitor.probe_every=16" in quick_control.sets
+    with pytest.raises(SystemExit, match="rollout.prompts_per_iteration=6 does not split into its 4 mini-batches"):
+        plan("steps8", ["rollout.prompts_per_iteration=6"])
 
 
 def test_the_critic_lr_moves_with_the_actor_only_when_the_level_says_so():
@@ -59,7 +59,7 @@ def test_the_critic_lr_moves_with_the_actor_only_when_the_level_says_so():
     hot, both = plan("hot", table=table), plan("hot_both", table=table)
     assert (hot.actor_lr, hot.critic_lr) == pytest.approx((0.03, 0.003))
     assert (both.actor_lr, both.critic_lr) == pytest.approx((0.03, 0.03))
-    assert "critic_lr=0.003" in hot.sets and "critic_lr=0.03" in both.sets
+    assert "optimizer.critic_lr=0.003" in hot.sets and "optimizer.critic_lr=0.03" in both.sets
 
 
 def test_parse_level_keeps_unnamed_knobs_and_reads_values_as_yaml():
@@ -72,7 +72,7 @@ def test_parse_level_keeps_unnamed_knobs_and_reads_values_as_yaml():
 
 
 def test_options_this_stppo_lacks_are_named():
-    assert levels.missing_options(["rollout_staleness=1", "algorithm.clip_high=0.3", "no_such_option=1",
+    assert levels.missing_options(["rollout.staleness=1", "algorithm.clip_high=0.3", "no_such_option=1",
                                    "algorithm.no_such_field=2"]) == ["no_such_option", "algorithm.no_such_field"]
     assert levels.has_option("probe_every") and not levels.has_option("no_such_option")
 

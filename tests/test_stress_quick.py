@@ -45,8 +45,8 @@ def test_default_rules_are_ppo_and_st_ppo_core_and_all_name_more(tmp_path):
 
 
 def test_options_the_levels_own_are_refused_in_set():
-    with pytest.raises(SystemExit, match="--set actor_lr=0.1: levels set ppo_epochs, mini_batch_size"):
-        stress.parse_args(["--set", "actor_lr=0.1"])
+    with pytest.raises(SystemExit, match="--set optimizer.actor_lr=0.1: levels set ppo_epochs, mini_batch_size"):
+        stress.parse_args(["--set", "optimizer.actor_lr=0.1"])
 
 
 def test_a_level_needing_an_option_this_stppo_lacks_is_refused_before_anything_runs(tmp_path):
@@ -102,8 +102,8 @@ def test_quick_grid_runs_the_lag_and_reuse_ladders_version_aligned_resumes_and_r
     report = (out / "report.md").read_text()
     assert "tier toy (--quick: plumbing" in report and CRITERION in report
     assert "| toy | lag2 | narrow_ppo | 1 | 0/1 |" in report or "| toy | lag2 | narrow_ppo | 1 | 1/1 |" in report
-    assert "ppo_epochs=1 prompts_per_iteration=4 mini_batch_size=16 micro_batch_size=16 actor_lr=0.003 " \
-           "critic_lr=0.003 probe_every=4" in report  # steps4: half the prompts, 4x the probe interval
+    assert "optimizer.epochs=1 prompts_per_iteration=4 mini_batch_size=16 micro_batch_size=16 actor_lr=0.003 " \
+           "optimizer.critic_lr=0.003 probe_every=4" in report  # steps4: half the prompts, 4x the probe interval
     assert (out / "figures" / "stress-collapse.png").stat().st_size > 0
     # the selection's own copy, which a later --report-only over other levels leaves alone
     kept = sorted((out / "reports").glob("*.md"))
@@ -117,7 +117,7 @@ def test_quick_grid_runs_the_lag_and_reuse_ladders_version_aligned_resumes_and_r
     assert {p: json.loads(p.read_text())["wall_s"] for p in out.glob("runs/*/*/s0/stress.json")} == walls
     # other options for the same folder are refused, not mixed in
     other = run_stress("--quick", "--out", str(out), "--import", str(plugin), "--rules", "ppo",
-                       "--set", "probe_prompts=5")
+                       "--set", "monitor.probe_prompts=5")
     assert other.returncode != 0 and "use another --out" in other.stderr
     # --report-only leaves a run without its done marker (as while it trains) alone and marks the grid incomplete
     (out / "runs" / "lag2" / "ppo" / "s0" / "done").unlink()

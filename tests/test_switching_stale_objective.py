@@ -27,7 +27,7 @@ def recorded(run: Path) -> dict:
 
 def test_resume_and_replay_switch_an_auto_correction_to_the_decoupled_objective(tiny_model, tmp_path, capsys):
     run = tmp_path / "run"
-    command = toy_train_command(tiny_model, run, 2, extra=("rollout_staleness=1", "save_rollouts=true"))[3:]
+    command = toy_train_command(tiny_model, run, 2, extra=("rollout.staleness=1", "logging.save_rollouts=true"))[3:]
     assert stppo(*command, capsys=capsys).returncode == 0
     config = recorded(run)
     assert config["algorithm"]["rollout_correction"] == config["algorithm"]["rollout_correction_level"] == "auto"
@@ -35,7 +35,7 @@ def test_resume_and_replay_switch_an_auto_correction_to_the_decoupled_objective(
     assert "rollout_correction/masked_frac" not in read_metrics(run)[-1]
 
     replayed = tmp_path / "replay"
-    done = stppo("replay", str(run), "--output-dir", str(replayed), "--set", "stale_objective=decoupled",
+    done = stppo("replay", str(run), "--output-dir", str(replayed), "--set", "rollout.stale_objective=decoupled",
                  capsys=capsys)
     assert done.returncode == 0, done.stderr
     assert json.loads((replayed / "replay.json").read_text())["rollout_correction"] == "mis"
@@ -43,8 +43,8 @@ def test_resume_and_replay_switch_an_auto_correction_to_the_decoupled_objective(
     assert all("rollout_correction/masked_frac" in record for record in read_metrics(replayed))
 
     resumed = stppo(*toy_train_command(tiny_model, run, 3, resume=True,
-                                       extra=("rollout_staleness=1", "save_rollouts=true",
-                                              "stale_objective=decoupled"))[3:], capsys=capsys)
+                                       extra=("rollout.staleness=1", "logging.save_rollouts=true",
+                                              "rollout.stale_objective=decoupled"))[3:], capsys=capsys)
     assert resumed.returncode == 0, resumed.stderr
     assert "rollout_correction/masked_frac" in read_metrics(run)[-1] and read_metrics(run)[-1]["step"] == 3
     config = recorded(run)
@@ -54,14 +54,14 @@ def test_resume_and_replay_switch_an_auto_correction_to_the_decoupled_objective(
 
 def test_a_correction_set_by_hand_stays_set(tiny_model, tmp_path, capsys):
     run = tmp_path / "run"
-    command = toy_train_command(tiny_model, run, 1, extra=("rollout_staleness=1", "algorithm.rollout_correction=tis",
+    command = toy_train_command(tiny_model, run, 1, extra=("rollout.staleness=1", "algorithm.rollout_correction=tis",
                                                            "algorithm.rollout_correction_cap=3"))[3:]
     assert stppo(*command, capsys=capsys).returncode == 0
     config = recorded(run)
     assert config["algorithm"]["rollout_correction"] == "tis" and config["algorithm"]["rollout_correction_cap"] == 3
     assert config["algorithm_resolved"] == {"rollout_correction_level": "turn"}
     resumed = stppo(*toy_train_command(tiny_model, run, 2, resume=True,
-                                       extra=("rollout_staleness=1", "stale_objective=decoupled"))[3:], capsys=capsys)
+                                       extra=("rollout.staleness=1", "rollout.stale_objective=decoupled"))[3:], capsys=capsys)
     assert resumed.returncode == 0, resumed.stderr
     assert "rollout_correction/truncated_frac" in read_metrics(run)[-1]  # still tis, now per token
     assert recorded(run)["algorithm_resolved"] == {"rollout_correction_level": "token"}

@@ -20,7 +20,7 @@ def run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("torn")
     model = build_tiny_llama(root / "model", word_tokenizer())
     out = root / "run"
-    assert main(toy_train_command(model, out, 3, extra=("on_collapse=none",))[3:]) == 0
+    assert main(toy_train_command(model, out, 3, extra=("monitor.on_collapse=none",))[3:]) == 0
     return out
 
 

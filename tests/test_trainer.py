@@ -15,7 +15,8 @@ from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_to
 from stppo_agent.runs.checkpoint import CorruptCheckpointError, load_trainer_state, valid_checkpoints
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.run_folder import pick_checkpoint
-from stppo_agent.training.config import TrainConfig, load_config
+from stppo_agent.training.config import TrainConfig, from_dict, load_config, merged
+from stppo_agent.training.config_sections import DistributedConfig, OptimizerConfig, PrecisionConfig
 from stppo_agent.training.ppo_update import TrainingDivergedError
 from stppo_agent.training.trainer import Trainer
 
@@ -30,13 +31,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def toy_config(model: Path, out: Path, algo: str, **overrides) -> TrainConfig:
-    values = dict(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=14,
-                  prompts_per_iteration=8, samples_per_prompt=8, mini_batch_size=32, micro_batch_size=16,
-                  ppo_epochs=2, actor_lr=3e-3, critic_lr=3e-3, max_turns=2, max_new_tokens_per_turn=1,
-                  max_prompt_tokens=8, max_total_tokens=32, progress=False, tensorboard=False, save_every=100,
-                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0})
-    values.update(overrides)
-    return TrainConfig(**values)
+    values = dict(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=14, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(rollout=dict(prompts_per_iteration=8, samples_per_prompt=8, max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32)), optimizer=dict(epochs=2, optimizer=dict(mini_batch_size=32, micro_batch_size=16, actor_lr=3e-3, critic_lr=3e-3)), logging=dict(logging=dict(progress=False, tensorboard=False)), checkpoint=dict(every=100))
+    values = merged(values, overrides)
+    return from_dict(values)
 
 
 def rewards(out: Path) -> list[float]:
@@ -92,8 +89,7 @@ def test_nan_losses_are_skipped_then_stop_the_run(tiny_model, tmp_path):
         batch.rewards[:] = float("nan")
 
     messages = []
-    config = toy_config(tiny_model, tmp_path, "grpo", iterations=5, max_nan_skips=2, ppo_epochs=1,
-                        mini_batch_size=64, micro_batch_size=32)
+    config = toy_config(tiny_model, tmp_path, "grpo", iterations=5, monitor=dict(max_nan_skips=2), optimizer=dict(epochs=1, mini_batch_size=64, micro_batch_size=32))
     with pytest.raises(TrainingDivergedError, match="3 consecutive updates had NaN/inf"):
         Trainer(config, report=messages.append, batch_hook=poison).train()
     assert sum("update skipped" in m for m in messages) == 3
@@ -102,7 +98,7 @@ def test_nan_losses_are_skipped_then_stop_the_run(tiny_model, tmp_path):
 def test_checkpoint_is_a_plain_hf_folder_and_corruption_is_reported(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    Trainer(toy_config(tiny_model, tmp_path, "st_ppo", iterations=4, save_every=2, keep_checkpoints=3)).train()
+    Trainer(toy_config(tiny_model, tmp_path, "st_ppo", iterations=4, checkpoint=dict(every=2, keep=3))).train()
     step4 = tmp_path / "checkpoints" / "step-4"
     actor = AutoModelForCausalLM.from_pretrained(step4 / "actor")
     critic = AutoModelForTokenClassification.from_pretrained(step4 / "critic")
@@ -163,7 +159,7 @@ def test_config_layers_yaml_flags_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("algo: grpo\niterations: 7\nactor_lr: 1\nalgorithm:\n  clip_high: 0.28\n")
     config = load_config(path, ["iterations=9", "algorithm.clip_low=0.1", "env_kwargs.topk=5"], model="m", algo=None)
-    assert (config.algo, config.iterations, config.actor_lr, config.model) == ("grpo", 9, 1.0, "m")
+    assert (config.algo, config.iterations, config.optimizer.actor_lr, config.model) == ("grpo", 9, 1.0, "m")
     algo = config.algorithm_config()
     assert (algo.clip_high, algo.clip_low, algo.advantage) == (0.28, 0.1, "grpo")
     assert config.env_kwargs == {"topk": 5}
@@ -174,16 +170,16 @@ def test_config_layers_yaml_flags_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="iterations expects int"):
         load_config(None, ["iterations=many"])
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        TrainConfig(model="m", mini_batch_size=6, micro_batch_size=4).validate()
+        TrainConfig(model="m", optimizer=OptimizerConfig(mini_batch_size=6, micro_batch_size=4)).validate()
     with pytest.raises(KeyError, match="unknown algorithm 'stppo'"):
         TrainConfig(model="m", algo="stppo").validate()
     with pytest.raises(ValueError, match="strategy must be ddp or fsdp2"):
-        TrainConfig(model="m", strategy="zero3").validate()
-    load_config(None, ["model=m", "strategy=fsdp2", "fsdp_compute_dtype=bfloat16"]).validate()
+        TrainConfig(model="m", distributed=DistributedConfig(strategy="zero3")).validate()
+    load_config(None, ["model=m", "distributed.strategy=fsdp2", "precision.fsdp_compute_dtype=bfloat16"]).validate()
     with pytest.raises(ValueError, match="fsdp_compute_dtype needs strategy=fsdp2"):
-        TrainConfig(model="m", fsdp_compute_dtype="bfloat16").validate()
+        TrainConfig(model="m", precision=PrecisionConfig(fsdp_compute_dtype="bfloat16")).validate()
     with pytest.raises(ValueError, match="must be bfloat16 or float16"):
-        TrainConfig(model="m", strategy="fsdp2", fsdp_compute_dtype="int8").validate()
+        TrainConfig(model="m", distributed=DistributedConfig(strategy="fsdp2"), precision=PrecisionConfig(fsdp_compute_dtype="int8")).validate()
     saved = tmp_path / "saved.yaml"
     saved.write_text(config.to_yaml())
     assert load_config(saved) == config
@@ -197,7 +193,7 @@ def test_metrics_file_is_json_lines(tiny_model, tmp_path):
 
 
 def test_bfloat16_and_gradient_checkpointing_options_train(tiny_model, tmp_path):
-    config = toy_config(tiny_model, tmp_path, "st_ppo", iterations=2, dtype="bfloat16", gradient_checkpointing=True)
+    config = toy_config(tiny_model, tmp_path, "st_ppo", iterations=2, precision=dict(dtype="bfloat16"), optimizer=dict(gradient_checkpointing=True))
     trainer = Trainer(config)
     from stppo_agent.models.loading import is_checkpointing
 

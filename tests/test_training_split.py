@@ -10,15 +10,16 @@ import yaml
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.envs import make_env
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, from_dict, merged
+from stppo_agent.training.config_sections import LoggingConfig
 from stppo_agent.training.trainer import Trainer
 from stppo_agent.training.training_split import with_training_split
 
 
 def config(**overrides) -> TrainConfig:
     values = dict(model="m", env="stppo/NQ-v0,stppo/HotpotQA-v0")
-    values.update(overrides)
-    return TrainConfig(**values)
+    values = merged(values, overrides)
+    return from_dict(values)
 
 
 def test_a_new_run_on_search_envs_trains_on_the_train_split():
@@ -52,8 +53,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def test_the_trainer_plays_train_questions_and_records_the_split(tiny_model, tmp_path):
-    trainer = Trainer(TrainConfig(model=str(tiny_model), env="stppo/NQ-v0", output_dir=str(tmp_path), iterations=1,
-                                  progress=False, tensorboard=False), report=lambda _: None)
+    trainer = Trainer(TrainConfig(model=str(tiny_model), env="stppo/NQ-v0", output_dir=str(tmp_path), iterations=1, logging=LoggingConfig(progress=False, tensorboard=False)), report=lambda _: None)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["env_kwargs"]["split"] == "train"
     env = make_env("stppo/NQ-v0", trainer.source.env_kwargs[0])
     ids = {example.id for example in env.examples}

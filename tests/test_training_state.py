@@ -13,7 +13,7 @@ import torch
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.checkpoint import load_trainer_state
-from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.live_rollouts import PromptSampler
 from stppo_agent.training.model_setup import build_state
 from stppo_agent.training.state import Restore, TrainingState
@@ -25,11 +25,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def run_config(model: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), rollout_staleness=1,
-                  actor_lr=1e-2, critic_lr=2e-2, warmup_steps=4, progress=False, tensorboard=False,
-                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0})
-    values.update(overrides)
-    return TrainConfig(**values)
+    values = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(staleness=1), optimizer=dict(optimizer=dict(actor_lr=1e-2, critic_lr=2e-2, warmup_steps=4)), logging=dict(logging=dict(progress=False, tensorboard=False)))
+    values = merged(values, overrides)
+    return from_dict(values)
 
 
 def state_of(config: TrainConfig, checkpoint: Path | None = None) -> TrainingState:

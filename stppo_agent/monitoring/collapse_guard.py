@@ -119,7 +119,7 @@ class CollapseGuard:
         known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
         if config.monitor.on_collapse == "warn":
             return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
-                                    f"falls, lower actor_lr or use --set on_collapse=rollback.")
+                                    f"falls, lower actor_lr or use --set monitor.on_collapse=rollback.")
         if config.monitor.on_collapse == "rollback":
             if self.rollbacks >= config.monitor.max_rollbacks:
                 return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (max_rollbacks="
@@ -137,14 +137,14 @@ class CollapseGuard:
                                         "optimizer state (written under checkpoint_optimizer=newest, which keeps it "
                                         f"in the newest only). Stopping; its weights start a new run: --model "
                                         f"{folders / f'step-{healthy[-1]}' / 'actor'}, or continue with --resume "
-                                        "--set actor_lr=<lower>.")
+                                        "--set optimizer.actor_lr=<lower>.")
             factor = config.monitor.rollback_lr_factor
             rate = config.optimizer.actor_lr * actor_lr_scale * factor  # compounded over earlier rollbacks
             return Decision("rollback", f"{head}. Rolling back to step-{resumable[-1]} with the actor learning "
                                         f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
                                         f"{config.monitor.max_rollbacks}).", rollback_to=resumable[-1])
         return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
-                                f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
+                                f"--set optimizer.actor_lr=<lower>, or use --set monitor.on_collapse=rollback.")
 
     # -- after a rollback --------------------------------------------------------------------------------
     def rolled_back(self, step: int) -> None:

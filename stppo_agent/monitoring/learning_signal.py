@@ -51,8 +51,8 @@ def advice(reason: str, config) -> str:
 
         cause = "the model never (or always) produces a rewarded action at these settings"
         search = any(is_search_env(e.strip()) for e in config.env.split(",") if e.strip())
-        tries = ", ".join(["longer turns (--set max_new_tokens_per_turn=...)",
-                           "more samples (--set samples_per_prompt=...)",
+        tries = ", ".join(["longer turns (--set rollout.max_new_tokens_per_turn=...)",
+                           "more samples (--set rollout.samples_per_prompt=...)",
                            *(["a shaped reward (--set env_kwargs.format_reward=0.2)", "a warm start (stppo sft)"]
                              if search else ["a model whose vocabulary holds the env's words (--model tiny on "
                                              "stppo/Toy-v0)"])])

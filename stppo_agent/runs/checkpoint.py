@@ -217,7 +217,7 @@ def _check_range(state: dict[str, torch.Tensor], dtype: str, what: str) -> None:
         if largest > limit:
             raise ValueError(f"checkpoint_dtype=float16 cannot hold the {what}'s {name} (|w| up to {largest:.3g}, "
                              f"float16 ends at {limit:.0f}): it would be written as inf. Rerun with --resume --set "
-                             "checkpoint_dtype=bfloat16 (float32's range)")
+                             "checkpoint.dtype=bfloat16 (float32's range)")
 
 
 def _record_dtype(folder: Path, dtype: str) -> None:
@@ -246,7 +246,7 @@ def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_colla
     if optimizer_policy != "all" and on_collapse == "rollback":
         dropped = "drops" if optimizer_policy == "newest" else "never writes"
         raise ValueError(f"checkpoint_optimizer={optimizer_policy} {dropped} the optimizer state that "
-                         "on_collapse=rollback restores from an older checkpoint: use checkpoint_optimizer=all with "
+                         "monitor.on_collapse=rollback restores from an older checkpoint: use checkpoint_optimizer=all with "
                          "rollback")
 
 
@@ -377,7 +377,7 @@ def why_no_optimizer_state(folder: Path) -> str:
         policy = None
     if policy == "none":
         return "its run wrote none: checkpoint_optimizer=none"
-    return "checkpoint_optimizer=newest keeps it in the newest checkpoint only"
+    return "checkpoint.optimizer=newest keeps it in the newest checkpoint only"
 
 
 def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -155,7 +155,7 @@ def read_format(folder: Path) -> dict[str, Any]:
     path = folder / "format.json"
     if not path.exists():
         raise FileNotFoundError(f"{folder.parent} has no recorded rollouts ({path} is missing): train it with "
-                                "--set save_rollouts=true to record them")
+                                "--set logging.save_rollouts=true to record them")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT_NAME or meta.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: unsupported rollout format {meta.get('format')!r} v{meta.get('version')} "

@@ -316,3 +316,16 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if target is list and isinstance(value, (list, str)):
         return [value] if isinstance(value, str) else list(value)
     raise ValueError(f"config field {key} expects {getattr(target, '__name__', target)}, got {value!r}")
+
+
+def merged(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Nested config mappings laid over one another: a section's keys are merged one by one
+    (``merged({"rollout": {"max_turns": 2}}, {"rollout": {"top_k": 5}})`` keeps both), any other key replaced."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key in SECTIONS and isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **value}
+            else:
+                out[key] = value
+    return out

@@ -87,7 +87,7 @@ def check_staleness(config) -> None:
 
 
 def check_old_logprobs(config) -> None:
-    """old_logprobs=sampler takes the ratio's denominator from the sampler, so the combinations that need the
+    """rollout.old_logprobs=sampler takes the ratio's denominator from the sampler, so the combinations that need the
     recomputed one are refused: a rollout correction (its weight pi_old / pi_sample is then 1 on every token) and
     the decoupled objective (its ratio is against the current weights, recomputed before the update)."""
     rollout = config.rollout

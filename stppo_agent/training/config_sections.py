@@ -159,9 +159,9 @@ class MonitorConfig:
     thresholds: dict = dataclasses.field(default_factory=lambda: {"kl_to_reference": 1.0})
     """Absolute limits of signals, active from the first iteration (--set monitor.thresholds.KEY=LIMIT)."""
     rollback_lr_factor: float = 0.5
-    """on_collapse=rollback: the actor learning rate is multiplied by this at each rollback."""
+    """monitor.on_collapse=rollback: the actor learning rate is multiplied by this at each rollback."""
     max_rollbacks: int = 2
-    """on_collapse=rollback: rollbacks before an alarm stops the run instead."""
+    """monitor.on_collapse=rollback: rollbacks before an alarm stops the run instead."""
     max_nan_skips: int = 3
     """Consecutive skipped updates (NaN/inf loss or gradient) before the run stops."""
     max_search_error_rate: float = 0.05

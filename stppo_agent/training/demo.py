@@ -12,6 +12,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from stppo_agent.training.config_sections import (
+    CheckpointConfig,
+    LoggingConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RolloutConfig,
+)
 from stppo_agent.training.demo_progress import DemoProgress
 from stppo_agent.training.demo_report import (  # noqa: F401 (EXPECTED_RANGES: the demo's public figures)
     EXPECTED_RANGES,
@@ -63,7 +71,10 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
         # at temperature 1, a question's 4 rewards differed in 6 of 8 questions); DAPO's dynamic sampling draws
         # another question while all 4 earned the same reward, so the update always has something to learn (2
         # samples of 2 questions without resampling all earned 0.2 in a run on another CPU: nothing to learn).
-        prompts_per_iteration=1, samples_per_prompt=4,
+        rollout=RolloutConfig(prompts_per_iteration=1, samples_per_prompt=4, max_turns=DEMO_MAX_TURNS,
+                              max_new_tokens_per_turn=DEMO_MAX_NEW_TOKENS,
+                              max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS, max_prompt_tokens=400,
+                              max_total_tokens=768),
         algorithm={"dynamic_sampling": True, "max_resample_rounds": DEMO_MAX_RESAMPLE_ROUNDS},
         # Two mini-batches x two epochs: 3 of every 4 optimizer steps are off-policy, and the second epoch revisits
         # data the first already pushed -- where ST-PPO's turn-level clipping and clip-bias correction act (measured:
@@ -72,19 +83,17 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
         # of twenty broke the warm start's answer format (answer rate 0.58 after RL); 1.5e-5 on its batch kept it
         # (0.96) with turn_clip_frac 0.20 and a max clip_bias_scale of 1.75 -- yet at 1.5e-5 another seed of twenty
         # broke it (docs/demo.md, "Measured"): the rate alone does not make the format hold.
-        mini_batch_size=2, micro_batch_size=2, ppo_epochs=2, actor_lr=settings.lr,
-        critic_lr=1e-5, max_turns=DEMO_MAX_TURNS,
-        max_new_tokens_per_turn=DEMO_MAX_NEW_TOKENS, max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS,
-        max_prompt_tokens=400, max_total_tokens=768,
+        optimizer=OptimizerConfig(mini_batch_size=2, micro_batch_size=2, epochs=2, actor_lr=settings.lr,
+                                  critic_lr=1e-5),
         # A rollback needs a recent healthy checkpoint to return to: then one is written every iteration.
-        save_every=1 if settings.on_collapse == "rollback" else settings.iterations, keep_checkpoints=1,
         # The demo evaluates its checkpoint and never resumes it: without AdamW's moments it is 1.1 GB, not 3.2.
-        checkpoint_optimizer="all" if settings.on_collapse == "rollback" else "none",
+        checkpoint=CheckpointConfig(every=1 if settings.on_collapse == "rollback" else settings.iterations, keep=1,
+                                    optimizer="all" if settings.on_collapse == "rollback" else "none"),
         device="auto", seed=settings.seed,
         # auto: bfloat16 forwards on a GPU or an AMX CPU, where they are faster
-        autocast_dtype=None if settings.autocast_dtype == "none" else settings.autocast_dtype,
-        progress=False,  # the demo's own display reports each rollout turn and update step
-        step_diagnostics=True, on_collapse=settings.on_collapse)
+        precision=PrecisionConfig(autocast_dtype=None if settings.autocast_dtype == "none" else settings.autocast_dtype),
+        # progress off: the demo's own display reports each rollout turn and update step
+        logging=LoggingConfig(progress=False, step_diagnostics=True), monitor=MonitorConfig(on_collapse=settings.on_collapse))
 
 
 class DemoTrainer(Trainer):

@@ -11,14 +11,14 @@ Replaying iteration k through algorithm B means: the batch that A's policy sampl
 updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
 recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
 (old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B. (A replay through
-another algorithm therefore uses ``old_logprobs=recompute``; ``--set old_logprobs=sampler`` takes the recorded
+another algorithm therefore uses ``old_logprobs=recompute``; ``--set rollout.old_logprobs=sampler`` takes the recorded
 sampler's log-probs instead, A's, and no step is then on-policy for B.)
 
 The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
 the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay (through the recorded
 algorithm or another) keeps the recorded run's correction and cap as the run asked for them: a value it set, or
 ``auto`` resolved against the backend and sampler precision that sampled the recorded batches, under the replay's
-own rule and objective (``--set stale_objective=decoupled`` then gets the decoupled objective's per-token mis).
+own rule and objective (``--set rollout.stale_objective=decoupled`` then gets the decoupled objective's per-token mis).
 Through another algorithm the level follows the replayed rule as ``auto`` would have chosen it (turn level for
 turn-level rules) unless the recorded run set it explicitly. An explicit ``--set algorithm.rollout_correction...``
 wins. The replay says which it used.
