@@ -105,7 +105,16 @@ class StppoSide:
         from stppo_agent.training.config import TrainConfig
         from stppo_agent.training.trainer import Trainer
 
-        config = TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, env=s.env, env_kwargs=s.env_kwargs, model=s.model, output_dir=tempfile.mkdtemp(prefix="peers-stppo-"), iterations=s.iterations, device=s.device, seed=s.seed, rollout=RolloutConfig(prompts_per_iteration=s.prompts, samples_per_prompt=s.samples, generation_batch_size=s.prompts * s.samples, max_turns=1, max_new_tokens_per_turn=s.new_tokens), optimizer=OptimizerConfig(mini_batch_size=s.prompts * s.samples, micro_batch_size=s.micro, actor_lr=s.lr), logging=LoggingConfig(progress=False, tensorboard=False), checkpoint=CheckpointConfig(every=10**9), monitor=MonitorConfig(on_collapse="none"))
+        config = TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, env=s.env, env_kwargs=s.env_kwargs,
+                             model=s.model, output_dir=tempfile.mkdtemp(prefix="peers-stppo-"), iterations=s.iterations,
+                             device=s.device, seed=s.seed,
+                             rollout=RolloutConfig(prompts_per_iteration=s.prompts, samples_per_prompt=s.samples,
+                                                   generation_batch_size=s.prompts * s.samples, max_turns=1,
+                                                   max_new_tokens_per_turn=s.new_tokens),
+                             optimizer=OptimizerConfig(mini_batch_size=s.prompts * s.samples, micro_batch_size=s.micro,
+                                                       actor_lr=s.lr),
+                             logging=LoggingConfig(progress=False, tensorboard=False),
+                             checkpoint=CheckpointConfig(every=10**9), monitor=MonitorConfig(on_collapse="none"))
         self.trainer = Trainer(config, report=lambda _: None)
         self.generate_seconds = [0.0]
         self.trainer.backend.generate = timed(self.trainer.backend.generate, self.generate_seconds)
@@ -113,7 +122,8 @@ class StppoSide:
 
     def settings(self) -> dict:
         trainer, sampling, actor = self.trainer, self.trainer.config.sampling(), self.trainer.state.actor
-        return {**optimizer_settings(trainer.state.actor_optimizer), "max_grad_norm": trainer.config.optimizer.max_grad_norm,
+        return {**optimizer_settings(trainer.state.actor_optimizer),
+                "max_grad_norm": trainer.config.optimizer.max_grad_norm,
                 "dtype": str(next(actor.parameters()).dtype), "attention": actor.config._attn_implementation,
                 "gradient_checkpointing": actor.is_gradient_checkpointing, "bf16": False,
                 "reference_model": trainer.state.reference is not None, "threads": threads(),

@@ -209,14 +209,23 @@ def attack_checkpoints(trials: int) -> tuple[bool, list[str]]:
     from stppo_agent.models.tiny import build_tiny_llama
     from stppo_agent.runs.checkpoint import CorruptCheckpointError, list_checkpoints
     from stppo_agent.training.config import TrainConfig
+    from stppo_agent.training.config_sections import (
+        CheckpointConfig,
+        LoggingConfig,
+        MonitorConfig,
+        OptimizerConfig,
+        RolloutConfig,
+    )
     from stppo_agent.training.trainer import Trainer
 
     scratch = Path(tempfile.mkdtemp())
     model = build_tiny_llama(scratch / "model")
-    config = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), iterations=3, prompts_per_iteration=2,
-                  samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, max_turns=2,
-                  max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32, progress=False,
-                  tensorboard=False, save_every=1, keep_checkpoints=3, on_collapse="none")
+    config = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), iterations=3,
+                  rollout=RolloutConfig(prompts_per_iteration=2, samples_per_prompt=2, max_turns=2,
+                                        max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32),
+                  optimizer=OptimizerConfig(mini_batch_size=4, micro_batch_size=2),
+                  logging=LoggingConfig(progress=False, tensorboard=False),
+                  checkpoint=CheckpointConfig(every=1, keep=3), monitor=MonitorConfig(on_collapse="none"))
     base = scratch / "run"
     Trainer(TrainConfig(output_dir=str(base), **config), report=lambda _: None).train()
     rng = random.Random(0)

@@ -38,7 +38,7 @@ def lag_levels(lags) -> list[str]:
     """``--level`` definitions of lags not on stress.py's ladder (lag0, lag4, lag16, lag32, lag64 are)."""
     from stress_levels import LADDER
 
-    return [f"lag{k}:rollout_staleness={k},control=lag0" for k in lags if f"lag{k}" not in LADDER]
+    return [f"lag{k}:rollout.staleness={k},control=lag0" for k in lags if f"lag{k}" not in LADDER]
 
 
 def stress_argv(args, lags, rules, seeds: str, versions: int) -> list[str]:

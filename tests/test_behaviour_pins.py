@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, kl_reward_penalty
-from stppo_agent.training.config import merged
 from stppo_agent.algorithms.losses import explained_variance, value_loss
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.trainer import Trainer
 from stppo_envs.actions import ActionType, parse_action
 from stppo_envs.scoring import exact_match, f1_score, normalize_answer
@@ -26,7 +26,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def small(model, out, algo="ppo", **overrides):
-    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2), optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=1e-2, critic_lr=1e-2), checkpoint=dict(every=1))
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2),
+                  optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=1e-2, critic_lr=1e-2),
+                  checkpoint=dict(every=1))
     values = merged(values, overrides)
     return toy_config(model, out, algo, **values)
 

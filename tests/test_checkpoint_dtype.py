@@ -23,7 +23,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):
-    return stppo(*toy_train_command(model, run, iterations, resume=resume, extra=("monitor.on_collapse=none", *sets))[3:],
+    return stppo(*toy_train_command(model, run, iterations, resume=resume, extra=("monitor.on_collapse=none",
+                                                                                  *sets))[3:],
                  capsys=capsys)
 
 
@@ -66,7 +67,8 @@ def test_float16_refuses_a_weight_beyond_its_range_and_keeps_the_last_checkpoint
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("monitor.on_collapse=rolback", "on_collapse must be one of none, warn, stop, rollback, got 'rolback' (did you mean "
+    ("monitor.on_collapse=rolback",
+     "on_collapse must be one of none, warn, stop, rollback, got 'rolback' (did you mean "
                             "rollback?)"),
     ("checkpoint.dtype=bfloat61", "checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' (did "
                                   "you mean bfloat16?)"),

@@ -31,7 +31,8 @@ def evaluate(agent: str, out: Path, capsys):
 def test_files_written_inside_the_newest_checkpoint_leave_it_the_one_evaluated_and_resumed(tiny_model, tmp_path,
                                                                                           capsys):
     run = tmp_path / "run"
-    newest = ("checkpoint.optimizer=newest", "monitor.on_collapse=none")  # only step-2 can resume: nothing to fall back on
+    newest = ("checkpoint.optimizer=newest",
+              "monitor.on_collapse=none")  # only step-2 can resume: nothing to fall back on
     assert train(tiny_model, run, 2, *newest, capsys=capsys).returncode == 0
     step2 = run / "checkpoints" / "step-2"
     (step2 / "eval").mkdir()

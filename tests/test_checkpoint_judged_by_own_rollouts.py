@@ -67,7 +67,8 @@ def test_with_stale_rollouts_a_rollback_returns_to_a_checkpoint_whose_own_rollou
     run = tmp_path / "run"
     train(tiny_model, run, 8, "rollout.staleness=2", *QUIET, capsys=capsys)
     # every iteration from 9 on trips (an absolute limit no response stays under) and alarms at once
-    said = train(tiny_model, run, 9, "rollout.staleness=2", *QUIET, "monitor.on_collapse=rollback", "monitor.patience=1",
+    said = train(tiny_model, run, 9, "rollout.staleness=2", *QUIET, "monitor.on_collapse=rollback",
+                 "monitor.patience=1",
                  "monitor.thresholds.response_tokens=0.5", capsys=capsys, resume=True)
     alarm = read_metrics(run)[-1]
     assert alarm["step"] == 9 and alarm["collapse/alarm"] and alarm["collapse/action"] == "rollback"

@@ -27,7 +27,8 @@ def tied_model(tmp_path_factory) -> Path:  # an output head sharing the embeddin
 
 def train(model: Path, run: Path, iterations: int, *sets: str, capsys, resume: bool = False):
     done = stppo(*toy_train_command(model, run, iterations, resume=resume,
-                                    extra=("rollout.staleness=2", "monitor.on_collapse=none", "checkpoint.keep=3", *sets))[3:],
+                                    extra=("rollout.staleness=2", "monitor.on_collapse=none", "checkpoint.keep=3",
+                                           *sets))[3:],
                  capsys=capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     return done

@@ -115,7 +115,8 @@ def test_a_weights_only_run_writes_no_optimizer_state_and_its_resume_is_refused_
     (["--set", "checkpoint.dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
     (["--set", "checkpoint.optimizer=latest"], "checkpoint_optimizer must be all, newest or none"),
     (["--set", "checkpoint.optimizer=newest", "--set", "monitor.on_collapse=rollback"], "use checkpoint_optimizer=all"),
-    (["--set", "checkpoint.optimizer=none", "--set", "monitor.on_collapse=rollback"], "none never writes the optimizer"),
+    (["--set", "checkpoint.optimizer=none", "--set", "monitor.on_collapse=rollback"],
+     "none never writes the optimizer"),
 ])
 def test_bad_checkpoint_settings_are_one_line_before_training(tmp_path, bad, message, capfd, monkeypatch):
     from stppo_agent.cli import main

@@ -120,7 +120,11 @@ def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path
 
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # responses of 1-6 tokens over 1-3 turns, one row per micro-batch: each is trimmed to its own length
-    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", rollout=dict(prompts_per_iteration=6, samples_per_prompt=2, max_turns=3, max_new_tokens_per_turn=2), optimizer=dict(mini_batch_size=12, micro_batch_size=1, epochs=1)), report=lambda _: None)
+    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo",
+                                 rollout=dict(prompts_per_iteration=6, samples_per_prompt=2, max_turns=3,
+                                              max_new_tokens_per_turn=2),
+                                 optimizer=dict(mini_batch_size=12, micro_batch_size=1, epochs=1)),
+                                                                                              report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)
     assert len(set(batch.lengths().tolist())) > 1  # rows differ in length, so trimming has something to trim

@@ -18,7 +18,8 @@ ROWS = [0, 1, 2, 3]  # make_batch's behaviour log-probs are far from the tiny mo
 
 
 def _trainer(order: str, max_grad_norm: float, kappa: float = 1.0):
-    return update_stage("s_ppo", algorithm={"clip_bias_kappa": kappa, "clip_bias_order": order, "kl_in_reward": 0.0}, optimizer=dict(max_grad_norm=max_grad_norm))
+    return update_stage("s_ppo", algorithm={"clip_bias_kappa": kappa, "clip_bias_order": order, "kl_in_reward": 0.0},
+                        optimizer=dict(max_grad_norm=max_grad_norm))
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -124,7 +125,8 @@ def test_the_order_is_checked_and_the_default_is_the_contracts():
 
 
 def test_without_the_correction_nothing_is_scaled_or_reported():
-    t = update_stage("ppo", algorithm={"clip_bias_order": "after_grad_clip", "kl_in_reward": 0.0}, optimizer=dict(max_grad_norm=1e-3), logging=dict(step_diagnostics=True))
+    t = update_stage("ppo", algorithm={"clip_bias_order": "after_grad_clip", "kl_in_reward": 0.0},
+                     optimizer=dict(max_grad_norm=1e-3), logging=dict(step_diagnostics=True))
     out = t.actor_gradients(make_batch().select(ROWS))
     assert "clip_bias_scale" not in out and "clip_bias_changed" not in out and out["clip_bias_norm"] > 0
     applied = _flat([p.grad for p in t.state.actor.parameters() if p.requires_grad])

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
-from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.monitoring.collapse_guard import CollapseStopped
 from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings
@@ -18,6 +17,7 @@ from stppo_agent.runs.checkpoint_health import best_step, checkpoint_reward, hea
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.plots import collapse_events, plot_runs
 from stppo_agent.runs.run_folder import pick_checkpoint
+from stppo_agent.training.config import merged
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
@@ -132,7 +132,8 @@ def test_checkpoint_health_and_best_from_records():
 
 
 def flip_config(model: Path, out: Path, action: str, **overrides):
-    values = dict(iterations=16, env_kwargs={"fixed_target": "red", "reward_flip_episodes": FLIP}, checkpoint=dict(every=1, keep=1), monitor=dict(on_collapse=action))
+    values = dict(iterations=16, env_kwargs={"fixed_target": "red", "reward_flip_episodes": FLIP},
+                  checkpoint=dict(every=1, keep=1), monitor=dict(on_collapse=action))
     values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
@@ -187,7 +188,9 @@ def test_an_alarm_during_the_warm_up_cannot_roll_back_and_stops(tiny_model, tmp_
     # the KL to the reference grows as the policy learns and passes a low absolute limit after a few clean
     # iterations, all inside a long warm-up: their checkpoints are not known healthy (the demo at lr 1e-4 collapsed
     # inside the warm-up, and was first rolled back to a checkpoint that had collapsed already)
-    config = flip_config(tiny_model, tmp_path, "rollback", iterations=10, env_kwargs={}, algorithm={"kl_in_reward": 0.001, "kl_loss_coef": 0.0}, monitor=dict(warmup=12, thresholds={"kl_to_reference": 0.3}))
+    config = flip_config(tiny_model, tmp_path, "rollback", iterations=10, env_kwargs={},
+                         algorithm={"kl_in_reward": 0.001, "kl_loss_coef": 0.0},
+                         monitor=dict(warmup=12, thresholds={"kl_to_reference": 0.3}))
     with pytest.raises(CollapseStopped, match="Cannot roll back: no checkpoint is known healthy"):
         Trainer(config, report=lambda _: None).train()
     records = read_metrics(tmp_path)
@@ -201,7 +204,8 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={}, monitor=dict(rollback_lr_factor=0.25)))
+    trainer = Trainer(flip_config(tiny_model, tmp_path, "none", iterations=2, env_kwargs={},
+                                  monitor=dict(rollback_lr_factor=0.25)))
     trainer.train()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2" / "actor")
     with torch.no_grad():
@@ -218,11 +222,15 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
 def cli_train(model: Path, out: Path, action: str, iterations: int = 16) -> list[str]:
     return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
             "--iterations", str(iterations), "--set", f"on_collapse={action}", "--set", "checkpoint.every=1",
-            "--set", "checkpoint.keep=1", "--set", "rollout.prompts_per_iteration=8", "--set", "rollout.samples_per_prompt=8",
-            "--set", "optimizer.mini_batch_size=32", "--set", "optimizer.micro_batch_size=16", "--set", "optimizer.epochs=2",
+            "--set", "checkpoint.keep=1", "--set", "rollout.prompts_per_iteration=8", "--set",
+            "rollout.samples_per_prompt=8",
+            "--set", "optimizer.mini_batch_size=32", "--set", "optimizer.micro_batch_size=16", "--set",
+            "optimizer.epochs=2",
             "--set", "optimizer.actor_lr=3e-3", "--set", "optimizer.critic_lr=3e-3", "--set", "rollout.max_turns=2",
-            "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set", "rollout.max_total_tokens=32",
-            "--set", "logging.progress=false", "--set", "logging.tensorboard=false", "--set", "algorithm.kl_in_reward=0",
+            "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set",
+            "rollout.max_total_tokens=32",
+            "--set", "logging.progress=false", "--set", "logging.tensorboard=false", "--set",
+            "algorithm.kl_in_reward=0",
             "--set", "algorithm.kl_loss_coef=0", "--set", "env_kwargs.fixed_target=red",
             "--set", f"env_kwargs.reward_flip_episodes={json.dumps(FLIP)}"]
 
@@ -274,12 +282,15 @@ def test_config_rejects_bad_collapse_settings():
 
 def test_an_unmonitored_run_has_no_healthy_checkpoint_and_its_best_says_so(tiny_model, tmp_path):
     # on_collapse=none: no monitor judged any iteration, so none can vouch for a checkpoint (issue 33, item 10)
-    config = toy_config(tiny_model, tmp_path, "ppo", iterations=4, checkpoint=dict(every=1, keep=4), rollout=dict(prompts_per_iteration=4, samples_per_prompt=2), optimizer=dict(mini_batch_size=8, micro_batch_size=4), monitor=dict(on_collapse="none"))
+    config = toy_config(tiny_model, tmp_path, "ppo", iterations=4, checkpoint=dict(every=1, keep=4),
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=2),
+                        optimizer=dict(mini_batch_size=8, micro_batch_size=4), monitor=dict(on_collapse="none"))
     Trainer(config, report=lambda _: None).train()
     records = read_metrics(tmp_path)
     assert not any(key.startswith("collapse/") for r in records for key in r)
     assert healthy_steps(records, [1, 2, 3, 4]) == []
-    with pytest.raises(FileNotFoundError, match="monitor.on_collapse=none.*no collapse monitor.*@best, @latest or @STEP"):
+    with pytest.raises(FileNotFoundError,
+                       match="monitor.on_collapse=none.*no collapse monitor.*@best, @latest or @STEP"):
         pick_checkpoint(tmp_path, "healthy")
     folder, why = pick_checkpoint(tmp_path, "best")
     rewards = {s: checkpoint_reward(records, s) for s in (1, 2, 3, 4)}

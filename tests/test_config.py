@@ -18,7 +18,7 @@ def test_numbers_parse_in_every_common_spelling(raw, value, tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(f"actor_lr: {raw}\nalgorithm:\n  entropy_coef: {raw}\n")
     from_file = load_config(path, [], model="m")
-    assert from_file.actor_lr == value and from_file.algorithm_config().entropy_coef == value
+    assert from_file.optimizer.actor_lr == value and from_file.algorithm_config().entropy_coef == value
 
 
 def test_strings_stay_strings():
@@ -49,7 +49,8 @@ def test_a_broken_yaml_file_names_the_file(tmp_path):
 def test_group_algorithms_refuse_groups_of_one(algo):
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         TrainConfig(algo=algo, model="m", rollout=RolloutConfig(samples_per_prompt=1)).validate()
-    TrainConfig(algo=algo, model="m", rollout=RolloutConfig(samples_per_prompt=2), optimizer=OptimizerConfig(mini_batch_size=8, micro_batch_size=4)).validate()
+    TrainConfig(algo=algo, model="m", rollout=RolloutConfig(samples_per_prompt=2),
+                optimizer=OptimizerConfig(mini_batch_size=8, micro_batch_size=4)).validate()
     TrainConfig(algo="ppo", model="m", rollout=RolloutConfig(samples_per_prompt=1)).validate()  # GAE needs no group
 
 
@@ -73,8 +74,10 @@ def test_a_user_algorithm_is_chosen_from_the_cli_and_the_run_reproduces_from_its
     monkeypatch.syspath_prepend(str(tmp_path))
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     run = tmp_path / "run"
-    common = ["--set", "rollout.prompts_per_iteration=2", "--set", "optimizer.mini_batch_size=2", "--set", "optimizer.micro_batch_size=2",
-              "--set", "rollout.max_turns=2", "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8",
+    common = ["--set", "rollout.prompts_per_iteration=2", "--set", "optimizer.mini_batch_size=2", "--set",
+              "optimizer.micro_batch_size=2",
+              "--set", "rollout.max_turns=2", "--set", "rollout.max_new_tokens_per_turn=1", "--set",
+              "rollout.max_prompt_tokens=8",
               "--set", "rollout.max_total_tokens=32", "--set", "logging.progress=false", "--set", "checkpoint.every=1"]
     assert main(["train", "--algo", "my_algo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
                  str(run), "--iterations", "1"] + common) == 1  # not imported: unknown

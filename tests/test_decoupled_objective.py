@@ -26,7 +26,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def lagged_config(model: Path, out: Path, algo: str, staleness: int, **overrides) -> TrainConfig:
-    values = dict(iterations=5, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=staleness), optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, actor_lr=2e-2), monitor=dict(on_collapse="none"))
+    values = dict(iterations=5, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=staleness),
+                  optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, actor_lr=2e-2),
+                  monitor=dict(on_collapse="none"))
     return toy_config(model, out, algo, **merged(values, overrides))
 
 
@@ -52,18 +54,20 @@ def logprobs_of(trainer: Trainer, model, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("algo", ["ppo", "turn_ppo", "st_ppo", "so_grpo", "gspo"])
 def test_decoupled_resolves_a_per_token_mis_weight_for_every_rule(algo):
-    values = dict(model="m", algo=algo, rollout=dict(staleness=2, rollout=dict(stale_objective="decoupled", samples_per_prompt=4)))
+    values = dict(model="m", algo=algo, rollout=dict(staleness=2, stale_objective="decoupled", samples_per_prompt=4))
     resolved = from_dict(values).algorithm_config()
     assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("mis", "token")
     ppo = from_dict({**values, "algo": "ppo" if algo != "gspo" else "grpo"}).algorithm_config()
     differing = {f.name for f in dataclasses.fields(resolved) if getattr(resolved, f.name) != getattr(ppo, f.name)}
     assert not differing & {"rollout_correction", "rollout_correction_level", "rollout_correction_cap"}, differing
-    coupled = from_dict(merged(values, {"rollout": {"backend": "vllm", "staleness": 0, "rollout": {"stale_objective": "coupled"}}})).algorithm_config()
+    coupled = from_dict(merged(values, {"rollout": {"backend": "vllm", "staleness": 0,
+                                                    "rollout": {"stale_objective": "coupled"}}})).algorithm_config()
     assert coupled.rollout_correction_level == ("turn" if resolved.ratio_level == "turn" else "token")
 
 
 def test_st_ppo_under_decoupled_weights_each_token_by_its_own_behaviour_ratio(tiny_model, tmp_path):
-    config = lagged_config(tiny_model, tmp_path, "st_ppo", 1, iterations=3, rollout=dict(stale_objective="decoupled", max_new_tokens_per_turn=3))
+    config = lagged_config(tiny_model, tmp_path, "st_ppo", 1, iterations=3,
+                           rollout=dict(stale_objective="decoupled", max_new_tokens_per_turn=3))
     trainer = Trainer(config, report=lambda _: None)
     seen = scored_batches(trainer)
     trainer.train()
@@ -84,7 +88,10 @@ def test_st_ppo_under_decoupled_weights_each_token_by_its_own_behaviour_ratio(ti
 def test_m2po_under_decoupled_cuts_on_the_proximal_against_behaviour_pair(tiny_model, tmp_path):
     """With 2 iterations of lag the behaviour log-ratio's second moment is far above the threshold: M2PO must
     report it and mask tokens on the first step of the iteration, where the current policy is the proximal one."""
-    config = lagged_config(tiny_model, tmp_path, "m2po", 2, algorithm={"m2_threshold": 0.01, "rollout_correction_cap": 1e6}, rollout=dict(stale_objective="decoupled", max_new_tokens_per_turn=3), optimizer=dict(actor_lr=5e-2))
+    config = lagged_config(tiny_model, tmp_path, "m2po", 2,
+                           algorithm={"m2_threshold": 0.01, "rollout_correction_cap": 1e6},
+                           rollout=dict(stale_objective="decoupled", max_new_tokens_per_turn=3),
+                           optimizer=dict(actor_lr=5e-2))
     trainer = Trainer(config, report=lambda _: None)
     seen = scored_batches(trainer)
     trainer.train()
@@ -99,7 +106,9 @@ def test_m2po_under_decoupled_cuts_on_the_proximal_against_behaviour_pair(tiny_m
 
 @pytest.mark.parametrize("objective", ["coupled", "decoupled"])
 def test_kl_columns_are_the_behaviour_policys_and_the_learners_is_logged_apart(tiny_model, tmp_path, objective):
-    config = lagged_config(tiny_model, tmp_path, "ppo", 1, iterations=4, algorithm={"kl_in_reward": 0.05, "kl_loss_coef": 0.0}, rollout=dict(stale_objective=objective))
+    config = lagged_config(tiny_model, tmp_path, "ppo", 1, iterations=4,
+                           algorithm={"kl_in_reward": 0.05, "kl_loss_coef": 0.0},
+                           rollout=dict(stale_objective=objective))
     trainer = Trainer(config, report=lambda _: None)
 
     def policies(batch):  # before scoring: the lagged behaviour weights, the actor the update starts from

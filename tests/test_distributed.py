@@ -22,7 +22,14 @@ from .gloo_ranks import start_ranks
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
     """``strategy``: ddp, fsdp2, or fsdp2+checkpointing (activation checkpointing recomputes inside both backwards)."""
-    return TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1, algorithm={"kl_in_reward": 0.0, "clip_bias_kappa": 0.01}, distributed=DistributedConfig(strategy=strategy.split("+")[0]), optimizer=OptimizerConfig(gradient_checkpointing=strategy.endswith("+checkpointing"), mini_batch_size=8, micro_batch_size=2), rollout=RolloutConfig(prompts_per_iteration=8, samples_per_prompt=1, max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32), logging=LoggingConfig(progress=False, tensorboard=False))
+    return TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
+                       algorithm={"kl_in_reward": 0.0, "clip_bias_kappa": 0.01},
+                       distributed=DistributedConfig(strategy=strategy.split("+")[0]),
+                       optimizer=OptimizerConfig(gradient_checkpointing=strategy.endswith("+checkpointing"),
+                                                 mini_batch_size=8, micro_batch_size=2),
+                       rollout=RolloutConfig(prompts_per_iteration=8, samples_per_prompt=1, max_turns=2,
+                                             max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32),
+                       logging=LoggingConfig(progress=False, tensorboard=False))
 
 
 def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path: str, result_path: str,
@@ -112,8 +119,10 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
     def command(launcher, iterations, strategy, resume=False):
         args = [*launcher, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0", "--model",
                 str(model), "--output-dir", str(out), "--iterations", str(iterations), "--set", f"strategy={strategy}"]
-        for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2", "rollout.max_turns=2",
-                     "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false",
+        for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2",
+                     "rollout.max_turns=2",
+                     "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8",
+                     "rollout.max_total_tokens=32", "logging.progress=false",
                      "logging.tensorboard=false", "checkpoint.every=1", "optimizer.actor_lr=0.003"):
             args += ["--set", item]
         return args + (["--resume"] if resume else [])
@@ -147,8 +156,10 @@ def test_torchrun_ranks_share_one_retrieval_server(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/NQ-v0", "--model", str(model),
                "--output-dir", str(out), "--iterations", "1"]
-    for item in ("rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4", "optimizer.micro_batch_size=2",
-                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "rollout.max_prompt_tokens=512", "rollout.max_total_tokens=1024",
+    for item in ("rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4",
+                 "optimizer.micro_batch_size=2",
+                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "rollout.max_prompt_tokens=512",
+                 "rollout.max_total_tokens=1024",
                  "logging.progress=false", "logging.tensorboard=false", "env_kwargs.retriever=demo"):
         command += ["--set", item]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -175,8 +186,10 @@ def test_two_node_rendezvous_on_one_host(tmp_path):
                    "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
                    "--rdzv_id", "stppo-test", "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env",
                    "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
-        for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2", "rollout.max_turns=2",
-                     "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false",
+        for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2",
+                     "rollout.max_turns=2",
+                     "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8",
+                     "rollout.max_total_tokens=32", "logging.progress=false",
                      "logging.tensorboard=false"):
             command += ["--set", item]
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -243,8 +256,10 @@ def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
                "--model", str(model), "--output-dir", str(out), "--iterations", "2"]
-    for item in ("distributed.strategy=fsdp2", "rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2",
-                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32",
+    for item in ("distributed.strategy=fsdp2", "rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8",
+                 "optimizer.micro_batch_size=2",
+                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8",
+                 "rollout.max_total_tokens=32",
                  "logging.progress=false", "logging.tensorboard=false"):
         command += ["--set", item]
     if compute_dtype:
@@ -266,9 +281,12 @@ def test_a_finished_command_leaves_its_process_group(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     args = ["train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir",
             str(tmp_path / "run"), "--iterations", "1"]
-    for item in ("distributed.strategy=fsdp2", "rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4",
-                 "optimizer.micro_batch_size=2", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8",
-                 "rollout.max_total_tokens=16", "logging.progress=false", "logging.tensorboard=false"):  # fsdp2 makes a one-process group
+    for item in ("distributed.strategy=fsdp2", "rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2",
+                 "optimizer.mini_batch_size=4",
+                 "optimizer.micro_batch_size=2", "rollout.max_turns=1", "rollout.max_new_tokens_per_turn=1",
+                 "rollout.max_prompt_tokens=8",
+                 "rollout.max_total_tokens=16", "logging.progress=false",
+                 "logging.tensorboard=false"):  # fsdp2 makes a one-process group
         args += ["--set", item]
     assert main(args) == 0
     assert not dist.is_initialized()

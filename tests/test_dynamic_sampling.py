@@ -102,7 +102,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def test_dapo_trains_on_informative_groups_and_logs_what_it_dropped(tiny_model, tmp_path):
     seen = []
-    config = toy_config(tiny_model, tmp_path, "dapo", iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2), optimizer=dict(mini_batch_size=8, micro_batch_size=4, epochs=1), monitor=dict(on_collapse="none"))
+    config = toy_config(tiny_model, tmp_path, "dapo", iterations=3,
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=2),
+                        optimizer=dict(mini_batch_size=8, micro_batch_size=4, epochs=1),
+                        monitor=dict(on_collapse="none"))
     trainer = Trainer(config, report=lambda _: None, batch_hook=seen.append)
     assert trainer.algo.dynamic_sampling
     trainer.train()
@@ -132,7 +135,9 @@ def test_zero_rounds_means_no_cap_as_in_verl():
 
 
 def dapo_trainer(model: Path, out: Path, **overrides) -> Trainer:
-    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, max_grad_norm=1e6), monitor=dict(on_collapse="none"))  # gradients compared before any clipping
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                  optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, max_grad_norm=1e6),
+                  monitor=dict(on_collapse="none"))  # gradients compared before any clipping
     return Trainer(toy_config(model, out, "dapo", **merged(values, overrides)), report=lambda _: None)
 
 
@@ -205,7 +210,8 @@ def test_the_cli_refuses_dynamic_sampling_with_groups_of_one(tiny_model, tmp_pat
 
     done = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
                  str(tmp_path / "run"), "--iterations", "1", "--set", "algorithm.dynamic_sampling=true",
-                 "--set", "rollout.samples_per_prompt=1", "--set", "rollout.max_turns=1", "--set", "logging.progress=false", capsys=capsys)
+                 "--set", "rollout.samples_per_prompt=1", "--set", "rollout.max_turns=1", "--set",
+                 "logging.progress=false", capsys=capsys)
     assert done.returncode == 1
     assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling needs groups of >= 2 trajectories")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -58,8 +58,10 @@ def test_another_agents_results_are_refused_unless_overwrite(folder, capsys):
 
 def test_a_training_runs_checkpoints_replace_their_own_results(folder, capsys):
     trained = stppo("train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", "tiny", "--output-dir", "run",
-                    "--iterations", "2", "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2",
-                    "--set", "rollout.max_new_tokens_per_turn=1", "--set", "checkpoint.every=1", "--set", "logging.tensorboard=false",
+                    "--iterations", "2", "--set", "rollout.samples_per_prompt=2", "--set",
+                    "rollout.prompts_per_iteration=2",
+                    "--set", "rollout.max_new_tokens_per_turn=1", "--set", "checkpoint.every=1", "--set",
+                    "logging.tensorboard=false",
                     "--set", "logging.progress=false", capsys=capsys)
     assert trained.returncode == 0, trained.stderr[-2000:]
     options = ("--retriever", "demo", "--max-new-tokens", "2", "--max-turns", "2")

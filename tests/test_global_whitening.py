@@ -24,7 +24,9 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("algo, whitened", [("ppo", True), ("grpo", False), ("so_grpo", False)])
 def test_only_an_estimator_that_whitens_is_whitened_over_the_global_batch(tiny_model, tmp_path, monkeypatch, algo,
                                                                           whitened):
-    config = toy_config(tiny_model, tmp_path, algo, iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=8, micro_batch_size=8))
+    config = toy_config(tiny_model, tmp_path, algo, iterations=1,
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                        optimizer=dict(mini_batch_size=8, micro_batch_size=8))
     trainer = Trainer(config, report=lambda _: None)
     assert trainer.algo.whiten_advantages  # the presets leave it on: the estimator decides
     batch = trainer.rollout()

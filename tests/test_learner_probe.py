@@ -10,9 +10,9 @@ import torch
 import yaml
 
 from stppo_agent.models.loading import load_actor
-from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.probe import KEYS, LearnerProbe
 from stppo_agent.training.trainer import Trainer
 
@@ -28,7 +28,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def config(model: Path, out: Path, **overrides):
-    values = dict(iterations=4, env_kwargs={"fixed_target": None}, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens_per_turn=3)), optimizer=dict(epochs=1, optimizer=dict(mini_batch_size=16, micro_batch_size=8, actor_lr=5e-2)), monitor=dict(monitor=dict(on_collapse="none")), checkpoint=dict(every=1, keep=10))
+    values = dict(iterations=4, env_kwargs={"fixed_target": None},
+                  rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens_per_turn=3),
+                  optimizer=dict(epochs=1, mini_batch_size=16, micro_batch_size=8, actor_lr=5e-2),
+                  monitor=dict(on_collapse="none"), checkpoint=dict(every=1, keep=10))
     values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
@@ -43,7 +46,8 @@ def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 def test_a_run_with_probes_trains_exactly_as_one_without(tiny_model, tmp_path):
     Trainer(config(tiny_model, tmp_path / "plain"), report=lambda _: None).train()
-    Trainer(config(tiny_model, tmp_path / "probed", monitor=dict(probe_every=1, probe_prompts=6)), report=lambda _: None).train()
+    Trainer(config(tiny_model, tmp_path / "probed", monitor=dict(probe_every=1, probe_prompts=6)),
+            report=lambda _: None).train()
     plain, probed = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "probed")
     assert all(set(KEYS) <= set(r) for r in probed) and not any(set(KEYS) & set(r) for r in plain)
     assert without(probed, IGNORED | set(KEYS)) == without(plain, IGNORED)
@@ -56,7 +60,8 @@ def test_a_run_with_probes_trains_exactly_as_one_without(tiny_model, tmp_path):
 
 def test_probes_every_nth_iteration_and_reports_optimizer_steps(tiny_model, tmp_path):
     run = tmp_path / "run"
-    Trainer(config(tiny_model, run, monitor=dict(probe_every=2), optimizer=dict(epochs=2, mini_batch_size=8)), report=lambda _: None).train()
+    Trainer(config(tiny_model, run, monitor=dict(probe_every=2), optimizer=dict(epochs=2, mini_batch_size=8)),
+            report=lambda _: None).train()
     records = read_metrics(run)
     assert ["probe/reward" in r for r in records] == [False, True, False, True]
     # 16 trajectories in mini-batches of 8, two epochs: 4 optimizer steps an iteration
@@ -65,7 +70,8 @@ def test_probes_every_nth_iteration_and_reports_optimizer_steps(tiny_model, tmp_
 
 def test_under_staleness_the_probe_plays_the_learner_not_the_lagged_generator(tiny_model, tmp_path):
     run = tmp_path / "stale"
-    settings = config(tiny_model, run, iterations=4, rollout=dict(staleness=2), monitor=dict(probe_every=1, probe_prompts=16))
+    settings = config(tiny_model, run, iterations=4, rollout=dict(staleness=2),
+                      monitor=dict(probe_every=1, probe_prompts=16))
     trainer = Trainer(settings, report=lambda _: None)
     generators = {}
     measure = trainer.probe.measure
@@ -91,9 +97,12 @@ def test_under_staleness_the_probe_plays_the_learner_not_the_lagged_generator(ti
 
 def test_a_resumed_run_probes_and_trains_as_an_uninterrupted_one(tiny_model, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    Trainer(config(tiny_model, whole, monitor=dict(probe_every=1), rollout=dict(staleness=1)), report=lambda _: None).train()
-    Trainer(config(tiny_model, cut, iterations=2, monitor=dict(probe_every=1), rollout=dict(staleness=1)), report=lambda _: None).train()
-    Trainer(config(tiny_model, cut, monitor=dict(probe_every=1), rollout=dict(staleness=1)), resume=True, report=lambda _: None).train()
+    Trainer(config(tiny_model, whole, monitor=dict(probe_every=1), rollout=dict(staleness=1)),
+            report=lambda _: None).train()
+    Trainer(config(tiny_model, cut, iterations=2, monitor=dict(probe_every=1), rollout=dict(staleness=1)),
+            report=lambda _: None).train()
+    Trainer(config(tiny_model, cut, monitor=dict(probe_every=1), rollout=dict(staleness=1)), resume=True,
+            report=lambda _: None).train()
     assert without(read_metrics(cut), IGNORED) == without(read_metrics(whole), IGNORED)
 
 

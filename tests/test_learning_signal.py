@@ -42,7 +42,8 @@ def test_zero_advantages_are_no_signal_even_with_varied_rewards():
 
 
 def test_the_advice_names_the_settings_and_what_to_try():
-    config = TrainConfig(model="m", env="stppo/NQ-v0", rollout=RolloutConfig(max_new_tokens_per_turn=2, samples_per_prompt=2))
+    config = TrainConfig(model="m", env="stppo/NQ-v0",
+                         rollout=RolloutConfig(max_new_tokens_per_turn=2, samples_per_prompt=2))
     text = advice("every trajectory's reward is 0", config)
     assert "never (or always) produces a rewarded action" in text
     assert "rollout.max_new_tokens_per_turn=2" in text and "rollout.samples_per_prompt=2" in text
@@ -52,7 +53,11 @@ def test_the_advice_names_the_settings_and_what_to_try():
 
 
 def small_toy(out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="grpo", env="stppo/Toy-v0", model="tiny", output_dir=str(out), iterations=3, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32)), optimizer=dict(optimizer=dict(mini_batch_size=8, micro_batch_size=8)), logging=dict(logging=dict(progress=False, tensorboard=False)), checkpoint=dict(every=100))
+    values = dict(algo="grpo", env="stppo/Toy-v0", model="tiny", output_dir=str(out), iterations=3,
+                  rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=1,
+                               max_prompt_tokens=8, max_total_tokens=32),
+                  optimizer=dict(mini_batch_size=8, micro_batch_size=8),
+                  logging=dict(progress=False, tensorboard=False), checkpoint=dict(every=100))
     values = merged(values, overrides)
     from stppo_agent.models.default_model import resolve_model
 
@@ -82,8 +87,10 @@ def test_stppo_train_says_it_for_a_target_the_model_cannot_say(tmp_path):
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/Toy-v0",
                "--model", "tiny", "--output-dir", str(tmp_path / "run"), "--iterations", "2",
                "--set", "env_kwargs.choices=[purple,orange]", "--set", "env_kwargs.fixed_target=purple",
-               "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2", "--set", "optimizer.mini_batch_size=4",
-               "--set", "optimizer.micro_batch_size=4", "--set", "rollout.max_new_tokens_per_turn=1", "--set", "logging.tensorboard=false"]
+               "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2", "--set",
+               "optimizer.mini_batch_size=4",
+               "--set", "optimizer.micro_batch_size=4", "--set", "rollout.max_new_tokens_per_turn=1", "--set",
+               "logging.tensorboard=false"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("no learning signal") == 1, done.stdout

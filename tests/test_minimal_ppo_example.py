@@ -48,7 +48,14 @@ def tiny_model(tmp_path_factory) -> Path:
 def toy_trainer(model: Path, out: Path, algo: str, max_grad_norm: float = 1.0, **algorithm) -> Trainer:
     """One epoch, one mini-batch of the whole batch, one micro-batch: the update the example's loop makes. Three
     tokens per turn, so a turn-level ratio (the geometric mean over a turn) is not the token ratio."""
-    config = TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1, algorithm=algorithm, rollout=RolloutConfig(prompts_per_iteration=4, samples_per_prompt=4, max_turns=2, max_new_tokens_per_turn=3, max_prompt_tokens=8, max_total_tokens=32), optimizer=OptimizerConfig(mini_batch_size=16, micro_batch_size=16, epochs=1, actor_lr=LR, critic_lr=LR, max_grad_norm=max_grad_norm), logging=LoggingConfig(progress=False, tensorboard=False), checkpoint=CheckpointConfig(every=100), monitor=MonitorConfig(on_collapse="none"))
+    config = TrainConfig(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
+                         algorithm=algorithm,
+                         rollout=RolloutConfig(prompts_per_iteration=4, samples_per_prompt=4, max_turns=2,
+                                               max_new_tokens_per_turn=3, max_prompt_tokens=8, max_total_tokens=32),
+                         optimizer=OptimizerConfig(mini_batch_size=16, micro_batch_size=16, epochs=1, actor_lr=LR,
+                                                   critic_lr=LR, max_grad_norm=max_grad_norm),
+                         logging=LoggingConfig(progress=False, tensorboard=False),
+                         checkpoint=CheckpointConfig(every=100), monitor=MonitorConfig(on_collapse="none"))
     return Trainer(config, report=lambda _: None)
 
 

@@ -77,11 +77,13 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="needs dtype=float32"):
         TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16", dtype="bfloat16")).validate()
     with pytest.raises(ValueError, match="with fsdp2 use fsdp_compute_dtype"):
-        TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16"), distributed=DistributedConfig(strategy="fsdp2")).validate()
+        TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16"),
+                    distributed=DistributedConfig(strategy="fsdp2")).validate()
 
 
 def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny_model, tmp_path):
-    trainer = Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=6, precision=dict(autocast_dtype="bfloat16"), logging=dict(step_diagnostics=True)))
+    trainer = Trainer(toy_config(tiny_model, tmp_path, "ppo", iterations=6, precision=dict(autocast_dtype="bfloat16"),
+                                 logging=dict(step_diagnostics=True)))
     trainer.train()
     assert all(p.dtype == torch.float32 for p in trainer.state.actor.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.state.actor_optimizer.state.values())
@@ -96,9 +98,9 @@ def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny
 
 
 @pytest.mark.parametrize("settings, name", [
-    (dict(precision=dict(precision=dict(dtype="float16"))), "dtype"),
-    (dict(precision=dict(precision=dict(autocast_dtype="float16"))), "autocast_dtype"),
-    (dict(distributed=dict(distributed=dict(strategy="fsdp2")), precision=dict(precision=dict(fsdp_compute_dtype="float16"))), "fsdp_compute_dtype"),
+    (dict(precision=dict(dtype="float16")), "dtype"),
+    (dict(precision=dict(autocast_dtype="float16")), "autocast_dtype"),
+    (dict(distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float16")), "fsdp_compute_dtype"),
 ])
 def test_float16_training_is_refused_with_the_alternatives(settings, name):
     """No loss scaler exists, so float16 gradients would silently underflow: refused, naming what works."""
@@ -176,7 +178,10 @@ def test_a_run_under_autocast_replays_exactly(tiny_model, tmp_path):
     from .test_replay import TIMING
 
     run = tmp_path / "recorded"
-    Trainer(toy_config(tiny_model, run, "ppo", iterations=2, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=2e-2), logging=dict(save_rollouts=True), precision=dict(autocast_dtype="bfloat16"))).train()
+    Trainer(toy_config(tiny_model, run, "ppo", iterations=2,
+                       rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                       optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=2e-2),
+                       logging=dict(save_rollouts=True), precision=dict(autocast_dtype="bfloat16"))).train()
     replay(run, None, str(tmp_path / "again"), report=lambda _: None)
     original, again = read_metrics(run), read_metrics(tmp_path / "again")
     assert len(original) == len(again) == 2

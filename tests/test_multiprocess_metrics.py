@@ -30,7 +30,12 @@ TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "updat
 
 
 def toy_config(model: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="st_ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01}, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=2, max_prompt_tokens=8, max_total_tokens=32)), optimizer=dict(epochs=1, optimizer=dict(mini_batch_size=8, micro_batch_size=2)), logging=dict(logging=dict(progress=False, tensorboard=False)))
+    values = dict(algo="st_ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
+                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
+                  rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=2,
+                               max_prompt_tokens=8, max_total_tokens=32),
+                  optimizer=dict(epochs=1, mini_batch_size=8, micro_batch_size=2),
+                  logging=dict(progress=False, tensorboard=False))
     values = merged(values, overrides)
     return from_dict(values)
 
@@ -40,7 +45,8 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
     value_loss, clip and turn-clip fractions, and each equals the loss's own value over the whole batch."""
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # learning rates 0: every update sees the same weights, so the runs differ only in how the batch is split
-    trainer = Trainer(toy_config(model, tmp_path / "run", optimizer=dict(actor_lr=0.0, critic_lr=0.0)), report=lambda _: None)
+    trainer = Trainer(toy_config(model, tmp_path / "run", optimizer=dict(actor_lr=0.0, critic_lr=0.0)),
+                      report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)
     # every statistic a rollout and its scoring report has a declared population to be combined over ranks by
@@ -138,7 +144,7 @@ class FixedShares:
 
     def next_batch(self, iteration: int):
         batch = torch.load(self.path, weights_only=False)
-        spp = self.context.config.samples_per_prompt
+        spp = self.context.config.rollout.samples_per_prompt
         prompts = range(self.context.rank, batch.batch_size // spp, self.context.world)
         rows = [prompt * spp + sample for prompt in prompts for sample in range(spp)]
         share = batch.select(rows)
@@ -155,8 +161,11 @@ class FixedShares:
 def shared_config(model: str, out: str) -> TrainConfig:
     # two mini-batches of 4 over two epochs: the shuffle decides which rows share a step; step diagnostics log
     # every step; rollout correction (tis) logs weight statistics; the reference model logs kl_to_reference
-    return toy_config(Path(model), Path(out), algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
-                                 "rollout_correction": "tis", "rollout_correction_cap": 1.2}, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=1, actor_lr=3e-3, critic_lr=3e-3), logging=dict(step_diagnostics=True))
+    return toy_config(Path(model), Path(out),
+                      algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
+                                 "rollout_correction": "tis", "rollout_correction_cap": 1.2},
+                      optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=1, actor_lr=3e-3, critic_lr=3e-3),
+                      logging=dict(step_diagnostics=True))
 
 
 def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:

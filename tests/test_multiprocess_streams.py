@@ -25,9 +25,12 @@ def train(model: Path, out: Path, iterations: int, resume: bool = False) -> subp
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "stppo_agent.cli", "train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", str(model),
                "--output-dir", str(out), "--iterations", str(iterations)]
-    for item in ("rollout.prompts_per_iteration=4", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=4",
-                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=2", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32",
-                 "optimizer.actor_lr=0.003", "checkpoint.every=1", "checkpoint.keep=3", "logging.save_rollouts=true", "logging.progress=false",
+    for item in ("rollout.prompts_per_iteration=4", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=8",
+                 "optimizer.micro_batch_size=4",
+                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=2", "rollout.max_prompt_tokens=8",
+                 "rollout.max_total_tokens=32",
+                 "optimizer.actor_lr=0.003", "checkpoint.every=1", "checkpoint.keep=3", "logging.save_rollouts=true",
+                 "logging.progress=false",
                  "logging.tensorboard=false"):
         command += ["--set", item]
     done = subprocess.run(command + (["--resume"] if resume else []), capture_output=True, text=True, timeout=600)

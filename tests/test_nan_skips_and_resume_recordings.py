@@ -76,11 +76,14 @@ def test_resume_drops_the_recorded_iterations_the_checkpoint_did_not_train_on(ti
 
     from .test_trainer import toy_config
 
-    small = dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2), optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1), checkpoint=dict(every=2, keep=3), logging=dict(save_rollouts=True), monitor=dict(on_collapse="none"))
+    small = dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2),
+                 optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1), checkpoint=dict(every=2, keep=3),
+                 logging=dict(save_rollouts=True), monitor=dict(on_collapse="none"))
     Trainer(toy_config(tiny_model, tmp_path, "grpo", iterations=4, **small)).train()
     shutil.rmtree(tmp_path / "checkpoints" / "step-4")  # the kill came before iteration 4's checkpoint
     assert recorded_iterations(tmp_path / "rollouts", 0) == [1, 2, 3, 4]
-    resumed = toy_config(tiny_model, tmp_path, "grpo", iterations=3, **dict(small, logging=dict(save_rollouts=still_recording)))
+    resumed = toy_config(tiny_model, tmp_path, "grpo", iterations=3,
+                         **dict(small, logging=dict(save_rollouts=still_recording)))
     Trainer(resumed, resume=True, report=lambda _: None).train()
     kept = [1, 2, 3] if still_recording else [1, 2]  # not recording: the dead run's iteration 3 goes too
     assert recorded_iterations(tmp_path / "rollouts", 0) == kept

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-from stppo_agent.training.config import merged
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
 
@@ -35,7 +35,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def run_config(model: Path, out: Path, name: str, **overrides):
     algo, options = OPTIONS[name]
-    values = dict(iterations=3, **options, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=4)), optimizer=dict(epochs=2, optimizer=dict(mini_batch_size=8, micro_batch_size=4, actor_lr=5e-2, critic_lr=1e-2)), logging=dict(logging=dict(step_diagnostics=True)), monitor=dict(monitor=dict(on_collapse="none")))
+    values = dict(iterations=3, **options, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                  optimizer=dict(epochs=2, mini_batch_size=8, micro_batch_size=4, actor_lr=5e-2, critic_lr=1e-2),
+                  logging=dict(step_diagnostics=True), monitor=dict(on_collapse="none"))
     values = merged(values, overrides)
     return toy_config(model, out, algo, **values)
 
@@ -44,7 +46,8 @@ def run_config(model: Path, out: Path, name: str, **overrides):
 def test_an_option_is_recorded_resumed_and_replayed_exactly(tiny_model, tmp_path, name):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     Trainer(run_config(tiny_model, straight, name, logging=dict(save_rollouts=True)), report=lambda _: None).train()
-    Trainer(run_config(tiny_model, stopped, name, iterations=2, checkpoint=dict(every=1)), report=lambda _: None).train()
+    Trainer(run_config(tiny_model, stopped, name, iterations=2, checkpoint=dict(every=1)),
+            report=lambda _: None).train()
     Trainer(run_config(tiny_model, stopped, name), resume=True, report=lambda _: None).train()
     replay(straight, None, str(tmp_path / "replayed"), report=lambda _: None)
     recorded = yaml.safe_load((straight / "config.yaml").read_text())

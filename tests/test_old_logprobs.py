@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-from stppo_agent.training.config import merged
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.trainer import Trainer
 
@@ -25,7 +25,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def config(model: Path, out: Path, **overrides):
-    values = dict(iterations=1, rollout=dict(rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, temperature=1.0)), optimizer=dict(epochs=1, optimizer=dict(mini_batch_size=8, micro_batch_size=8)), logging=dict(logging=dict(step_diagnostics=True)), monitor=dict(monitor=dict(on_collapse="none")))
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, temperature=1.0),
+                  optimizer=dict(epochs=1, mini_batch_size=8, micro_batch_size=8), logging=dict(step_diagnostics=True),
+                  monitor=dict(on_collapse="none"))
     values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
@@ -41,7 +43,8 @@ def distance_from_one(step: dict) -> float:
 def test_a_bfloat16_sampler_moves_the_first_ratios_only_with_the_samplers_log_probs(tiny_model, tmp_path):
     runs = {"recompute": {}, "sampler": {"rollout": {"old_logprobs": "sampler"}},
             "recompute_bf16": {"precision": {"generation_autocast_dtype": "bfloat16"}},
-            "sampler_bf16": {"rollout": {"old_logprobs": "sampler"}, "precision": {"generation_autocast_dtype": "bfloat16"}}}
+            "sampler_bf16": {"rollout": {"old_logprobs": "sampler"},
+                             "precision": {"generation_autocast_dtype": "bfloat16"}}}
     for name, overrides in runs.items():
         Trainer(config(tiny_model, tmp_path / name, **overrides), report=lambda _: None).train()
     first = {name: first_step(tmp_path / name) for name in runs}
@@ -76,7 +79,8 @@ def test_the_sampler_mode_skips_the_old_log_prob_forward(tiny_model, tmp_path, o
 
 
 def test_under_staleness_the_sampler_log_probs_are_the_lagged_samplers(tiny_model, tmp_path):
-    trainer = Trainer(config(tiny_model, tmp_path, iterations=2, rollout=dict(staleness=1, old_logprobs="sampler"), optimizer=dict(actor_lr=5e-2)), report=lambda _: None)
+    trainer = Trainer(config(tiny_model, tmp_path, iterations=2, rollout=dict(staleness=1, old_logprobs="sampler"),
+                             optimizer=dict(actor_lr=5e-2)), report=lambda _: None)
     trainer.train()
     batch = trainer.rollout()
     trainer.score(batch)
@@ -90,15 +94,19 @@ def test_under_staleness_the_sampler_log_probs_are_the_lagged_samplers(tiny_mode
 
 
 def test_what_the_sampler_mode_combines_with(tiny_model, tmp_path):
-    sampler = config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler"), precision=dict(generation_autocast_dtype="bfloat16"))
+    sampler = config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler"),
+                     precision=dict(generation_autocast_dtype="bfloat16"))
     assert sampler.algorithm_config().rollout_correction == "none"  # auto: the ratio itself holds the gap
     assert "old_logprobs: sampler" in sampler.to_yaml(resolved=sampler.algorithm_config())
     with pytest.raises(ValueError, match=r"^old_logprobs=sampler puts the sampler's log-probs in the ratio, so there "
                                          r"is no gap left for rollout_correction=tis to weigh"):
-        config(tiny_model, tmp_path, algorithm={"rollout_correction": "tis"}, rollout=dict(old_logprobs="sampler")).validate()
+        config(tiny_model, tmp_path, algorithm={"rollout_correction": "tis"},
+               rollout=dict(old_logprobs="sampler")).validate()
     with pytest.raises(ValueError, match=r"^stale_objective=decoupled takes the ratio against the current weights"):
-        config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler", staleness=2, stale_objective="decoupled")).validate()
-    config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler", stale_objective="decoupled")).validate()  # no lag: no-op
+        config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler", staleness=2,
+                                                  stale_objective="decoupled")).validate()
+    config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler",
+                                              stale_objective="decoupled")).validate()  # no lag: no-op
     config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler", staleness=2)).validate()  # coupled: fine
     with pytest.raises(ValueError, match=r"^old_logprobs must be recompute or sampler, got 'vllm'$"):
         config(tiny_model, tmp_path, rollout=dict(old_logprobs="vllm")).validate()

@@ -71,7 +71,8 @@ def test_one_step_per_batch_takes_the_denominator_from_the_update_and_matches_a_
 
 
 def test_several_steps_per_batch_still_score_before_the_update(tiny_model, tmp_path, monkeypatch):
-    forwards = run(tiny_model, tmp_path, "grpo", monkeypatch, shortcut=True, iterations=1, optimizer=dict(mini_batch_size=8))
+    forwards = run(tiny_model, tmp_path, "grpo", monkeypatch, shortcut=True, iterations=1,
+                   optimizer=dict(mini_batch_size=8))
     assert forwards == ["actor"]  # the second mini-batch's denominator is the weights before the first step
 
 
@@ -96,7 +97,8 @@ def test_the_denominator_comes_from_the_update_only_when_nothing_needs_it_before
 
 
 def test_the_update_refuses_a_missing_denominator_when_it_takes_several_steps(tiny_model, tmp_path):
-    config = toy_config(tiny_model, tmp_path, "grpo", **{**SINGLE_STEP, "iterations": 1, "optimizer": {"mini_batch_size": 8}})
+    config = toy_config(tiny_model, tmp_path, "grpo", **{**SINGLE_STEP, "iterations": 1,
+                                                         "optimizer": {"mini_batch_size": 8}})
     trainer = Trainer(config, report=lambda _: None)
     batch = trainer.rollout()
     scoring.score_batch(batch, config=config, algo=trainer.algo, actor=trainer.state.actor,

@@ -31,7 +31,11 @@ def steps(run: Path) -> list[dict]:
 
 
 def stale_run(model: Path, out: Path, objective: str, mini_batch_size: int) -> None:
-    config = toy_config(model, out, "ppo", iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=1, stale_objective=objective), optimizer=dict(mini_batch_size=mini_batch_size, micro_batch_size=8, epochs=1, actor_lr=5e-2), logging=dict(step_diagnostics=True), monitor=dict(on_collapse="none"))
+    config = toy_config(model, out, "ppo", iterations=3,
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=1,
+                                     stale_objective=objective),
+                        optimizer=dict(mini_batch_size=mini_batch_size, micro_batch_size=8, epochs=1, actor_lr=5e-2),
+                        logging=dict(step_diagnostics=True), monitor=dict(on_collapse="none"))
     Trainer(config, report=lambda _: None).train()
 
 
@@ -78,7 +82,8 @@ def test_the_decoupled_objective_starts_every_iteration_on_policy(tiny_model, tm
 
 def _first_step(lag=0, old_logprobs="recompute", objective="coupled", backend="hf", autocast=None,
                 sampled_by_actor=True) -> bool:
-    config = TrainConfig(rollout=RolloutConfig(old_logprobs=old_logprobs, stale_objective=objective, backend=backend), precision=PrecisionConfig(generation_autocast_dtype=autocast))
+    config = TrainConfig(rollout=RolloutConfig(old_logprobs=old_logprobs, stale_objective=objective, backend=backend),
+                         precision=PrecisionConfig(generation_autocast_dtype=autocast))
     return starts_on_policy(config, lag, sampled_by_actor)
 
 

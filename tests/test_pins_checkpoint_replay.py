@@ -456,10 +456,11 @@ class FakeStale:
 def fake_run(tmp_path: Path, critic: bool = True, **overrides):
     """(a training state of linear models after two schedule steps, at iteration 6, and the config it trains
     under)."""
-    from stppo_agent.training.config import TrainConfig
     from stppo_agent.training.state import TrainingState
 
-    values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model", output_dir=str(tmp_path / "run"), optimizer=dict(optimizer=dict(actor_lr=0.01, critic_lr=0.02, weight_decay=0.05)), logging=dict(logging=dict(progress=False, tensorboard=False)))
+    values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model",
+                  output_dir=str(tmp_path / "run"), optimizer=dict(actor_lr=0.01, critic_lr=0.02, weight_decay=0.05),
+                  logging=dict(progress=False, tensorboard=False))
     config = from_dict(merged(values, overrides))
 
     def models(lr):
@@ -473,7 +474,8 @@ def fake_run(tmp_path: Path, critic: bool = True, **overrides):
         return module, optimizer, scheduler
 
     actor, actor_optimizer, actor_scheduler = models(config.optimizer.actor_lr * 0.25)
-    critic_model, critic_optimizer, critic_scheduler = models(config.optimizer.critic_lr) if critic else (None, None, None)
+    critic_model, critic_optimizer, critic_scheduler = models(config.optimizer.critic_lr) if critic else (None, None,
+                                                                                                          None)
     state = TrainingState(tokenizer=None, actor=actor, actor_optimizer=actor_optimizer, actor_scheduler=actor_scheduler,
                           stale_policy=FakeStale(), critic=critic_model, critic_optimizer=critic_optimizer,
                           critic_scheduler=critic_scheduler, iteration=6, optimizer_steps=13, nan_skips_total=2,
@@ -588,8 +590,8 @@ def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
 def test_a_recording_run_warns_about_replays_only_for_changes_a_replay_would_see(tmp_path, change, warned):
     # running longer or checkpointing more often leaves every recorded iteration's update as it was; more epochs
     # does not
-    folder = checkpoint_of(fake_run(tmp_path, logging=dict(logging=dict(save_rollouts=True))), tmp_path / "run")
-    messages = resume(fake_run(tmp_path, **change, logging=dict(logging=dict(save_rollouts=True))), folder)
+    folder = checkpoint_of(fake_run(tmp_path, logging=dict(save_rollouts=True)), tmp_path / "run")
+    messages = resume(fake_run(tmp_path, **change, logging=dict(save_rollouts=True)), folder)
     assert messages[1].startswith("changed since the checkpoint: iterations 100 -> 12")
     assert any("a replay will not reproduce" in m for m in messages) == warned
 
@@ -701,10 +703,12 @@ def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = Non
                  algo: str = "ppo", algorithm: dict | None = None, critic: bool = False, **config) -> Path:
     from stppo_agent.models.tiny import word_tokenizer
     from stppo_agent.runs.recording import RolloutRecorder
-    from stppo_agent.training.config import TrainConfig
 
     run = tmp_path / "recorded"
-    values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run), iterations=config.pop("planned", len(iterations)), algorithm=algorithm or {"clip_high": 0.3}, logging=dict(logging=dict(progress=False, tensorboard=False, save_rollouts=True)), rollout=dict(backend=backend, rollout=dict(temperature=0.9)), distributed=dict(distributed=dict(share_retriever=True)))
+    values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run),
+                  iterations=config.pop("planned", len(iterations)), algorithm=algorithm or {"clip_high": 0.3},
+                  logging=dict(progress=False, tensorboard=False, save_rollouts=True),
+                  rollout=dict(backend=backend, temperature=0.9), distributed=dict(share_retriever=True))
     original = from_dict(merged(values, config))
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(original.to_yaml(resolved=original.algorithm_config()))
@@ -729,7 +733,8 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
     config = replay_config(run, None, str(tmp_path / "out"), ["optimizer.actor_lr=0.5"])
     assert (config.algo, config.iterations, config.optimizer.actor_lr) == ("ppo", 3, 0.5)
     assert config.output_dir == str(tmp_path / "out")
-    assert (config.logging.save_rollouts, config.rollout.backend, config.distributed.share_retriever) == (False, "hf", False)
+    assert (config.logging.save_rollouts, config.rollout.backend, config.distributed.share_retriever) == (False, "hf",
+                                                                                                          False)
     assert config.logging.step_diagnostics is True and config.rollout.temperature == 0.9
     assert config.model == str(run / "rollouts" / "initial" / "actor") and config.critic_model is None
     assert config.algorithm_config().clip_high == 0.3  # the same algorithm keeps the recorded overrides
@@ -747,7 +752,8 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
     assert replay_config(with_critic, None, "o").critic_model == str(with_critic / "rollouts" / "initial" / "critic")
 
 
-@pytest.mark.parametrize("override, said", [("rollout.temperature=0.7", "rollout.temperature=0.9 recorded, temperature=0.7 asked"),
+@pytest.mark.parametrize("override, said", [("rollout.temperature=0.7",
+                                             "rollout.temperature=0.9 recorded, temperature=0.7 asked"),
                                             ("rollout.top_p=0.5", "rollout.top_p=1.0 recorded, top_p=0.5 asked"),
                                             ("rollout.top_k=3", "rollout.top_k=0 recorded, top_k=3 asked")])
 def test_replay_config_refuses_another_sampling_distribution(tmp_path, override, said):

@@ -631,7 +631,8 @@ def test_replay_defaults_and_the_summary(monkeypatch, capsys):
 def test_replay_options_reach_the_replay(monkeypatch, capsys):
     replay, loaded, _ = _replay(monkeypatch, recorded_plugins=["/abs/rec.py"])
     code, out, _ = run(capsys, "replay", "runs/a", "--output-dir", "runs/b", "--algo", "grpo", "--iterations", "3",
-                       "--set", "optimizer.actor_lr=1e-6", "--set", "algorithm.clip_high=0.28", "--import", "my_pkg.algos",
+                       "--set", "optimizer.actor_lr=1e-6", "--set", "algorithm.clip_high=0.28", "--import",
+                       "my_pkg.algos",
                        "--import", "/abs/rec.py", "--json")
     assert code == 0
     plugins = 'plugins=["/abs/rec.py", "my_pkg.algos"]'  # the recorded run's first, each once; --set after it wins
@@ -684,7 +685,8 @@ def test_sft_defaults_are_sftconfigs(monkeypatch, capsys):
     (config,), _ = trained.only
     assert config == SFTConfig(model="resolved/smollm2", output_dir="out", benchmarks=["nq", "hotpotqa"])
     assert (config.teacher, config.split, config.retriever, config.rollout.max_turns, config.steps, config.batch_size,
-            config.lr, config.precision.dtype, config.precision.autocast_dtype, config.seed, config.limit, config.datasets) == \
+            config.lr, config.precision.dtype, config.precision.autocast_dtype, config.seed, config.limit,
+            config.datasets) == \
         ("gold-search", "train", "demo", 3, 60, 4, 2e-5, "float32", None, 0, None, {})
     assert loaded.only == (([],), {})
 
@@ -797,17 +799,22 @@ def test_train_resume_reads_the_runs_own_config_unless_one_is_given(monkeypatch,
     made, _ = _train(monkeypatch)
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "config.yaml").write_text(TrainConfig(algo="grpo", env="stppo/Toy-v0", model="tiny", output_dir=str(folder), optimizer=OptimizerConfig(actor_lr=5e-6)).to_yaml())
+    (folder / "config.yaml").write_text(TrainConfig(algo="grpo", env="stppo/Toy-v0", model="tiny",
+                                                    output_dir=str(folder),
+                                                    optimizer=OptimizerConfig(actor_lr=5e-6)).to_yaml())
     other = tmp_path / "other.yaml"
-    other.write_text(TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", optimizer=OptimizerConfig(actor_lr=7e-6)).to_yaml())
+    other.write_text(TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny",
+                                 optimizer=OptimizerConfig(actor_lr=7e-6)).to_yaml())
     assert run(capsys, "train", "--resume", "--output-dir", str(folder))[0] == 0
     config, resume, overwrite = made[-1]
-    assert (config.algo, config.optimizer.actor_lr, config.model, resume, overwrite) == ("grpo", 5e-6, "resolved/tiny", True,
+    assert (config.algo, config.optimizer.actor_lr, config.model, resume, overwrite) == ("grpo", 5e-6,
+                                                                                         "resolved/tiny", True,
                                                                                False)
     run(capsys, "train", "--resume", "--output-dir", str(folder), "--config", str(other))
-    assert (made[-1][0].algo, made[-1][0].actor_lr) == ("ppo", 7e-6)
+    assert (made[-1][0].algo, made[-1][0].optimizer.actor_lr) == ("ppo", 7e-6)
     run(capsys, "train", "--output-dir", str(folder), "--env", "stppo/Toy-v0", "--model", "tiny")
-    assert (made[-1][0].algo, made[-1][0].actor_lr, made[-1][1]) == ("st_ppo", 1e-6, False)  # no --resume: defaults
+    assert (made[-1][0].algo, made[-1][0].optimizer.actor_lr, made[-1][1]) == ("st_ppo", 1e-6,
+                                                                               False)  # no --resume: defaults
     run(capsys, "train", "--resume", "--output-dir", str(tmp_path / "new"), "--env", "stppo/Toy-v0", "--model", "m/x")
     assert (made[-1][0].algo, made[-1][0].model, made[-1][1]) == ("st_ppo", "resolved/m/x", True)
 

@@ -371,11 +371,11 @@ def test_demo_config_is_the_recipe(tmp_path):
     assert (algo.name, algo.ratio_level, algo.clip_bias_correction, algo.dynamic_sampling) == ("st_ppo", "turn",
                                                                                                True, True)
     seeded = demo.demo_config(DemoSettings(seed=5, autocast_dtype="bfloat16"), "m", tmp_path)
-    assert (seeded.seed, seeded.autocast_dtype) == (5, "bfloat16")
-    assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).autocast_dtype is None
+    assert (seeded.seed, seeded.precision.autocast_dtype) == (5, "bfloat16")
+    assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).precision.autocast_dtype is None
     rollback = demo.demo_config(DemoSettings(iterations=3, on_collapse="rollback"), "m", tmp_path)
-    assert rollback.save_every == 1 and rollback.on_collapse == "rollback"
-    assert rollback.checkpoint_optimizer == "all"  # a rollback restores AdamW's state too
+    assert rollback.checkpoint.every == 1 and rollback.monitor.on_collapse == "rollback"
+    assert rollback.checkpoint.optimizer == "all"  # a rollback restores AdamW's state too
     rollback.validate()
 
 
@@ -680,7 +680,8 @@ def test_demo_warm_start_hands_the_recipe_to_the_supervised_trainer(monkeypatch,
     config = seen["config"]
     assert (config.model, config.output_dir, tuple(config.benchmarks), config.limit, config.steps) == (
         "/m", str(tmp_path / "sft"), ("nq", "hotpotqa", "medqa"), 11, 8)  # ceil(8 steps x 4 / 3 benchmarks)
-    assert (config.batch_size, config.lr, config.rollout.max_observation_tokens, config.rollout.max_total_tokens, config.logging.progress) == (
+    assert (config.batch_size, config.lr, config.rollout.max_observation_tokens, config.rollout.max_total_tokens,
+            config.logging.progress) == (
         4, 1e-4, 160, 1024, False)
     assert config.seed == 0 and config.precision.autocast_dtype is None  # the warm start runs in float32 everywhere
     assert seen["report"] == progress.note

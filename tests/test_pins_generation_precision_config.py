@@ -15,7 +15,8 @@ NEEDS_FLOAT32 = ("precision.generation_autocast_dtype=bfloat16 samples in bfloat
 
 
 def config(**values) -> TrainConfig:
-    return from_dict(merged({"model": "m", "env": "stppo/Toy-v0", "precision": {"precision": {"generation_autocast_dtype": "bfloat16"}}}, values))
+    return from_dict(merged({"model": "m", "env": "stppo/Toy-v0",
+                             "precision": {"generation_autocast_dtype": "bfloat16"}}, values))
 
 
 def refused(message: str, **values) -> None:
@@ -26,12 +27,15 @@ def refused(message: str, **values) -> None:
 def test_a_bfloat16_sampler_against_a_float32_ddp_or_fsdp2_learner_is_accepted():
     config().validate()
     config(distributed=dict(strategy="fsdp2")).validate()
-    TrainConfig(model="m", env="stppo/Toy-v0", precision=PrecisionConfig(dtype="bfloat16")).validate()  # unset: no check of the learner
+    TrainConfig(model="m", env="stppo/Toy-v0",
+                precision=PrecisionConfig(dtype="bfloat16")).validate()  # unset: no check of the learner
 
 
 def test_the_sampler_dtype_and_backend_are_refused_word_for_word():
-    refused("generation_autocast_dtype must be bfloat16 (or unset), got 'float16'", precision=dict(generation_autocast_dtype="float16"))
-    refused("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)", rollout=dict(backend="vllm"))
+    refused("generation_autocast_dtype must be bfloat16 (or unset), got 'float16'",
+            precision=dict(generation_autocast_dtype="float16"))
+    refused("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)",
+            rollout=dict(backend="vllm"))
 
 
 @pytest.mark.parametrize("learner", [

@@ -40,7 +40,8 @@ def test_the_signal_table_and_default_settings():
 
 
 def test_settings_from_config_sort_the_limits_and_validate_at_the_boundaries():
-    config = TrainConfig(monitor=MonitorConfig(window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25, thresholds={"kl_to_reference": 2, "grad_norm": 9}))
+    config = TrainConfig(monitor=MonitorConfig(window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25,
+                                               thresholds={"kl_to_reference": 2, "grad_norm": 9}))
     assert MonitorSettings.from_config(config) == MonitorSettings(
         window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25,
         thresholds=(("grad_norm", 9.0), ("kl_to_reference", 2.0)))
@@ -310,7 +311,10 @@ def make_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def guard_config(**config) -> TrainConfig:
-    values = dict(env="stppo/Toy-v0", monitor=dict(window=20, warmup=2, z=6.0, patience=2, min_families=2, drawdown=0.5, thresholds={}, monitor=dict(on_collapse="rollback", max_rollbacks=2, rollback_lr_factor=0.5)), optimizer=dict(optimizer=dict(actor_lr=1e-3)), checkpoint=dict(every=3))
+    values = dict(env="stppo/Toy-v0",
+                  monitor=dict(window=20, warmup=2, z=6.0, patience=2, min_families=2, drawdown=0.5, thresholds={},
+                               on_collapse="rollback", max_rollbacks=2, rollback_lr_factor=0.5),
+                  optimizer=dict(actor_lr=1e-3), checkpoint=dict(every=3))
     values.update(config)
     return from_dict(values)
 
@@ -394,9 +398,7 @@ def test_no_healthy_checkpoint_stops_and_a_spent_budget_stops(tmp_path):
     guard = quiet_run(tmp_path, iterations=2)  # both warm-up iterations: nothing known healthy
     decision = guard.check(3, dict(COLLAPSE))
     assert decision.stops
-    assert decision.reason.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every "
-                                    "checkpoint.every=3 iterations; a healthy one needs two quiet iterations). Stopping; "
-                                    "lower actor_lr, or save more often.")
+    assert decision.reason.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every " "checkpoint.every=3 iterations; a healthy one needs two quiet iterations). Stopping; " "lower actor_lr, or save more often.")
     spent = quiet_run(tmp_path / "spent", monitor=dict(max_rollbacks=0))
     assert spent.check(7, dict(COLLAPSE)).stops
     one = quiet_run(tmp_path / "one", monitor=dict(max_rollbacks=1))
@@ -458,7 +460,9 @@ def test_no_signal_reason_boundaries():
 
 
 def config(env: str = "stppo/Toy-v0") -> TrainConfig:
-    return TrainConfig(env=env, rollout=RolloutConfig(max_turns=3, max_new_tokens_per_turn=4, temperature=0.7, samples_per_prompt=5))
+    return TrainConfig(env=env,
+                       rollout=RolloutConfig(max_turns=3, max_new_tokens_per_turn=4, temperature=0.7,
+                                             samples_per_prompt=5))
 
 
 def test_advice_texts():

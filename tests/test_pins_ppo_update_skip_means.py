@@ -11,7 +11,8 @@ from .test_pins_training import make_batch, update_stage
 
 def test_a_critic_only_skip_keeps_the_actors_metrics_and_drops_the_non_finite_ones():
 
-    t = update_stage(seed=3, critic=True, optimizer=dict(epochs=1, mini_batch_size=4, micro_batch_size=2), monitor=dict(max_nan_skips=100))
+    t = update_stage(seed=3, critic=True, optimizer=dict(epochs=1, mini_batch_size=4, micro_batch_size=2),
+                     monitor=dict(max_nan_skips=100))
     batch = make_batch()
     batch.returns[:, 0] = math.inf  # every step's critic fails, every actor step applies
     steps = math.ceil(batch.batch_size / 4)

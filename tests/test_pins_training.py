@@ -29,16 +29,21 @@ def refused(message: str, **values) -> None:
 def test_config_defaults_are_the_documented_ones():
     c = TrainConfig()
     assert (c.algo, c.env, c.model, c.output_dir, c.iterations) == ("st_ppo", "stppo/NQ-v0", "", "runs/stppo", 100)
-    assert (c.prompts_per_iteration, c.samples_per_prompt, c.ppo_epochs, c.mini_batch_size, c.micro_batch_size,
-            c.generation_batch_size) == (8, 1, 1, 8, 4, 64)
-    assert (c.actor_lr, c.critic_lr, c.warmup_steps, c.weight_decay, c.max_grad_norm) == (1e-6, 1e-5, 0, 0.0, 1.0)
-    assert (c.temperature, c.top_p, c.top_k, c.rollout_staleness, c.stale_objective) == (1.0, 1.0, 0, 0, "coupled")
-    assert (c.strategy, c.generation_backend, c.dtype, c.device, c.seed) == ("ddp", "hf", "float32", "auto", 0)
-    assert (c.save_every, c.keep_checkpoints, c.checkpoint_optimizer, c.max_nan_skips) == (10, 2, "all", 3)
-    assert (c.max_search_error_rate, c.on_collapse, c.rollback_lr_factor, c.max_rollbacks) == (0.05, "warn", 0.5, 2)
-    assert c.share_retriever and c.reuse_kv_cache and c.tensorboard and c.progress
-    assert not (c.save_rollouts or c.step_diagnostics or c.gradient_checkpointing)
-    assert c.collapse_thresholds == {"kl_to_reference": 1.0} and c.algorithm == {} and c.plugins == []
+    assert (c.rollout.prompts_per_iteration, c.rollout.samples_per_prompt, c.optimizer.epochs,
+            c.optimizer.mini_batch_size, c.optimizer.micro_batch_size,
+            c.rollout.generation_batch_size) == (8, 1, 1, 8, 4, 64)
+    assert (c.optimizer.actor_lr, c.optimizer.critic_lr, c.optimizer.warmup_steps, c.optimizer.weight_decay,
+            c.optimizer.max_grad_norm) == (1e-6, 1e-5, 0, 0.0, 1.0)
+    assert (c.rollout.temperature, c.rollout.top_p, c.rollout.top_k, c.rollout.staleness,
+            c.rollout.stale_objective) == (1.0, 1.0, 0, 0, "coupled")
+    assert (c.distributed.strategy, c.rollout.backend, c.precision.dtype, c.device, c.seed) == ("ddp", "hf",
+                                                                                                "float32", "auto", 0)
+    assert (c.checkpoint.every, c.checkpoint.keep, c.checkpoint.optimizer, c.monitor.max_nan_skips) == (10, 2, "all", 3)
+    assert (c.monitor.max_search_error_rate, c.monitor.on_collapse, c.monitor.rollback_lr_factor,
+            c.monitor.max_rollbacks) == (0.05, "warn", 0.5, 2)
+    assert c.distributed.share_retriever and c.rollout.reuse_kv_cache and c.logging.tensorboard and c.logging.progress
+    assert not (c.logging.save_rollouts or c.logging.step_diagnostics or c.optimizer.gradient_checkpointing)
+    assert c.monitor.thresholds == {"kl_to_reference": 1.0} and c.algorithm == {} and c.plugins == []
 
 
 def test_a_valid_config_passes():
@@ -48,7 +53,8 @@ def test_a_valid_config_passes():
     config(rollout=dict(staleness=2, stale_objective="decoupled")).validate()
     config(rollout=dict(staleness=1)).validate()
     config(optimizer=dict(mini_batch_size=8, micro_batch_size=8)).validate()
-    config(iterations=1, rollout=dict(prompts_per_iteration=1, generation_batch_size=1), optimizer=dict(epochs=1, mini_batch_size=1, micro_batch_size=1), checkpoint=dict(every=1, keep=1)).validate()
+    config(iterations=1, rollout=dict(prompts_per_iteration=1, generation_batch_size=1),
+           optimizer=dict(epochs=1, mini_batch_size=1, micro_batch_size=1), checkpoint=dict(every=1, keep=1)).validate()
     config(rollout=dict(temperature=0.0)).validate()  # greedy
     config(monitor=dict(rollback_lr_factor=1.0, max_rollbacks=0)).validate()
 
@@ -71,14 +77,18 @@ def test_mini_batches_must_be_whole_micro_batches():
 
 def test_strategy_and_fsdp_compute_dtype():
     refused(r"strategy must be ddp or fsdp2, got 'zero'", distributed=dict(strategy="zero"))
-    refused(r"^fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)$", precision=dict(fsdp_compute_dtype="bfloat16"))
-    refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float32"))
-    refused(r"^fsdp_compute_dtype=float16 is refused for training", distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float16"))
+    refused(r"^fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)$",
+            precision=dict(fsdp_compute_dtype="bfloat16"))
+    refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", distributed=dict(strategy="fsdp2"),
+            precision=dict(fsdp_compute_dtype="float32"))
+    refused(r"^fsdp_compute_dtype=float16 is refused for training", distributed=dict(strategy="fsdp2"),
+            precision=dict(fsdp_compute_dtype="float16"))
     refused(r"^dtype=float16 is refused for training", precision=dict(dtype="float16"))
 
 
 def test_autocast_settings():
-    refused(r"^autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype \(FSDP2's own mixed precision\)$", distributed=dict(strategy="fsdp2"), precision=dict(autocast_dtype="bfloat16"))
+    refused(r"^autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype \(FSDP2's own mixed precision\)$",
+            distributed=dict(strategy="fsdp2"), precision=dict(autocast_dtype="bfloat16"))
     refused(r"^autocast_dtype must be", precision=dict(autocast_dtype="int8"))
     refused(r"autocast_dtype=bfloat16 needs dtype=float32", precision=dict(autocast_dtype="bfloat16", dtype="bfloat16"))
 
@@ -100,9 +110,11 @@ def test_collapse_checkpoint_and_rollout_limit_settings():
     refused(r"max_rollbacks must be >= 0, got -1", monitor=dict(max_rollbacks=-1))
     refused(r"checkpoint_dtype must be", checkpoint=dict(dtype="int8"))
     refused(r"checkpoint_optimizer must be", checkpoint=dict(optimizer="some"))
-    refused(r"checkpoint_optimizer=newest drops", checkpoint=dict(optimizer="newest"), monitor=dict(on_collapse="rollback"))
+    refused(r"checkpoint_optimizer=newest drops", checkpoint=dict(optimizer="newest"),
+            monitor=dict(on_collapse="rollback"))
     config(checkpoint=dict(optimizer="newest"), monitor=dict(on_collapse="stop")).validate()
-    refused(r"max_total_tokens \(10\) must fit", rollout=dict(max_prompt_tokens=8, max_new_tokens_per_turn=4, max_total_tokens=10))
+    refused(r"max_total_tokens \(10\) must fit",
+            rollout=dict(max_prompt_tokens=8, max_new_tokens_per_turn=4, max_total_tokens=10))
     refused(r"rollout limit max_turns must be >= 1", rollout=dict(max_turns=0))
 
 
@@ -115,13 +127,17 @@ def test_group_advantages_need_groups_of_two():
 def test_staleness_settings():
     refused(r"^rollout_staleness must be >= 0, got -1$", rollout=dict(staleness=-1))
     refused(r"^stale_objective must be coupled or decoupled, got 'mixed'$", rollout=dict(stale_objective="mixed"))
-    config(rollout=dict(staleness=0), distributed=dict(strategy="fsdp2")).validate()  # K = 0: nothing lags, any strategy
+    config(rollout=dict(staleness=0),
+           distributed=dict(strategy="fsdp2")).validate()  # K = 0: nothing lags, any strategy
     config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=0, stale_objective="decoupled")).validate()
     refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf \(the lagged copy of the weights is "
-            r"a whole module; sharded and vLLM copies are not implemented\)$", rollout=dict(staleness=1), distributed=dict(strategy="fsdp2"))
-    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf", rollout=dict(staleness=1, backend="vllm"))
+            r"a whole module; sharded and vLLM copies are not implemented\)$", rollout=dict(staleness=1),
+            distributed=dict(strategy="fsdp2"))
+    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf",
+            rollout=dict(staleness=1, backend="vllm"))
     refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav: set algorithm.rollout_correction "
-            r"to mis, tis or auto \(auto picks mis\), not none$", algorithm={"rollout_correction": "none"}, rollout=dict(staleness=1, stale_objective="decoupled"))
+            r"to mis, tis or auto \(auto picks mis\), not none$", algorithm={"rollout_correction": "none"},
+            rollout=dict(staleness=1, stale_objective="decoupled"))
     config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=1, stale_objective="coupled")).validate()
     config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).validate()
 
@@ -133,7 +149,8 @@ def test_algorithm_config_merges_the_preset_the_overrides_and_the_backend():
     assert config(rollout=dict(backend="vllm")).algorithm_config().rollout_correction == "tis"
     # decoupled PPO needs the behaviour weight: auto -> mis, but only with a lag and that objective
     assert config(rollout=dict(staleness=1, stale_objective="decoupled")).algorithm_config().rollout_correction == "mis"
-    assert config(rollout=dict(staleness=0, stale_objective="decoupled")).algorithm_config().rollout_correction == "none"
+    assert config(rollout=dict(staleness=0,
+                               stale_objective="decoupled")).algorithm_config().rollout_correction == "none"
     assert config(rollout=dict(staleness=1, stale_objective="coupled")).algorithm_config().rollout_correction == "none"
     assert config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).algorithm_config().rollout_correction == "tis"
     with pytest.raises(ValueError, match=r"^unknown algorithm fields \['clip_hihg'\] \(did you mean clip_high\?\)"):
@@ -153,7 +170,8 @@ def test_plugins_are_loaded_before_the_preset_is_looked_up(tmp_path, monkeypatch
 
 
 def test_rollout_limits_and_sampling_come_from_the_flat_fields():
-    c = config(rollout=dict(max_turns=3, max_new_tokens_per_turn=5, max_observation_tokens=7, max_prompt_tokens=11, max_total_tokens=99, temperature=0.7, top_p=0.9, top_k=5))
+    c = config(rollout=dict(max_turns=3, max_new_tokens_per_turn=5, max_observation_tokens=7, max_prompt_tokens=11,
+                            max_total_tokens=99, temperature=0.7, top_p=0.9, top_k=5))
     limits = c.rollout_limits()
     assert (limits.max_turns, limits.max_new_tokens_per_turn, limits.max_observation_tokens,
             limits.max_prompt_tokens, limits.max_total_tokens) == (3, 5, 7, 11, 99)
@@ -180,7 +198,7 @@ def test_load_config_layers_file_flags_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("seed: 3\nactor_lr: 1\nmodel: from_file\nalgorithm:\n  clip_high: 0.25\n")
     c = load_config(path, ["seed=9", "algorithm.clip_low=0.1"], model="flag", output_dir=None)
-    assert c.seed == 9 and c.actor_lr == 1.0 and isinstance(c.actor_lr, float)
+    assert c.seed == 9 and c.optimizer.actor_lr == 1.0 and isinstance(c.optimizer.actor_lr, float)
     assert c.model == "flag" and c.output_dir == "runs/stppo"  # a None flag does not override
     assert c.algorithm == {"clip_high": 0.25, "clip_low": 0.1}
     assert load_config(None, None).model == "" and load_config().seed == 0
@@ -206,15 +224,15 @@ def test_load_config_layers_file_flags_and_overrides(tmp_path):
 
 def test_sectioned_overrides_keep_the_section_defaults():
     c = load_config(None, ["monitor.thresholds.entropy=0.5"])
-    assert c.collapse_thresholds == {"kl_to_reference": 1.0, "entropy": 0.5}
+    assert c.monitor.thresholds == {"kl_to_reference": 1.0, "entropy": 0.5}
     c = load_config(None, ["env_kwargs.topk=3", "env_kwargs.split=dev"])
     assert c.env_kwargs == {"topk": 3, "split": "dev"}
     c = load_config(None, ["algorithm.clip_high=0.3", "algorithm.clip_high=0.35"])
     assert c.algorithm == {"clip_high": 0.35}
-    assert TrainConfig().collapse_thresholds is not TrainConfig().collapse_thresholds
+    assert TrainConfig().monitor.thresholds is not TrainConfig().monitor.thresholds
     assert load_config(None, ["env_kwargs.a.b=1"]).env_kwargs == {"a.b": 1}  # the first dot splits
     c = load_config(None, ["monitor.thresholds.kl_to_reference=2"])
-    assert TrainConfig().collapse_thresholds == {"kl_to_reference": 1.0} and c.collapse_thresholds[
+    assert TrainConfig().monitor.thresholds == {"kl_to_reference": 1.0} and c.monitor.thresholds[
         "kl_to_reference"] == 2
 
 
@@ -528,7 +546,8 @@ def update_stage(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **valu
     from stppo_agent.training.stale_policy import StalePolicy
     from stppo_agent.training.state import TrainingState
 
-    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6}}
+    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4,
+                                                                       "max_grad_norm": 1e6}}
     cfg = config(algo=algo, **values)
     actor = tiny_lm(0)
     value_model = tiny_lm(1, critic=True) if critic else None
@@ -1100,7 +1119,8 @@ def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_r
     assert [c["groups"][0] // 10**9 for c in calls] == [0, 1, 2]
     assert batch.stats["dynamic_sampling/rounds"] == 2.0
     assert batch.group_ids.tolist() == [2 * 10**9, 2 * 10**9, 2 * 10**9 + 1, 2 * 10**9 + 1]
-    capped = live(algo="dapo", algorithm={"max_resample_rounds": 1}, rollout=dict(prompts_per_iteration=2, samples_per_prompt=2))
+    capped = live(algo="dapo", algorithm={"max_resample_rounds": 1},
+                  rollout=dict(prompts_per_iteration=2, samples_per_prompt=2))
     calls.clear()
     capped.next_batch(0)
     assert len(calls) == 2
@@ -1188,7 +1208,12 @@ def test_build_state_loads_wraps_and_optimizes_each_model(monkeypatch):
     from stppo_agent.rollouts.hf_generation import HFGenerationBackend
     from stppo_agent.training.model_setup import generation_backend, weights_folder
 
-    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="ppo", critic_model="critic0", algorithm={"kl_loss_coef": 0.1, "kl_in_reward": 0.0}, precision=dict(dtype="bfloat16"), optimizer=dict(gradient_checkpointing=True, actor_lr=0.01, critic_lr=0.02, weight_decay=0.1, warmup_steps=4), rollout=dict(temperature=0.5, generation_batch_size=3, reuse_kv_cache=False))
+    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="ppo", critic_model="critic0",
+                                       algorithm={"kl_loss_coef": 0.1, "kl_in_reward": 0.0},
+                                       precision=dict(dtype="bfloat16"),
+                                       optimizer=dict(gradient_checkpointing=True, actor_lr=0.01, critic_lr=0.02,
+                                                      weight_decay=0.1, warmup_steps=4),
+                                       rollout=dict(temperature=0.5, generation_batch_size=3, reuse_kv_cache=False))
     state = build(cfg)
     assert calls == dict(actor_path="init", critic_path="critic0", use_critic=True, need_reference=True,
                          dtype="bfloat16", gradient_checkpointing=True, reference_path="init", autocast_dtype=None)
@@ -1223,7 +1248,10 @@ def test_build_state_on_resume_and_without_critic_or_reference(monkeypatch):
 
     from stppo_agent.training.model_setup import weights_folder
 
-    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="grpo", algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0}, rollout=dict(samples_per_prompt=2, staleness=2), precision=dict(autocast_dtype="bfloat16"))
+    cfg, calls, wrapped = setup_models(monkeypatch, model="init", algo="grpo",
+                                       algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0},
+                                       rollout=dict(samples_per_prompt=2, staleness=2),
+                                       precision=dict(autocast_dtype="bfloat16"))
     state = build(cfg, Path("ckpt"))
     assert calls["actor_path"] == str(Path("ckpt") / "actor") and calls["critic_path"] == str(Path("ckpt") / "critic")
     assert calls["reference_path"] == "init" and calls["use_critic"] is False and calls["need_reference"] is False
@@ -1248,14 +1276,16 @@ def test_sharded_models_are_sharded_in_place_in_the_compute_dtype(monkeypatch):
     import stppo_agent.training.model_setup as model_setup
 
     sharded = []
-    cfg, _, wrapped = setup_models(monkeypatch, algo="ppo", algorithm={"kl_loss_coef": 0.1}, distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="bfloat16"))
+    cfg, _, wrapped = setup_models(monkeypatch, algo="ppo", algorithm={"kl_loss_coef": 0.1},
+                                   distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="bfloat16"))
     monkeypatch.setattr(model_setup.process_group, "shard_fsdp2", lambda model, dtype: sharded.append((model, dtype)))
     state = build(cfg, sharded=True)
     assert [m for m, _ in sharded] == [state.actor, state.critic, state.reference] and not wrapped
     assert {d for _, d in sharded} == {torch.bfloat16}
     assert state.actor_train is state.actor and state.critic_train is state.critic
     sharded.clear()
-    cfg, _, _ = setup_models(monkeypatch, algo="grpo", algorithm={"kl_loss_coef": 0.0}, distributed=dict(strategy="fsdp2"), rollout=dict(samples_per_prompt=2))
+    cfg, _, _ = setup_models(monkeypatch, algo="grpo", algorithm={"kl_loss_coef": 0.0},
+                             distributed=dict(strategy="fsdp2"), rollout=dict(samples_per_prompt=2))
     state = build(cfg, sharded=True)
     assert sharded == [(state.actor, None)]
 
@@ -1471,7 +1501,12 @@ def tiny_folder(tmp_path_factory):
 
 
 def toy_run(model, out, **values):
-    settings = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=3, seed=11, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=16)), optimizer=dict(optimizer=dict(mini_batch_size=4, micro_batch_size=2, actor_lr=0.01)), logging=dict(logging=dict(progress=False, tensorboard=False)), checkpoint=dict(every=2, keep=5))
+    settings = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=3, seed=11,
+                    algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0},
+                    rollout=dict(prompts_per_iteration=2, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=1,
+                                 max_prompt_tokens=8, max_total_tokens=16),
+                    optimizer=dict(mini_batch_size=4, micro_batch_size=2, actor_lr=0.01),
+                    logging=dict(progress=False, tensorboard=False), checkpoint=dict(every=2, keep=5))
     settings.update(values)
     return from_dict(settings)
 
@@ -1490,7 +1525,9 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
 
     monkeypatch.setattr(trainer_module, "MetricsLogger", metrics_logger)
     reports, batches = [], []
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, device="cpu", rollout=dict(staleness=1), logging=dict(save_rollouts=True, step_diagnostics=True, tensorboard=True, wandb_project="pins"), precision=dict(autocast_dtype="auto")),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, device="cpu", rollout=dict(staleness=1),
+                              logging=dict(save_rollouts=True, step_diagnostics=True, tensorboard=True,
+                                           wandb_project="pins"), precision=dict(autocast_dtype="auto")),
                       report=reports.append, batch_hook=batches.append)
     assert [entry[:3] for entry in loggers] == [(tmp_path, True, "pins")] and loggers[0][3]["seed"] == 11
     assert torch.initial_seed() == 11 and trainer.config.precision.autocast_dtype in (None, "bfloat16")  # auto resolved
@@ -1538,7 +1575,8 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
 
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, monitor=dict(on_collapse="none"), checkpoint=dict(every=1), logging=dict(progress=True)),
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=2, monitor=dict(on_collapse="none"), checkpoint=dict(every=1),
+                    logging=dict(progress=True)),
             report=lambda _: None).train()
     bar = capsys.readouterr().err
     assert "training: 100%" in bar and " 2/2 " in bar and "scoring" in bar  # the progress bar
@@ -1557,7 +1595,8 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
     assert again.train() == {}
     assert reports[-1] == (f"nothing to train: {tmp_path} is at iteration 1 and iterations=1; --iterations 2 or more "
                            "continues it")
-    longer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, monitor=dict(on_collapse="none"), checkpoint=dict(keep=1)),
+    longer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, monitor=dict(on_collapse="none"),
+                             checkpoint=dict(keep=1)),
                      resume=True, report=lambda _: None)
     longer.train()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2] and longer.state.optimizer_steps == 2
@@ -1607,7 +1646,8 @@ def test_the_trainer_stages_get_what_they_need_in_order(tiny_folder, tmp_path, m
     from stppo_agent.monitoring.collapse_guard import CollapseGuard
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, monitor=dict(on_collapse="none"), rollout=dict(old_logprobs="sampler")),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, monitor=dict(on_collapse="none"),
+                              rollout=dict(old_logprobs="sampler")),
                       report=lambda _: None)
     calls = []
     batch = SimpleNamespace(to=lambda device: calls.append(("to", device)) or "moved")
@@ -1666,7 +1706,8 @@ def test_phase_shows_on_the_bar_only_while_it_is_shown(tiny_folder, tmp_path):
 def scoring_inputs(algo="ppo", reference=True, critic=True, **values) -> dict:
     """What score_batch takes: the config, tiny actor, critic, reference and lagged generator (other weights than
     the actor's), on the CPU, one process."""
-    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6}}
+    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4,
+                                                                       "max_grad_norm": 1e6}}
     cfg = config(algo=algo, **values)
     return dict(config=cfg, algo=cfg.algorithm_config(), actor=tiny_lm(0), generator=tiny_lm(5).eval(),
                 reference=tiny_lm(6).eval() if reference else None,
@@ -1697,7 +1738,8 @@ def expected_scores(t, batch, behaviour, sampler=None):
 def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_inputs(algorithm={"kl_in_reward": 0.2}, rollout=dict(stale_objective=objective, staleness=1), optimizer=dict(micro_batch_size=2))
+    t = scoring_inputs(algorithm={"kl_in_reward": 0.2}, rollout=dict(stale_objective=objective, staleness=1),
+                       optimizer=dict(micro_batch_size=2))
     batch = make_batch()
     behaviour = t["generator"] if objective == "coupled" else t["actor"]
     old, ref, values, adv, ret = expected_scores(t, batch, behaviour, sampler=t["generator"])
@@ -1721,7 +1763,8 @@ def test_scoring_takes_old_logprobs_from_the_behaviour_policy(objective):
 def test_scoring_without_critic_or_reference():
     from stppo_agent.training.scoring import score_batch
 
-    t = scoring_inputs("grpo", reference=False, critic=False, algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0}, rollout=dict(samples_per_prompt=2))
+    t = scoring_inputs("grpo", reference=False, critic=False, algorithm={"kl_loss_coef": 0.0, "kl_in_reward": 0.0},
+                       rollout=dict(samples_per_prompt=2))
     batch = make_batch()
     batch.ref_logprobs = batch.values = None
     _, _, _, adv, _ = expected_scores(t, batch, t["generator"])
@@ -1839,7 +1882,9 @@ def test_every_process_must_divide_both_batch_sizes(tiny_folder, tmp_path, monke
     monkeypatch.setattr(process_group, "world_size", lambda: 2)
     for prompts, mini in ((3, 2), (2, 3)):  # either one indivisible is refused
         with pytest.raises(ValueError) as info:
-            Trainer(toy_run(tiny_folder, tmp_path / "run", rollout=dict(prompts_per_iteration=prompts, samples_per_prompt=2 if prompts == 3 else 3), optimizer=dict(mini_batch_size=mini, micro_batch_size=1)))
+            Trainer(toy_run(tiny_folder, tmp_path / "run",
+                            rollout=dict(prompts_per_iteration=prompts, samples_per_prompt=2 if prompts == 3 else 3),
+                            optimizer=dict(mini_batch_size=mini, micro_batch_size=1)))
         assert str(info.value) == (f"prompts_per_iteration ({prompts}) and mini_batch_size ({mini}) must be "
                                    "multiples of the number of processes (2)")
     assert not (tmp_path / "run").exists()
@@ -1868,7 +1913,8 @@ def test_only_a_later_rank_reseeds_and_only_the_first_writes_the_run(tiny_folder
     seeds, seed_everything = [], process_group.seed_everything
     monkeypatch.setattr(process_group, "seed_everything", lambda seed: seeds.append(seed) or seed_everything(seed))
     monkeypatch.setattr(process_group, "rank", lambda: rank)
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1),
+                              monitor=dict(on_collapse="none")),
                       report=lambda _: None)
     assert seeds == ([11] if rank == 0 else [11, process_group.rank_seed(11, 1)])
     assert trainer._bar is None and trainer.phase("rollout") is None  # no bar outside train(): phases show nowhere
@@ -1887,12 +1933,14 @@ def test_the_folder_and_the_metrics_log_report_through_the_trainer(tiny_folder, 
     with open(tmp_path / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 2, "rew')  # a torn last record, as kill -9 during a write leaves
     reports = []
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")), resume=True,
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
+            resume=True,
             report=reports.append)
     assert reports[-1] == f"{tmp_path / 'metrics.jsonl'}: dropped a torn last record (line 2, an interrupted write)"
     assert reports[0].startswith(f"resumed from {tmp_path / 'checkpoints' / 'step-1'} (iteration 1")
     reports.clear()
-    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none")), overwrite=True, report=reports.append)
+    Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none")), overwrite=True,
+            report=reports.append)
     assert len(reports) == 1 and reports[0].startswith(f"--overwrite: removing the run in {tmp_path} (")
 
 
@@ -1900,10 +1948,12 @@ def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny
     import stppo_agent.training.trainer as trainer_module
     from stppo_agent.training.trainer import Trainer
 
-    first = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1), monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)),
+    first = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, checkpoint=dict(every=1),
+                            monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)),
                     report=lambda _: None)
     first.train()
-    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)), resume=True,
+    again = Trainer(toy_run(tiny_folder, tmp_path, iterations=1, monitor=dict(on_collapse="none"),
+                            optimizer=dict(actor_lr=0.5)), resume=True,
                     report=lambda _: None)
     trained, resumed = first.state.actor.state_dict(), again.state.actor.state_dict()
     assert all(torch.equal(trained[k], resumed[k]) for k in trained)  # not the folder's initial weights
@@ -1911,7 +1961,8 @@ def test_a_resume_loads_the_checkpointed_weights_and_refuses_a_tied_setting(tiny
     loaded = []
     monkeypatch.setattr(trainer_module, "build_state", lambda *args: loaded.append(args))
     with pytest.raises(ValueError, match=r"^--resume cannot change seed \(11 -> 12\)"):  # before the models load
-        Trainer(toy_run(tiny_folder, tmp_path, iterations=2, seed=12, monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.5)),
+        Trainer(toy_run(tiny_folder, tmp_path, iterations=2, seed=12, monitor=dict(on_collapse="none"),
+                        optimizer=dict(actor_lr=0.5)),
                 resume=True, report=lambda _: None)
     assert loaded == []
 
@@ -1968,7 +2019,8 @@ def test_the_training_bar_counts_iterations_from_where_the_run_stands(tiny_folde
             report=lambda _: None).train()
     assert bars[0].kwargs == dict(total=1, initial=0, desc="training", unit="it", disable=True)  # progress=False
     started = time.perf_counter()
-    metrics = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, monitor=dict(on_collapse="none"), logging=dict(progress=True)), resume=True,
+    metrics = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, monitor=dict(on_collapse="none"),
+                              logging=dict(progress=True)), resume=True,
                       report=lambda _: None).train()
     elapsed = time.perf_counter() - started
     bar = bars[1]
@@ -2000,7 +2052,8 @@ def test_a_stop_decision_saves_then_stops_with_the_guards_advice(tiny_folder, tm
     from stppo_agent.monitoring.collapse_guard import CollapseStopped, Decision
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, checkpoint=dict(every=10), monitor=dict(on_collapse="none")),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=3, checkpoint=dict(every=10),
+                              monitor=dict(on_collapse="none")),
                       report=lambda _: None)
     checks = scripted_guard(trainer, {2: Decision("stop", "reward collapsed.")})
     with pytest.raises(CollapseStopped) as info:
@@ -2016,7 +2069,8 @@ def test_a_rollback_starts_a_new_streak_of_nan_skips(tiny_folder, tmp_path):
     the weights it abandoned, so they do not bring the restored run nearer to stopping."""
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, checkpoint=dict(every=1), monitor=dict(on_collapse="none")),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, checkpoint=dict(every=1),
+                              monitor=dict(on_collapse="none")),
                       report=lambda message: None)
     trainer.train()
     trainer.state.nan_skips_in_a_row, total = 3, trainer.state.nan_skips_total
@@ -2035,7 +2089,8 @@ def test_only_the_main_process_says_the_guards_alarm(tiny_folder, tmp_path, monk
     for main in (True, False):
         monkeypatch.setattr(process_group, "is_main", lambda main=main: main)
         reports = said[main] = []
-        trainer = Trainer(toy_run(tiny_folder, tmp_path / str(main), iterations=2, checkpoint=dict(every=10), monitor=dict(on_collapse="none")),
+        trainer = Trainer(toy_run(tiny_folder, tmp_path / str(main), iterations=2, checkpoint=dict(every=10),
+                                  monitor=dict(on_collapse="none")),
                           report=reports.append)
         scripted_guard(trainer, {2: Decision("warn", "looks odd.")})
         trainer.train()
@@ -2053,7 +2108,8 @@ def test_the_loop_carries_out_every_decision_of_the_guard(tiny_folder, tmp_path)
     from stppo_agent.training.trainer import Trainer
 
     reports = []
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=6, checkpoint=dict(every=10), monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.01)),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=6, checkpoint=dict(every=10),
+                              monitor=dict(on_collapse="none"), optimizer=dict(actor_lr=0.01)),
                       report=reports.append)
     seen = scripted_guard(trainer, {2: Decision("warn", "looks odd."),
                                     3: Decision("rollback", "collapsed.", rollback_to=2),
@@ -2133,7 +2189,8 @@ def test_train_on_cuda_measures_each_iterations_peak_memory(tiny_folder, tmp_pat
     import stppo_agent.training.trainer as trainer_module
     from stppo_agent.training.trainer import Trainer
 
-    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, checkpoint=dict(every=10), monitor=dict(on_collapse="none")),
+    trainer = Trainer(toy_run(tiny_folder, tmp_path, iterations=2, checkpoint=dict(every=10),
+                              monitor=dict(on_collapse="none")),
                       report=lambda _: None)
     calls = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
@@ -2223,7 +2280,8 @@ def test_sft_hands_its_settings_to_every_step(monkeypatch, tmp_path):
 
 def test_the_off_policy_means_leave_out_the_first_step_alone():
 
-    t = update_stage(seed=3, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=2), logging=dict(step_diagnostics=True))
+    t = update_stage(seed=3, optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=2),
+                     logging=dict(step_diagnostics=True))
     updater, steps = t, []
     step = updater._optimizer_step
     updater._optimizer_step = lambda mini: steps.append(step(mini)) or steps[-1]

@@ -21,7 +21,8 @@ register_algorithm(dataclasses.replace(ALGORITHMS["{base}"], name="{name}", clip
 '''
 FAST = ["--env", "stppo/Toy-v0", "--iterations", "1", "--set", "rollout.prompts_per_iteration=2", "--set",
         "optimizer.mini_batch_size=2", "--set", "optimizer.micro_batch_size=2", "--set", "rollout.max_turns=2", "--set",
-        "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set", "rollout.max_total_tokens=32", "--set",
+        "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set",
+        "rollout.max_total_tokens=32", "--set",
         "logging.progress=false", "--set", "logging.tensorboard=false"]
 
 

@@ -72,7 +72,10 @@ def test_equal_weights_give_one_and_one_dominant_weight_gives_one_over_n():
 
 def test_a_run_logs_it_per_step_one_on_policy_and_below_one_after(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    config = toy_config(model, tmp_path / "run", "st_ppo", iterations=2, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=2, actor_lr=5e-2), logging=dict(step_diagnostics=True))
+    config = toy_config(model, tmp_path / "run", "st_ppo", iterations=2,
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                        optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=2, actor_lr=5e-2),
+                        logging=dict(step_diagnostics=True))
     Trainer(config, report=lambda _: None).train()
     steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     first = [s["ratio/ess"] for s in steps if s["on_policy"]]

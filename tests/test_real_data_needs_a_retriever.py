@@ -23,8 +23,10 @@ def real_data(tmp_path, monkeypatch):
 
 
 TRAIN = ["train", "--algo", "grpo", "--model", "tiny", "--output-dir", "run", "--iterations", "1",
-         "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.max_turns=2",
-         "--set", "rollout.max_new_tokens_per_turn=2", "--set", "logging.tensorboard=false", "--set", "logging.progress=false"]
+         "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2", "--set",
+         "rollout.max_turns=2",
+         "--set", "rollout.max_new_tokens_per_turn=2", "--set", "logging.tensorboard=false", "--set",
+         "logging.progress=false"]
 
 
 @pytest.mark.parametrize("env", ["stppo/NQ-v0", "stppo/NQ-v0,stppo/HotpotQA-v0"])

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from stppo_agent.cli import main
-from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.recording import load_batch, recorded_iterations, recorded_world_size
+from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
 
@@ -30,7 +30,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def off_policy_config(model: Path, out: Path, algo: str, **overrides):
     """4 mini-batches x 2 epochs per iteration at a high learning rate: 7 of the 8 steps are off-policy."""
-    values = dict(iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=2e-2), logging=dict(save_rollouts=True))
+    values = dict(iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                  optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=2e-2),
+                  logging=dict(save_rollouts=True))
     values = merged(values, overrides)
     return toy_config(model, out, algo, **values)
 
@@ -219,8 +221,9 @@ def test_replay_refuses_other_sampling_settings_than_the_recorded_ones(recorded_
     for override in ("rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=20"):
         with pytest.raises(ValueError, match="settings that sampled them.*drop that --set"):
             replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"), [override])
-    same = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"), [f"temperature={recorded.temperature}"])
-    assert same.temperature == recorded.temperature
+    same = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"),
+                         [f"rollout.temperature={recorded.rollout.temperature}"])
+    assert same.rollout.temperature == recorded.rollout.temperature
 
 
 def _split_as_ranks(batch, world: int) -> list:

@@ -20,7 +20,8 @@ def recorded(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("recorded")
     model = build_tiny_llama(root / "model", word_tokenizer())
     run = root / "run"
-    assert main(toy_train_command(model, run, 3, extra=("logging.save_rollouts=true", "monitor.on_collapse=none"))[3:]) == 0
+    assert main(toy_train_command(model, run, 3, extra=("logging.save_rollouts=true",
+                                                        "monitor.on_collapse=none"))[3:]) == 0
     return run
 
 

@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from stppo_agent.cli import main
-from stppo_agent.training.config import merged
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
@@ -24,16 +24,22 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def small(model: Path, out: Path, iterations: int, **overrides):
-    values = dict(iterations=iterations, checkpoint=dict(every=1, keep=2), rollout=dict(prompts_per_iteration=2, samples_per_prompt=2), optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none"))
+    values = dict(iterations=iterations, checkpoint=dict(every=1, keep=2),
+                  rollout=dict(prompts_per_iteration=2, samples_per_prompt=2),
+                  optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none"))
     values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
 
 def cli(model: Path, out: Path, iterations: int, *extra: str) -> list[str]:
-    settings = ["rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4", "optimizer.micro_batch_size=2",
-                "optimizer.epochs=2", "optimizer.actor_lr=3e-3", "optimizer.critic_lr=3e-3", "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=1",
-                "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false", "logging.tensorboard=false",
-                "checkpoint.every=1", "monitor.on_collapse=none", "algorithm.kl_in_reward=0", "algorithm.kl_loss_coef=0"]
+    settings = ["rollout.prompts_per_iteration=2", "rollout.samples_per_prompt=2", "optimizer.mini_batch_size=4",
+                "optimizer.micro_batch_size=2",
+                "optimizer.epochs=2", "optimizer.actor_lr=3e-3", "optimizer.critic_lr=3e-3", "rollout.max_turns=2",
+                "rollout.max_new_tokens_per_turn=1",
+                "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false",
+                "logging.tensorboard=false",
+                "checkpoint.every=1", "monitor.on_collapse=none", "algorithm.kl_in_reward=0",
+                "algorithm.kl_loss_coef=0"]
     return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
             "--iterations", str(iterations), *[x for s in settings for x in ("--set", s)], *extra]
 
@@ -73,7 +79,9 @@ def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tin
             Trainer(small(tiny_model, out, 2, **dict([_parsed(setting)])), resume=True, report=lambda _: None)
         assert "\n" not in str(caught.value)
     with pytest.raises(ValueError, match="--resume cannot change algo .ppo -> grpo."):
-        Trainer(toy_config(tiny_model, out, "grpo", iterations=2, checkpoint=dict(every=1), rollout=dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2)), optimizer=dict(optimizer=dict(mini_batch_size=4, micro_batch_size=2)), monitor=dict(monitor=dict(on_collapse="none"))),
+        Trainer(toy_config(tiny_model, out, "grpo", iterations=2, checkpoint=dict(every=1),
+                           rollout=dict(prompts_per_iteration=2, samples_per_prompt=2),
+                           optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none")),
                 resume=True, report=lambda _: None)
     capsys.readouterr()
     assert main(["train", "--output-dir", str(out), "--iterations", "2", "--resume", "--set", "seed=7"]) == 1

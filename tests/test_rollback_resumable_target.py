@@ -49,7 +49,8 @@ def test_no_rollback_to_a_healthy_checkpoint_without_optimizer_state(tiny_model,
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7] and records[-1]["collapse/action"] == "stop"
     assert holds_resume_state(folders / "step-7")  # the state at the alarm, saved: resuming goes on from there
-    resumed = train(tiny_model, run, 8, "monitor.on_collapse=none", capsys=capsys, resume=True)  # config.yaml's alarm is off
+    resumed = train(tiny_model, run, 8, "monitor.on_collapse=none", capsys=capsys,
+                    resume=True)  # config.yaml's alarm is off
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {folders / 'step-7'} (iteration 7" in resumed.stdout
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6, 7, 8]

@@ -134,12 +134,16 @@ def test_trainer_applies_the_weights_mis_above_the_cap_silences_the_policy_gradi
     def sampler_far_from_trainer(batch):  # the sampler gave every token -30: w = pi_old / pi_s >> cap
         batch.sample_logprobs = torch.where(batch.loss_mask, torch.full_like(batch.sample_logprobs, -30.0), 0.0)
 
-    config = toy_config(tiny_model, tmp_path / "mis", "grpo", iterations=2, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "rollout_correction": "mis"}, monitor=dict(on_collapse="none"))
+    config = toy_config(tiny_model, tmp_path / "mis", "grpo", iterations=2,
+                        algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "rollout_correction": "mis"},
+                        monitor=dict(on_collapse="none"))
     Trainer(config, batch_hook=sampler_far_from_trainer).train()
     records = read_metrics(tmp_path / "mis")
     assert all(r["rollout_correction/masked_frac"] == 1.0 for r in records)
     assert all(r["grad_norm"] == 0.0 for r in records)  # every token dropped: no policy gradient at all
-    config = toy_config(tiny_model, tmp_path / "tis", "grpo", iterations=2, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "rollout_correction": "tis"}, monitor=dict(on_collapse="none"))
+    config = toy_config(tiny_model, tmp_path / "tis", "grpo", iterations=2,
+                        algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "rollout_correction": "tis"},
+                        monitor=dict(on_collapse="none"))
     Trainer(config, batch_hook=sampler_far_from_trainer).train()
     records = read_metrics(tmp_path / "tis")
     assert all(r["rollout_correction/truncated_frac"] == 1.0 and r["grad_norm"] > 0 for r in records)

@@ -25,7 +25,9 @@ def tiny_model(tmp_path_factory) -> Path:
 def config(model, out, iterations):
     # on_collapse=none: pruning then keeps exactly the newest keep_checkpoints (the collapse monitor also keeps a
     # healthy and a best checkpoint; tests/test_collapse.py covers that)
-    return toy_config(model, out, "ppo", iterations=iterations, checkpoint=dict(every=1, keep=2), rollout=dict(rollout=dict(prompts_per_iteration=2, samples_per_prompt=2)), optimizer=dict(optimizer=dict(mini_batch_size=4, micro_batch_size=2)), monitor=dict(monitor=dict(on_collapse="none")))
+    return toy_config(model, out, "ppo", iterations=iterations, checkpoint=dict(every=1, keep=2),
+                      rollout=dict(prompts_per_iteration=2, samples_per_prompt=2),
+                      optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none"))
 
 
 def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tiny_model, tmp_path):
@@ -118,9 +120,12 @@ def test_a_checkpoint_that_cannot_be_written_says_why_and_keeps_the_last_good_on
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
     before = (tmp_path / "metrics.jsonl").read_text()
     code = main(["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
-                 str(tmp_path), "--iterations", "2", "--resume", "--set", "checkpoint.every=1", "--set", "monitor.on_collapse=none",
-                 "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.samples_per_prompt=2", "--set", "optimizer.mini_batch_size=4",
-                 "--set", "optimizer.micro_batch_size=2", "--set", "logging.progress=false", "--set", "logging.tensorboard=false"])
+                 str(tmp_path), "--iterations", "2", "--resume", "--set", "checkpoint.every=1", "--set",
+                 "monitor.on_collapse=none",
+                 "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.samples_per_prompt=2", "--set",
+                 "optimizer.mini_batch_size=4",
+                 "--set", "optimizer.micro_batch_size=2", "--set", "logging.progress=false", "--set",
+                 "logging.tensorboard=false"])
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stppo train:")]
     assert code == 1 and len(error) == 1, error  # one line (progress bars of the loading aside)
     error = error[0]

@@ -16,13 +16,18 @@ from stppo_agent.runs.run_summary import human_bytes, run_summary
 from .cli_in_process import stppo as run_in_process
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = ["--env", "stppo/Toy-v0", "--model", "tiny", "--set", "rollout.samples_per_prompt=4", "--set", "optimizer.actor_lr=1e-2",
-       "--set", "optimizer.critic_lr=1e-2", "--set", "rollout.max_new_tokens_per_turn=1", "--set", "logging.tensorboard=false"]
+TOY = ["--env", "stppo/Toy-v0", "--model", "tiny", "--set", "rollout.samples_per_prompt=4", "--set",
+       "optimizer.actor_lr=1e-2",
+       "--set", "optimizer.critic_lr=1e-2", "--set", "rollout.max_new_tokens_per_turn=1", "--set",
+       "logging.tensorboard=false"]
 
 
 def fake_run(folder: Path, algorithm: dict, records: list[dict], checkpoint_bytes: int = 0) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({"algo": "st_ppo", "env": "stppo/NQ-v0,stppo/HotpotQA-v0", "env_kwargs": {"retriever": "bm25:idx"}, "algorithm": algorithm, "rollout": {"rollout": {"max_turns": 3, "max_new_tokens_per_turn": 64}}}))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"algo": "st_ppo", "env": "stppo/NQ-v0,stppo/HotpotQA-v0",
+                                                        "env_kwargs": {"retriever": "bm25:idx"},
+                                                        "algorithm": algorithm,
+                                                        "rollout": {"max_turns": 3, "max_new_tokens_per_turn": 64}}))
     lines = (json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(records))
     (folder / "metrics.jsonl").write_text("".join(lines))
     if checkpoint_bytes:
@@ -107,9 +112,11 @@ def test_the_printed_eval_command_evaluates_the_data_and_settings_the_run_traine
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     trained = stppo("train", "--algo", "grpo", "--env", "stppo/NQ-v0,stppo/HotpotQA-v0", "--model", "tiny",
                     "--output-dir", "run", "--iterations", "1", "--set", "rollout.samples_per_prompt=2",
-                    "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.max_turns=2", "--set", "rollout.max_new_tokens_per_turn=3",
+                    "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.max_turns=2", "--set",
+                    "rollout.max_new_tokens_per_turn=3",
                     "--set", "rollout.max_observation_tokens=40", "--set", "env_kwargs.dataset=mine.jsonl",
-                    "--set", "env_kwargs.retriever=demo", "--set", "env_kwargs.topk=2", "--set", "logging.tensorboard=false",
+                    "--set", "env_kwargs.retriever=demo", "--set", "env_kwargs.topk=2", "--set",
+                    "logging.tensorboard=false",
                     "--set", "logging.progress=false").stdout
     command = shlex.split(next(line for line in trained.splitlines() if "stppo eval" in line).split("evaluate", 1)[1])
     assert "(" not in trained.split("evaluate", 1)[1].splitlines()[1]  # default prompts: no caveat line

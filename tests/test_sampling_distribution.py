@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-from stppo_agent.training.config import merged
 from stppo_agent.rollouts.sampling import SamplingSettings
+from stppo_agent.training.config import merged
 from stppo_agent.training.config_sections import RolloutConfig
 from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
 from stppo_agent.training.trainer import Trainer
@@ -45,7 +45,10 @@ def penalised_model(tmp_path_factory) -> Path:
 def quick(model, out, **overrides):
     """One iteration; its first mini-batch on-policy: everything the scoring sees, nothing the update changes. Two
     mini-batches, so that scoring computes the old log-probs (one would leave them to the update's forward)."""
-    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=3, max_total_tokens=40), optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1), monitor=dict(on_collapse="none"))
+    values = dict(iterations=1,
+                  rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=3,
+                               max_total_tokens=40), optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1),
+                  monitor=dict(on_collapse="none"))
     values = merged(values, overrides)
     return toy_config(model, out, "grpo", **values)
 
@@ -61,8 +64,11 @@ def gap(batch) -> torch.Tensor:
     return (batch.old_logprobs - batch.sample_logprobs)[batch.loss_mask].abs()
 
 
-@pytest.mark.parametrize("sampling", [dict(rollout=dict(temperature=0.7)), dict(rollout=dict(top_p=0.9)), dict(rollout=dict(temperature=0.7, top_p=0.9)),
-                                      dict(rollout=dict(top_k=3)), dict(rollout=dict(temperature=1.3, top_k=4, top_p=0.8))])
+@pytest.mark.parametrize("sampling", [dict(rollout=dict(temperature=0.7)), dict(
+                                                                               rollout=dict(top_p=0.9)),
+                                      dict(rollout=dict(temperature=0.7, top_p=0.9)),
+                                      dict(rollout=dict(top_k=3)), dict(rollout=dict(temperature=1.3, top_k=4,
+                                                                                     top_p=0.8))])
 def test_old_logprobs_equal_the_behaviour_logprobs_at_any_sampling_setting(tiny_model, tmp_path, sampling):
     trainer = Trainer(quick(tiny_model, tmp_path, **sampling))
     batch = scored_batch(trainer)
@@ -85,7 +91,8 @@ def test_the_update_scores_the_same_distribution(tiny_model, tmp_path):
 def test_reference_logprobs_use_the_sampling_distribution(tiny_model, tmp_path):
     """The reference starts equal to the actor: under the same temperature and top-p its log-probs equal the
     behaviour log-probs."""
-    config = quick(tiny_model, tmp_path, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1}, rollout=dict(temperature=0.7, top_p=0.9))
+    config = quick(tiny_model, tmp_path, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1},
+                   rollout=dict(temperature=0.7, top_p=0.9))
     batch = scored_batch(Trainer(config))
     mask = batch.loss_mask
     assert (batch.ref_logprobs - batch.sample_logprobs)[mask].abs().max() < 1e-5
@@ -122,8 +129,10 @@ def test_temperature_zero_means_greedy_and_bad_settings_are_named():
     assert TrainConfig(model="m", rollout=RolloutConfig(temperature=0.0)).sampling().greedy
     assert TrainConfig(model="m", rollout=RolloutConfig(temperature=0.7, top_p=0.9, top_k=5)).sampling() == \
         SamplingSettings(temperature=0.7, top_p=0.9, top_k=5)
-    for bad, match in ((dict(rollout=dict(rollout=dict(temperature=-1.0))), "temperature"), (dict(rollout=dict(rollout=dict(top_p=0.0))), "top_p"),
-                       (dict(rollout=dict(rollout=dict(top_p=1.5))), "top_p"), (dict(rollout=dict(rollout=dict(top_k=-2))), "top_k")):
+    for bad, match in ((dict(rollout=dict(temperature=-1.0)), "temperature"),
+                       (dict(rollout=dict(top_p=0.0)), "top_p"),
+                       (dict(rollout=dict(top_p=1.5)), "top_p"),
+                       (dict(rollout=dict(top_k=-2)), "top_k")):
         with pytest.raises(ValueError, match=match):
             SamplingSettings(**bad)
         with pytest.raises(ValueError, match=match):  # named by validate(), before any model loads

@@ -54,7 +54,12 @@ def test_the_trainer_feeds_the_penalty_to_grpo(tmp_path):
     from .test_trainer import toy_config
 
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", iterations=1, algorithm={"kl_in_reward": 5.0, "kl_loss_coef": 0.0, "grpo_std_normalize": False}, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=3, max_total_tokens=40), optimizer=dict(mini_batch_size=8, micro_batch_size=8), monitor=dict(on_collapse="none")))
+    trainer = Trainer(toy_config(model, tmp_path / "run", "grpo", iterations=1,
+                                 algorithm={"kl_in_reward": 5.0, "kl_loss_coef": 0.0, "grpo_std_normalize": False},
+                                 rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens_per_turn=3,
+                                              max_total_tokens=40),
+                                 optimizer=dict(mini_batch_size=8, micro_batch_size=8),
+                                 monitor=dict(on_collapse="none")))
     with torch.no_grad():  # a reference away from the actor, so that the KL is not 0
         for parameter in trainer.state.reference.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.5)

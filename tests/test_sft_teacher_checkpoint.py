@@ -13,8 +13,10 @@ def run(tmp_path, monkeypatch, capsys):
     """A training run with checkpoints at steps 1 and 2 (the built-in tiny model on the toy env)."""
     monkeypatch.chdir(tmp_path)
     trained = stppo("train", "--algo", "grpo", "--env", "stppo/Toy-v0", "--model", "tiny", "--output-dir", "run",
-                    "--iterations", "2", "--set", "rollout.samples_per_prompt=2", "--set", "rollout.prompts_per_iteration=2",
-                    "--set", "rollout.max_new_tokens_per_turn=1", "--set", "checkpoint.every=1", "--set", "logging.tensorboard=false",
+                    "--iterations", "2", "--set", "rollout.samples_per_prompt=2", "--set",
+                    "rollout.prompts_per_iteration=2",
+                    "--set", "rollout.max_new_tokens_per_turn=1", "--set", "checkpoint.every=1", "--set",
+                    "logging.tensorboard=false",
                     "--set", "logging.progress=false", capsys=capsys)
     assert trained.returncode == 0, trained.stderr[-2000:]
     return "run"

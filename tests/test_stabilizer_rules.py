@@ -396,7 +396,8 @@ def test_cispo_in_its_paper_form_has_no_lower_bound(tiny_model, tmp_path):
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert float(grad[0, 0]) == pytest.approx(math.exp(-6.9) / 2, rel=1e-12)  # -w A / 2 tokens, w = rho
     assert float(metrics["clip_frac"]) == 0.0  # nothing below a lower bound that is not there
-    Trainer(toy_config(tiny_model, tmp_path, "cispo", iterations=2, logging=dict(step_diagnostics=True), monitor=dict(on_collapse="none"))).train()
+    Trainer(toy_config(tiny_model, tmp_path, "cispo", iterations=2, logging=dict(step_diagnostics=True),
+                       monitor=dict(on_collapse="none"))).train()
     steps = read_metrics(tmp_path, "steps.jsonl")
     assert steps and all(math.isfinite(step["grad_norm"]) for step in steps)
 

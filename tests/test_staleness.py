@@ -31,7 +31,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def stale_config(model: Path, out: Path, staleness: int, **overrides) -> TrainConfig:
-    values = dict(iterations=5, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=staleness), optimizer=dict(mini_batch_size=8, micro_batch_size=4, epochs=1, actor_lr=2e-2), monitor=dict(on_collapse="none"))
+    values = dict(iterations=5, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, staleness=staleness),
+                  optimizer=dict(mini_batch_size=8, micro_batch_size=4, epochs=1, actor_lr=2e-2),
+                  monitor=dict(on_collapse="none"))
     values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
@@ -75,7 +77,8 @@ def test_iteration_i_samples_with_the_weights_after_i_minus_k_updates(tiny_model
 
 def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_the_current(tiny_model, tmp_path):
     for objective, expected in (("coupled", "stale"), ("decoupled", "actor")):
-        trainer = Trainer(stale_config(tiny_model, tmp_path / objective, 1, iterations=2, rollout=dict(stale_objective=objective)),
+        trainer = Trainer(stale_config(tiny_model, tmp_path / objective, 1, iterations=2,
+                                       rollout=dict(stale_objective=objective)),
                           report=lambda _: None)
         trainer.train()
         batch = trainer.rollout()
@@ -97,7 +100,8 @@ def test_coupled_ratios_are_taken_against_the_lagged_policy_decoupled_against_th
 
 
 def test_staleness_zero_is_the_trainer_of_before(tiny_model, tmp_path):
-    trainer = Trainer(stale_config(tiny_model, tmp_path, 0, iterations=2, checkpoint=dict(every=1)), report=lambda _: None)
+    trainer = Trainer(stale_config(tiny_model, tmp_path, 0, iterations=2, checkpoint=dict(every=1)),
+                      report=lambda _: None)
     assert trainer.state.stale_policy.model is trainer.state.actor and trainer.backend.model is trainer.state.actor
     trainer.train()
     assert "staleness" not in read_metrics(tmp_path)[-1]
@@ -113,8 +117,10 @@ def test_bad_settings_are_refused(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="needs strategy=ddp and generation_backend=hf"):
         stale_config(tiny_model, tmp_path, 1, distributed=dict(strategy="fsdp2")).validate()
     with pytest.raises(ValueError, match="set algorithm.rollout_correction to mis, tis or auto"):
-        stale_config(tiny_model, tmp_path, 1, algorithm={"rollout_correction": "none"}, rollout=dict(stale_objective="decoupled")).validate()
-    stale_config(tiny_model, tmp_path, 0, algorithm={"rollout_correction": "none"}, rollout=dict(stale_objective="decoupled")) \
+        stale_config(tiny_model, tmp_path, 1, algorithm={"rollout_correction": "none"},
+                     rollout=dict(stale_objective="decoupled")).validate()
+    stale_config(tiny_model, tmp_path, 0, algorithm={"rollout_correction": "none"},
+                 rollout=dict(stale_objective="decoupled")) \
         .validate()  # without staleness the objective has nothing to decouple
 
 
@@ -162,7 +168,8 @@ def test_kill_9_then_resume_with_staleness_matches_an_uninterrupted_run(tiny_mod
 
 def test_a_stale_run_replays_exactly(tiny_model, tmp_path):
     run = tmp_path / "run"
-    Trainer(stale_config(tiny_model, run, 1, iterations=3, logging=dict(save_rollouts=True)), report=lambda _: None).train()
+    Trainer(stale_config(tiny_model, run, 1, iterations=3, logging=dict(save_rollouts=True)),
+            report=lambda _: None).train()
     replay(run, None, str(tmp_path / "again"), report=lambda _: None)
     original, again = read_metrics(run), read_metrics(tmp_path / "again")
     assert len(original) == len(again) == 3

@@ -52,7 +52,8 @@ def test_check_runs_end_to_end_on_a_cpu_and_prints_one_verdict(tmp_path):
     out = tmp_path / "check"
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stress_gpu.py"), "check", "--device", "cpu",
                              "--quick", "--model", str(model), "--lags", "0,2", "--iterations", "2", "--out",
-                             str(out), "--", "--set", "rollout.max_new_tokens_per_turn=16", "--set", "precision.autocast_dtype=null",
+                             str(out), "--", "--set", "rollout.max_new_tokens_per_turn=16", "--set",
+                             "precision.autocast_dtype=null",
                              "--warm-start-lr", "1e-3"],
                             capture_output=True, text=True, timeout=900)
     verdicts = [line for line in result.stdout.splitlines() if line.startswith(("PASS:", "FAIL:"))]

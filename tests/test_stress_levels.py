@@ -24,8 +24,10 @@ def plan(name, extra=(), versions=10, tier=stress.TOY, table=KNOWN):
 def test_a_lag_level_trains_n_plus_k_iterations_at_one_step_each():
     lag16 = plan("lag16")
     assert lag16.iterations == 26 and lag16.staleness == 16 and lag16.steps_per_iteration == 1
-    assert lag16.sets == ["optimizer.epochs=1", "rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=32", "optimizer.micro_batch_size=16",
-                          "optimizer.actor_lr=0.003", "optimizer.critic_lr=0.003", "rollout.staleness=16", "monitor.probe_every=4"]
+    assert lag16.sets == ["optimizer.epochs=1", "rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=32",
+                          "optimizer.micro_batch_size=16",
+                          "optimizer.actor_lr=0.003", "optimizer.critic_lr=0.003", "rollout.staleness=16",
+                          "monitor.probe_every=4"]
     assert plan("lag0").sets == [s.replace("16", "0") if s.startswith("rollout") else s for s in lag16.sets]
 
 

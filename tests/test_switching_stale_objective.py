@@ -61,7 +61,8 @@ def test_a_correction_set_by_hand_stays_set(tiny_model, tmp_path, capsys):
     assert config["algorithm"]["rollout_correction"] == "tis" and config["algorithm"]["rollout_correction_cap"] == 3
     assert config["algorithm_resolved"] == {"rollout_correction_level": "turn"}
     resumed = stppo(*toy_train_command(tiny_model, run, 2, resume=True,
-                                       extra=("rollout.staleness=1", "rollout.stale_objective=decoupled"))[3:], capsys=capsys)
+                                       extra=("rollout.staleness=1", "rollout.stale_objective=decoupled"))[3:],
+                                       capsys=capsys)
     assert resumed.returncode == 0, resumed.stderr
     assert "rollout_correction/truncated_frac" in read_metrics(run)[-1]  # still tis, now per token
     assert recorded(run)["algorithm_resolved"] == {"rollout_correction_level": "token"}

@@ -46,7 +46,10 @@ def questions_by_group(batch) -> dict[int, set[str]]:
 def test_a_trainer_poses_each_group_one_question_and_the_groups_different_ones(tmp_path: Path, env, env_kwargs):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     batches = []
-    config = toy_config(model, tmp_path / "run", "grpo", iterations=1, env=env, env_kwargs=env_kwargs, rollout=dict(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens_per_turn=2, max_prompt_tokens=64, max_total_tokens=128), optimizer=dict(mini_batch_size=12, micro_batch_size=12), monitor=dict(on_collapse="none"))
+    config = toy_config(model, tmp_path / "run", "grpo", iterations=1, env=env, env_kwargs=env_kwargs,
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=3, max_new_tokens_per_turn=2,
+                                     max_prompt_tokens=64, max_total_tokens=128),
+                        optimizer=dict(mini_batch_size=12, micro_batch_size=12), monitor=dict(on_collapse="none"))
     Trainer(config, report=lambda _: None, batch_hook=batches.append).train()
     groups = questions_by_group(batches[0])
     assert len(groups) == 4 and all(len(questions) == 1 for questions in groups.values())

@@ -169,8 +169,12 @@ def test_tokens_masked_by_the_rollout_correction_are_truly_dropped_from_the_upda
     same batch scored with those tokens off its mask, for sequence-, turn- and token-level rules alike."""
     from stppo_agent.training.trainer import Trainer
 
-    config = toy_config(tiny_model, tmp_path, algo, iterations=1, algorithm={"rollout_correction": "mis", "rollout_correction_level": "token",
-                                   "kl_in_reward": 0.0}, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens_per_turn=3), optimizer=dict(mini_batch_size=16, micro_batch_size=8, max_grad_norm=1e6), monitor=dict(on_collapse="none"))
+    config = toy_config(tiny_model, tmp_path, algo, iterations=1,
+                        algorithm={"rollout_correction": "mis", "rollout_correction_level": "token",
+                                   "kl_in_reward": 0.0},
+                        rollout=dict(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens_per_turn=3),
+                        optimizer=dict(mini_batch_size=16, micro_batch_size=8, max_grad_norm=1e6),
+                        monitor=dict(on_collapse="none"))
     trainer = Trainer(config, report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)

@@ -31,7 +31,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def toy_config(model: Path, out: Path, algo: str, **overrides) -> TrainConfig:
-    values = dict(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=14, algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(rollout=dict(prompts_per_iteration=8, samples_per_prompt=8, max_turns=2, max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32)), optimizer=dict(epochs=2, optimizer=dict(mini_batch_size=32, micro_batch_size=16, actor_lr=3e-3, critic_lr=3e-3)), logging=dict(logging=dict(progress=False, tensorboard=False)), checkpoint=dict(every=100))
+    values = dict(algo=algo, env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=14,
+                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0},
+                  rollout=dict(prompts_per_iteration=8, samples_per_prompt=8, max_turns=2, max_new_tokens_per_turn=1,
+                               max_prompt_tokens=8, max_total_tokens=32),
+                  optimizer=dict(epochs=2, mini_batch_size=32, micro_batch_size=16, actor_lr=3e-3, critic_lr=3e-3),
+                  logging=dict(progress=False, tensorboard=False), checkpoint=dict(every=100))
     values = merged(values, overrides)
     return from_dict(values)
 
@@ -89,7 +94,8 @@ def test_nan_losses_are_skipped_then_stop_the_run(tiny_model, tmp_path):
         batch.rewards[:] = float("nan")
 
     messages = []
-    config = toy_config(tiny_model, tmp_path, "grpo", iterations=5, monitor=dict(max_nan_skips=2), optimizer=dict(epochs=1, mini_batch_size=64, micro_batch_size=32))
+    config = toy_config(tiny_model, tmp_path, "grpo", iterations=5, monitor=dict(max_nan_skips=2),
+                        optimizer=dict(epochs=1, mini_batch_size=64, micro_batch_size=32))
     with pytest.raises(TrainingDivergedError, match="3 consecutive updates had NaN/inf"):
         Trainer(config, report=messages.append, batch_hook=poison).train()
     assert sum("update skipped" in m for m in messages) == 3
@@ -179,7 +185,8 @@ def test_config_layers_yaml_flags_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="fsdp_compute_dtype needs strategy=fsdp2"):
         TrainConfig(model="m", precision=PrecisionConfig(fsdp_compute_dtype="bfloat16")).validate()
     with pytest.raises(ValueError, match="must be bfloat16 or float16"):
-        TrainConfig(model="m", distributed=DistributedConfig(strategy="fsdp2"), precision=PrecisionConfig(fsdp_compute_dtype="int8")).validate()
+        TrainConfig(model="m", distributed=DistributedConfig(strategy="fsdp2"),
+                    precision=PrecisionConfig(fsdp_compute_dtype="int8")).validate()
     saved = tmp_path / "saved.yaml"
     saved.write_text(config.to_yaml())
     assert load_config(saved) == config
@@ -193,7 +200,8 @@ def test_metrics_file_is_json_lines(tiny_model, tmp_path):
 
 
 def test_bfloat16_and_gradient_checkpointing_options_train(tiny_model, tmp_path):
-    config = toy_config(tiny_model, tmp_path, "st_ppo", iterations=2, precision=dict(dtype="bfloat16"), optimizer=dict(gradient_checkpointing=True))
+    config = toy_config(tiny_model, tmp_path, "st_ppo", iterations=2, precision=dict(dtype="bfloat16"),
+                        optimizer=dict(gradient_checkpointing=True))
     trainer = Trainer(config)
     from stppo_agent.models.loading import is_checkpointing
 

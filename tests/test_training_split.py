@@ -53,7 +53,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def test_the_trainer_plays_train_questions_and_records_the_split(tiny_model, tmp_path):
-    trainer = Trainer(TrainConfig(model=str(tiny_model), env="stppo/NQ-v0", output_dir=str(tmp_path), iterations=1, logging=LoggingConfig(progress=False, tensorboard=False)), report=lambda _: None)
+    trainer = Trainer(TrainConfig(model=str(tiny_model), env="stppo/NQ-v0", output_dir=str(tmp_path), iterations=1,
+                                  logging=LoggingConfig(progress=False, tensorboard=False)), report=lambda _: None)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["env_kwargs"]["split"] == "train"
     env = make_env("stppo/NQ-v0", trainer.source.env_kwargs[0])
     ids = {example.id for example in env.examples}

@@ -25,7 +25,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def run_config(model: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(staleness=1), optimizer=dict(optimizer=dict(actor_lr=1e-2, critic_lr=2e-2, warmup_steps=4)), logging=dict(logging=dict(progress=False, tensorboard=False)))
+    values = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out),
+                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.0}, rollout=dict(staleness=1),
+                  optimizer=dict(actor_lr=1e-2, critic_lr=2e-2, warmup_steps=4),
+                  logging=dict(progress=False, tensorboard=False))
     values = merged(values, overrides)
     return from_dict(values)
 

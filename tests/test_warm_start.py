@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-from stppo_agent.training.config import merged
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
 
@@ -29,13 +29,16 @@ def warm_run(tmp_path_factory) -> Path:
     """Two iterations of PPO on the toy env, a checkpoint after each."""
     folder = tmp_path_factory.mktemp("warm")
     model = build_tiny_llama(folder / "model", word_tokenizer())
-    Trainer(one_step_config(model, folder / "run", iterations=2, checkpoint=dict(every=1)), report=lambda _: None).train()
+    Trainer(one_step_config(model, folder / "run", iterations=2, checkpoint=dict(every=1)),
+            report=lambda _: None).train()
     return folder / "run"
 
 
 def one_step_config(model, out: Path, **overrides):
     """One optimizer step per iteration (the whole batch is one mini-batch)."""
-    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4), optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, actor_lr=LR, critic_lr=LR), monitor=dict(on_collapse="none"))
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                  optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, actor_lr=LR, critic_lr=LR),
+                  monitor=dict(on_collapse="none"))
     values = merged(values, overrides)
     return toy_config(model, out, "ppo", **values)
 
@@ -90,7 +93,8 @@ def test_the_first_step_from_warm_moments_is_no_sign_step(warm_run, tmp_path):
 
 def test_a_warm_started_run_records_resumes_and_replays_exactly(warm_run, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    Trainer(warm_config(warm_run, straight, iterations=3, logging=dict(save_rollouts=True)), report=lambda _: None).train()
+    Trainer(warm_config(warm_run, straight, iterations=3, logging=dict(save_rollouts=True)),
+            report=lambda _: None).train()
     recorded = yaml.safe_load((straight / "config.yaml").read_text())
     assert recorded["init_from"] == str(warm_run / "checkpoints" / "step-2")
     Trainer(warm_config(warm_run, stopped, iterations=2, checkpoint=dict(every=1)), report=lambda _: None).train()
@@ -146,8 +150,10 @@ def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
 def test_the_command_line_starts_from_a_checkpoint_without_a_model(warm_run, tmp_path, capsys):
     result = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--output-dir", str(tmp_path / "run"),
                    "--iterations", "1", "--set", f"init_from={warm_run / 'checkpoints' / 'step-2'}",
-                   "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.samples_per_prompt=2", "--set", "rollout.max_turns=2",
-                   "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set", "rollout.max_total_tokens=32",
+                   "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.samples_per_prompt=2", "--set",
+                   "rollout.max_turns=2",
+                   "--set", "rollout.max_new_tokens_per_turn=1", "--set", "rollout.max_prompt_tokens=8", "--set",
+                   "rollout.max_total_tokens=32",
                    "--set", "logging.progress=false", "--set", "logging.tensorboard=false", capsys=capsys)
     assert result.returncode == 0, result.stderr
     assert "started from" in result.stdout + result.stderr
@@ -156,7 +162,8 @@ def test_the_command_line_starts_from_a_checkpoint_without_a_model(warm_run, tmp
 
 def test_warm_up_starts_at_lr_over_warmup_steps_and_logs_the_rate_each_iteration_used(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    trainer = Trainer(one_step_config(model, tmp_path / "run", iterations=4, optimizer=dict(warmup_steps=3)), report=lambda _: None)
+    trainer = Trainer(one_step_config(model, tmp_path / "run", iterations=4, optimizer=dict(warmup_steps=3)),
+                      report=lambda _: None)
     used = []
     trainer.state.actor_optimizer.register_step_pre_hook(
         lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"]))

@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.training.replay import recorded_config, replay
 
     overrides = list(args.overrides)
-    check_run_settings(load_config(None, overrides))  # a typo in --set monitor.on_collapse=... answers before any loading
+    check_run_settings(load_config(None,
+                                   overrides))  # a typo in --set monitor.on_collapse=... answers before any loading
     if args.imports:  # added to the recorded run's plugins (which the replay imports again); an explicit --set wins
         merged = portable_specs([*recorded_config(args.run).plugins, *args.imports])
         overrides.insert(0, f"plugins={json.dumps(merged)}")

@@ -41,8 +41,10 @@ def no_signal_reason(rewards: torch.Tensor, group_ids: torch.Tensor, advantages:
 
 def advice(reason: str, config) -> str:
     """The notice: what was seen, the likely cause at the run's settings, and what to try."""
-    settings = (f"max_turns={config.rollout.max_turns}, max_new_tokens_per_turn={config.rollout.max_new_tokens_per_turn}, "
-                f"temperature={config.rollout.temperature}, samples_per_prompt={config.rollout.samples_per_prompt}")
+    rollout = config.rollout
+    settings = (f"rollout.max_turns={rollout.max_turns}, rollout.max_new_tokens_per_turn="
+                f"{rollout.max_new_tokens_per_turn}, rollout.temperature={rollout.temperature}, "
+                f"rollout.samples_per_prompt={rollout.samples_per_prompt}")
     if reason.startswith("every trajectory earned the same reward"):
         cause = "the task is already solved (or always paid the same) at these settings"
         tries = "a harder dataset or split, or a reward that tells answers apart (--set env_kwargs.reward=f1)"

@@ -1,4 +1,4 @@
-"""Recorded rollouts (``save_rollouts=true``): every iteration's batch, as sampled, for ``stppo replay``.
+"""Recorded rollouts (``logging.save_rollouts=true``): every iteration's batch, as sampled, for ``stppo replay``.
 
 Layout under the run folder (no pickle anywhere)::
 

@@ -132,7 +132,7 @@ class LiveRollouts:
         return batch
 
     def _checked_play(self, iteration: int, round: int) -> RolloutBatch:
-        """:meth:`_play`, stopping the run when more than ``max_search_error_rate`` of the round's searches failed
+        """:meth:`_play`, stopping the run when more than ``monitor.max_search_error_rate`` of the round's searches failed
         (every round: DAPO's extra rounds may fill the whole batch)."""
         config = self.context.config
         batch = self._play(iteration, round)
@@ -141,13 +141,13 @@ class LiveRollouts:
         if rate > config.monitor.max_search_error_rate:
             where = f"iteration {iteration + 1}" + (f", resampling round {round}" if round else "")
             raise RetrievalError(
-                f"{where}: {rate:.0%} of the searches failed (max_search_error_rate="
+                f"{where}: {rate:.0%} of the searches failed (monitor.max_search_error_rate="
                 f"{config.monitor.max_search_error_rate}); the policy would learn from error messages. Check the retriever "
                 f"({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
         return batch
 
     def _play(self, iteration: int, round: int) -> RolloutBatch:
-        """One round of ``prompts_per_iteration`` prompts (round 0: the iteration's own; later rounds: DAPO's
+        """One round of ``rollout.prompts_per_iteration`` prompts (round 0: the iteration's own; later rounds: DAPO's
         resampling, with group ids of their own)."""
         context, config = self.context, self.context.config
         prompts = list(enumerate(self.sampler.take(config.rollout.prompts_per_iteration)))  # the same on every rank

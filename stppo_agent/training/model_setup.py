@@ -50,7 +50,8 @@ def build_state(config: TrainConfig, algo: AlgorithmConfig, device: torch.device
     critic_path = str(start / "critic") if start is not None else config.critic_model
     models = load_policy_models(actor_path, critic_path=critic_path, use_critic=algo.use_critic,
                                 need_reference=need_reference, dtype=config.precision.dtype,
-                                gradient_checkpointing=config.optimizer.gradient_checkpointing, reference_path=config.model,
+                                gradient_checkpointing=config.optimizer.gradient_checkpointing,
+                                reference_path=config.model,
                                 autocast_dtype=config.precision.autocast_dtype)
     actor = models.actor.to(device)
     critic = models.critic.to(device) if models.critic is not None else None
@@ -68,7 +69,8 @@ def build_state(config: TrainConfig, algo: AlgorithmConfig, device: torch.device
     else:  # gradients go through DDP wrappers when distributed; generation and scoring use the plain modules
         actor_train = process_group.wrap_ddp(actor, device)
         critic_train = process_group.wrap_ddp(critic, device) if critic is not None else None
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.optimizer.actor_lr, weight_decay=config.optimizer.weight_decay)
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.optimizer.actor_lr,
+                                        weight_decay=config.optimizer.weight_decay)
     critic_optimizer = critic_scheduler = None
     if critic is not None:
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.optimizer.critic_lr,
@@ -108,4 +110,5 @@ def generation_backend(config: TrainConfig, model: torch.nn.Module, tokenizer, r
                                      seed=process_group.rank_seed(config.seed, rank),
                                      gpu_memory_utilization=config.rollout.vllm_gpu_memory_utilization)
     return HFGenerationBackend(model, tokenizer, config.sampling(), batch_size=config.rollout.generation_batch_size,
-                               reuse_cache=config.rollout.reuse_kv_cache, autocast_dtype=config.precision.generation_autocast_dtype)
+                               reuse_cache=config.rollout.reuse_kv_cache,
+                               autocast_dtype=config.precision.generation_autocast_dtype)

@@ -135,7 +135,7 @@ class PPOUpdate:
         return metrics
 
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
-        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation. ``max_nan_skips``
+        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation. ``monitor.max_nan_skips``
         counts these steps: one whose actor and critic both failed is one skipped update, and a critic that fails
         every step stops the run though the actor steps (counted per model, the actor's success reset the count
         before the critic's failure raised it, and a step where both failed counted twice)."""
@@ -299,7 +299,7 @@ class PPOUpdate:
                 f"{state.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
                 f"Checkpoints are in {self.run_dir / 'checkpoints'}; the newest may hold the weights that diverged "
                 "(a skipped update keeps the last finite weights, not healthy ones). Lower the learning rate, raise "
-                "max_grad_norm headroom, or check the data and rewards, then --resume, or start a new run from an "
+                "optimizer.max_grad_norm headroom, or check the data and rewards, then --resume, or start a new run from an "
                 "earlier checkpoint's actor (--model RUN/checkpoints/step-N/actor).")
 
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:

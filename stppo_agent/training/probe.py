@@ -1,9 +1,9 @@
-"""The learner probe (``probe_every: N``, ``probe_prompts: M``): every N iterations, after the update, the *current*
+"""The learner probe (``monitor.probe_every: N``, ``monitor.probe_prompts: M``): every N iterations, after the update, the *current*
 actor plays M fixed prompts, and ``probe/reward``, ``probe/invalid_action_rate``, ``probe/entropy`` (minus the mean
 log-probability of the tokens it sampled: an estimate of the learner's entropy per token) and
 ``probe/policy_version`` (the actor's optimizer steps so far) go into that iteration's metrics.
 
-Why: under ``rollout_staleness`` K a batch shows the generating weights, K updates old, so a read-out of rollout
+Why: under ``rollout.staleness`` K a batch shows the generating weights, K updates old, so a read-out of rollout
 rewards dates a collapse K iterations late and never sees the learner's last K updates. The probe plays the
 learner itself, on the same prompts every time, so its series is a curve of the policy being trained.
 
@@ -19,7 +19,7 @@ A run with probes trains exactly as one without (tests/test_learner_probe.py hol
 
 The prompts are the first M of a permutation of the envs' prompts (examples, or a synthetic env's indexed prompts:
 ``stppo_agent.rollouts.envs.prompt_count``) seeded apart from the training sampler's. The actor samples at
-the learner's precision (``generation_autocast_dtype`` is the sampler's, not the learner's). With several processes
+the learner's precision (``precision.generation_autocast_dtype`` is the sampler's, not the learner's). With several processes
 every rank plays the same probe (an FSDP2 actor is gathered for it, a collective); rank 0 logs it.
 """
 
@@ -61,14 +61,14 @@ class LearnerProbe:
 
     @classmethod
     def for_run(cls, config, tokenizer, env_kwargs: list[dict] | None = None) -> "LearnerProbe | None":
-        """The run's probe (None without ``probe_every``); ``env_kwargs``: the rollout source's, so the probe's
+        """The run's probe (None without ``monitor.probe_every``); ``env_kwargs``: the rollout source's, so the probe's
         envs share its retriever."""
         if not config.monitor.probe_every:
             return None
         return cls(config, tokenizer, env_kwargs)
 
     def due(self, iteration: int) -> bool:
-        """After ``iteration`` iterations (1-based count of updates done): every ``probe_every``-th."""
+        """After ``iteration`` iterations (1-based count of updates done): every ``monitor.probe_every``-th."""
         return iteration % self.config.monitor.probe_every == 0
 
     def measure(self, model: torch.nn.Module, iteration: int, policy_version: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""``stppo replay``: apply an algorithm's updates to the batches a run recorded (``save_rollouts=true``).
+"""``stppo replay``: apply an algorithm's updates to the batches a run recorded (``logging.save_rollouts=true``).
 
 The replay starts from the recorded run's initial weights (``rollouts/initial/``) and, iteration by iteration,
 scores and updates on the recorded batch instead of generating one: the same data under a different update
@@ -11,7 +11,7 @@ Replaying iteration k through algorithm B means: the batch that A's policy sampl
 updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
 recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
 (old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B. (A replay through
-another algorithm therefore uses ``old_logprobs=recompute``; ``--set rollout.old_logprobs=sampler`` takes the recorded
+another algorithm therefore uses ``rollout.old_logprobs=recompute``; ``--set rollout.old_logprobs=sampler`` takes the recorded
 sampler's log-probs instead, A's, and no step is then on-policy for B.)
 
 The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
@@ -69,7 +69,7 @@ class RecordedRollouts:
     def __init__(self, run_dir: Path, tokenizer, rank: int = 0, world: int = 1, sampled_by_actor: bool = True):
         """``run_dir``: the recorded run; ``tokenizer``: the replay's own (it must be the recording's).
         ``sampled_by_actor``: the replay applies the recorded run's algorithm settings, so its actor is the one
-        that sampled each batch (what the on-policy flag of ``old_logprobs=sampler`` needs to know)."""
+        that sampled each batch (what the on-policy flag of ``rollout.old_logprobs=sampler`` needs to know)."""
         self.folder = Path(run_dir) / "rollouts"
         self.sampled_by_actor = sampled_by_actor
         meta = read_format(self.folder)

@@ -63,8 +63,9 @@ class Trainer:
             process_group.ensure_process_group()
         self.rank, self.world = process_group.rank(), process_group.world_size()
         if config.rollout.prompts_per_iteration % self.world or config.optimizer.mini_batch_size % self.world:
-            raise ValueError(f"prompts_per_iteration ({config.rollout.prompts_per_iteration}) and mini_batch_size "
-                             f"({config.optimizer.mini_batch_size}) must be multiples of the number of processes ({self.world})")
+            raise ValueError(f"rollout.prompts_per_iteration ({config.rollout.prompts_per_iteration}) and "
+                             f"optimizer.mini_batch_size ({config.optimizer.mini_batch_size}) must be multiples of the "
+                             f"number of processes ({self.world})")
         self._bar = None  # the progress bar while train() runs
         process_group.seed_everything(config.seed)  # the same on every rank: models are built identically
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
@@ -95,7 +96,8 @@ class Trainer:
             self.run_dir, state.tokenizer, self.rank, self.world, iteration=state.iteration, actor=state.actor,
             critic=state.critic, critic_model=config.critic_model,
             full_states=lambda: state.full_states(self.sharded)) if config.logging.save_rollouts else None
-        self.diagnostics = StepDiagnostics.for_run(self.run_dir, self.algo, step_diagnostics=config.logging.step_diagnostics,
+        self.diagnostics = StepDiagnostics.for_run(self.run_dir, self.algo,
+                                                   step_diagnostics=config.logging.step_diagnostics,
                                                    on_collapse=config.monitor.on_collapse, sharded=self.sharded,
                                                    iteration=state.iteration)
         self.guard = CollapseGuard(config, self.run_dir) if config.monitor.on_collapse != "none" else None
@@ -217,7 +219,7 @@ class Trainer:
 
     def roll_back(self, step: int) -> dict[str, float]:
         """Carry out a rollback decision: the weights, optimizers and lagged generator of ``step-{step}``, the actor's
-        learning rate lowered by ``rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken back);
+        learning rate lowered by ``monitor.rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken back);
         returns the ``collapse/...`` metrics that record it."""
         state = self.state
         state.actor_lr_scale *= self.config.monitor.rollback_lr_factor
