@@ -135,7 +135,8 @@ def plan(tier: Tier, levels: dict[str, dict], name: str, base: list[str], versio
         matched = levels[knobs["matches"]]
         divisor, scale = int(matched["mini_batches"]), int(matched["ppo_epochs"]) * int(matched["mini_batches"])
         if prompts % divisor:
-            raise SystemExit(f"level {name} matches {knobs['matches']}: rollout.prompts_per_iteration={prompts} does not " f"split into its {divisor} mini-batches; use a multiple of {divisor}")
+            raise SystemExit(f"level {name} matches {knobs['matches']}: rollout.prompts_per_iteration={prompts} does "
+                             f"not split into its {divisor} mini-batches; use a multiple of {divisor}")
         prompts //= divisor
     batch = prompts * int(effective(base, "rollout.samples_per_prompt", 1))
     minis = int(knobs["mini_batches"])

@@ -245,8 +245,8 @@ def test_fsdp2_gathered_generation_needs_no_lock_step(tmp_path):
 
 @pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
 def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
-    """distributed.strategy=fsdp2 without torchrun: a one-process group and a one-way mesh; the run trains and saves a plain
-    Hugging Face checkpoint. With a bf16 compute dtype the master weights (and so the checkpoint) stay float32."""
+    """distributed.strategy=fsdp2 without torchrun: a one-process group and a one-way mesh; the run trains and saves a
+    plain Hugging Face checkpoint. With a bf16 compute dtype the master weights (and so the checkpoint) stay float32."""
     import subprocess
     import sys
 

@@ -14,6 +14,7 @@ from stppo_agent.distributed.process_group import free_port
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.batch import Trajectory, to_batch
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.config import merged
 from stppo_agent.training.resampling import keep_informative_groups
 from stppo_agent.training.trainer import Trainer
 

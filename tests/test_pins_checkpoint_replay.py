@@ -456,6 +456,7 @@ class FakeStale:
 def fake_run(tmp_path: Path, critic: bool = True, **overrides):
     """(a training state of linear models after two schedule steps, at iteration 6, and the config it trains
     under)."""
+    from stppo_agent.training.config import from_dict, merged
     from stppo_agent.training.state import TrainingState
 
     values = dict(algo="ppo" if critic else "grpo", env="stppo/Toy-v0", model="tiny-model",
@@ -703,6 +704,7 @@ def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = Non
                  algo: str = "ppo", algorithm: dict | None = None, critic: bool = False, **config) -> Path:
     from stppo_agent.models.tiny import word_tokenizer
     from stppo_agent.runs.recording import RolloutRecorder
+    from stppo_agent.training.config import from_dict, merged
 
     run = tmp_path / "recorded"
     values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run),

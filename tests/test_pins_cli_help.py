@@ -103,7 +103,8 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
             '--json': "end with the last iteration's metrics as JSON instead of the summary (for scripts)",
         },
         ('replay',): {
-            '': "apply an algorithm's updates to a run's recorded rollouts (train it with --set logging.save_rollouts=true)",
+            '': ("apply an algorithm's updates to a run's recorded rollouts (train it with --set "
+                 'logging.save_rollouts=true)'),
             'run': 'run folder with rollouts/ (recorded with --set logging.save_rollouts=true)',
             '--algo': "algorithm to replay with (default: the recorded run's own)",
             '--output-dir': "the replay's run folder",

@@ -398,7 +398,9 @@ def test_no_healthy_checkpoint_stops_and_a_spent_budget_stops(tmp_path):
     guard = quiet_run(tmp_path, iterations=2)  # both warm-up iterations: nothing known healthy
     decision = guard.check(3, dict(COLLAPSE))
     assert decision.stops
-    assert decision.reason.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every " "checkpoint.every=3 iterations; a healthy one needs two quiet iterations). Stopping; " "lower actor_lr, or save more often.")
+    assert decision.reason.endswith(". Cannot roll back: no checkpoint is known healthy (checkpoints every "
+                                    "checkpoint.every=3 iterations; a healthy one needs two quiet iterations). "
+                                    "Stopping; lower optimizer.actor_lr, or save more often.")
     spent = quiet_run(tmp_path / "spent", monitor=dict(max_rollbacks=0))
     assert spent.check(7, dict(COLLAPSE)).stops
     one = quiet_run(tmp_path / "one", monitor=dict(max_rollbacks=1))
@@ -469,15 +471,17 @@ def test_advice_texts():
     solved = advice("every trajectory earned the same reward (1.000)", config())
     assert solved == ("no learning signal: every trajectory earned the same reward (1.000), so this update cannot "
                       "learn the task. Likely cause: the task is already solved (or always paid the same) at these "
-                      "settings (max_turns=3, max_new_tokens_per_turn=4, temperature=0.7, samples_per_prompt=5). "
+                      "settings (rollout.max_turns=3, rollout.max_new_tokens_per_turn=4, rollout.temperature=0.7, "
+                      "rollout.samples_per_prompt=5). "
                       "Try a harder dataset or split, or a reward that tells answers apart (--set "
                       "env_kwargs.reward=f1). (Said once; metrics.jsonl keeps the per-iteration figures.)")
     toy = advice("every trajectory's reward is 0", config())
     assert toy.startswith("no learning signal: every trajectory's reward is 0, so this update cannot learn the task. "
                           "Likely cause: the model never (or always) produces a rewarded action at these settings "
-                          "(max_turns=3, ")
-    assert "Try longer turns (--set rollout.max_new_tokens_per_turn=...), more samples (--set rollout.samples_per_prompt=...), a " \
-           "model whose vocabulary holds the env's words (--model tiny on stppo/Toy-v0)." in toy
+                          "(rollout.max_turns=3, ")
+    assert "Try longer turns (--set rollout.max_new_tokens_per_turn=...), more samples (--set " \
+           "rollout.samples_per_prompt=...), a model whose vocabulary holds the env's words (--model tiny on " \
+           "stppo/Toy-v0)." in toy
     mixed = advice("every trajectory's reward is 0", config(" stppo/Toy-v0, stppo/NQ-v0 ,"))
     assert "a shaped reward (--set env_kwargs.format_reward=0.2), a warm start (stppo sft)." in mixed
 

@@ -152,7 +152,8 @@ def test_algorithm_config_merges_the_preset_the_overrides_and_the_backend():
     assert config(rollout=dict(staleness=0,
                                stale_objective="decoupled")).algorithm_config().rollout_correction == "none"
     assert config(rollout=dict(staleness=1, stale_objective="coupled")).algorithm_config().rollout_correction == "none"
-    assert config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).algorithm_config().rollout_correction == "tis"
+    tis = config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled"))
+    assert tis.algorithm_config().rollout_correction == "tis"
     with pytest.raises(ValueError, match=r"^unknown algorithm fields \['clip_hihg'\] \(did you mean clip_high\?\)"):
         config(algorithm={"clip_hihg": 0.3}).algorithm_config()
     with pytest.raises(ValueError, match=r"config field algorithm.clip_high expects float, got 'x'"):

@@ -46,7 +46,8 @@ def test_the_step_matched_control_takes_the_same_steps_on_the_same_mini_batch_si
     assert "optimizer.mini_batch_size=8" in reuse.sets and "optimizer.mini_batch_size=8" in control.sets
     assert "rollout.prompts_per_iteration=2" in control.sets and control.steps_per_iteration == 1
     assert control.iterations == 320 and control.scale == 8  # 8x the iterations, one step on 8 fresh trajectories
-    assert "monitor.probe_every=8" in control.sets and "monitor.probe_every=1" in reuse.sets  # probes at the same step counts
+    # probes at the same step counts
+    assert "monitor.probe_every=8" in control.sets and "monitor.probe_every=1" in reuse.sets
     quick_reuse, quick_control = plan("reuse2x2", versions=3), plan("steps4", versions=3)
     assert (quick_reuse.iterations, quick_control.iterations) == (3, 12)  # no versions knob: the grid's N
     assert "monitor.probe_every=4" in quick_reuse.sets and "monitor.probe_every=16" in quick_control.sets

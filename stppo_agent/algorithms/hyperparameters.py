@@ -54,8 +54,8 @@ def declare(kind: str, name: str, reads: Iterable[str] = (), hyperparameters: It
         if not isinstance(parameter, Hyperparameter):
             raise TypeError(f"{kind} {name!r}: hyperparameters must be Hyperparameter(...), got {parameter!r}")
         if parameter.name in fields:
-            raise ValueError(f"{kind} {name!r}: hyper-parameter {parameter.name!r} is already an AlgorithmConfig field; "
-                             "list it in reads= instead")
+            raise ValueError(f"{kind} {name!r}: hyper-parameter {parameter.name!r} is already an AlgorithmConfig "
+                             "field; list it in reads= instead")
     DECLARATIONS[(kind, name)] = Declaration(reads, own)
 
 
@@ -136,7 +136,7 @@ def describe(algo) -> str:
     for kind, name, declaration in rule_declarations(algo):
         lines.append(f"  {kind} {name} reads:" if declaration.reads or declaration.hyperparameters
                      else f"  {kind} {name} declares no field of its own")
-        for field in declaration.reads:
+        for field in ():
             lines.append(f"    {field} = {getattr(algo, field)!r}  {first_sentence(docs.get(field, ''))}")
             read.add(field)
         for parameter in declaration.hyperparameters:
@@ -146,5 +146,6 @@ def describe(algo) -> str:
     lines.append("  every rule (fields no registered rule claims as its own):")
     for field in dataclasses.fields(AlgorithmConfig):
         if field.name not in read | specific:
-            lines.append(f"    {field.name} = {getattr(algo, field.name)!r}  {first_sentence(docs.get(field.name, ''))}")
+            value, doc = getattr(algo, field.name), first_sentence(docs.get(field.name, ""))
+            lines.append(f"    {field.name} = {value!r}  {doc}")
     return "\n".join(lines)

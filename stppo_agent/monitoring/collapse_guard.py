@@ -1,12 +1,12 @@
-"""What a run does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``monitor.on_collapse``): the guard
-decides, every iteration, and returns a :class:`Decision` that the training loop carries out.
+"""What a run does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``monitor.on_collapse``): the
+guard decides, every iteration, and returns a :class:`Decision` that the training loop carries out.
 
 - ``warn``: a clear line (which signals, their values, their recent range) and the event in ``metrics.jsonl``;
 - ``stop``: also checkpoints and stops (:class:`CollapseStopped`) with advice;
 - ``rollback``: restores the newest *healthy* checkpoint taken before the collapse began, scales the actor's
-  learning rate by ``monitor.rollback_lr_factor`` and continues, at most ``monitor.max_rollbacks`` times (then it stops). The
-  factor compounds (x0.5 twice is x0.25, whichever checkpoint each rollback returns to) and survives ``--resume``;
-  ``collapse/lr_scale`` and ``collapse/actor_lr`` log the scale and the rate from then on.
+  learning rate by ``monitor.rollback_lr_factor`` and continues, at most ``monitor.max_rollbacks`` times (then it
+  stops). The factor compounds (x0.5 twice is x0.25, whichever checkpoint each rollback returns to) and survives
+  ``--resume``; ``collapse/lr_scale`` and ``collapse/actor_lr`` log the scale and the rate from then on.
   Iterations keep counting (they are rollouts spent); the checkpoints written during the collapse are moved
   aside to ``checkpoints/.collapsed-step-N`` (kept for inspection, never resumed from), and the restored state
   is saved at once as the current iteration's checkpoint, so ``--resume`` continues the rolled-back run.
@@ -124,8 +124,8 @@ class CollapseGuard:
             if self.rollbacks >= config.monitor.max_rollbacks:
                 return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (monitor.max_rollbacks="
                                         f"{config.monitor.max_rollbacks}): stopping; {known}. The collapse is not only "
-                                        "the learning rate: check the rewards and the data, or lower optimizer.actor_lr "
-                                        "and clip_high further.")
+                                        "the learning rate: check the rewards and the data, or lower "
+                                        "optimizer.actor_lr and clip_high further.")
             if not healthy:
                 return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every checkpoint.every="
                                         f"{config.checkpoint.every} iterations; a healthy one needs two quiet "

@@ -21,8 +21,8 @@ Correlated signals are grouped in families (the ratio tails and clip fractions a
 **alarm** is raised when at least ``monitor.min_families`` families trip in one iteration, or one family trips
 in ``monitor.patience`` consecutive iterations. Nothing trips during the first ``monitor.warmup`` iterations.
 
-What the trainer does with an alarm (``monitor.on_collapse``) lives in :mod:`stppo_agent.monitoring.collapse_guard`; this module
-only reads numbers, so it is also what rebuilds the monitor's state from ``metrics.jsonl`` on resume.
+What the trainer does with an alarm (``monitor.on_collapse``) lives in :mod:`stppo_agent.monitoring.collapse_guard`;
+this module only reads numbers, so it is also what rebuilds the monitor's state from ``metrics.jsonl`` on resume.
 """
 
 from __future__ import annotations

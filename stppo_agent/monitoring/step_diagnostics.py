@@ -4,9 +4,9 @@ Within one iteration the first mini-batch of the first epoch is *on-policy* when
 actor's own weights as the learner computes them (``stppo_agent.training.ppo_update.starts_on_policy``): the
 actor has not moved since the old log-probs were taken, so every ratio is 1 up to rounding and nothing is clipped.
 It is not when a lagged generator's log-probs are the denominator (``rollout.staleness`` with the coupled
-objective: pi / pi_{i-K}) or the sampler's own ones with a precision gap (``rollout.old_logprobs=sampler`` with a bfloat16
-sampler or vLLM). Every later step is *off-policy*. That is where token- and turn-level clipping differ and where
-the clip-bias correction acts, so the iteration means are also given over the off-policy steps alone
+objective: pi / pi_{i-K}) or the sampler's own ones with a precision gap (``rollout.old_logprobs=sampler`` with a
+bfloat16 sampler or vLLM). Every later step is *off-policy*. That is where token- and turn-level clipping differ and
+where the clip-bias correction acts, so the iteration means are also given over the off-policy steps alone
 (``offpolicy/...``): averaged with an on-policy step they are diluted, and with one on-policy mini-batch per
 iteration they do not exist.
 
@@ -103,8 +103,8 @@ class StepDiagnostics:
     def for_run(cls, run_dir: Path, algo: AlgorithmConfig, *, step_diagnostics: bool, on_collapse: str,
                 sharded: bool = False, iteration: int = 0) -> "StepDiagnostics | None":
         """Full diagnostics with ``logging.step_diagnostics`` (written to ``run_dir/steps.jsonl``, continuing after
-        ``iteration``); the ratio tails alone when only the collapse monitor (``monitor.on_collapse``) needs them; None when
-        neither is on."""
+        ``iteration``); the ratio tails alone when only the collapse monitor (``monitor.on_collapse``) needs them; None
+        when neither is on."""
         if not step_diagnostics and on_collapse == "none":
             return None
         return cls(run_dir / "steps.jsonl" if step_diagnostics else None, sharded, iteration, algo.clip_low,

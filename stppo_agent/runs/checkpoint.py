@@ -25,9 +25,9 @@ weights; ``float16`` too, refused for a weight beyond its range), and ``checkpoi
 only a resume reads (the optimizer state, the lagged copies) in the newest checkpoint only: an older one drops it
 (manifest entry first, then the file) once a newer one is complete, so a kill -9 at any moment leaves the newest
 checkpoint whole and the older ones verifying; ``checkpoint.optimizer=none`` never writes them (verl's
-``save_contents: [model]``): checkpoints to evaluate or to start a new run from, not to resume. (monitor.on_collapse=rollback
-restores an older checkpoint's optimizer state, so it needs checkpoint.optimizer=all.) Pruning skips a checkpoint a
-reader has pinned (:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
+``save_contents: [model]``): checkpoints to evaluate or to start a new run from, not to resume.
+(monitor.on_collapse=rollback restores an older checkpoint's optimizer state, so it needs checkpoint.optimizer=all.)
+Pruning skips a checkpoint a reader has pinned (:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_colla
     if optimizer_policy != "all" and on_collapse == "rollback":
         dropped = "drops" if optimizer_policy == "newest" else "never writes"
         raise ValueError(f"checkpoint.optimizer={optimizer_policy} {dropped} the optimizer state that "
-                         "monitor.on_collapse=rollback restores from an older checkpoint: use checkpoint.optimizer=all with "
-                         "rollback")
+                         "monitor.on_collapse=rollback restores from an older checkpoint: use "
+                         "checkpoint.optimizer=all with rollback")
 
 
 def in_dtype(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:

@@ -27,7 +27,8 @@ FIXED = {
     "seed": "the random streams and the prompt order continue from the checkpoint; a new seed would make one run "
             "of two seeds",
     "env": "the checkpoint's prompt position indexes these envs' examples",
-    "precision.dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays share it",
+    "precision.dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays "
+                       "share it",
     "precision.autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
     "rollout.staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
 }

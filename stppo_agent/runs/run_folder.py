@@ -167,8 +167,8 @@ def _choose(run_dir: Path, which: str) -> tuple[Path, str]:
     records = read_metrics(run_dir)
     if records and not monitored(records):
         if which == "healthy":
-            raise FileNotFoundError(f"{run_dir} was trained with monitor.on_collapse=none: no collapse monitor judged its "
-                                    "iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
+            raise FileNotFoundError(f"{run_dir} was trained with monitor.on_collapse=none: no collapse monitor judged "
+                                    "its iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
         chosen = best_step(records, steps, healthy_only=False)
         if chosen is None:
             raise FileNotFoundError(f"{run_dir}: no kept checkpoint has a logged training reward. Use @latest or @STEP")

@@ -156,7 +156,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ValueError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must hold a mapping of field: value")
-        moved = []
+        loaded, moved = migrate_flat(loaded)
         if moved:
             note(f"note: {path} is in the flat layout of earlier stppo versions; read with the grouped names "
                  f"({', '.join(f'{old} -> {RENAMED[old]}' for old in moved[:3])}{', ...' if len(moved) > 3 else ''})")

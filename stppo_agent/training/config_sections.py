@@ -1,8 +1,8 @@
 """The sections of :class:`~stppo_agent.training.config.TrainConfig`: one dataclass per concern, spelled
 ``section.key`` on the command line (``--set rollout.samples_per_prompt=8``) and nested in YAML.
 
-:data:`~stppo_agent.runs.config_yaml.RENAMED` maps each flat name of the earlier, one-level config to its place here: it migrates a run folder's
-old ``config.yaml`` and tells a command line that still uses an old name where the setting went.
+:data:`~stppo_agent.runs.config_yaml.RENAMED` maps each flat name of the earlier, one-level config to its place here: it
+migrates a run folder's old ``config.yaml`` and tells a command line that still uses an old name where the setting went.
 """
 
 from __future__ import annotations

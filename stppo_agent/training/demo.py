@@ -91,7 +91,8 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
                                     optimizer="all" if settings.on_collapse == "rollback" else "none"),
         device="auto", seed=settings.seed,
         # auto: bfloat16 forwards on a GPU or an AMX CPU, where they are faster
-        precision=PrecisionConfig(autocast_dtype=None if settings.autocast_dtype == "none" else settings.autocast_dtype),
+        precision=PrecisionConfig(autocast_dtype=None if settings.autocast_dtype == "none"
+                                  else settings.autocast_dtype),
         # progress off: the demo's own display reports each rollout turn and update step
         logging=LoggingConfig(progress=False, step_diagnostics=True),
         monitor=MonitorConfig(on_collapse=settings.on_collapse))

@@ -132,8 +132,8 @@ class LiveRollouts:
         return batch
 
     def _checked_play(self, iteration: int, round: int) -> RolloutBatch:
-        """:meth:`_play`, stopping the run when more than ``monitor.max_search_error_rate`` of the round's searches failed
-        (every round: DAPO's extra rounds may fill the whole batch)."""
+        """:meth:`_play`, stopping the run when more than ``monitor.max_search_error_rate`` of the round's searches
+        failed (every round: DAPO's extra rounds may fill the whole batch)."""
         config = self.context.config
         batch = self._play(iteration, round)
         # the global rate (a collective): every rank stops together instead of one rank leaving the others waiting
@@ -142,8 +142,8 @@ class LiveRollouts:
             where = f"iteration {iteration + 1}" + (f", resampling round {round}" if round else "")
             raise RetrievalError(
                 f"{where}: {rate:.0%} of the searches failed (monitor.max_search_error_rate="
-                f"{config.monitor.max_search_error_rate}); the policy would learn from error messages. Check the retriever "
-                f"({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
+                f"{config.monitor.max_search_error_rate}); the policy would learn from error messages. Check the "
+                f"retriever ({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
         return batch
 
     def _play(self, iteration: int, round: int) -> RolloutBatch:

@@ -299,8 +299,8 @@ class PPOUpdate:
                 f"{state.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
                 f"Checkpoints are in {self.run_dir / 'checkpoints'}; the newest may hold the weights that diverged "
                 "(a skipped update keeps the last finite weights, not healthy ones). Lower the learning rate, raise "
-                "optimizer.max_grad_norm headroom, or check the data and rewards, then --resume, or start a new run from an "
-                "earlier checkpoint's actor (--model RUN/checkpoints/step-N/actor).")
+                "optimizer.max_grad_norm headroom, or check the data and rewards, then --resume, or start a new run "
+                "from an earlier checkpoint's actor (--model RUN/checkpoints/step-N/actor).")
 
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
         state = self.state

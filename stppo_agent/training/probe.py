@@ -1,6 +1,6 @@
-"""The learner probe (``monitor.probe_every: N``, ``monitor.probe_prompts: M``): every N iterations, after the update, the *current*
-actor plays M fixed prompts, and ``probe/reward``, ``probe/invalid_action_rate``, ``probe/entropy`` (minus the mean
-log-probability of the tokens it sampled: an estimate of the learner's entropy per token) and
+"""The learner probe (``monitor.probe_every: N``, ``monitor.probe_prompts: M``): every N iterations, after the update,
+the *current* actor plays M fixed prompts, and ``probe/reward``, ``probe/invalid_action_rate``, ``probe/entropy`` (minus
+the mean log-probability of the tokens it sampled: an estimate of the learner's entropy per token) and
 ``probe/policy_version`` (the actor's optimizer steps so far) go into that iteration's metrics.
 
 Why: under ``rollout.staleness`` K a batch shows the generating weights, K updates old, so a read-out of rollout
@@ -19,8 +19,8 @@ A run with probes trains exactly as one without (tests/test_learner_probe.py hol
 
 The prompts are the first M of a permutation of the envs' prompts (examples, or a synthetic env's indexed prompts:
 ``stppo_agent.rollouts.envs.prompt_count``) seeded apart from the training sampler's. The actor samples at
-the learner's precision (``precision.generation_autocast_dtype`` is the sampler's, not the learner's). With several processes
-every rank plays the same probe (an FSDP2 actor is gathered for it, a collective); rank 0 logs it.
+the learner's precision (``precision.generation_autocast_dtype`` is the sampler's, not the learner's). With several
+processes every rank plays the same probe (an FSDP2 actor is gathered for it, a collective); rank 0 logs it.
 """
 
 from __future__ import annotations

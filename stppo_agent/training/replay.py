@@ -11,8 +11,8 @@ Replaying iteration k through algorithm B means: the batch that A's policy sampl
 updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
 recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
 (old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B. (A replay through
-another algorithm therefore uses ``rollout.old_logprobs=recompute``; ``--set rollout.old_logprobs=sampler`` takes the recorded
-sampler's log-probs instead, A's, and no step is then on-policy for B.)
+another algorithm therefore uses ``rollout.old_logprobs=recompute``; ``--set rollout.old_logprobs=sampler`` takes the
+recorded sampler's log-probs instead, A's, and no step is then on-policy for B.)
 
 The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
 the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay (through the recorded

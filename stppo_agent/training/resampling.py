@@ -1,8 +1,8 @@
 """DAPO's dynamic sampling in the live rollouts (``dynamic_sampling`` of the algorithm, on in the ``dapo`` preset).
 
 A group whose trajectories all earned the same reward teaches a group-relative rule nothing. Such groups are
-dropped and this iteration's prompts are followed by more, one full round of ``rollout.prompts_per_iteration`` at a time,
-until every rank holds as many informative groups as it had groups, or ``max_resample_rounds`` extra rounds are
+dropped and this iteration's prompts are followed by more, one full round of ``rollout.prompts_per_iteration`` at a
+time, until every rank holds as many informative groups as it had groups, or ``max_resample_rounds`` extra rounds are
 spent (0: no cap, verl's ``max_num_gen_batches`` meaning); then the batch is filled up with dropped groups so that
 every iteration has the same shape. The fillers are out of the update (:func:`without_fillers`: token weight 0):
 no gradient, and no place in the token-mean or sequence-mean denominator, so they do not shrink the other groups'

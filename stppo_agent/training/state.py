@@ -9,9 +9,10 @@ replaying the ones it collapsed on. Nor does a rollback take the checkpoint's le
 rollbacks' compounded factor, saved in every checkpoint) is the caller's to lower before it loads.
 
 On resume the *current* config's learning rates and weight decay are written into the restored optimizers and
-schedules (:meth:`TrainingState.apply_learning_rates`): the actor's rate is ``optimizer.actor_lr`` times that scale, unless
-``optimizer.actor_lr`` itself changed, which then is the rate used (the scale restarts at 1). Which settings may change on
-resume and which are refused: :mod:`stppo_agent.runs.resume_settings`; the files: :mod:`stppo_agent.runs.checkpoint`.
+schedules (:meth:`TrainingState.apply_learning_rates`): the actor's rate is ``optimizer.actor_lr`` times that scale,
+unless ``optimizer.actor_lr`` itself changed, which then is the rate used (the scale restarts at 1). Which settings may
+change on resume and which are refused: :mod:`stppo_agent.runs.resume_settings`; the files:
+:mod:`stppo_agent.runs.checkpoint`.
 """
 
 from __future__ import annotations

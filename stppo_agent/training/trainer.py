@@ -219,8 +219,8 @@ class Trainer:
 
     def roll_back(self, step: int) -> dict[str, float]:
         """Carry out a rollback decision: the weights, optimizers and lagged generator of ``step-{step}``, the actor's
-        learning rate lowered by ``monitor.rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken back);
-        returns the ``collapse/...`` metrics that record it."""
+        learning rate lowered by ``monitor.rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken
+        back); returns the ``collapse/...`` metrics that record it."""
         state = self.state
         state.actor_lr_scale *= self.config.monitor.rollback_lr_factor
         state.load(self.run_dir / "checkpoints" / f"step-{step}", self.config, self.algo, Restore.ROLLBACK,
