@@ -35,7 +35,8 @@ def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> list
                  "optimizer.micro_batch_size=4",
                  "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=48", "rollout.max_prompt_tokens=512",
                  "rollout.max_total_tokens=1024",
-                 "logging.progress=false", "logging.tensorboard=false", "checkpoint.every=100", f"strategy={strategy}"):
+                 "logging.progress=false", "logging.tensorboard=false", "checkpoint.every=100",
+                 f"distributed.strategy={strategy}"):
         command += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     subprocess.run(command, check=True, capture_output=True, env=env, cwd=REPO)

@@ -87,10 +87,11 @@ WARM_START_LIMITS = ("--max-observation-tokens", "160", "--max-total-tokens", "1
 
 def train_overrides(settings: Settings, seed: int) -> list[str]:
     common = [f"seed={seed}", f"device={settings.device}", "rollout.samples_per_prompt=4", "optimizer.epochs=2",
-              f"actor_lr={settings.lr}", "optimizer.critic_lr=1e-5", "checkpoint.every=1000", "checkpoint.keep=1",
+              f"optimizer.actor_lr={settings.lr}", "optimizer.critic_lr=1e-5", "checkpoint.every=1000",
+              "checkpoint.keep=1",
               "logging.progress=false",
               "logging.tensorboard=false", "logging.step_diagnostics=true",
-              *([f"autocast_dtype={settings.autocast_dtype}"] if settings.autocast_dtype else [])]
+              *([f"precision.autocast_dtype={settings.autocast_dtype}"] if settings.autocast_dtype else [])]
     if settings.quick:  # 16 trajectories in 4 mini-batches x 2 epochs: 7 of 8 steps off-policy, as in the study
         # 3 tokens per turn (the env reads the first word), so that turn-level ratios differ from token-level ones
         return ["rollout.prompts_per_iteration=4", "optimizer.mini_batch_size=4", "optimizer.micro_batch_size=2",

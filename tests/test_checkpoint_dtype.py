@@ -33,7 +33,7 @@ def test_a_checkpoints_config_names_the_dtype_its_weights_are_stored_in(tiny_mod
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
-    done = train(tiny_model, run, 1, f"checkpoint_dtype={dtype}", capsys=capsys)
+    done = train(tiny_model, run, 1, f"checkpoint.dtype={dtype}", capsys=capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     step = run / "checkpoints" / "step-1"
     for model in ("actor", "critic"):

@@ -221,7 +221,7 @@ def test_rollback_weights_equal_the_checkpoint(tiny_model, tmp_path):
 
 def cli_train(model: Path, out: Path, action: str, iterations: int = 16) -> list[str]:
     return ["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(model), "--output-dir", str(out),
-            "--iterations", str(iterations), "--set", f"on_collapse={action}", "--set", "checkpoint.every=1",
+            "--iterations", str(iterations), "--set", f"monitor.on_collapse={action}", "--set", "checkpoint.every=1",
             "--set", "checkpoint.keep=1", "--set", "rollout.prompts_per_iteration=8", "--set",
             "rollout.samples_per_prompt=8",
             "--set", "optimizer.mini_batch_size=32", "--set", "optimizer.micro_batch_size=16", "--set",

@@ -12,7 +12,7 @@ from stppo_agent.training.config_sections import OptimizerConfig, RolloutConfig
 @pytest.mark.parametrize("raw, value", [("1e-6", 1e-6), ("1E-6", 1e-6), ("1e+3", 1000.0), ("2.5e-3", 2.5e-3),
                                         (".5", 0.5), ("5.", 5.0), ("-1e-2", -0.01), ("3", 3.0), ("0.001", 0.001)])
 def test_numbers_parse_in_every_common_spelling(raw, value, tmp_path):
-    config = load_config(None, [f"actor_lr={raw}", f"algorithm.kl_in_reward={raw}", "model=m"])
+    config = load_config(None, [f"optimizer.actor_lr={raw}", f"algorithm.kl_in_reward={raw}", "model=m"])
     assert config.optimizer.actor_lr == value and isinstance(config.optimizer.actor_lr, float)
     assert config.algorithm_config().kl_in_reward == value
     path = tmp_path / "run.yaml"
@@ -29,7 +29,7 @@ def test_strings_stay_strings():
 @pytest.mark.parametrize("item, message", [("algorithm.clip_high=abc", "algorithm.clip_high expects float"),
                                            ("optimizer.actor_lr=fast", "actor_lr expects float"),
                                            ("iterations=1.5", "iterations expects int"),
-                                           ("no_such_field=1", "unknown config fields"),
+                                           ("no_such_field=1", "unknown key 'no_such_field'"),
                                            ("algorithm.no_such=1", "unknown algorithm fields"),
                                            ("actor_lr", "expects key=value"),
                                            ("optimizer.actor_lr=[1", "not valid YAML")])

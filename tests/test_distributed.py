@@ -118,7 +118,8 @@ def test_torchrun_two_processes_then_resume_with_one(tmp_path, first, then):
 
     def command(launcher, iterations, strategy, resume=False):
         args = [*launcher, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0", "--model",
-                str(model), "--output-dir", str(out), "--iterations", str(iterations), "--set", f"strategy={strategy}"]
+                str(model), "--output-dir", str(out), "--iterations", str(iterations),
+                "--set", f"distributed.strategy={strategy}"]
         for item in ("rollout.prompts_per_iteration=8", "optimizer.mini_batch_size=8", "optimizer.micro_batch_size=2",
                      "rollout.max_turns=2",
                      "rollout.max_new_tokens_per_turn=1", "rollout.max_prompt_tokens=8",
@@ -263,7 +264,7 @@ def test_fsdp2_in_one_process_trains(tmp_path, compute_dtype):
                  "logging.progress=false", "logging.tensorboard=false"):
         command += ["--set", item]
     if compute_dtype:
-        command += ["--set", f"fsdp_compute_dtype={compute_dtype}"]
+        command += ["--set", f"precision.fsdp_compute_dtype={compute_dtype}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step-2" / "actor", dtype="auto")

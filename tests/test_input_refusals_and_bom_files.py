@@ -154,7 +154,7 @@ def test_replay_refuses_another_rollout_staleness_than_the_recorded_one(tmp_path
                        optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1),
                        logging=dict(save_rollouts=True))).train()
     for other in (0, 2):
-        with pytest.raises(ValueError, match=r"rollout_staleness=1 recorded, rollout_staleness=%d asked" % other):
-            replay_config(run, "grpo", str(tmp_path / "unused"), [f"rollout_staleness={other}"])
+        with pytest.raises(ValueError, match=r"rollout.staleness=1 recorded, rollout_staleness=%d asked" % other):
+            replay_config(run, "grpo", str(tmp_path / "unused"), [f"rollout.staleness={other}"])
     assert replay_config(run, "grpo", str(tmp_path / "unused"),
                          ["rollout.stale_objective=decoupled"]).rollout_staleness == 1

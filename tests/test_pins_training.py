@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from stppo_agent.training.config import TrainConfig, _coerce, from_dict, load_config, merged, unknown_fields
+from stppo_agent.training.config import TrainConfig, _coerce, from_dict, load_config, merged
 
 # -- config ---------------------------------------------------------------------------------------------------
 
@@ -72,45 +72,49 @@ def test_counts_below_one_are_refused_by_name(name):
 
 
 def test_mini_batches_must_be_whole_micro_batches():
-    refused(r"mini_batch_size \(6\) must be a multiple of micro_batch_size \(4\)", optimizer=dict(mini_batch_size=6))
+    refused(r"optimizer.mini_batch_size \(6\) must be a multiple of optimizer.micro_batch_size \(4\)",
+            optimizer=dict(mini_batch_size=6))
 
 
 def test_strategy_and_fsdp_compute_dtype():
-    refused(r"strategy must be ddp or fsdp2, got 'zero'", distributed=dict(strategy="zero"))
-    refused(r"^fsdp_compute_dtype needs strategy=fsdp2 \(DDP computes in `dtype`\)$",
+    refused(r"distributed.strategy must be ddp or fsdp2, got 'zero'", distributed=dict(strategy="zero"))
+    refused(r"^precision.fsdp_compute_dtype needs distributed.strategy=fsdp2 \(DDP computes in precision.dtype\)$",
             precision=dict(fsdp_compute_dtype="bfloat16"))
-    refused(r"fsdp_compute_dtype must be bfloat16 or float16, got 'float32'", distributed=dict(strategy="fsdp2"),
-            precision=dict(fsdp_compute_dtype="float32"))
-    refused(r"^fsdp_compute_dtype=float16 is refused for training", distributed=dict(strategy="fsdp2"),
+    refused(r"precision.fsdp_compute_dtype must be bfloat16 or float16, got 'float32'",
+            distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float32"))
+    refused(r"^precision.fsdp_compute_dtype=float16 is refused for training", distributed=dict(strategy="fsdp2"),
             precision=dict(fsdp_compute_dtype="float16"))
-    refused(r"^dtype=float16 is refused for training", precision=dict(dtype="float16"))
+    refused(r"^precision.dtype=float16 is refused for training", precision=dict(dtype="float16"))
 
 
 def test_autocast_settings():
-    refused(r"^autocast_dtype is for strategy=ddp; with fsdp2 use fsdp_compute_dtype \(FSDP2's own mixed precision\)$",
+    refused(r"^precision.autocast_dtype is for distributed.strategy=ddp; with fsdp2 use precision.fsdp_compute_dtype "
+            r"\(FSDP2's own mixed precision\)$",
             distributed=dict(strategy="fsdp2"), precision=dict(autocast_dtype="bfloat16"))
     refused(r"^autocast_dtype must be", precision=dict(autocast_dtype="int8"))
-    refused(r"autocast_dtype=bfloat16 needs dtype=float32", precision=dict(autocast_dtype="bfloat16", dtype="bfloat16"))
+    refused(r"precision.autocast_dtype=bfloat16 needs dtype=float32",
+            precision=dict(autocast_dtype="bfloat16", dtype="bfloat16"))
 
 
 def test_sampling_backend_and_env_are_checked_before_loading():
     refused("temperature must be > 0", rollout=dict(temperature=-1.0))
     refused("top_p", rollout=dict(top_p=0.0))
-    refused(r"generation_backend must be hf or vllm, got 'sglang'", rollout=dict(backend="sglang"))
+    refused(r"rollout.backend must be hf or vllm, got 'sglang'", rollout=dict(backend="sglang"))
     with pytest.raises(Exception, match="NoSuch"):
         config(env="stppo/Toy-v0, stppo/NoSuch-v0").validate()
     config(env=" stppo/Toy-v0 ,").validate()  # blanks and empty items are skipped
 
 
 def test_collapse_checkpoint_and_rollout_limit_settings():
-    refused(r"on_collapse must be one of none, warn, stop, rollback, got 'panic'", monitor=dict(on_collapse="panic"))
-    refused(r"collapse_warmup", monitor=dict(warmup=1))
-    refused(r"rollback_lr_factor must be in \(0, 1\], got 0.0", monitor=dict(rollback_lr_factor=0.0))
-    refused(r"rollback_lr_factor must be in \(0, 1\], got 1.5", monitor=dict(rollback_lr_factor=1.5))
-    refused(r"max_rollbacks must be >= 0, got -1", monitor=dict(max_rollbacks=-1))
-    refused(r"checkpoint_dtype must be", checkpoint=dict(dtype="int8"))
-    refused(r"checkpoint_optimizer must be", checkpoint=dict(optimizer="some"))
-    refused(r"checkpoint_optimizer=newest drops", checkpoint=dict(optimizer="newest"),
+    refused(r"monitor.on_collapse must be one of none, warn, stop, rollback, got 'panic'",
+            monitor=dict(on_collapse="panic"))
+    refused(r"monitor.warmup", monitor=dict(warmup=1))
+    refused(r"monitor.rollback_lr_factor must be in \(0, 1\], got 0.0", monitor=dict(rollback_lr_factor=0.0))
+    refused(r"monitor.rollback_lr_factor must be in \(0, 1\], got 1.5", monitor=dict(rollback_lr_factor=1.5))
+    refused(r"monitor.max_rollbacks must be >= 0, got -1", monitor=dict(max_rollbacks=-1))
+    refused(r"checkpoint.dtype must be", checkpoint=dict(dtype="int8"))
+    refused(r"checkpoint.optimizer must be", checkpoint=dict(optimizer="some"))
+    refused(r"checkpoint.optimizer=newest drops", checkpoint=dict(optimizer="newest"),
             monitor=dict(on_collapse="rollback"))
     config(checkpoint=dict(optimizer="newest"), monitor=dict(on_collapse="stop")).validate()
     refused(r"max_total_tokens \(10\) must fit",
@@ -125,18 +129,19 @@ def test_group_advantages_need_groups_of_two():
 
 
 def test_staleness_settings():
-    refused(r"^rollout_staleness must be >= 0, got -1$", rollout=dict(staleness=-1))
-    refused(r"^stale_objective must be coupled or decoupled, got 'mixed'$", rollout=dict(stale_objective="mixed"))
+    refused(r"^rollout.staleness must be >= 0, got -1$", rollout=dict(staleness=-1))
+    refused(r"^rollout.stale_objective must be coupled or decoupled, got 'mixed'$",
+            rollout=dict(stale_objective="mixed"))
     config(rollout=dict(staleness=0),
            distributed=dict(strategy="fsdp2")).validate()  # K = 0: nothing lags, any strategy
     config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=0, stale_objective="decoupled")).validate()
-    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf \(the lagged copy of the weights is "
-            r"a whole module; sharded and vLLM copies are not implemented\)$", rollout=dict(staleness=1),
+    refused(r"^rollout.staleness > 0 needs distributed.strategy=ddp and rollout.backend=hf \(the lagged copy of the "
+            r"weights is a whole module; sharded and vLLM copies are not implemented\)$", rollout=dict(staleness=1),
             distributed=dict(strategy="fsdp2"))
-    refused(r"^rollout_staleness > 0 needs strategy=ddp and generation_backend=hf",
+    refused(r"^rollout.staleness > 0 needs distributed.strategy=ddp and rollout.backend=hf",
             rollout=dict(staleness=1, backend="vllm"))
-    refused(r"^stale_objective=decoupled weights each token by pi_prox / pi_behav: set algorithm.rollout_correction "
-            r"to mis, tis or auto \(auto picks mis\), not none$", algorithm={"rollout_correction": "none"},
+    refused(r"^rollout.stale_objective=decoupled weights each token by pi_prox / pi_behav: set "
+            r"algorithm.rollout_correction to mis, tis or auto \(auto picks mis\), not none$", algorithm={"rollout_correction": "none"},
             rollout=dict(staleness=1, stale_objective="decoupled"))
     config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=1, stale_objective="coupled")).validate()
     config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).validate()
@@ -253,17 +258,19 @@ def test_a_run_config_under_another_algo_drops_the_old_resolved_fields(tmp_path)
 
 
 def test_from_dict_and_unknown_field_messages():
-    assert from_dict({"seed": 4, "optimizer": {"actor_lr": 2}}).actor_lr == 2.0
+    assert from_dict({"seed": 4, "optimizer": {"actor_lr": 2}}).optimizer.actor_lr == 2.0
     with pytest.raises(ValueError, match=r"^config field seed expects int, got 'x'$"):
         from_dict({"seed": "x"})
-    with pytest.raises(ValueError, match=r"^unknown config fields \['actor_lrr'\] \(did you mean actor_lr\?\); "
-                                         r"known: algo, algorithm, algorithm_resolved, plugins"):
+    with pytest.raises(ValueError, match=r"^unknown key 'actor_lrr'; did you mean 'optimizer.actor_lr'\? \(stppo train "
+                                         r"--help lists every key\)$"):
         from_dict({"actor_lrr": 1})
-    two = unknown_fields("config fields", {"actor_lrr", "sed"}, ["actor_lr", "seed"])
-    assert two == "unknown config fields ['actor_lrr', 'sed'] (did you mean actor_lr for actor_lrr, seed for sed?); " \
-                  "known: actor_lr, seed"
-    assert unknown_fields("config fields", {"zzzzzz"}, ["actor_lr"]) == \
-        "unknown config fields ['zzzzzz']; known: actor_lr"
+    with pytest.raises(ValueError, match=r"^unknown key 'sed'; did you mean 'seed'\?"):
+        from_dict({"sed": 1})
+    with pytest.raises(ValueError,
+                       match=r"^unknown key 'rollout.zzzzzz'; section rollout holds prompts_per_iteration, "):
+        from_dict({"rollout": {"zzzzzz": 1}})
+    with pytest.raises(ValueError, match=r"^unknown key 'zzzzzz' \(stppo train --help"):
+        from_dict({"zzzzzz": 1})
 
 
 @pytest.mark.parametrize("value, hint, expected", [
@@ -547,8 +554,8 @@ def update_stage(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **valu
     from stppo_agent.training.stale_policy import StalePolicy
     from stppo_agent.training.state import TrainingState
 
-    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4,
-                                                                       "max_grad_norm": 1e6}}
+    values = merged({"rollout": {"temperature": 0.7},
+                     "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6}}, values)
     cfg = config(algo=algo, **values)
     actor = tiny_lm(0)
     value_model = tiny_lm(1, critic=True) if critic else None
@@ -858,7 +865,7 @@ def test_staleness_zero_generates_with_the_actor_itself():
     policy.advance(actor)
     assert policy.lag == 0 and not policy.pending
     policy.load(None, actor)  # nothing to restore
-    with pytest.raises(ValueError, match=r"^rollout_staleness must be >= 0, got -1$"):
+    with pytest.raises(ValueError, match=r"^rollout.staleness must be >= 0, got -1$"):
         StalePolicy(actor, -1)
 
 
@@ -898,7 +905,7 @@ def test_iteration_i_generates_with_the_weights_after_i_minus_k_updates():
     other = StalePolicy(actor, 2)
     other.load({**state, "pending_from_actor": False}, actor)  # a queue stored whole (older checkpoints)
     assert [float(s["weight"]) for s in other.pending] == [4.0]
-    with pytest.raises(ValueError, match=r"^the checkpoint holds no lagged policy, but rollout_staleness is 2"):
+    with pytest.raises(ValueError, match=r"^the checkpoint holds no lagged policy, but rollout.staleness is 2"):
         fresh.load({}, actor)
 
 
@@ -1135,8 +1142,8 @@ def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_r
     rates["search_error_rate"] = 0.25
     rollouts.next_batch(0)
     rates["search_error_rate"] = 0.26
-    with pytest.raises(RetrievalError, match=r"^iteration 3: 26% of the searches failed \(max_search_error_rate=0.25\)"
-                                             r"; the policy would learn from error messages. Check the retriever "
+    with pytest.raises(RetrievalError, match=r"^iteration 3: 26% of the searches failed "
+                                             r"\(monitor.max_search_error_rate=0.25\); the policy would learn from error messages. Check the retriever "
                                              r"\(demo\), then --resume"):
         rollouts.next_batch(2)
     rollouts.context.config.env_kwargs = {"retriever": "http://retriever:8000"}
@@ -1611,7 +1618,7 @@ def test_a_resumed_run_continues_and_one_as_long_as_asked_says_so(tiny_folder, t
 def test_a_bad_config_fails_before_the_run_folder_is_touched(tmp_path):
     from stppo_agent.training.trainer import Trainer
 
-    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+    with pytest.raises(ValueError, match="rollout.samples_per_prompt >= 2"):
         Trainer(toy_run("nowhere", tmp_path / "run", algo="grpo", rollout=dict(samples_per_prompt=1)))
     assert not (tmp_path / "run").exists()
 
@@ -1707,8 +1714,8 @@ def test_phase_shows_on_the_bar_only_while_it_is_shown(tiny_folder, tmp_path):
 def scoring_inputs(algo="ppo", reference=True, critic=True, **values) -> dict:
     """What score_batch takes: the config, tiny actor, critic, reference and lagged generator (other weights than
     the actor's), on the CPU, one process."""
-    values = {**values, "rollout": {"temperature": 0.7}, "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4,
-                                                                       "max_grad_norm": 1e6}}
+    values = merged({"rollout": {"temperature": 0.7},
+                     "optimizer": {"micro_batch_size": 2, "mini_batch_size": 4, "max_grad_norm": 1e6}}, values)
     cfg = config(algo=algo, **values)
     return dict(config=cfg, algo=cfg.algorithm_config(), actor=tiny_lm(0), generator=tiny_lm(5).eval(),
                 reference=tiny_lm(6).eval() if reference else None,

@@ -11,10 +11,12 @@ parameter works too: :func:`estimate_advantages` passes it only to those that ac
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable
 
 import torch
 
+from .config import AlgorithmConfig
 from .hyperparameters import Hyperparameter, declare
 from .registry import Registry, accepts_keyword
 from .segments import check_turn_ids, discounted_reverse_cumsum, whiten
@@ -35,7 +37,7 @@ def register_advantage_estimator(name: str, fn: AdvantageEstimator | None = None
                                  hyperparameters: Iterable[Hyperparameter] = ()):
     """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises. ``reads`` and
     ``hyperparameters`` as for :func:`~stppo_agent.algorithms.losses.register_policy_loss`."""
-    declare("advantage estimator", name, reads, hyperparameters)
+    declare("advantage estimator", name, reads, hyperparameters, [f.name for f in dataclasses.fields(AlgorithmConfig)])
     if fn is None:
         return ADVANTAGE_ESTIMATORS.decorator(name)
     return ADVANTAGE_ESTIMATORS.register(name, fn)

@@ -7,16 +7,13 @@ default and a help line.
     def my_loss(..., config, **_):
         beta = config.hyperparameter("beta")
 
-``--set algorithm.beta=0.3`` sets it; ``stppo train --algo NAME --help`` lists what the preset's rules read.
+``--set algorithm.beta=0.3`` sets it; ``stppo train --algo NAME --help`` lists what the preset's rules read
+(:mod:`stppo_agent.cli.settings_help`).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import re
-import textwrap
 from typing import Any, Iterable, Mapping
 
 
@@ -39,12 +36,11 @@ class Declaration:
 DECLARATIONS: dict[tuple[str, str], Declaration] = {}
 
 
-def declare(kind: str, name: str, reads: Iterable[str] = (), hyperparameters: Iterable[Hyperparameter] = ()) -> None:
-    """Record what the rule ``name`` reads; a field that AlgorithmConfig lacks, or a hyper-parameter that shadows
-    one, raises."""
-    from .config import AlgorithmConfig
-
-    fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+def declare(kind: str, name: str, reads: Iterable[str], hyperparameters: Iterable[Hyperparameter],
+            fields: Iterable[str]) -> None:
+    """Record what the rule ``name`` reads; a field not among ``fields`` (AlgorithmConfig's), or a hyper-parameter
+    that shadows one, raises."""
+    fields = set(fields)
     reads, own = tuple(reads), tuple(hyperparameters)
     unknown = [field for field in reads if field not in fields]
     if unknown:
@@ -102,50 +98,3 @@ def resolve_hyperparameters(algo, values: Mapping[str, Any]):
             raise ValueError(f"algorithm.{name} expects {type(default).__name__}, got {value!r}")
         resolved[name] = value
     return dataclasses.replace(algo, hyperparameters=tuple(sorted(resolved.items())))
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of the dataclass ``cls`` (its source's string after ``name: type = ...``)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body, docs = tree.body[0].body, {}
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(following, ast.Expr) \
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def first_sentence(text: str) -> str:
-    head = re.split(r"(?<!e\.g)(?<!i\.e)\. ", text)[0]
-    return head if len(head) <= 100 else head[:97] + "..."
-
-
-def describe(algo) -> str:
-    """What ``stppo train --algo NAME --help`` prints: the preset's rules, the fields each reads with the preset's
-    value, the hyper-parameters they define, and the fields every rule shares."""
-    from .config import AlgorithmConfig
-
-    docs = field_docs(AlgorithmConfig)
-    lines = [f"algorithm {algo.name}: policy loss {algo.policy_loss}, advantage estimator {algo.advantage} "
-             "(set with --set algorithm.KEY=VALUE)"]
-    read = {"name", "policy_loss", "advantage", "hyperparameters"}
-    own_values = dict(algo.hyperparameters)
-    for kind, name, declaration in rule_declarations(algo):
-        lines.append(f"  {kind} {name} reads:" if declaration.reads or declaration.hyperparameters
-                     else f"  {kind} {name} declares no field of its own")
-        for field in ():
-            lines.append(f"    {field} = {getattr(algo, field)!r}  {first_sentence(docs.get(field, ''))}")
-            read.add(field)
-        for parameter in declaration.hyperparameters:
-            value = own_values.get(parameter.name, parameter.default)
-            lines.append(f"    {parameter.name} = {value!r}  (its own) {parameter.help}")
-    specific = {field for declaration in DECLARATIONS.values() for field in declaration.reads}
-    lines.append("  every rule (fields no registered rule claims as its own):")
-    for field in dataclasses.fields(AlgorithmConfig):
-        if field.name not in read | specific:
-            value, doc = getattr(algo, field.name), first_sentence(docs.get(field.name, ""))
-            lines.append(f"    {field.name} = {value!r}  {doc}")
-    return "\n".join(lines)

@@ -19,10 +19,12 @@ correction's w', docs/algorithms.md); a token of weight 0 is dropped as if it ha
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable
 
 import torch
 
+from .config import AlgorithmConfig
 from .hyperparameters import Hyperparameter, declare
 from .metrics import LossMetrics, effective_sample_size
 from .registry import Registry, accepts_keyword
@@ -45,7 +47,7 @@ def register_policy_loss(name: str, fn: PolicyLoss | None = None, *, reads: Iter
     """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises. ``reads``: the AlgorithmConfig
     fields the loss reads; ``hyperparameters``: its own (:mod:`stppo_agent.algorithms.hyperparameters`), both
     listed by ``stppo train --algo NAME --help``."""
-    declare("policy loss", name, reads, hyperparameters)
+    declare("policy loss", name, reads, hyperparameters, [f.name for f in dataclasses.fields(AlgorithmConfig)])
     if fn is None:
         return POLICY_LOSSES.decorator(name)
     return POLICY_LOSSES.register(name, fn)

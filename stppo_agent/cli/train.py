@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.distributed import process_group
 
     if args.show_help:
+        from stppo_agent.cli.settings_help import settings_help
+
         print(args.parser.format_help() + "\n" + settings_help(args.algo, args.imports))
         raise SystemExit(0)
 
@@ -101,36 +103,3 @@ def check_run_settings(config) -> None:
 
     check_action(config.monitor.on_collapse)
     check_checkpoint_settings(config.checkpoint.dtype, config.checkpoint.optimizer, config.monitor.on_collapse)
-
-
-def settings_help(algo: str | None = None, imports: list[str] = ()) -> str:
-    """Every setting with its default and the first sentence of its documentation, section by section; with
-    ``algo``, what that algorithm's rules read (:func:`~stppo_agent.algorithms.hyperparameters.describe`)."""
-    import dataclasses
-
-    from stppo_agent.algorithms import ALGORITHMS
-    from stppo_agent.algorithms.hyperparameters import describe, field_docs, first_sentence
-    from stppo_agent.plugins.loader import load_plugins
-    from stppo_agent.training.config import TrainConfig
-    from stppo_agent.training.config_sections import SECTIONS
-
-    lines = ["settings (--set KEY=VALUE, or a --config YAML file with one mapping per section):"]
-    for name, cls in [("top level", TrainConfig), *SECTIONS.items()]:
-        docs = field_docs(cls)
-        lines.append(f"  {name}:" if cls is TrainConfig else f"  {name}: {first_sentence(field_docs_of_class(cls))}")
-        for field in dataclasses.fields(cls):
-            if cls is TrainConfig and (field.name in SECTIONS or field.name == "algorithm_resolved"):
-                continue
-            key = field.name if cls is TrainConfig else f"{name}.{field.name}"
-            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-            lines.append(f"    {key}={default}  {first_sentence(docs.get(field.name, ''))}")
-    if algo:
-        load_plugins(list(imports))
-        lines += ["", describe(ALGORITHMS[algo])]
-    else:
-        lines += ["", "stppo train --algo NAME --help adds the settings that algorithm's rules read."]
-    return "\n".join(lines)
-
-
-def field_docs_of_class(cls) -> str:
-    return " ".join((cls.__doc__ or "").split())

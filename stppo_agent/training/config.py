@@ -92,6 +92,11 @@ class TrainConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
+    def __setattr__(self, name: str, value) -> None:  # an old flat name would be a silent new attribute
+        if name in RENAMED and name not in TrainConfig.__dataclass_fields__:
+            raise AttributeError(f"TrainConfig.{name} is now TrainConfig.{RENAMED[name]}")
+        super().__setattr__(name, value)
+
     def __getattr__(self, name: str):  # only for names that are not attributes: an old flat name says where it went
         if name in RENAMED:
             raise AttributeError(f"TrainConfig.{name} is now TrainConfig.{RENAMED[name]}")
@@ -163,7 +168,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         values.update(loaded)
         file_algo = loaded.get("algo")
     values.update({k: v for k, v in flags.items() if v is not None})
-    resolved_fields = {f.name for f in dataclasses.fields(AlgorithmConfig)} - {"name"}
+    resolved_fields = {f.name for f in dataclasses.fields(AlgorithmConfig)} - {"name", "hyperparameters"}
     if file_algo is not None and values.get("algo") != file_algo \
             and set(values.get("algorithm") or {}) >= resolved_fields:
         # A run's config.yaml records every field of *its* algorithm; under another --algo those would silently
@@ -292,14 +297,6 @@ def resolve_algorithm(preset: AlgorithmConfig, overrides: dict[str, Any]) -> Alg
     hints = typing.get_type_hints(AlgorithmConfig)
     values = {key: _coerce(f"algorithm.{key}", value, hints[key]) for key, value in fields.items()}
     return resolve_hyperparameters(dataclasses.replace(preset, **values), declared)
-
-
-def unknown_fields(kind: str, unknown: set, known: list[str]) -> str:
-    """``unknown algorithm fields ['clip_hihg'] (did you mean clip_high?); known: ...``: each with its closest name."""
-    hints = [(name, closest(name, known)) for name in sorted(unknown)]
-    hints = [f"{match} for {name}" if len(unknown) > 1 else match for name, match in hints if match]
-    suggestion = f" (did you mean {', '.join(hints)}?)" if hints else ""
-    return f"unknown {kind} {sorted(unknown)}{suggestion}; known: {', '.join(known)}"
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
