@@ -266,11 +266,11 @@ def test_warn_and_rollback_from_the_cli_then_plot_and_evaluate_the_best_checkpoi
 def test_config_rejects_bad_collapse_settings():
     from stppo_agent.training.config import TrainConfig
 
-    for field, value, message in (("on_collapse", "panic", "on_collapse must be one of"),
-                                  ("rollback_lr_factor", 1.5, "rollback_lr_factor"),
-                                  ("collapse_warmup", 50, "collapse_warmup")):
+    for field, value, message in (("on_collapse", "panic", "monitor.on_collapse must be one of"),
+                                  ("rollback_lr_factor", 1.5, "monitor.rollback_lr_factor"),
+                                  ("warmup", 50, "monitor.warmup")):
         with pytest.raises(ValueError, match=message):
-            TrainConfig(model="m", **{field: value}).validate()
+            TrainConfig(model="m", monitor={field: value}).validate()
     from stppo_agent.training.config import load_config
 
     config = load_config(None, ["monitor.thresholds.tail/ratio_max=50", "monitor.on_collapse=rollback"], model="m")

@@ -61,7 +61,7 @@ def test_decoupled_resolves_a_per_token_mis_weight_for_every_rule(algo):
     differing = {f.name for f in dataclasses.fields(resolved) if getattr(resolved, f.name) != getattr(ppo, f.name)}
     assert not differing & {"rollout_correction", "rollout_correction_level", "rollout_correction_cap"}, differing
     coupled = from_dict(merged(values, {"rollout": {"backend": "vllm", "staleness": 0,
-                                                    "rollout": {"stale_objective": "coupled"}}})).algorithm_config()
+                                                    "stale_objective": "coupled"}})).algorithm_config()
     assert coupled.rollout_correction_level == ("turn" if resolved.ratio_level == "turn" else "token")
 
 

@@ -49,20 +49,23 @@ def test_eval_refuses_a_search_error_limit_outside_zero_to_one(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),  # clipping to norm 0 zeroed every gradient: no learning
-    ("max_grad_norm", -1.0, "max_grad_norm must be > 0"),  # a negative clip coefficient ascended the loss
-    ("max_search_error_rate", -1.0, "max_search_error_rate must be in [0, 1]"),  # stopped: "0% of searches failed"
-    ("max_search_error_rate", 1.5, "max_search_error_rate must be in [0, 1]"),
-    ("actor_lr", -1e-3, "actor_lr must be >= 0"),
-    ("critic_lr", -1e-3, "critic_lr must be >= 0"),
-    ("weight_decay", -0.1, "weight_decay must be >= 0"),
-    ("warmup_steps", -5, "warmup_steps must be >= 0"),
-    ("vllm_gpu_memory_utilization", 1.5, "vllm_gpu_memory_utilization must be in (0, 1]"),
+    # clipping to norm 0 zeroed every gradient: no learning; a negative clip coefficient ascended the loss
+    ("optimizer.max_grad_norm", 0.0, "optimizer.max_grad_norm must be > 0"),
+    ("optimizer.max_grad_norm", -1.0, "optimizer.max_grad_norm must be > 0"),
+    # a negative rate stopped the run: "0% of searches failed"
+    ("monitor.max_search_error_rate", -1.0, "monitor.max_search_error_rate must be in [0, 1]"),
+    ("monitor.max_search_error_rate", 1.5, "monitor.max_search_error_rate must be in [0, 1]"),
+    ("optimizer.actor_lr", -1e-3, "optimizer.actor_lr must be >= 0"),
+    ("optimizer.critic_lr", -1e-3, "optimizer.critic_lr must be >= 0"),
+    ("optimizer.weight_decay", -0.1, "optimizer.weight_decay must be >= 0"),
+    ("optimizer.warmup_steps", -5, "optimizer.warmup_steps must be >= 0"),
+    ("rollout.vllm_gpu_memory_utilization", 1.5, "rollout.vllm_gpu_memory_utilization must be in (0, 1]"),
 ])
 def test_train_config_refuses_nonsensical_optimizer_and_stop_settings(field, value, says):
     from stppo_agent.training.config import TrainConfig
 
-    config = TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", output_dir="unused", **{field: value})
+    section, _, key = field.partition(".")
+    config = TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", output_dir="unused", **{section: {key: value}})
     with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
         config.validate()
     TrainConfig(algo="ppo", env="stppo/Toy-v0", model="tiny", output_dir="unused").validate()
@@ -154,7 +157,7 @@ def test_replay_refuses_another_rollout_staleness_than_the_recorded_one(tmp_path
                        optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1),
                        logging=dict(save_rollouts=True))).train()
     for other in (0, 2):
-        with pytest.raises(ValueError, match=r"rollout.staleness=1 recorded, rollout_staleness=%d asked" % other):
+        with pytest.raises(ValueError, match=r"rollout.staleness=1 recorded, rollout.staleness=%d asked" % other):
             replay_config(run, "grpo", str(tmp_path / "unused"), [f"rollout.staleness={other}"])
     assert replay_config(run, "grpo", str(tmp_path / "unused"),
-                         ["rollout.stale_objective=decoupled"]).rollout_staleness == 1
+                         ["rollout.stale_objective=decoupled"]).rollout.staleness == 1

@@ -98,9 +98,10 @@ def test_a_run_under_autocast_learns_and_its_on_policy_ratios_stay_near_one(tiny
 
 
 @pytest.mark.parametrize("settings, name", [
-    (dict(precision=dict(dtype="float16")), "dtype"),
+    (dict(precision=dict(dtype="float16")), "precision.dtype"),
     (dict(precision=dict(autocast_dtype="float16")), "autocast_dtype"),
-    (dict(distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float16")), "fsdp_compute_dtype"),
+    (dict(distributed=dict(strategy="fsdp2"), precision=dict(fsdp_compute_dtype="float16")),
+     "precision.fsdp_compute_dtype"),
 ])
 def test_float16_training_is_refused_with_the_alternatives(settings, name):
     """No loss scaler exists, so float16 gradients would silently underflow: refused, naming what works."""

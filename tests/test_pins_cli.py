@@ -684,9 +684,8 @@ def test_sft_defaults_are_sftconfigs(monkeypatch, capsys):
         (0, "loss 2.346 -> 0.500; saved out\n", "")
     (config,), _ = trained.only
     assert config == SFTConfig(model="resolved/smollm2", output_dir="out", benchmarks=["nq", "hotpotqa"])
-    assert (config.teacher, config.split, config.retriever, config.rollout.max_turns, config.steps, config.batch_size,
-            config.lr, config.precision.dtype, config.precision.autocast_dtype, config.seed, config.limit,
-            config.datasets) == \
+    assert (config.teacher, config.split, config.retriever, config.max_turns, config.steps, config.batch_size,
+            config.lr, config.dtype, config.autocast_dtype, config.seed, config.limit, config.datasets) == \
         ("gold-search", "train", "demo", 3, 60, 4, 2e-5, "float32", None, 0, None, {})
     assert loaded.only == (([],), {})
 
@@ -825,7 +824,7 @@ def test_train_checks_run_before_the_trainer(monkeypatch, capsys, tmp_path):
     code, _, err = run(capsys, *base, "--set", "checkpoint.optimizer=newest", "--set", "monitor.on_collapse=rollback")
     assert code == 1 and "checkpoint.optimizer=newest drops the optimizer state" in err
     code, _, err = run(capsys, *base, "--set", "checkpoint.dtype=int3")
-    assert code == 1 and "checkpoint_dtype must be" in err
+    assert code == 1 and "checkpoint.dtype must be" in err
     code, _, err = run(capsys, *base[:2], "st_ppp", *base[3:])
     assert code == 1 and "did you mean st_ppo?" in err
     assert made == []

@@ -16,6 +16,7 @@ import torch
 from stppo_agent.monitoring import step_diagnostics
 from stppo_agent.monitoring.step_diagnostics import OFF_POLICY_KEYS, StepDiagnostics, StepMeans
 from stppo_agent.training import demo
+from stppo_agent.training.config_checks import setting
 from stppo_agent.training.demo import DemoSettings
 from stppo_agent.training.demo_progress import DemoProgress, clock_text
 
@@ -360,13 +361,15 @@ def test_demo_config_is_the_recipe(tmp_path):
     expected = dict(algo="st_ppo", env="stppo/NQ-v0", model="the/model",
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
                     algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
-                    iterations=3, prompts_per_iteration=1, samples_per_prompt=4, mini_batch_size=2,
-                    micro_batch_size=2, ppo_epochs=2, actor_lr=2e-5, critic_lr=1e-5, max_turns=3,
-                    max_new_tokens_per_turn=48, max_observation_tokens=160, max_prompt_tokens=400,
-                    max_total_tokens=768, save_every=3, keep_checkpoints=1, checkpoint_optimizer="none",
-                    device="auto", autocast_dtype="auto",
-                    progress=False, step_diagnostics=True, on_collapse="warn", seed=0)
-    assert {key: getattr(config, key) for key in expected} == expected
+                    iterations=3, device="auto", seed=0)
+    expected.update({"rollout.prompts_per_iteration": 1, "rollout.samples_per_prompt": 4,
+                     "optimizer.mini_batch_size": 2, "optimizer.micro_batch_size": 2, "optimizer.epochs": 2,
+                     "optimizer.actor_lr": 2e-5, "optimizer.critic_lr": 1e-5, "rollout.max_turns": 3,
+                     "rollout.max_new_tokens_per_turn": 48, "rollout.max_observation_tokens": 160,
+                     "rollout.max_prompt_tokens": 400, "rollout.max_total_tokens": 768, "checkpoint.every": 3,
+                     "checkpoint.keep": 1, "checkpoint.optimizer": "none", "precision.autocast_dtype": "auto",
+                     "logging.progress": False, "logging.step_diagnostics": True, "monitor.on_collapse": "warn"})
+    assert {key: setting(config, key) for key in expected} == expected
     algo = config.algorithm_config()  # ST-PPO with DAPO's dynamic sampling on top
     assert (algo.name, algo.ratio_level, algo.clip_bias_correction, algo.dynamic_sampling) == ("st_ppo", "turn",
                                                                                                True, True)
@@ -680,10 +683,9 @@ def test_demo_warm_start_hands_the_recipe_to_the_supervised_trainer(monkeypatch,
     config = seen["config"]
     assert (config.model, config.output_dir, tuple(config.benchmarks), config.limit, config.steps) == (
         "/m", str(tmp_path / "sft"), ("nq", "hotpotqa", "medqa"), 11, 8)  # ceil(8 steps x 4 / 3 benchmarks)
-    assert (config.batch_size, config.lr, config.rollout.max_observation_tokens, config.rollout.max_total_tokens,
-            config.logging.progress) == (
+    assert (config.batch_size, config.lr, config.max_observation_tokens, config.max_total_tokens, config.progress) == (
         4, 1e-4, 160, 1024, False)
-    assert config.seed == 0 and config.precision.autocast_dtype is None  # the warm start runs in float32 everywhere
+    assert config.seed == 0 and config.autocast_dtype is None  # the warm start runs in float32 everywhere
     assert seen["report"] == progress.note
     assert progress.calls == [("phase", "warm start: the gold-search teacher's demonstrations", 0),
                               ("phase", "warm start", 8), ("step", 1, "loss 1.235"), ("step", 2, "loss 0.500"),

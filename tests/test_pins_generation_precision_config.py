@@ -10,8 +10,8 @@ import pytest
 from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.config_sections import PrecisionConfig
 
-NEEDS_FLOAT32 = ("precision.generation_autocast_dtype=bfloat16 samples in bfloat16 against a float32 learner: it needs "
-                 "precision.dtype=float32 and neither autocast_dtype nor fsdp_compute_dtype")
+NEEDS_FLOAT32 = ("precision.generation_autocast_dtype=bfloat16 samples in bfloat16 against a float32 learner: it "
+                 "needs precision.dtype=float32 and neither precision.autocast_dtype nor precision.fsdp_compute_dtype")
 
 
 def config(**values) -> TrainConfig:
@@ -32,9 +32,9 @@ def test_a_bfloat16_sampler_against_a_float32_ddp_or_fsdp2_learner_is_accepted()
 
 
 def test_the_sampler_dtype_and_backend_are_refused_word_for_word():
-    refused("generation_autocast_dtype must be bfloat16 (or unset), got 'float16'",
+    refused("precision.generation_autocast_dtype must be bfloat16 (or unset), got 'float16'",
             precision=dict(generation_autocast_dtype="float16"))
-    refused("generation_autocast_dtype is for generation_backend=hf (vLLM samples in its own dtype)",
+    refused("precision.generation_autocast_dtype is for rollout.backend=hf (vLLM samples in its own dtype)",
             rollout=dict(backend="vllm"))
 
 

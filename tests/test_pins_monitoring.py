@@ -19,7 +19,7 @@ from stppo_agent.monitoring.collapse_guard import CONTINUE, CollapseGuard, Decis
 from stppo_agent.monitoring.collapse_rules import SIGNALS, CollapseMonitor, MonitorSettings, Signal, Trip, Verdict
 from stppo_agent.monitoring.learning_signal import LearningSignalNotice, advice, no_signal_reason
 from stppo_agent.runs.checkpoint import load_full_model_state
-from stppo_agent.training.config import TrainConfig, from_dict
+from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.config_sections import MonitorConfig, RolloutConfig
 
 
@@ -45,18 +45,18 @@ def test_settings_from_config_sort_the_limits_and_validate_at_the_boundaries():
     assert MonitorSettings.from_config(config) == MonitorSettings(
         window=7, warmup=3, z=4.5, patience=4, min_families=3, drawdown=0.25,
         thresholds=(("grad_norm", 9.0), ("kl_to_reference", 2.0)))
-    no_limits = dataclasses.replace(config, collapse_thresholds=None)
+    no_limits = dataclasses.replace(config, monitor=dataclasses.replace(config.monitor, thresholds=None))
     assert MonitorSettings.from_config(no_limits).thresholds == ()
     for ok in (dict(window=2, warmup=2), dict(window=5, warmup=5), dict(z=1e-9), dict(patience=1),
                dict(min_families=1), dict(drawdown=1.0), dict(drawdown=1e-9)):
         MonitorSettings(**ok).validate()
-    for bad, message in ((dict(window=1, warmup=1), r"collapse_warmup \(1\) must be >= 2 and <= collapse_window \(1\)"),
-                         (dict(window=5, warmup=1), "collapse_warmup"), (dict(window=5, warmup=6), "collapse_warmup"),
-                         (dict(z=0.0), "^collapse_z must be > 0, collapse_patience and collapse_min_families >= 1$"),
-                         (dict(patience=0), "collapse_patience"),
-                         (dict(min_families=0), "collapse_min_families >= 1"),
-                         (dict(drawdown=0.0), r"collapse_drawdown must be in \(0, 1\], got 0.0"),
-                         (dict(drawdown=1.01), "collapse_drawdown")):
+    for bad, message in ((dict(window=1, warmup=1), r"monitor.warmup \(1\) must be >= 2 and <= monitor.window \(1\)"),
+                         (dict(window=5, warmup=1), "monitor.warmup"), (dict(window=5, warmup=6), "monitor.warmup"),
+                         (dict(z=0.0), "^monitor.z must be > 0, monitor.patience and monitor.min_families >= 1$"),
+                         (dict(patience=0), "monitor.patience"),
+                         (dict(min_families=0), "monitor.min_families >= 1"),
+                         (dict(drawdown=0.0), r"monitor.drawdown must be in \(0, 1\], got 0.0"),
+                         (dict(drawdown=1.01), "monitor.drawdown")):
         with pytest.raises(ValueError, match=message):
             MonitorSettings(**bad).validate()
     with pytest.raises(ValueError, match="'kl' is not a monitored signal; known: clip_bias_scale, clip_frac, entropy"):
@@ -315,7 +315,7 @@ def guard_config(**config) -> TrainConfig:
                   monitor=dict(window=20, warmup=2, z=6.0, patience=2, min_families=2, drawdown=0.5, thresholds={},
                                on_collapse="rollback", max_rollbacks=2, rollback_lr_factor=0.5),
                   optimizer=dict(actor_lr=1e-3), checkpoint=dict(every=3))
-    values.update(config)
+    values = merged(values, config)
     return from_dict(values)
 
 
@@ -359,9 +359,9 @@ def test_rollback_goes_to_the_newest_healthy_valid_checkpoint(tmp_path):
     guard.rolled_back(second.rollback_to)
     third = guard.check(10, dict(COLLAPSE), actor_lr_scale=0.25)
     assert third.action == "stop" and third.stops and third.rollback_to is None and not third.rolls_back
-    assert third.reason.endswith(". Already rolled back 2 time(s) (max_rollbacks=2): stopping; the newest healthy "
-                                 "checkpoint is step-5. The collapse is not only the learning rate: check the "
-                                 "rewards and the data, or lower actor_lr and clip_high further.")
+    assert third.reason.endswith(". Already rolled back 2 time(s) (monitor.max_rollbacks=2): stopping; the newest "
+                                 "healthy checkpoint is step-5. The collapse is not only the learning rate: check "
+                                 "the rewards and the data, or lower optimizer.actor_lr and clip_high further.")
 
 
 def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path):
@@ -369,12 +369,12 @@ def test_warn_and_stop_decide_without_touching_checkpoints(tmp_path):
     metrics = dict(COLLAPSE)
     decision = guard.check(7, metrics)
     assert decision.action == "warn" and not decision.stops and decision.rollback_to is None and decision.alarmed
-    assert "Training continues (on_collapse=warn); the newest healthy checkpoint is step-5." in decision.reason
+    assert "Training continues (monitor.on_collapse=warn); the newest healthy checkpoint is step-5." in decision.reason
     assert metrics["collapse/action"] == "warn" and "collapse/rollback_to" not in metrics
     assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 6
 
     stopping = quiet_run(tmp_path / "stop", monitor=dict(on_collapse="stop")).check(7, dict(COLLAPSE))
-    assert stopping.stops and "Stopping (on_collapse=stop); the newest healthy checkpoint is step-5." in \
+    assert stopping.stops and "Stopping (monitor.on_collapse=stop); the newest healthy checkpoint is step-5." in \
         stopping.reason
     assert stop_advice(stopping, Path("/x/step-7")) == f"{stopping.reason} The state at the alarm is saved in " \
                                                        "/x/step-7."

@@ -109,7 +109,8 @@ def test_metrics_log_sends_numbers_to_wandb_when_a_project_is_named(tmp_path, mo
                      ("log", {"reward": 0.25}, 2), ("finish",)]
     assert MetricsLogger(tmp_path / "b", tensorboard=False)._wandb is None and len(calls) == 3
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(ValueError, match=r"^wandb_project is set but wandb is not installed: pip install wandb$"):
+    with pytest.raises(ValueError, match=r"^logging.wandb_project is set but wandb is not installed: pip install "
+                                         r"wandb$"):
         MetricsLogger(tmp_path, tensorboard=False, wandb_project="proj")
 
 
@@ -275,11 +276,11 @@ def test_rank_streams_cuda_streams_travel_when_a_gpu_is_there(monkeypatch):
 
 
 # -- resume_settings -----------------------------------------------------------------------------------------------
-def test_resume_settings_flatten_one_level_of_the_three_nested_sections():
-    config = {"algorithm": {"clip_high": 0.2}, "env_kwargs": {"split": "dev"}, "collapse_thresholds": {"a": 1},
-              "other": {"x": 1}, "seed": 3}
+def test_resume_settings_flatten_opens_every_mapping_as_set_spells_its_keys():
+    config = {"algorithm": {"clip_high": 0.2}, "env_kwargs": {"split": "dev"},
+              "monitor": {"thresholds": {"a": 1}, "z": 6.0}, "seed": 3}
     assert resume_settings.flatten(config) == {"algorithm.clip_high": 0.2, "env_kwargs.split": "dev",
-                                               "monitor.thresholds.a": 1, "other": {"x": 1}, "seed": 3}
+                                               "monitor.thresholds.a": 1, "monitor.z": 6.0, "seed": 3}
     assert resume_settings.flatten({"algorithm": "ppo"}) == {"algorithm": "ppo"}
 
 
@@ -313,9 +314,10 @@ FIXED_REASONS = {
     "seed": "the random streams and the prompt order continue from the checkpoint; a new seed would make one run "
             "of two seeds",
     "env": "the checkpoint's prompt position indexes these envs' examples",
-    "dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays share it",
-    "autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
-    "rollout_staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
+    "precision.dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays "
+                       "share it",
+    "precision.autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
+    "rollout.staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
 }
 TAIL = (". Start a new run in another --output-dir instead (--model RUN/checkpoints/step-N/actor starts it from "
         "these weights)")
@@ -347,16 +349,16 @@ def test_resume_settings_check_refuses_what_the_checkpoint_is_tied_to_with_one_l
 
 
 def test_resume_settings_turning_recording_on_is_refused_only_after_the_first_iteration():
+    off, on = {"logging": {"save_rollouts": False}}, {"logging": {"save_rollouts": True}}
     with pytest.raises(ValueError) as caught:
-        resume_settings.check({"save_rollouts": False}, {"save_rollouts": True}, 4)
-    assert str(caught.value) == ("--resume cannot change save_rollouts (False -> True): the recording would lack "
-                                 "the initial weights and iterations 1..4, so stppo replay could not use it" + TAIL)
-    with pytest.raises(ValueError, match=r"save_rollouts \(unset -> True\).*iterations 1\.\.1,"):
-        resume_settings.check({}, {"save_rollouts": True}, 1)
-    assert resume_settings.check({"save_rollouts": False}, {"save_rollouts": True}, 0) == [
-        ("save_rollouts", False, True)]
-    assert resume_settings.check({"save_rollouts": True}, {"save_rollouts": False}, 4) == [
-        ("save_rollouts", True, False)]
+        resume_settings.check(off, on, 4)
+    assert str(caught.value) == ("--resume cannot change logging.save_rollouts (False -> True): the recording would "
+                                 "lack the initial weights and iterations 1..4, so stppo replay could not use it"
+                                 + TAIL)
+    with pytest.raises(ValueError, match=r"logging.save_rollouts \(unset -> True\).*iterations 1\.\.1,"):
+        resume_settings.check({}, on, 1)
+    assert resume_settings.check(off, on, 0) == [("logging.save_rollouts", False, True)]
+    assert resume_settings.check(on, off, 4) == [("logging.save_rollouts", True, False)]
     assert resume_settings.check({"save_tokens": False}, {"save_tokens": True}, 4) == [("save_tokens", False, True)]
 
 
@@ -544,10 +546,10 @@ def test_run_folder_pick_checkpoint_of_an_unmonitored_run(tmp_path):
     assert run_folder.pick_checkpoint(run, "best") == (
         run / "checkpoints" / "step-1", "step-1: the checkpoint with the highest training reward (0.800, iteration "
                                         "2's rollouts: its weights sampled); the run was not monitored "
-                                        "(on_collapse=none), so its health is unknown")
+                                        "(monitor.on_collapse=none), so its health is unknown")
     with pytest.raises(FileNotFoundError) as caught:
         run_folder.pick_checkpoint(run, "healthy")
-    assert str(caught.value) == (f"{run} was trained with on_collapse=none: no collapse monitor judged its "
+    assert str(caught.value) == (f"{run} was trained with monitor.on_collapse=none: no collapse monitor judged its "
                                  "iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.4}\n')
     with pytest.raises(FileNotFoundError) as caught:

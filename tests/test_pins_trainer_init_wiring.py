@@ -17,21 +17,23 @@ from stppo_agent.training.state import Restore
 from .training_states import linear_state
 
 
+def _section(**values):
+    return dataclasses.field(default_factory=lambda: SimpleNamespace(**values))
+
+
 @dataclasses.dataclass
 class FakeConfig:
     output_dir: str = "run"
     device: str = "cpu"
-    strategy: str = "ddp"
-    prompts_per_iteration: int = 4
-    mini_batch_size: int = 2
     seed: int = 7
-    tensorboard: bool = True
-    wandb_project: str = "wb"
-    save_rollouts: bool = False
-    on_collapse: str = "none"
-    step_diagnostics: bool = False
     critic_model: str | None = None
     stage: str = "raw"
+    rollout: SimpleNamespace = _section(prompts_per_iteration=4)
+    optimizer: SimpleNamespace = _section(mini_batch_size=2)
+    distributed: SimpleNamespace = _section(strategy="ddp")
+    logging: SimpleNamespace = _section(tensorboard=True, wandb_project="wb", save_rollouts=False,
+                                        step_diagnostics=False)
+    monitor: SimpleNamespace = _section(on_collapse="none")
 
     def validate(self):
         CALLS.append(("validate", self.stage))
@@ -146,9 +148,9 @@ def test_defaults_and_wiring_of_a_new_run(monkeypatch, tmp_path):
 def test_resume_source_recorder_guard_and_sharding(monkeypatch, tmp_path):
     _stub(monkeypatch, checkpoint="CK")
     source = lambda context: Source("mine", context)  # noqa: E731
-    t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path), strategy="fsdp2", save_rollouts=True,
-                                          on_collapse="stop", critic_model="critic0"), resume=True, overwrite=True,
-                               report=report, rollout_source=source)
+    config = FakeConfig(output_dir=str(tmp_path), critic_model="critic0")
+    config.distributed.strategy, config.logging.save_rollouts, config.monitor.on_collapse = "fsdp2", True, "stop"
+    t = trainer_module.Trainer(config, resume=True, overwrite=True, report=report, rollout_source=source)
     assert _calls("prepare")[0][1] == {"resume": True, "overwrite": True, "report": report}
     assert t.sharded is True and len(_calls("ensure_process_group")) == 1
     assert t.config.stage.endswith("+split(cfg<CK>,report)")
@@ -189,10 +191,11 @@ def test_rank_two_reseeds_too(monkeypatch, tmp_path):
 @pytest.mark.parametrize("prompts,mini", [(3, 2), (4, 3), (3, 3)])
 def test_sizes_must_be_multiples_of_the_world(monkeypatch, tmp_path, prompts, mini):
     _stub(monkeypatch, world=2)
-    with pytest.raises(ValueError, match=rf"prompts_per_iteration \({prompts}\) and mini_batch_size \({mini}\) "
-                                         r"must be multiples of the number of processes \(2\)"):
-        trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path), prompts_per_iteration=prompts,
-                                          mini_batch_size=mini), report=report)
+    config = FakeConfig(output_dir=str(tmp_path))
+    config.rollout.prompts_per_iteration, config.optimizer.mini_batch_size = prompts, mini
+    with pytest.raises(ValueError, match=rf"rollout.prompts_per_iteration \({prompts}\) and optimizer.mini_batch_size "
+                                         rf"\({mini}\) must be multiples of the number of processes \(2\)"):
+        trainer_module.Trainer(config, report=report)
     assert _calls("prepare") == []
 
 

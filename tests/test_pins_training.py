@@ -5,6 +5,7 @@ rollouts' prompts and seeds, the model setup and the SFT loss. Fast: no subproce
 from __future__ import annotations
 
 import math
+import re
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -64,11 +65,11 @@ def test_model_is_required():
         TrainConfig(env="stppo/Toy-v0").validate()
 
 
-@pytest.mark.parametrize("name", ["iterations", "prompts_per_iteration", "samples_per_prompt", "ppo_epochs",
-                                  "mini_batch_size", "micro_batch_size", "generation_batch_size", "save_every",
-                                  "keep_checkpoints"])
+@pytest.mark.parametrize("name", ["iterations", "rollout.prompts_per_iteration", "rollout.samples_per_prompt",
+                                  "optimizer.epochs", "optimizer.mini_batch_size", "optimizer.micro_batch_size",
+                                  "rollout.generation_batch_size", "checkpoint.every", "checkpoint.keep"])
 def test_counts_below_one_are_refused_by_name(name):
-    refused(f"^{name} must be >= 1, got 0$", **{name: 0})
+    refused(f"^{re.escape(name)} must be >= 1, got 0$", **{name: 0})
 
 
 def test_mini_batches_must_be_whole_micro_batches():
@@ -92,7 +93,7 @@ def test_autocast_settings():
             r"\(FSDP2's own mixed precision\)$",
             distributed=dict(strategy="fsdp2"), precision=dict(autocast_dtype="bfloat16"))
     refused(r"^autocast_dtype must be", precision=dict(autocast_dtype="int8"))
-    refused(r"precision.autocast_dtype=bfloat16 needs dtype=float32",
+    refused(r"autocast_dtype=bfloat16 needs dtype=float32",
             precision=dict(autocast_dtype="bfloat16", dtype="bfloat16"))
 
 
@@ -141,7 +142,8 @@ def test_staleness_settings():
     refused(r"^rollout.staleness > 0 needs distributed.strategy=ddp and rollout.backend=hf",
             rollout=dict(staleness=1, backend="vllm"))
     refused(r"^rollout.stale_objective=decoupled weights each token by pi_prox / pi_behav: set "
-            r"algorithm.rollout_correction to mis, tis or auto \(auto picks mis\), not none$", algorithm={"rollout_correction": "none"},
+            r"algorithm.rollout_correction to mis, tis or auto \(auto picks mis\), not none$",
+            algorithm={"rollout_correction": "none"},
             rollout=dict(staleness=1, stale_objective="decoupled"))
     config(algorithm={"rollout_correction": "none"}, rollout=dict(staleness=1, stale_objective="coupled")).validate()
     config(algorithm={"rollout_correction": "tis"}, rollout=dict(staleness=1, stale_objective="decoupled")).validate()
@@ -729,8 +731,8 @@ def test_a_non_finite_step_is_skipped_then_the_run_stops():
     assert str(info.value) == (
         f"2 consecutive updates had NaN/inf losses or gradients; stopping. Checkpoints are in "
         f"{Path('runs/pins/checkpoints')}; the newest may hold the weights that diverged (a skipped update keeps the "
-        "last finite weights, not healthy ones). Lower the learning rate, raise max_grad_norm headroom, or check the "
-        "data and rewards, then --resume, or start a new run from an earlier checkpoint's actor "
+        "last finite weights, not healthy ones). Lower the learning rate, raise optimizer.max_grad_norm headroom, or "
+        "check the data and rewards, then --resume, or start a new run from an earlier checkpoint's actor "
         "(--model RUN/checkpoints/step-N/actor).")
     assert t.state.nan_skips_total == 3
 
@@ -1143,8 +1145,8 @@ def test_dynamic_sampling_resamples_rounds_and_the_search_error_rate_stops_the_r
     rollouts.next_batch(0)
     rates["search_error_rate"] = 0.26
     with pytest.raises(RetrievalError, match=r"^iteration 3: 26% of the searches failed "
-                                             r"\(monitor.max_search_error_rate=0.25\); the policy would learn from error messages. Check the retriever "
-                                             r"\(demo\), then --resume"):
+                                             r"\(monitor.max_search_error_rate=0.25\); the policy would learn from "
+                                             r"error messages. Check the retriever \(demo\), then --resume"):
         rollouts.next_batch(2)
     rollouts.context.config.env_kwargs = {"retriever": "http://retriever:8000"}
     with pytest.raises(RetrievalError, match=r"Check the retriever \(http://retriever:8000\), then --resume from the "
@@ -1515,8 +1517,7 @@ def toy_run(model, out, **values):
                                  max_prompt_tokens=8, max_total_tokens=16),
                     optimizer=dict(mini_batch_size=4, micro_batch_size=2, actor_lr=0.01),
                     logging=dict(progress=False, tensorboard=False), checkpoint=dict(every=2, keep=5))
-    settings.update(values)
-    return from_dict(settings)
+    return from_dict(merged(settings, values))
 
 
 def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end(tiny_folder, tmp_path,
@@ -1547,7 +1548,7 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
     assert trainer.state.full_states(trainer.sharded) == (None, None)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["algorithm"]["advantage"] == "gae" and len(saved["algorithm"]) >= 15
-    assert saved["autocast_dtype"] == trainer.config.precision.autocast_dtype
+    assert saved["precision"]["autocast_dtype"] == trainer.config.precision.autocast_dtype
     synced = []
 
     class Engine:  # a backend with its own copy of the weights (vLLM's role), generating through the HF one
@@ -1893,8 +1894,8 @@ def test_every_process_must_divide_both_batch_sizes(tiny_folder, tmp_path, monke
             Trainer(toy_run(tiny_folder, tmp_path / "run",
                             rollout=dict(prompts_per_iteration=prompts, samples_per_prompt=2 if prompts == 3 else 3),
                             optimizer=dict(mini_batch_size=mini, micro_batch_size=1)))
-        assert str(info.value) == (f"prompts_per_iteration ({prompts}) and mini_batch_size ({mini}) must be "
-                                   "multiples of the number of processes (2)")
+        assert str(info.value) == (f"rollout.prompts_per_iteration ({prompts}) and optimizer.mini_batch_size ({mini}) "
+                                   "must be multiples of the number of processes (2)")
     assert not (tmp_path / "run").exists()
 
 

@@ -51,18 +51,18 @@ def test_resume_applies_new_learning_rates_and_weight_decay_and_says_what_change
     assert main(["train", "--output-dir", str(out), "--iterations", "3", "--resume", "--set", "optimizer.actor_lr=1e-3",
                  "--set", "optimizer.critic_lr=2e-3", "--set", "optimizer.weight_decay=0.01"]) == 0
     said = capsys.readouterr().out
-    assert "actor_lr 0.003 -> 0.001" in said and "critic_lr 0.003 -> 0.002" in said, said
-    assert "weight_decay 0.0 -> 0.01" in said and "iterations 2 -> 3" in said, said
+    assert "optimizer.actor_lr 0.003 -> 0.001" in said and "optimizer.critic_lr 0.003 -> 0.002" in said, said
+    assert "optimizer.weight_decay 0.0 -> 0.01" in said and "iterations 2 -> 3" in said, said
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[1]["actor_lr"] == pytest.approx(3e-3) and records[2]["actor_lr"] == pytest.approx(1e-3)
-    assert yaml.safe_load((out / "config.yaml").read_text())["actor_lr"] == pytest.approx(1e-3)
+    assert yaml.safe_load((out / "config.yaml").read_text())["optimizer"]["actor_lr"] == pytest.approx(1e-3)
     tensors, state = load_trainer_state(out / "checkpoints" / "step-3")
     for name, lr in (("actor", 1e-3), ("critic", 2e-3)):
         groups = tensors[f"{name}_optimizer"]["param_groups"]
         assert all(g["lr"] == pytest.approx(lr) and g["weight_decay"] == 0.01 for g in groups), groups
         assert tensors[f"{name}_scheduler"]["base_lrs"] == [pytest.approx(lr)]
-    assert state["config"]["actor_lr"] == pytest.approx(1e-3)  # the checkpoint says what it was trained with
+    assert state["config"]["optimizer"]["actor_lr"] == pytest.approx(1e-3)  # what the checkpoint was trained with
 
 
 def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tiny_model, tmp_path, capsys):
@@ -73,7 +73,7 @@ def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tin
     assert any(line.startswith("nothing to train:") and "iteration 1" in line and "--iterations 2" in line
                for line in said), said
     refusals = {"seed=7": "seed", "env=stppo/NQ-v0": "env", "algorithm.use_critic=false": "algorithm.use_critic",
-                "precision.dtype=bfloat16": "dtype", "logging.save_rollouts=true": "save_rollouts"}
+                "precision.dtype=bfloat16": "precision.dtype", "logging.save_rollouts=true": "logging.save_rollouts"}
     for setting, field in refusals.items():
         with pytest.raises(ValueError, match=f"--resume cannot change {field}") as caught:
             Trainer(small(tiny_model, out, 2, **dict([_parsed(setting)])), resume=True, report=lambda _: None)
@@ -94,9 +94,10 @@ def test_resume_refuses_settings_that_cannot_change_with_one_line_saying_why(tin
 def _parsed(setting: str):
     key, _, raw = setting.partition("=")
     value = yaml.safe_load(raw)
-    if key.startswith("algorithm."):
-        return "algorithm", {"kl_in_reward": 0.0, "kl_loss_coef": 0.0, key.split(".", 1)[1]: value}
-    return key, value
+    section, _, field = key.partition(".")
+    if section == "algorithm":
+        return "algorithm", {"kl_in_reward": 0.0, "kl_loss_coef": 0.0, field: value}
+    return (section, {field: value}) if field else (key, value)
 
 
 def test_rollbacks_compound_the_learning_rate_cut_and_resume_keeps_it(tiny_model, tmp_path):
@@ -129,10 +130,12 @@ def test_a_recording_run_keeps_its_sampling_on_resume_and_a_plain_run_may_change
     changed them would have the replay recompute the earlier iterations' log-probs at the new temperature."""
     recorded = tmp_path / "recorded"
     Trainer(small(tiny_model, recorded, 1, logging=dict(save_rollouts=True))).train()
-    for key, value in (("temperature", 0.7), ("top_p", 0.9), ("top_k", 5), ("generation_autocast_dtype", "bfloat16")):
+    for key, value in (("rollout.temperature", 0.7), ("rollout.top_p", 0.9), ("rollout.top_k", 5),
+                       ("precision.generation_autocast_dtype", "bfloat16")):
+        section, _, field = key.partition(".")
         with pytest.raises(ValueError, match=f"--resume cannot change {key} .* iterations 1..1 were recorded"):
-            Trainer(small(tiny_model, recorded, 2, **{key: value}, logging=dict(save_rollouts=True)), resume=True,
-                    report=lambda _: None)
+            Trainer(small(tiny_model, recorded, 2, **{section: {field: value}}, logging=dict(save_rollouts=True)),
+                    resume=True, report=lambda _: None)
     plain = tmp_path / "plain"
     Trainer(small(tiny_model, plain, 1)).train()
     said = []

@@ -64,13 +64,10 @@ def gap(batch) -> torch.Tensor:
     return (batch.old_logprobs - batch.sample_logprobs)[batch.loss_mask].abs()
 
 
-@pytest.mark.parametrize("sampling", [dict(rollout=dict(temperature=0.7)), dict(
-                                                                               rollout=dict(top_p=0.9)),
-                                      dict(rollout=dict(temperature=0.7, top_p=0.9)),
-                                      dict(rollout=dict(top_k=3)), dict(rollout=dict(temperature=1.3, top_k=4,
-                                                                                     top_p=0.8))])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(top_p=0.9), dict(temperature=0.7, top_p=0.9),
+                                      dict(top_k=3), dict(temperature=1.3, top_k=4, top_p=0.8)])
 def test_old_logprobs_equal_the_behaviour_logprobs_at_any_sampling_setting(tiny_model, tmp_path, sampling):
-    trainer = Trainer(quick(tiny_model, tmp_path, **sampling))
+    trainer = Trainer(quick(tiny_model, tmp_path, rollout=sampling))
     batch = scored_batch(trainer)
     assert gap(batch).max() < 1e-5 and gap(batch).mean() < 1e-6
     # the same batch under the raw logits is far off: the setting really reshapes the distribution
@@ -129,14 +126,12 @@ def test_temperature_zero_means_greedy_and_bad_settings_are_named():
     assert TrainConfig(model="m", rollout=RolloutConfig(temperature=0.0)).sampling().greedy
     assert TrainConfig(model="m", rollout=RolloutConfig(temperature=0.7, top_p=0.9, top_k=5)).sampling() == \
         SamplingSettings(temperature=0.7, top_p=0.9, top_k=5)
-    for bad, match in ((dict(rollout=dict(temperature=-1.0)), "temperature"),
-                       (dict(rollout=dict(top_p=0.0)), "top_p"),
-                       (dict(rollout=dict(top_p=1.5)), "top_p"),
-                       (dict(rollout=dict(top_k=-2)), "top_k")):
+    for bad, match in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                       (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k")):
         with pytest.raises(ValueError, match=match):
             SamplingSettings(**bad)
         with pytest.raises(ValueError, match=match):  # named by validate(), before any model loads
-            TrainConfig(model="m", **bad).validate()
+            TrainConfig(model="m", rollout=RolloutConfig(**bad)).validate()
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_p=0.9), dict(top_k=5),

@@ -66,18 +66,19 @@ def test_the_critic_lr_moves_with_the_actor_only_when_the_level_says_so():
 
 
 def test_parse_level_keeps_unnamed_knobs_and_reads_values_as_yaml():
-    name, knobs = levels.parse_level("lag8:rollout_staleness=8,control=lag0,algorithm.clip_high=0.28")
-    assert name == "lag8" and knobs == {**levels.BASE, "rollout_staleness": 8, "control": "lag0",
+    name, knobs = levels.parse_level("lag8:rollout.staleness=8,control=lag0,algorithm.clip_high=0.28")
+    assert name == "lag8" and knobs == {**levels.BASE, "rollout.staleness": 8, "control": "lag0",
                                         "algorithm.clip_high": 0.28}
-    assert levels.parse_level("lag16:lr_scale=2")[1]["rollout_staleness"] == 16
+    assert levels.parse_level("lag16:lr_scale=2")[1]["rollout.staleness"] == 16
     with pytest.raises(SystemExit, match="is not knob=value"):
-        levels.parse_level("x:rollout_staleness")
+        levels.parse_level("x:rollout.staleness")
 
 
 def test_options_this_stppo_lacks_are_named():
     assert levels.missing_options(["rollout.staleness=1", "algorithm.clip_high=0.3", "no_such_option=1",
                                    "algorithm.no_such_field=2"]) == ["no_such_option", "algorithm.no_such_field"]
-    assert levels.has_option("probe_every") and not levels.has_option("no_such_option")
+    assert levels.has_option("monitor.probe_every") and not levels.has_option("no_such_option")
+    assert not levels.has_option("probe_every")  # a flat name of earlier versions
 
 
 def test_old_levels_stay_runnable_by_name_but_off_the_default_ladder():

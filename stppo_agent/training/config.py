@@ -103,6 +103,9 @@ class TrainConfig:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __post_init__(self):
+        for name in SECTIONS:  # a section given as a mapping ({"samples_per_prompt": 8}), checked as --set would
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, _section(name, getattr(self, name)))
         if self.init_from and not self.model:  # the warm start's actor is then the reference policy as well
             self.model = str(Path(self.init_from) / "actor")
 
@@ -283,6 +286,8 @@ def from_dict(values: dict[str, Any]) -> TrainConfig:
 
 
 def _section(name: str, values: dict[str, Any]):
+    for key in values:
+        check_key(f"{name}.{key}")
     cls = SECTIONS[name]
     hints = typing.get_type_hints(cls)
     return cls(**{key: _coerce(f"{name}.{key}", value, hints[key]) for key, value in values.items()})
