@@ -93,9 +93,11 @@ def _expected_help() -> dict[tuple[str, ...], dict[str, str]]:
                         'Llama that learns stppo/Toy-v0'),
             '--output-dir': 'run folder',
             '--iterations': "iterations (default: the config's, else 100)",
-            '--config': 'YAML file with TrainConfig fields',
-            '--set KEY=VALUE': ('override a field: actor_lr=1e-6, algorithm.clip_high=0.28, '
-                                'env_kwargs.retriever=bm25:DIR'),
+            '-h': ("show this help, every setting --set takes with its default, and with --algo NAME the settings "
+                   "that algorithm's rules read"),
+            '--config': 'YAML file of settings (top-level keys and sections, as config.yaml holds them)',
+            '--set KEY=VALUE': ('override a setting: optimizer.actor_lr=1e-6, rollout.samples_per_prompt=8, '
+                                'algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR (the keys: --help)'),
             '--import FILE_OR_MODULE': IMPORT_HELP + RECORDED,
             '--resume': ("continue from the run folder's last valid checkpoint, with the run's own config.yaml "
                          'unless --config is given'),
