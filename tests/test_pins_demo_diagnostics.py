@@ -362,8 +362,8 @@ def test_demo_config_is_the_recipe(tmp_path):
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
                     algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
                     iterations=3, device="auto", seed=0)
-    expected.update({"rollout.prompts_per_iteration": 1, "rollout.samples_per_prompt": 4,
-                     "optimizer.mini_batch_size": 2, "optimizer.micro_batch_size": 2, "optimizer.epochs": 2,
+    expected.update({"rollout.prompts_per_iteration": 1, "rollout.samples_per_prompt": 8,
+                     "optimizer.mini_batch_size": 4, "optimizer.micro_batch_size": 2, "optimizer.epochs": 2,
                      "optimizer.actor_lr": 2e-5, "optimizer.critic_lr": 1e-5, "rollout.max_turns": 3,
                      "rollout.max_new_tokens_per_turn": 48, "rollout.max_observation_tokens": 160,
                      "rollout.max_prompt_tokens": 400, "rollout.max_total_tokens": 768, "checkpoint.every": 3,

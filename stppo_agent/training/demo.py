@@ -40,6 +40,7 @@ DEMO_SFT_LR = 1e-4
 DEMO_SFT_MAX_TOTAL_TOKENS = 1024
 DEMO_RL_ENV = "stppo/NQ-v0"  # the demo set's general questions, single-hop: what the warm start teaches best
 DEMO_MAX_RESAMPLE_ROUNDS = 4
+DEMO_SAMPLES = 8  # answers sampled per RL question
 AUTOCAST_CHOICES = ("auto", "bfloat16", "none")
 
 @dataclasses.dataclass(frozen=True)
@@ -67,24 +68,24 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
         algo="st_ppo", env=DEMO_RL_ENV, model=model, output_dir=str(out / "train"),
         # Search-R1's format reward tells a well-formed wrong answer (0.2) from an invalid turn or none (0).
         env_kwargs={"split": "train", "format_reward": 0.2}, iterations=settings.iterations,
-        # Four samples of one general question, which the warm-started model answers about half the time (sampled
+        # Eight samples of one general question, which the warm-started model answers about half the time (sampled
         # at temperature 1, a question's 4 rewards differed in 6 of 8 questions); DAPO's dynamic sampling draws
-        # another question while all 4 earned the same reward, so the update always has something to learn (2
-        # samples of 2 questions without resampling all earned 0.2 in a run on another CPU: nothing to learn).
-        rollout=RolloutConfig(prompts_per_iteration=1, samples_per_prompt=4, max_turns=DEMO_MAX_TURNS,
+        # another question while all 8 earned the same reward, so the update always has something to learn. Eight,
+        # not four: with four, one batch in twenty (bfloat16 seed 7: a right answer after two searches, a misspelt
+        # and a malformed one after one) taught "do not answer after the first search" so strongly that the greedy
+        # policy stopped answering at all; eight samples of the question put both kinds of answer in most batches,
+        # so the shared format tokens' gradients cancel. A smaller step was not the fix: lowering the lr from 2e-5
+        # moved the failure to another seed, and an lr warm-up over the 4 steps left the clip-bias correction idle.
+        rollout=RolloutConfig(prompts_per_iteration=1, samples_per_prompt=DEMO_SAMPLES, max_turns=DEMO_MAX_TURNS,
                               max_new_tokens_per_turn=DEMO_MAX_NEW_TOKENS,
                               max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS, max_prompt_tokens=400,
                               max_total_tokens=768),
         algorithm={"dynamic_sampling": True, "max_resample_rounds": DEMO_MAX_RESAMPLE_ROUNDS},
         # Two mini-batches x two epochs: 3 of every 4 optimizer steps are off-policy, and the second epoch revisits
         # data the first already pushed -- where ST-PPO's turn-level clipping and clip-bias correction act (measured:
-        # with one mini-batch per iteration, or at lr <= 3e-6, no turn ever left the clip range; at 1e-5 one turn of
-        # the 15 on the off-policy steps did in a run, at 2e-5 one to four). lr 1.5e-5, not 2e-5: at 2e-5 one seed
-        # of twenty broke the warm start's answer format (answer rate 0.58 after RL); 1.5e-5 on its batch kept it
-        # (0.96) with turn_clip_frac 0.20 and a max clip_bias_scale of 1.75 -- yet at 1.5e-5 another seed of twenty
-        # broke it (docs/demo.md, "Measured"): the rate alone does not make the format hold.
-        optimizer=OptimizerConfig(mini_batch_size=2, micro_batch_size=2, epochs=2, actor_lr=settings.lr,
-                                  critic_lr=1e-5),
+        # with one mini-batch per iteration, or at lr <= 3e-6, no turn ever left the clip range).
+        optimizer=OptimizerConfig(mini_batch_size=DEMO_SAMPLES // 2, micro_batch_size=2, epochs=2,
+                                  actor_lr=settings.lr, critic_lr=1e-5),
         # A rollback needs a recent healthy checkpoint to return to: then one is written every iteration.
         # The demo evaluates its checkpoint and never resumes it: without AdamW's moments it is 1.1 GB, not 3.2.
         checkpoint=CheckpointConfig(every=1 if settings.on_collapse == "rollback" else settings.iterations, keep=1,
