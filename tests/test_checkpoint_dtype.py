@@ -68,11 +68,10 @@ def test_float16_refuses_a_weight_beyond_its_range_and_keeps_the_last_checkpoint
 
 @pytest.mark.parametrize("setting, message", [
     ("monitor.on_collapse=rolback",
-     "on_collapse must be one of none, warn, stop, rollback, got 'rolback' (did you mean "
-                            "rollback?)"),
-    ("checkpoint.dtype=bfloat61", "checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' (did "
+     "monitor.on_collapse must be one of none, warn, stop, rollback, got 'rolback' (did you mean rollback?)"),
+    ("checkpoint.dtype=bfloat61", "checkpoint.dtype must be bfloat16, float16, float32 or null, got 'bfloat61' (did "
                                   "you mean bfloat16?)"),
-    ("checkpoint.optimizer=newset", "checkpoint_optimizer must be all, newest or none, got 'newset' (did you mean "
+    ("checkpoint.optimizer=newset", "checkpoint.optimizer must be all, newest or none, got 'newset' (did you mean "
                                     "newest?)"),
 ])
 @pytest.mark.parametrize("command", ["train", "replay"])

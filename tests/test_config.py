@@ -16,7 +16,7 @@ def test_numbers_parse_in_every_common_spelling(raw, value, tmp_path):
     assert config.optimizer.actor_lr == value and isinstance(config.optimizer.actor_lr, float)
     assert config.algorithm_config().kl_in_reward == value
     path = tmp_path / "run.yaml"
-    path.write_text(f"actor_lr: {raw}\nalgorithm:\n  entropy_coef: {raw}\n")
+    path.write_text(f"optimizer:\n  actor_lr: {raw}\nalgorithm:\n  entropy_coef: {raw}\n")
     from_file = load_config(path, [], model="m")
     assert from_file.optimizer.actor_lr == value and from_file.algorithm_config().entropy_coef == value
 
@@ -40,7 +40,7 @@ def test_bad_values_get_a_message_naming_the_field(item, message):
 
 def test_a_broken_yaml_file_names_the_file(tmp_path):
     path = tmp_path / "broken.yaml"
-    path.write_text("actor_lr: [1e-6\n")
+    path.write_text("optimizer:\n  actor_lr: [1e-6\n")
     with pytest.raises(ValueError, match="broken.yaml is not valid YAML"):
         load_config(path, [])
 

@@ -41,7 +41,7 @@ def test_a_bfloat16_sampler_opens_a_logged_gap_that_auto_corrects(tiny_model, tm
     assert gap["rollout_logprob_diff"] > 1e-4
     assert "rollout_correction/truncated_frac" in gap  # auto: TIS, as for vLLM
     recorded = yaml.safe_load((tmp_path / "gap" / "config.yaml").read_text())
-    assert recorded["generation_autocast_dtype"] == "bfloat16"
+    assert recorded["precision"]["generation_autocast_dtype"] == "bfloat16"
 
 
 def test_auto_correction_follows_the_sampler_and_an_explicit_choice_wins(tiny_model, tmp_path):
@@ -58,11 +58,13 @@ def test_auto_correction_follows_the_sampler_and_an_explicit_choice_wins(tiny_mo
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"precision": {"generation_autocast_dtype": "float16"}}, "generation_autocast_dtype must be bfloat16"),
-    ({"precision": {"generation_autocast_dtype": "bfloat16", "autocast_dtype": "bfloat16"}}, "neither autocast_dtype"),
-    ({"precision": {"generation_autocast_dtype": "bfloat16", "autocast_dtype": "auto"}}, "neither autocast_dtype"),
-    ({"precision": {"generation_autocast_dtype": "bfloat16", "dtype": "bfloat16"}}, "needs dtype=float32"),
+    ({"precision": {"generation_autocast_dtype": "bfloat16", "autocast_dtype": "bfloat16"}},
+     "neither precision.autocast_dtype"),
+    ({"precision": {"generation_autocast_dtype": "bfloat16", "autocast_dtype": "auto"}},
+     "neither precision.autocast_dtype"),
+    ({"precision": {"generation_autocast_dtype": "bfloat16", "dtype": "bfloat16"}}, "needs precision.dtype=float32"),
     ({"precision": {"generation_autocast_dtype": "bfloat16"}, "rollout": {"backend": "vllm"}},
-     "for generation_backend=hf"),
+     "for rollout.backend=hf"),
 ])
 def test_settings_without_a_float32_learner_are_refused(tiny_model, tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):

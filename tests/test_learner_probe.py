@@ -55,7 +55,7 @@ def test_a_run_with_probes_trains_exactly_as_one_without(tiny_model, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["probe/policy_version"] for r in probed] == [1, 2, 3, 4]  # one optimizer step per iteration here
     recorded = yaml.safe_load((tmp_path / "probed" / "config.yaml").read_text())
-    assert (recorded["probe_every"], recorded["probe_prompts"]) == (1, 6)
+    assert (recorded["monitor"]["probe_every"], recorded["monitor"]["probe_prompts"]) == (1, 6)
 
 
 def test_probes_every_nth_iteration_and_reports_optimizer_steps(tiny_model, tmp_path):
@@ -106,8 +106,8 @@ def test_a_resumed_run_probes_and_trains_as_an_uninterrupted_one(tiny_model, tmp
     assert without(read_metrics(cut), IGNORED) == without(read_metrics(whole), IGNORED)
 
 
-@pytest.mark.parametrize("field,value,message", [("probe_every", -1, "probe_every must be >= 0, got -1"),
-                                                 ("probe_prompts", 0, "probe_prompts must be >= 1, got 0")])
+@pytest.mark.parametrize("field,value,message", [("probe_every", -1, "monitor.probe_every must be >= 0, got -1"),
+                                                 ("probe_prompts", 0, "monitor.probe_prompts must be >= 1, got 0")])
 def test_bad_probe_settings_are_refused_before_models_load(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
-        config(Path("/no/such/model"), tmp_path, **{field: value}).validate()
+        config(Path("/no/such/model"), tmp_path, monitor={field: value}).validate()

@@ -525,7 +525,8 @@ def test_checkpoint_states_hold_the_counters_the_config_and_every_optimizer(tmp_
                                   "actor_lr_scale")} == {
         "iteration": 6, "optimizer_steps": 13, "nan_skips_total": 2, "sampler": {"position": 42}, "algo": "ppo",
         "model": "tiny-model", "actor_lr_scale": 0.25}
-    assert saved["config"] == run_config(config, config.algorithm_config()) and saved["config"]["actor_lr"] == 0.01
+    assert saved["config"] == run_config(config, config.algorithm_config())
+    assert saved["config"]["optimizer"]["actor_lr"] == 0.01
     assert saved["config"]["algorithm"]["use_critic"] is True  # every algorithm field resolved
     json.dumps(saved)  # the random states are JSON
     grpo, grpo_config = fake_run(tmp_path, critic=False, rollout=dict(staleness=1))
@@ -632,11 +633,11 @@ def test_checkpoint_config_reads_the_checkpoints_record_else_the_runs_config_yam
     folder = tmp_path / "run" / "checkpoints" / "step-1"
     folder.mkdir(parents=True)
     (folder / "trainer_state.json").write_text(json.dumps({"iteration": 1, "config": {"actor_lr": 0.3}}))
-    assert checkpoint_config(folder) == {"actor_lr": 0.3}
+    assert checkpoint_config(folder) == {"optimizer": {"actor_lr": 0.3}}  # an earlier version's flat record
     (folder / "trainer_state.json").write_text(json.dumps({"iteration": 1}))
     assert checkpoint_config(folder) is None
     (tmp_path / "run" / "config.yaml").write_text("actor_lr: 1e-6\nalgo: ppo\n")
-    assert checkpoint_config(folder) == {"actor_lr": 1e-6, "algo": "ppo"}
+    assert checkpoint_config(folder) == {"optimizer": {"actor_lr": 1e-6}, "algo": "ppo"}
 
 
 def test_check_resume_settings_refuses_a_fixed_change_before_the_models_load(tmp_path):

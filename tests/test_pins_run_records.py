@@ -642,8 +642,8 @@ def test_run_summary_of_a_whole_run_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = Path("runs") / "r1"
     run.mkdir(parents=True)
-    (run / "config.yaml").write_text("algo: st_ppo\nenv: stppo/MedQA-v0\nmax_turns: 2\nactor_lr: 1e-6\n"
-                                     "algorithm:\n  ratio_level: turn\n")
+    (run / "config.yaml").write_text("algo: st_ppo\nenv: stppo/MedQA-v0\nrollout:\n  max_turns: 2\noptimizer:\n"
+                                     "  actor_lr: 1e-6\nalgorithm:\n  ratio_level: turn\n")
     (run / "metrics.jsonl").write_text(
         '{"step": 3, "reward": 0.5, "clip_frac": 0.9, "turn_clip_frac": 0.2}\n'
         '{"step": 4, "reward": 0.25, "turn_clip_frac": 0.1, "collapse/alarm": true}\n')

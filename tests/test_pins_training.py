@@ -204,7 +204,7 @@ def test_to_yaml_holds_the_overrides_or_every_resolved_field():
 
 def test_load_config_layers_file_flags_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("seed: 3\nactor_lr: 1\nmodel: from_file\nalgorithm:\n  clip_high: 0.25\n")
+    path.write_text("seed: 3\noptimizer:\n  actor_lr: 1\nmodel: from_file\nalgorithm:\n  clip_high: 0.25\n")
     c = load_config(path, ["seed=9", "algorithm.clip_low=0.1"], model="flag", output_dir=None)
     assert c.seed == 9 and c.optimizer.actor_lr == 1.0 and isinstance(c.optimizer.actor_lr, float)
     assert c.model == "flag" and c.output_dir == "runs/stppo"  # a None flag does not override

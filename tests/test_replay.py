@@ -178,7 +178,7 @@ def as_if_recorded_with_vllm(run: Path, copy: Path) -> Path:
 
     shutil.copytree(run, copy)
     config = yaml.safe_load((copy / "config.yaml").read_text())
-    config["generation_backend"] = "vllm"
+    config["rollout"]["backend"] = "vllm"
     config["algorithm"].update(rollout_correction="tis", rollout_correction_level="token", rollout_correction_cap=2.0)
     (copy / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return copy

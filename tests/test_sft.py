@@ -195,7 +195,7 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
         assert turns[0] == "nq: turn 1/3 of 2 episodes" and any(t.startswith("medqa: turn") for t in turns)
     config = (out / "train" / "config.yaml").read_text()
     assert f"model: {out / 'sft'}" in config  # RL started from the warm-started weights
-    assert "ppo_epochs: 2" in config and "autocast_dtype: auto" not in config  # the precision auto chose is kept
+    assert "\n  epochs: 2" in config and "autocast_dtype: auto" not in config  # the precision auto chose is kept
     # the demo cuts observations at 160 tokens in its warm start, RL and evaluations alike
     assert "max_observation_tokens: 160" in config and "seed: 3" in config
     warm_start = json.loads((out / "sft" / "sft.json").read_text())["config"]

@@ -45,7 +45,8 @@ def test_default_rules_are_ppo_and_st_ppo_core_and_all_name_more(tmp_path):
 
 
 def test_options_the_levels_own_are_refused_in_set():
-    with pytest.raises(SystemExit, match="--set optimizer.actor_lr=0.1: levels set ppo_epochs, mini_batch_size"):
+    with pytest.raises(SystemExit, match="--set optimizer.actor_lr=0.1: levels set optimizer.epochs, "
+                                         "optimizer.mini_batch_size"):
         stress.parse_args(["--set", "optimizer.actor_lr=0.1"])
 
 
@@ -87,7 +88,7 @@ def test_quick_grid_runs_the_lag_and_reuse_ladders_version_aligned_resumes_and_r
     warm = out / "warm-start" / "checkpoints" / "step-2"
     assert (warm / "trainer_state.pt").exists() and summary["warm_start"] == str(warm / "actor")
     config = yaml.safe_load((out / "runs" / "lag2" / "narrow_ppo" / "s0" / "config.yaml").read_text())
-    assert config["model"] == str(warm / "actor") and config["warmup_steps"] == 10
+    assert config["model"] == str(warm / "actor") and config["optimizer"]["warmup_steps"] == 10
     assert config["algorithm"]["clip_low"] == 0.05 and str(plugin) in config["plugins"]
     assert config.get("init_from") == (str(warm) if has_option("init_from") else None)
     # a lag run and its control drew the same first batch (paired: McNemar); a reuse level and its step-matched
@@ -102,8 +103,10 @@ def test_quick_grid_runs_the_lag_and_reuse_ladders_version_aligned_resumes_and_r
     report = (out / "report.md").read_text()
     assert "tier toy (--quick: plumbing" in report and CRITERION in report
     assert "| toy | lag2 | narrow_ppo | 1 | 0/1 |" in report or "| toy | lag2 | narrow_ppo | 1 | 1/1 |" in report
-    assert "optimizer.epochs=1 prompts_per_iteration=4 mini_batch_size=16 micro_batch_size=16 actor_lr=0.003 " \
-           "optimizer.critic_lr=0.003 probe_every=4" in report  # steps4: half the prompts, 4x the probe interval
+    # steps4: half the prompts, 4x the probe interval
+    assert "optimizer.epochs=1 rollout.prompts_per_iteration=4 optimizer.mini_batch_size=16 " \
+           "optimizer.micro_batch_size=16 optimizer.actor_lr=0.003 optimizer.critic_lr=0.003 " \
+           "monitor.probe_every=4" in report
     assert (out / "figures" / "stress-collapse.png").stat().st_size > 0
     # the selection's own copy, which a later --report-only over other levels leaves alone
     kept = sorted((out / "reports").glob("*.md"))

@@ -48,7 +48,7 @@ def test_resume_and_replay_switch_an_auto_correction_to_the_decoupled_objective(
     assert resumed.returncode == 0, resumed.stderr
     assert "rollout_correction/masked_frac" in read_metrics(run)[-1] and read_metrics(run)[-1]["step"] == 3
     config = recorded(run)
-    assert config["stale_objective"] == "decoupled" and config["algorithm"]["rollout_correction"] == "auto"
+    assert config["rollout"]["stale_objective"] == "decoupled" and config["algorithm"]["rollout_correction"] == "auto"
     assert config["algorithm_resolved"] == {"rollout_correction": "mis", "rollout_correction_level": "token"}
 
 
