@@ -76,7 +76,7 @@ def test_bad_settings_are_refused():
         TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="int8")).validate()
     with pytest.raises(ValueError, match="needs dtype=float32"):
         TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16", dtype="bfloat16")).validate()
-    with pytest.raises(ValueError, match="with fsdp2 use fsdp_compute_dtype"):
+    with pytest.raises(ValueError, match="with fsdp2 use precision.fsdp_compute_dtype"):
         TrainConfig(model="m", precision=PrecisionConfig(autocast_dtype="bfloat16"),
                     distributed=DistributedConfig(strategy="fsdp2")).validate()
 

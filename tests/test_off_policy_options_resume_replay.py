@@ -21,8 +21,9 @@ from .test_trainer import toy_config
 
 NO_KL = {"kl_in_reward": 0.0, "kl_loss_coef": 0.0}
 OPTIONS = {
-    "sampler_bf16": ("ppo", {"old_logprobs": "sampler", "generation_autocast_dtype": "bfloat16"}),
-    "sampler_stale": ("ppo", {"old_logprobs": "sampler", "rollout_staleness": 1}),
+    "sampler_bf16": ("ppo", {"rollout": {"old_logprobs": "sampler"},
+                             "precision": {"generation_autocast_dtype": "bfloat16"}}),
+    "sampler_stale": ("ppo", {"rollout": {"old_logprobs": "sampler", "staleness": 1}}),
     "dual_clip_after": ("st_ppo", {"algorithm": {**NO_KL, "clip_ratio_c": 1.2, "clip_bias_order": "after_grad_clip",
                                                  "clip_bias_kappa": 0.05}}),
 }
@@ -35,10 +36,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def run_config(model: Path, out: Path, name: str, **overrides):
     algo, options = OPTIONS[name]
-    values = dict(iterations=3, **options, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+    values = dict(iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
                   optimizer=dict(epochs=2, mini_batch_size=8, micro_batch_size=4, actor_lr=5e-2, critic_lr=1e-2),
                   logging=dict(step_diagnostics=True), monitor=dict(on_collapse="none"))
-    values = merged(values, overrides)
+    values = merged(values, options, overrides)
     return toy_config(model, out, algo, **values)
 
 

@@ -98,15 +98,16 @@ def test_what_the_sampler_mode_combines_with(tiny_model, tmp_path):
                      precision=dict(generation_autocast_dtype="bfloat16"))
     assert sampler.algorithm_config().rollout_correction == "none"  # auto: the ratio itself holds the gap
     assert "old_logprobs: sampler" in sampler.to_yaml(resolved=sampler.algorithm_config())
-    with pytest.raises(ValueError, match=r"^old_logprobs=sampler puts the sampler's log-probs in the ratio, so there "
-                                         r"is no gap left for rollout_correction=tis to weigh"):
+    with pytest.raises(ValueError, match=r"^rollout.old_logprobs=sampler puts the sampler's log-probs in the ratio, so "
+                                         r"there is no gap left for rollout_correction=tis to weigh"):
         config(tiny_model, tmp_path, algorithm={"rollout_correction": "tis"},
                rollout=dict(old_logprobs="sampler")).validate()
-    with pytest.raises(ValueError, match=r"^stale_objective=decoupled takes the ratio against the current weights"):
+    with pytest.raises(ValueError, match=r"^rollout.stale_objective=decoupled takes the ratio against the current "
+                                         r"weights"):
         config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler", staleness=2,
                                                   stale_objective="decoupled")).validate()
     config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler",
                                               stale_objective="decoupled")).validate()  # no lag: no-op
     config(tiny_model, tmp_path, rollout=dict(old_logprobs="sampler", staleness=2)).validate()  # coupled: fine
-    with pytest.raises(ValueError, match=r"^old_logprobs must be recompute or sampler, got 'vllm'$"):
+    with pytest.raises(ValueError, match=r"^rollout.old_logprobs must be recompute or sampler, got 'vllm'$"):
         config(tiny_model, tmp_path, rollout=dict(old_logprobs="vllm")).validate()

@@ -17,13 +17,15 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training import scoring
 from stppo_agent.training import trainer as trainer_module
+from stppo_agent.training.config import merged
 from stppo_agent.training.scoring import old_logprobs_from_update
 from stppo_agent.training.trainer import Trainer
 
 from .test_trainer import toy_config
 
-SINGLE_STEP = dict(iterations=3, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=16,
-                   micro_batch_size=8, ppo_epochs=1, actor_lr=5e-2, step_diagnostics=True, on_collapse="none")
+SINGLE_STEP = dict(iterations=3, rollout=dict(prompts_per_iteration=4, samples_per_prompt=4),
+                   optimizer=dict(mini_batch_size=16, micro_batch_size=8, epochs=1, actor_lr=5e-2),
+                   logging=dict(step_diagnostics=True), monitor=dict(on_collapse="none"))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def run(model: Path, out: Path, algo: str, monkeypatch, shortcut: bool, **overri
         patch.setattr(scoring, "batched_no_grad", counted)
         if not shortcut:
             patch.setattr(trainer_module, "old_logprobs_from_update", lambda *args, **kwargs: False)
-        Trainer(toy_config(model, out, algo, **{**SINGLE_STEP, **overrides}), report=lambda _: None).train()
+        Trainer(toy_config(model, out, algo, **merged(SINGLE_STEP, overrides)), report=lambda _: None).train()
     return forwards
 
 
@@ -77,7 +79,7 @@ def test_several_steps_per_batch_still_score_before_the_update(tiny_model, tmp_p
 
 
 def _decides(**changes) -> bool:
-    config = toy_config(Path("m"), Path("o"), "grpo", **{**SINGLE_STEP, **changes.pop("config", {})})
+    config = toy_config(Path("m"), Path("o"), "grpo", **merged(SINGLE_STEP, changes.pop("config", {})))
     algo = config.algorithm_config()
     if "algo" in changes:
         algo = dataclasses.replace(algo, **changes.pop("algo"))
@@ -88,17 +90,17 @@ def _decides(**changes) -> bool:
 def test_the_denominator_comes_from_the_update_only_when_nothing_needs_it_before():
     assert _decides()
     assert not _decides(batch_size=17)  # more rows than one mini-batch: two steps
-    assert not _decides(config={"ppo_epochs": 2})
+    assert not _decides(config={"optimizer": {"epochs": 2}})
     assert not _decides(lag=1)  # a lagged generator sampled the batch
     assert not _decides(world=2)
     assert not _decides(reference=torch.nn.Linear(1, 1))  # the KL columns read the denominator before the update
     assert not _decides(algo={"rollout_correction": "tis"})  # its weights are computed from it before the update
-    assert not _decides(config={"old_logprobs": "sampler"})  # no forward to save
+    assert not _decides(config={"rollout": {"old_logprobs": "sampler"}})  # no forward to save
 
 
 def test_the_update_refuses_a_missing_denominator_when_it_takes_several_steps(tiny_model, tmp_path):
-    config = toy_config(tiny_model, tmp_path, "grpo", **{**SINGLE_STEP, "iterations": 1,
-                                                         "optimizer": {"mini_batch_size": 8}})
+    config = toy_config(tiny_model, tmp_path, "grpo",
+                        **merged(SINGLE_STEP, {"iterations": 1, "optimizer": {"mini_batch_size": 8}}))
     trainer = Trainer(config, report=lambda _: None)
     batch = trainer.rollout()
     scoring.score_batch(batch, config=config, algo=trainer.algo, actor=trainer.state.actor,

@@ -287,7 +287,7 @@ def test_agent_specs_resolve_says_what_a_folder_without_checkpoints_holds(monkey
     with pytest.raises(FileNotFoundError) as info:
         resolve_agent_spec(f"hf:{stopped}@best")
     assert str(info.value) == (f"{stopped} holds no checkpoint; it holds: metrics.jsonl (2 records). A run writes "
-                               "checkpoints/step-N every save_every iterations and at its end")
+                               "checkpoints/step-N every checkpoint.every iterations and at its end")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=f"^{empty} holds no checkpoint; it is empty. A run"):

@@ -1059,6 +1059,7 @@ DEFAULTS = {
     "whiten_advantages": True, "grpo_std_normalize": True, "use_critic": True, "value_clip": 0.5,
     "kl_in_reward": 0.0, "kl_loss_coef": 0.0, "kl_estimator": "low_var_kl", "entropy_coef": 0.0,
     "rollout_correction": "auto", "rollout_correction_level": "auto", "rollout_correction_cap": 2.0,
+    "hyperparameters": (),
 }
 _GRPO_DIFF = {"advantage": "grpo", "use_critic": False, "kl_estimator": "k3"}
 PRESETS = {  # each preset's fields that differ from the defaults (docs/algorithms.md, "Named algorithms")

@@ -139,7 +139,7 @@ def test_an_unlisted_optimizer_file_is_tolerated_and_never_read(tmp_path):
     tensors, state = ck.load_trainer_state(folder, optimizer=False)
     assert "actor_optimizer" not in tensors and state["iteration"] == 2
     with pytest.raises(ck.NoOptimizerStateError, match=(r"^/.*step-2 holds no optimizer state "
-                                                        r"\(checkpoint_optimizer=newest keeps it in the newest "
+                                                        r"\(checkpoint.optimizer=newest keeps it in the newest "
                                                         r"checkpoint only\), so it cannot be resumed or rolled back "
                                                         r"to; its weights start a new run: --model /.*step-2/actor$")):
         ck.load_trainer_state(folder)
@@ -179,7 +179,7 @@ def test_load_trainer_state_refuses_a_corrupt_checkpoint(tmp_path):
 
 def test_checkpoint_dtype_casts_the_weights_on_disk_and_keeps_integers(tmp_path):
     actor, critic = FakeModel(0), FakeModel(1)
-    folder = save(tmp_path, 1, actor=actor, critic=critic, config={"checkpoint_dtype": "bfloat16"})
+    folder = save(tmp_path, 1, actor=actor, critic=critic, config={"checkpoint": {"dtype": "bfloat16"}})
     assert actor.saved[0]["layer.weight"].dtype == torch.bfloat16
     assert critic.saved[0]["layer.weight"].dtype == torch.bfloat16
     assert torch.equal(actor.saved[0]["layer.weight"], actor.layer.weight.detach().bfloat16())
@@ -187,11 +187,11 @@ def test_checkpoint_dtype_casts_the_weights_on_disk_and_keeps_integers(tmp_path)
     given = {"w": torch.ones(2, dtype=torch.float32), "n": torch.tensor([7])}
     actor2, critic2 = FakeModel(), FakeModel()
     save(tmp_path / "b", 1, actor=actor2, actor_state=given, critic=critic2, critic_state={"v": torch.ones(1)},
-         config={"checkpoint_dtype": "float16"})  # gathered full states, not the modules' own
+         config={"checkpoint": {"dtype": "float16"}})  # gathered full states, not the modules' own
     assert actor2.saved[0]["w"].dtype == torch.float16 and actor2.saved[0]["n"].dtype == torch.int64
     assert set(critic2.saved[0]) == {"v"} and critic2.saved[0]["v"].dtype == torch.float16
     actor3, critic3 = FakeModel(), FakeModel()
-    save(tmp_path / "c", 1, actor=actor3, critic=critic3)  # no checkpoint_dtype: the modules' own state
+    save(tmp_path / "c", 1, actor=actor3, critic=critic3)  # no checkpoint.dtype: the modules' own state
     assert actor3.saved == [None] and critic3.saved == [None]
 
 
@@ -210,16 +210,18 @@ def test_in_dtype_keeps_tied_tensors_tied_and_distinct_ones_distinct():
 
 
 @pytest.mark.parametrize("dtype, policy, on_collapse, message", [
-    ("bfloat61", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'bfloat61' "
+    ("bfloat61", "all", None, "^checkpoint.dtype must be bfloat16, float16, float32 or null, got 'bfloat61' "
                               r"\(did you mean bfloat16\?\)$"),
-    ("int8", "all", None, "^checkpoint_dtype must be bfloat16, float16, float32 or null, got 'int8'$"),
-    (None, "oldest", None, "^checkpoint_optimizer must be all, newest or none, got 'oldest'$"),
-    (None, "newset", None, "^checkpoint_optimizer must be all, newest or none, got 'newset' "
+    ("int8", "all", None, "^checkpoint.dtype must be bfloat16, float16, float32 or null, got 'int8'$"),
+    (None, "oldest", None, "^checkpoint.optimizer must be all, newest or none, got 'oldest'$"),
+    (None, "newset", None, "^checkpoint.optimizer must be all, newest or none, got 'newset' "
                            r"\(did you mean newest\?\)$"),
-    (None, "newest", "rollback", "^checkpoint_optimizer=newest drops the optimizer state that on_collapse=rollback "
-                                 "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$"),
-    (None, "none", "rollback", "^checkpoint_optimizer=none never writes the optimizer state that on_collapse=rollback "
-                               "restores from an older checkpoint: use checkpoint_optimizer=all with rollback$")])
+    (None, "newest", "rollback", "^checkpoint.optimizer=newest drops the optimizer state that "
+                                 "monitor.on_collapse=rollback restores from an older checkpoint: use "
+                                 "checkpoint.optimizer=all with rollback$"),
+    (None, "none", "rollback", "^checkpoint.optimizer=none never writes the optimizer state that "
+                               "monitor.on_collapse=rollback restores from an older checkpoint: use "
+                               "checkpoint.optimizer=all with rollback$")])
 def test_bad_checkpoint_settings_are_refused(dtype, policy, on_collapse, message):
     with pytest.raises(ValueError, match=message):
         ck.check_checkpoint_settings(dtype, policy, on_collapse)
@@ -233,9 +235,9 @@ def test_good_checkpoint_settings_pass(dtype, policy, on_collapse):
 
 def test_save_checkpoint_checks_the_recorded_settings_before_writing(tmp_path):
     with pytest.raises(ValueError, match="checkpoint.optimizer=newest drops"):
-        save(tmp_path, 1, config={"checkpoint_optimizer": "newest", "on_collapse": "rollback"})
-    with pytest.raises(ValueError, match="checkpoint_dtype must be"):
-        save(tmp_path, 1, config={"checkpoint_dtype": "int8"})
+        save(tmp_path, 1, config={"checkpoint": {"optimizer": "newest"}, "monitor": {"on_collapse": "rollback"}})
+    with pytest.raises(ValueError, match="checkpoint.dtype must be"):
+        save(tmp_path, 1, config={"checkpoint": {"dtype": "int8"}})
     assert ck.list_checkpoints(tmp_path) == []
 
 
@@ -251,7 +253,7 @@ def test_pruning_keeps_the_newest_and_the_protected(tmp_path):
 
 
 def test_newest_optimizer_policy_drops_the_older_ones_optimizer_state_only(tmp_path):
-    newest = {"checkpoint_optimizer": "newest"}
+    newest = {"checkpoint": {"optimizer": "newest"}}
     save(tmp_path, 1, keep=3, config=newest, protect=(1,))
     save(tmp_path, 2, keep=3, config=newest)
     root = tmp_path / "checkpoints"
@@ -568,7 +570,7 @@ def test_resume_puts_back_optimizers_schedules_streams_counters_and_the_sampler(
     assert fresh.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.02 / 3)
     assert fresh.actor_optimizer.param_groups[0]["weight_decay"] == 0.05
     assert messages[0] == f"resumed from {folder} (iteration 6, 13 optimizer steps)"
-    assert messages[1] == "actor learning rate 0.0025: actor_lr 0.01 x0.25 from the run's rollbacks"
+    assert messages[1] == "actor learning rate 0.0025: optimizer.actor_lr 0.01 x0.25 from the run's rollbacks"
     assert len(messages) == 2
 
 
@@ -579,8 +581,9 @@ def test_a_resume_with_a_new_actor_lr_uses_it_as_given_and_says_so(tmp_path):
     assert fresh.actor_lr_scale == 1.0
     assert fresh.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 3)
     assert fresh.actor_scheduler.base_lrs == [0.5] and fresh.actor_optimizer.param_groups[0]["initial_lr"] == 0.5
-    assert messages[1] == "changed since the checkpoint: actor_lr 0.01 -> 0.5"
-    assert messages[2] == ("actor_lr 0.5 is the rate used from now on (the rollbacks' x0.25 applied to the old one)")
+    assert messages[1] == "changed since the checkpoint: optimizer.actor_lr 0.01 -> 0.5"
+    assert messages[2] == ("optimizer.actor_lr 0.5 is the rate used from now on (the rollbacks' x0.25 applied to "
+                           "the old one)")
     assert messages[3] == ("this run records its rollouts, and stppo replay applies one config (the one in "
                            "config.yaml) to every iteration: a replay will not reproduce the iterations before "
                            "this change exactly")
@@ -652,7 +655,7 @@ def test_check_resume_settings_refuses_a_fixed_change_before_the_models_load(tmp
     check(None, seed=5)
     with pytest.raises(ValueError, match=r"--resume cannot change seed \(0 -> 5\)"):
         check(folder, seed=5)
-    with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
+    with pytest.raises(ValueError, match="cannot change logging.save_rollouts .*iterations 1..6"):
         check(folder, logging=dict(save_rollouts=True))
 
 
@@ -756,9 +759,10 @@ def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp
 
 
 @pytest.mark.parametrize("override, said", [("rollout.temperature=0.7",
-                                             "rollout.temperature=0.9 recorded, temperature=0.7 asked"),
-                                            ("rollout.top_p=0.5", "rollout.top_p=1.0 recorded, top_p=0.5 asked"),
-                                            ("rollout.top_k=3", "rollout.top_k=0 recorded, top_k=3 asked")])
+                                             "rollout.temperature=0.9 recorded, rollout.temperature=0.7 asked"),
+                                            ("rollout.top_p=0.5",
+                                             "rollout.top_p=1.0 recorded, rollout.top_p=0.5 asked"),
+                                            ("rollout.top_k=3", "rollout.top_k=0 recorded, rollout.top_k=3 asked")])
 def test_replay_config_refuses_another_sampling_distribution(tmp_path, override, said):
     from stppo_agent.training.replay import replay_config
 
@@ -929,12 +933,12 @@ def test_with_two_processes_the_checkpoint_holds_rank_1s_streams_and_rank_1_resu
 
 def test_resume_itself_refuses_turning_recording_on_mid_run(tmp_path):
     folder = checkpoint_of(fake_run(tmp_path), tmp_path / "run")
-    with pytest.raises(ValueError, match="cannot change save_rollouts .*iterations 1..6"):
+    with pytest.raises(ValueError, match="cannot change logging.save_rollouts .*iterations 1..6"):
         resume(fake_run(tmp_path, logging=dict(save_rollouts=True)), folder)
 
 
 def test_a_newer_checkpoint_is_written_even_when_an_older_ones_optimizer_file_already_vanished(tmp_path):
-    newest = {"checkpoint_optimizer": "newest"}
+    newest = {"checkpoint": {"optimizer": "newest"}}
     older = save(tmp_path, 1, config=newest)
     (older / ck.OPTIMIZER_FILE).unlink()  # still listed: the drop only has the manifest entry left to remove
     save(tmp_path, 2, config=newest)
@@ -955,8 +959,8 @@ def test_an_old_checkpoints_scale_is_measured_against_its_own_actor_lr_not_the_n
     fresh, _ = again = fake_run(tmp_path, optimizer=dict(actor_lr=0.02))
     messages = resume(again, folder)
     assert fresh.actor_lr_scale == 1.0
-    assert messages[2] == ("actor_lr 0.02 is the rate used from now on (the rollbacks' x0.25 applied to the "
-                                 "old one)")
+    assert messages[2] == ("optimizer.actor_lr 0.02 is the rate used from now on (the rollbacks' x0.25 applied to "
+                           "the old one)")
 
 
 def test_a_frozen_actor_without_a_recorded_scale_resumes_at_scale_1(tmp_path):
@@ -972,7 +976,7 @@ def test_a_new_actor_lr_without_rollbacks_is_only_listed_as_a_change(tmp_path):
     saved.actor_lr_scale = 1.0
     folder = checkpoint_of(run, tmp_path / "run")
     messages = resume(fake_run(tmp_path, optimizer=dict(actor_lr=0.5)), folder)
-    assert messages[1:] == ["changed since the checkpoint: actor_lr 0.01 -> 0.5"]
+    assert messages[1:] == ["changed since the checkpoint: optimizer.actor_lr 0.01 -> 0.5"]
 
 
 class Smuggled:
@@ -1024,5 +1028,6 @@ def test_rank_1_of_a_checkpoint_written_by_one_process_starts_a_fresh_stream_and
 def test_every_changed_sampling_setting_is_named(tmp_path):
     from stppo_agent.training.replay import replay_config
 
-    with pytest.raises(ValueError, match="; temperature=0.9, top_p=1.0 recorded, temperature=0.7, top_p=0.5 asked: "):
+    with pytest.raises(ValueError, match="; rollout.temperature=0.9, rollout.top_p=1.0 recorded, "
+                                         "rollout.temperature=0.7, rollout.top_p=0.5 asked: "):
         replay_config(recorded_run(tmp_path), "grpo", "o", ["rollout.temperature=0.7", "rollout.top_p=0.5"])
