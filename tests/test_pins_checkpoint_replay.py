@@ -289,7 +289,7 @@ def test_a_failed_write_removes_its_partial_copy_and_names_the_intact_checkpoint
     with pytest.raises(ck.CheckpointWriteError, match=(r"^could not write checkpoint /.*step-1: No space left on "
                                                        r"device. The partial copy was removed and no complete "
                                                        r"checkpoint exists yet: free disk space \(or lower "
-                                                       r"keep_checkpoints\), then rerun with --resume$")):
+                                                       r"checkpoint.keep\), then rerun with --resume$")):
         save(tmp_path, 1, actor=BrokenModel())
     save(tmp_path, 2)
     save(tmp_path, 4)
