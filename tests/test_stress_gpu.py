@@ -42,7 +42,7 @@ def test_the_timing_fit_separates_start_up_from_iterations_and_scales_to_the_gri
 
 
 def test_lags_off_the_ladder_are_defined_as_levels_against_lag0():
-    assert stress_gpu.lag_levels([0, 16, 24]) == ["lag24:rollout_staleness=24,control=lag0"]
+    assert stress_gpu.lag_levels([0, 16, 24]) == ["lag24:rollout.staleness=24,control=lag0"]
 
 
 def test_check_runs_end_to_end_on_a_cpu_and_prints_one_verdict(tmp_path):
