@@ -110,11 +110,11 @@ def test_staleness_zero_is_the_trainer_of_before(tiny_model, tmp_path):
 
 
 def test_bad_settings_are_refused(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match="rollout_staleness must be >= 0"):
+    with pytest.raises(ValueError, match="rollout.staleness must be >= 0"):
         stale_config(tiny_model, tmp_path, -1).validate()
     with pytest.raises(ValueError, match="stale_objective must be coupled or decoupled"):
         stale_config(tiny_model, tmp_path, 1, rollout=dict(stale_objective="async")).validate()
-    with pytest.raises(ValueError, match="needs strategy=ddp and generation_backend=hf"):
+    with pytest.raises(ValueError, match="needs distributed.strategy=ddp and rollout.backend=hf"):
         stale_config(tiny_model, tmp_path, 1, distributed=dict(strategy="fsdp2")).validate()
     with pytest.raises(ValueError, match="set algorithm.rollout_correction to mis, tis or auto"):
         stale_config(tiny_model, tmp_path, 1, algorithm={"rollout_correction": "none"},
@@ -132,7 +132,7 @@ def test_a_resume_continues_the_lag_and_refuses_another_k(tiny_model, tmp_path):
     tensors, _ = load_trainer_state(stopped / "checkpoints" / "step-3")
     # two queued weights: the older stored, the newer the checkpoint's own actor
     assert len(tensors["stale_policy"]["pending"]) == 1 and tensors["stale_policy"]["pending_from_actor"]
-    with pytest.raises(ValueError, match="rollout_staleness"):
+    with pytest.raises(ValueError, match="rollout.staleness"):
         Trainer(stale_config(tiny_model, stopped, 1), resume=True, report=lambda _: None)
     Trainer(stale_config(tiny_model, stopped, 2), resume=True, report=lambda _: None).train()
     a, b = read_metrics(straight), read_metrics(stopped)
