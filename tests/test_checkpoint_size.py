@@ -112,9 +112,9 @@ def test_a_weights_only_run_writes_no_optimizer_state_and_its_resume_is_refused_
 
 
 @pytest.mark.parametrize("bad, message", [
-    (["--set", "checkpoint.dtype=int8"], "checkpoint_dtype must be bfloat16, float16, float32 or null"),
-    (["--set", "checkpoint.optimizer=latest"], "checkpoint_optimizer must be all, newest or none"),
-    (["--set", "checkpoint.optimizer=newest", "--set", "monitor.on_collapse=rollback"], "use checkpoint_optimizer=all"),
+    (["--set", "checkpoint.dtype=int8"], "checkpoint.dtype must be bfloat16, float16, float32 or null"),
+    (["--set", "checkpoint.optimizer=latest"], "checkpoint.optimizer must be all, newest or none"),
+    (["--set", "checkpoint.optimizer=newest", "--set", "monitor.on_collapse=rollback"], "use checkpoint.optimizer=all"),
     (["--set", "checkpoint.optimizer=none", "--set", "monitor.on_collapse=rollback"],
      "none never writes the optimizer"),
 ])

@@ -142,7 +142,7 @@ def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
     Trainer(one_step_config(model, tmp_path / "run", iterations=2, checkpoint=dict(every=1, optimizer="newest")),
             report=lambda _: None).train()
     older = tmp_path / "run" / "checkpoints" / "step-1"
-    refusal = r"holds no optimizer state \(checkpoint_optimizer=newest keeps it in the newest checkpoint only\)"
+    refusal = r"holds no optimizer state \(checkpoint.optimizer=newest keeps it in the newest checkpoint only\)"
     with pytest.raises(ValueError, match=refusal):
         Trainer(one_step_config("", tmp_path / "new", init_from=str(older)), report=lambda _: None)
 
