@@ -360,7 +360,7 @@ def test_demo_config_is_the_recipe(tmp_path):
     config = demo.demo_config(DemoSettings(iterations=3, lr=2e-5), "the/model", tmp_path)
     expected = dict(algo="st_ppo", env="stppo/NQ-v0", model="the/model",
                     output_dir=str(tmp_path / "train"), env_kwargs={"split": "train", "format_reward": 0.2},
-                    algorithm={"dynamic_sampling": True, "max_resample_rounds": 4},
+                    algorithm={"dynamic_sampling": True, "max_resample_rounds": 4, "clip_bias_kappa": 0.5},
                     iterations=3, device="auto", seed=0)
     expected.update({"rollout.prompts_per_iteration": 1, "rollout.samples_per_prompt": 8,
                      "optimizer.mini_batch_size": 4, "optimizer.micro_batch_size": 2, "optimizer.epochs": 2,
@@ -373,6 +373,7 @@ def test_demo_config_is_the_recipe(tmp_path):
     algo = config.algorithm_config()  # ST-PPO with DAPO's dynamic sampling on top
     assert (algo.name, algo.ratio_level, algo.clip_bias_correction, algo.dynamic_sampling) == ("st_ppo", "turn",
                                                                                                True, True)
+    assert algo.clip_bias_kappa == 0.5  # set to the demo's measured ||C||, not the spec's default 1
     seeded = demo.demo_config(DemoSettings(seed=5, autocast_dtype="bfloat16"), "m", tmp_path)
     assert (seeded.seed, seeded.precision.autocast_dtype) == (5, "bfloat16")
     assert demo.demo_config(DemoSettings(autocast_dtype="none"), "m", tmp_path).precision.autocast_dtype is None
