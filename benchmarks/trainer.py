@@ -14,7 +14,9 @@ Runs on the GPU when there is one (the trainer's device "auto"); the default tok
   against one plain ``model.generate`` call producing the same number of tokens per trajectory, with the KV
   cache reused across turns (the default) and without (every turn re-encodes the transcript). Target >= 0.95.
   The plain call is not an upper bound: it samples no observation tokens' context and steps no env, but its
-  sampler (``torch.multinomial``, half of a rollout's profile on a CPU) is the rollout's too.
+  sampler (``torch.multinomial``, half of a rollout's profile on a CPU) is the rollout's too. Nor is it a lower
+  one: it encodes every copy of a prompt (2 samples each here), where the rollout's first turn encodes each distinct
+  prompt once (stppo_agent/rollouts/shared_prefill.py, on a CPU).
   Also printed: the same ratio against a plain ``generate`` given the rollout's in-place cache (what the rollout
   adds beyond the cache: the observation tokens are context a plain call does not hold).
 - cache: ``generate`` after a long context (--long-context) with the rollout's in-place key/value cache

@@ -308,12 +308,16 @@ def test_stop_on_strings_answers_on_the_input_device():
     assert early.device.type == "cpu" and early.tolist() == [False, False, False]
 
 
-def test_stop_on_strings_moves_its_candidate_ids_to_the_input_device_once():
+def test_stop_on_strings_builds_its_candidate_table_on_the_input_device_once():
     stop = StopOnStrings(_Tokenizer(), ["cd"], prompt_width=1, candidate_ids=torch.tensor([4]))
     on_meta = torch.tensor([[1, 3, 4]], device="meta")
     with pytest.raises(NotImplementedError, match="meta"):  # meta has no data to pick the candidate rows from
         stop(on_meta, None)
-    assert stop.candidate_ids.device.type == "meta" and stop.candidate_ids.shape == (1,)
+    table = stop._is_candidate  # ids 0..4 and one past the table, on the input's device
+    assert table.device.type == "meta" and table.shape == (6,)
+    with pytest.raises(NotImplementedError, match="meta"):
+        stop(on_meta, None)
+    assert stop._is_candidate is table  # built once, not at every step
 
 
 def test_hf_generation_feeds_generate_on_the_models_device():

@@ -636,8 +636,8 @@ def test_sampling_generation_config_states_every_setting_and_turns_every_other_p
     assert sampled.output_scores and sampled.return_dict_in_generate and sampled.use_cache
     assert sampled.num_return_sequences == 1 and sampled.num_beams == 1 and sampled.min_new_tokens == 0
     assert sampled.min_length is None  # min_new_tokens already says "no minimum"
-    assert (sampled.repetition_penalty, sampled.no_repeat_ngram_size, sampled.min_p, sampled.typical_p) == (
-        1.0, 0, 0.0, 1.0)
+    assert (sampled.repetition_penalty, sampled.no_repeat_ngram_size, sampled.typical_p) == (1.0, 0, 1.0)
+    assert sampled.min_p is None  # unset: transformers runs a warper for any min_p set, 0 included
     assert (sampled.epsilon_cutoff, sampled.eta_cutoff, sampled.guidance_scale, sampled.renormalize_logits) == (
         0.0, 0.0, 1.0, False)
     greedy = generation_config(SamplingSettings(greedy=True, temperature=0.7), max_new_tokens=3, pad_token_id=2,

@@ -181,14 +181,14 @@ def test_demo_command_wires_warm_start_training_and_evaluation(tiny_model, tmp_p
     assert "evaluation: before RL (after the warm start) -> after RL" in printed and "QA avg (EM)" in printed
     assert printed.splitlines()[-2].startswith("check: ")  # the tiny model's figures are outside the ranges
     # 2 mini-batches x 2 epochs: 3 of the iteration's 4 optimizer steps are off-policy, and the summary says so
-    assert "on 3 off-policy steps: clip_frac" in printed and "trained on 4 trajectories, reward " in printed
+    assert "on 3 off-policy steps: clip_frac" in printed and "trained on 8 trajectories, reward " in printed
     assert "of ST-PPO (seed 3, float32 forwards)" in printed.splitlines()[0]
     phases = [c[1] for c in calls if c[0] == "phase"]
     assert phases == ["warm start: the gold-search teacher's demonstrations", "warm start", "evaluation before RL",
                       "ST-PPO iteration", "evaluation after RL"]
     assert [c[2] for c in calls if c[0] == "step" and c[1] == "warm start"] == [1, 2]
     rl = [c[2] for c in calls if c[0] == "note" and c[1] == "ST-PPO iteration"]
-    assert rl[:2] == ["rollout", "rollout turn 1/3 done (4 active)"] and "scoring" in rl
+    assert rl[:2] == ["rollout", "rollout turn 1/3 done (8 active)"] and "scoring" in rl
     assert [text for text in rl if text.startswith("update step")] == [f"update step {i}/4" for i in range(1, 5)]
     for name in ("evaluation before RL", "evaluation after RL"):
         turns = [c[2] for c in calls if c[0] == "note" and c[1] == name]

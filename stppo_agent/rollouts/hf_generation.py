@@ -22,6 +22,7 @@ from stppo_agent.rollouts.sampling import (
     project_generation,
     warn_ignored_checkpoint_settings,
 )
+from stppo_agent.rollouts.shared_prefill import shared_prefill
 from stppo_agent.rollouts.turn_cache import TurnCaches, after_generate, extend_inputs
 
 # transformers renamed generate's past_key_values argument (and output field) to cache during the 5.x series (5.10,
@@ -56,6 +57,10 @@ class HFGenerationBackend:
         self.stop_strings, self.batch_size, self.reuse_cache = tuple(stop_strings), batch_size, reuse_cache
         self.eos_ids = _eos_ids(model, tokenizer)
         self.turns = TurnCaches(batch_size)
+        # a fresh chunk's prefill encodes each distinct context once (:mod:`stppo_agent.rollouts.shared_prefill`):
+        # the same tokens, log-probs and caches as encoding every copy -- tested bit for bit on CPUs only, so None
+        # (the default) shares on a CPU alone; True / False force it
+        self.share_prefill: bool | None = None
         warn_ignored_checkpoint_settings(model)
 
     @torch.no_grad()
@@ -121,7 +126,10 @@ class HFGenerationBackend:
         # torch.autocast refuses a device type it has no autocast for (meta, ...) even when disabled: not entered
         sampler_precision = (contextlib.nullcontext() if self.autocast_dtype is None
                              else torch.autocast(device.type, dtype=self.autocast_dtype))
-        with project_generation(self.model, config), sampler_precision:
+        share = self.share_prefill if self.share_prefill is not None else device.type == "cpu"
+        sharing = (shared_prefill(self.model, CACHE_ARGUMENT, CACHE_OUTPUT)
+                   if share and new is None and cache is not None else contextlib.nullcontext())
+        with project_generation(self.model, config), sampler_precision, sharing:
             output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         self.model.train(was_training)
         generated = output.sequences[:, input_ids.shape[1]:]
@@ -169,20 +177,30 @@ class StopOnStrings(StoppingCriteria):
                  window: int = 24):
         self.tokenizer, self.stop_strings = tokenizer, tuple(stop_strings)
         self.prompt_width, self.window, self.candidate_ids = prompt_width, window, candidate_ids
+        self._is_candidate: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         if input_ids.shape[1] <= self.prompt_width:
             return done
-        if self.candidate_ids.device != input_ids.device:
-            self.candidate_ids = self.candidate_ids.to(input_ids.device)
-        candidates = torch.isin(input_ids[:, -1], self.candidate_ids).nonzero().flatten().tolist()
+        candidates = self.is_candidate(input_ids[:, -1]).nonzero().flatten().tolist()
         if candidates:
             start = max(self.prompt_width, input_ids.shape[1] - self.window)
             tails = self.tokenizer.batch_decode(input_ids[candidates, start:], skip_special_tokens=False)
             for row, tail in zip(candidates, tails):
                 done[row] = any(stop in tail for stop in self.stop_strings)
         return done
+
+    def is_candidate(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Whether each of ``token_ids`` is in ``candidate_ids``: a lookup in a boolean table over the ids (what
+        ``torch.isin`` answers, at a fraction of its cost per step); an id past the table is no candidate."""
+        table = self._is_candidate
+        if table is None or table.device != token_ids.device:
+            size = int(self.candidate_ids.max()) + 2 if self.candidate_ids.numel() else 1
+            table = torch.zeros(size, dtype=torch.bool, device=token_ids.device)
+            table[self.candidate_ids.to(token_ids.device)] = True  # the last entry stays False: past the table
+            self._is_candidate = table
+        return table[token_ids.clamp(0, table.numel() - 1)]
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -249,16 +249,24 @@ def _run_demo(settings: DemoSettings, progress: DemoProgress, out: Path, busy: s
         before = evaluate_demo(f"hf:{model}", settings, progress, out / "eval_before",
                                "evaluation before RL") if settings.sft_steps > 0 else None
         progress.phase("ST-PPO iteration", total=settings.iterations)
-        trainer = DemoTrainer(demo_config(settings, model, out), progress)
-        metrics = trainer.train()
-        means = off_policy_means(out / "train")
-        progress.say(off_policy_summary(means, trainer.rewards, metrics.get("dynamic_sampling/rounds", 0.0)))
-        after = evaluate_demo(f"hf:{out / 'train'}@latest", settings, progress, out / "eval", "evaluation after RL")
-        progress.say(before_after_table(before, after))
-        figures = demo_figures(before, after, means, trainer.rewards)
-        progress.say(range_check(figures))
+        figures = train_and_check(settings, demo_config(settings, model, out), progress, out, before)
         evaluations = f"{out / 'eval_before'} (before RL), {out / 'eval'} (after)" if before else out / "eval"
         progress.say(f"run folder: {out / 'train'}; evaluation: {evaluations}")
+    return figures
+
+
+def train_and_check(settings: DemoSettings, config, progress: DemoProgress, out: Path,
+                    before: list[dict] | None) -> dict[str, float]:
+    """The RL step on ``config``, its summary, the evaluation after it beside ``before``, and the check line;
+    returns the checked figures."""
+    trainer = DemoTrainer(config, progress)
+    metrics = trainer.train()
+    means = off_policy_means(out / "train")
+    progress.say(off_policy_summary(means, trainer.rewards, metrics.get("dynamic_sampling/rounds", 0.0)))
+    after = evaluate_demo(f"hf:{out / 'train'}@latest", settings, progress, out / "eval", "evaluation after RL")
+    progress.say(before_after_table(before, after))
+    figures = demo_figures(before, after, means, trainer.rewards)
+    progress.say(range_check(figures))
     return figures
 
 
