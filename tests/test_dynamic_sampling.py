@@ -197,7 +197,7 @@ def test_dynamic_sampling_with_a_critic_is_a_choice_and_allowed(tiny_model, tmp_
 @pytest.mark.parametrize("overrides, message", [
     (dict(algo="dapo", rollout=dict(samples_per_prompt=1)),
      "algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs in reward, so "
-     "every round would be dropped): set samples_per_prompt >= 2"),
+     "every round would be dropped): set rollout.samples_per_prompt >= 2"),
 ])
 def test_dynamic_sampling_is_refused_where_no_group_can_be_informative(tiny_model, tmp_path, overrides, message):
     config = toy_config(tiny_model, tmp_path, overrides.pop("algo"), **overrides)

@@ -175,7 +175,7 @@ def test_config_layers_yaml_flags_and_overrides(tmp_path):
         load_config(None, ["algorithm.clip=3", "model=m"]).validate()
     with pytest.raises(ValueError, match="iterations expects int"):
         load_config(None, ["iterations=many"])
-    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+    with pytest.raises(ValueError, match="multiple of optimizer.micro_batch_size"):
         TrainConfig(model="m", optimizer=OptimizerConfig(mini_batch_size=6, micro_batch_size=4)).validate()
     with pytest.raises(KeyError, match="unknown algorithm 'stppo'"):
         TrainConfig(model="m", algo="stppo").validate()
