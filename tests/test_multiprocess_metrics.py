@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import get_policy_loss, value_loss
+from stppo_agent.algorithms.metrics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.distributed.process_group import free_port
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.episode_stats import episode_rates
-from stppo_agent.rollouts.statistics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.live_rollouts import RolloutContext
@@ -103,7 +103,8 @@ def test_the_search_error_rate_over_ranks_is_exact_when_one_rank_had_only_failur
     # searches failed. Derived from the rate alone, rank 0's attempts were only bounded (turns - answers = 5).
     from types import SimpleNamespace
 
-    from stppo_agent.rollouts.statistics import combine_rollout_statistics, rollout_parts
+    from stppo_agent.algorithms.metrics import combine_rollout_statistics
+    from stppo_agent.rollouts.statistics import rollout_parts
 
     def share(served: float, failed: float) -> SimpleNamespace:
         stats = {"turns": 3.0, "search_calls": served, "search_errors": failed, "answer_rate": 0.5,
@@ -120,7 +121,8 @@ def test_the_observation_cut_rate_over_ranks_is_weighted_by_observations():
     # rank 0: 2 trajectories, 1 observation each, both cut; rank 1: 2 trajectories, 3 each, none cut: 2 of 8
     from types import SimpleNamespace
 
-    from stppo_agent.rollouts.statistics import combine_rollout_statistics, rollout_parts
+    from stppo_agent.algorithms.metrics import combine_rollout_statistics
+    from stppo_agent.rollouts.statistics import rollout_parts
 
     def share(observations: float, cut_rate: float) -> SimpleNamespace:
         stats = {"turns": 3.0, "observations": observations, "observation_cut_rate": cut_rate}

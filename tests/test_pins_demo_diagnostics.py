@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stppo_agent.algorithms.metrics import OFF_POLICY_KEYS, StepMeans
 from stppo_agent.monitoring import step_diagnostics
-from stppo_agent.monitoring.step_diagnostics import OFF_POLICY_KEYS, StepDiagnostics, StepMeans
+from stppo_agent.monitoring.step_diagnostics import StepDiagnostics
 from stppo_agent.training import demo
 from stppo_agent.training.config_checks import setting
 from stppo_agent.training.demo import DemoSettings

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from stppo_agent.algorithms.metrics import LossMetrics
+from stppo_agent.algorithms.metrics import LossMetrics, StepMetrics, combine_rollout_statistics
 from stppo_agent.algorithms.registry import accepts_keyword
 from stppo_agent.distributed import process_group
 from stppo_agent.models.tiny import tiny_generation_model
@@ -35,13 +35,7 @@ from stppo_agent.rollouts.sampling import (
     support_threshold,
     warn_ignored_checkpoint_settings,
 )
-from stppo_agent.rollouts.statistics import (
-    StepMetrics,
-    combine_rollout_statistics,
-    rollout_parts,
-    rollout_statistics,
-    rollout_weights,
-)
+from stppo_agent.rollouts.statistics import rollout_parts, rollout_statistics, rollout_weights
 from stppo_agent.rollouts.turn_cache import ChunkCache, TurnCaches, after_generate, extend_inputs
 
 

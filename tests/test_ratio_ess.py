@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, AlgorithmConfig, get_policy_loss
+from stppo_agent.algorithms.metrics import StepMetrics
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
 

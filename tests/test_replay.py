@@ -153,7 +153,7 @@ def test_replay_errors_are_clear(recorded_ppo, tiny_model, tmp_path):
 
 
 def test_step_means_separate_off_policy_steps():
-    from stppo_agent.monitoring.step_diagnostics import StepMeans
+    from stppo_agent.algorithms.metrics import StepMeans
 
     means = StepMeans()
     means.add({"clip_frac": 0.0, "pg_loss": 1.0}, on_policy=True)

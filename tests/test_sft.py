@@ -104,8 +104,9 @@ def test_sft_cuts_observations_where_training_does(tiny_model, tmp_path):
     """One setting, one default: a demonstration never shows a cut observation that RL rollouts would not."""
     from stppo_agent.training.config import TrainConfig
 
-    assert SFTConfig(model="m", output_dir="o").max_observation_tokens == TrainConfig().rollout.max_observation_tokens == 512
-    assert SFTConfig(model="m", output_dir="o").max_total_tokens == TrainConfig().max_total_tokens
+    rollout = TrainConfig().rollout
+    assert SFTConfig(model="m", output_dir="o").max_observation_tokens == rollout.max_observation_tokens == 512
+    assert SFTConfig(model="m", output_dir="o").max_total_tokens == rollout.max_total_tokens
     common = ["sft", "--model", str(tiny_model), "--benchmarks", "nq", "--limit", "2", "--steps", "1"]
     assert main([*common, "--output-dir", str(tmp_path / "default")]) == 0
     assert main([*common, "--output-dir", str(tmp_path / "short"), "--max-observation-tokens", "24",

@@ -205,8 +205,9 @@ def load_iteration(folder: Path, iteration: int, pad_id: int):
     """Every rank's recorded share of ``iteration`` as one batch, rows in single-process order (by prompt group,
     stably), prompts left-padded and responses right-padded to the widest share; ``stats`` are the whole batch's,
     combined from the shares' as sums and counts."""
+    from stppo_agent.algorithms.metrics import combine_rollout_statistics
     from stppo_agent.rollouts.global_batch import merge_shares
-    from stppo_agent.rollouts.statistics import combine_rollout_statistics, rollout_parts
+    from stppo_agent.rollouts.statistics import rollout_parts
 
     world = check_iteration_files(folder, iteration)
     shares = [load_batch(folder, iteration, rank) for rank in range(world)]

@@ -23,11 +23,11 @@ from stppo_agent.algorithms import (
     value_loss,
 )
 from stppo_agent.algorithms.clip_bias import changed_update
+from stppo_agent.algorithms.metrics import StepMeans, StepMetrics
 from stppo_agent.distributed import process_group
-from stppo_agent.monitoring.step_diagnostics import StepDiagnostics, StepMeans
+from stppo_agent.monitoring.step_diagnostics import StepDiagnostics
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.global_batch import gather_global_batch, mini_batch_rows
-from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import critic_values, length_sorted_micro_batches, token_logprobs
 from stppo_agent.training.scoring import finish_scoring
