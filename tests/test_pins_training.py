@@ -373,11 +373,11 @@ def test_position_ids_skip_left_padding():
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_response_logits_and_logprobs_are_those_of_each_unpadded_trajectory(keep):
-    from stppo_agent.training.log_probs import _accepts_logits_to_keep, response_logits, token_logprobs
+    from stppo_agent.training.log_probs import accepts_logits_to_keep, response_logits, token_logprobs
 
     model = tiny_lm().eval()
     scored = model if keep else NoKeep(model)
-    assert _accepts_logits_to_keep(scored) is keep
+    assert accepts_logits_to_keep(scored) is keep
     batch = make_batch()
     with torch.no_grad():
         logits = response_logits(scored, batch)
