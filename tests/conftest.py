@@ -1,4 +1,5 @@
-"""Shared fixtures: where the real benchmark slices live, and in-memory retriever test doubles."""
+"""Fixtures every test folder sees: where the real benchmark slices live, a tiny Llama over the toy env's words,
+an in-memory retriever, plugin registrations undone after each test, and the order files are run in."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 
@@ -15,13 +15,13 @@ import pytest
 # it once; subprocesses inherit it)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stppo_envs.retrieval import Hit, RetrievalError  # noqa: E402
+from tests.support.retrievers import KeywordRetriever  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 # The verl tests' helper modules import verl's own dependencies at module level; they run in .venv-verl (make
 # test-verl), and --doctest-modules would otherwise import them in the main venv, where verl is absent.
-collect_ignore = [] if importlib.util.find_spec("verl") else ["verl_agent_loops.py"]
+collect_ignore = [] if importlib.util.find_spec("verl") else ["support/verl_agent_loops.py"]
 
 # The slowest test files, slowest first (wall time in a profile of the whole suite, session 12). `make test` hands
 # whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these start first
@@ -93,37 +93,15 @@ def shared_data() -> Path:
     return path
 
 
-class KeywordRetriever:
-    """A deterministic in-memory retriever: passages ranked by shared lower-case words. Counts its calls."""
-
-    def __init__(self, passages: Sequence[tuple[str, str]] = (("Paris", "Paris is the capital of France."),)):
-        self.passages = list(passages)
-        self.batch_calls: list[list[str]] = []
-
-    def search(self, query: str, k: int = 10) -> list[Hit]:
-        return self.batch_search([query], k)[0]
-
-    def batch_search(self, queries, k=10):
-        self.batch_calls.append(list(queries))
-        out = []
-        for query in queries:
-            words = set(query.lower().split())
-            scored = sorted(((len(words & set((t + " " + x).lower().split())), i) for i, (t, x) in
-                             enumerate(self.passages)), reverse=True)[:k]
-            out.append([Hit(str(i), float(s), *self.passages[i]) for s, i in scored])
-        return out
-
-
-class FailingRetriever:
-    """Every search fails the way a dead retrieval server does."""
-
-    def search(self, query, k=10):
-        raise RetrievalError("retrieval server at http://127.0.0.1:9 is down")
-
-    def batch_search(self, queries, k=10):
-        raise RetrievalError("retrieval server at http://127.0.0.1:9 is down")
-
-
 @pytest.fixture
 def keyword_retriever() -> KeywordRetriever:
     return KeywordRetriever()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random 2-layer Llama over the toy env's words (:func:`stppo_agent.models.tiny.build_tiny_llama`), one per
+    test module."""
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from stppo_agent.algorithms import (
     ALGORITHMS,
     POLICY_LOSSES,
     AlgorithmConfig,
-    ClipBiasCorrector,
     get_advantage_estimator,
     get_policy_loss,
     kl_estimate,
@@ -25,34 +23,13 @@ from stppo_agent.algorithms import (
     value_loss,
 )
 from stppo_agent.algorithms.segments import discounted_reverse_cumsum
-
-from . import algorithm_reference as ref
+from tests.support import algorithm_reference as ref
+from tests.support.batches import LEVELS, _policy_grads, random_batch, tolerance
 
 # Under mutation testing (`make mutants` sets MUTANT_UNDER_TEST) 3 random layouts per case instead of 12: each
 # mutant reruns these tests (a speed trade-off: CI runs all 12).
 SEEDS = range(3) if os.environ.get("MUTANT_UNDER_TEST") else range(12)
 DTYPES = (torch.float32, torch.float64)
-LEVELS = ("token", "turn", "sequence")
-
-
-def tolerance(dtype):
-    return dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
-
-
-def random_batch(seed, dtype, spread=0.3):
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    batch, length = rng.randint(1, 6), rng.randint(1, 40)
-    mask, turns = ref.random_layout(rng, batch, length)
-    logprobs = -torch.rand(batch, length, generator=gen, dtype=dtype) * 3
-    old = logprobs + spread * torch.randn(batch, length, generator=gen, dtype=dtype)
-    return dict(
-        rng=rng, mask=mask, turns=turns, logprobs=logprobs, old=old,
-        values=torch.randn(batch, length, generator=gen, dtype=dtype),
-        rewards=torch.randint(0, 2, (batch,), generator=gen).to(dtype),
-        advantages=torch.randn(batch, length, generator=gen, dtype=dtype),
-        groups=torch.randint(0, 3, (batch,), generator=gen),
-    )
 
 
 # --- reference agreement ------------------------------------------------------------------------------------
@@ -174,27 +151,6 @@ def test_on_policy_all_ratio_levels_give_the_same_gradient(seed):
     token, turn, sequence = (_grad(level, data, advantages) for level in LEVELS)
     torch.testing.assert_close(turn, token)
     torch.testing.assert_close(sequence, token)
-
-
-def _policy_grads(config, data, micro_batches=None, with_correction=None):
-    """Gradient of a tiny 'model' whose parameters are the logprobs themselves, with optional correction."""
-    theta = torch.nn.Parameter(data["logprobs"].clone())
-    correction = config.clip_bias_correction if with_correction is None else with_correction
-    corrector = ClipBiasCorrector([theta], kappa=config.clip_bias_kappa)
-    rows = micro_batches or [list(range(theta.shape[0]))]
-    total_tokens = data["mask"].sum()
-    total_seqs = data["mask"].any(1).sum()
-    for index in rows:
-        loss, bias, _ = get_policy_loss(config.policy_loss)(
-            logprobs=theta[index], old_logprobs=data["old"][index], advantages=data["advantages"][index],
-            loss_mask=data["mask"][index], turn_ids=data["turns"][index], config=config,
-            global_num_tokens=total_tokens if micro_batches else None,
-            global_num_seqs=total_seqs if micro_batches else None)
-        if correction:
-            corrector.accumulate(bias)
-        loss.backward()
-    metrics = corrector.apply() if correction else {}
-    return theta.grad.clone(), metrics
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -15,10 +15,9 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.trainer import Trainer
-
-from . import algorithm_reference as ref
-from .test_algorithms import random_batch
-from .test_trainer import toy_config
+from tests.support import algorithm_reference as ref
+from tests.support.batches import random_batch
+from tests.support.runs import toy_config
 
 LEVELS = ("token", "turn", "sequence")
 

@@ -1,11 +1,13 @@
-"""Rollout-training mismatch correction (TIS / MIS at token, turn and sequence level) against plain loops."""
+"""``stppo_agent.algorithms.rollout_correction``: TIS / MIS at token,
+turn and sequence level against plain loops and by hand -- the cap, the clamp of the log-weight, ``auto`` per
+backend and level, and its metrics."""
 
 from __future__ import annotations
 
-import dataclasses
+# --- config ---------------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,18 +20,19 @@ from stppo_agent.algorithms import (
     resolve_rollout_correction,
     rollout_correction_weights,
 )
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+
+# --- advantages ---------------------------------------------------------------------------------------------
+# --- losses -------------------------------------------------------------------------------------------------
+# --- second_moment ------------------------------------------------------------------------------------------
+# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
+from tests.support import algorithm_reference as ref
+from tests.support.runs import toy_config
 
-from . import algorithm_reference as ref
-from .test_trainer import toy_config
+# --- rollout_correction -----------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 LEVELS = ("token", "turn", "sequence")
@@ -158,3 +161,91 @@ def test_a_share_without_policy_tokens_still_carries_weights_when_the_correction
     assert weights is not None and weights.shape == old.shape and not weights.any() and metrics == {}
     off = dataclasses.replace(on, rollout_correction="none")
     assert rollout_correction_weights(old, sample, empty, turns, off)[0] is None
+
+
+def test_resolve_rollout_correction_auto_per_backend_and_level():
+    turn = AlgorithmConfig(ratio_level="turn")
+    resolved = resolve_rollout_correction(turn, "vllm")
+    assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("tis", "turn")
+    resolved = resolve_rollout_correction(AlgorithmConfig(ratio_level="sequence"), "transformers")
+    assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("none", "token")
+    explicit = AlgorithmConfig(rollout_correction="mis", rollout_correction_level="sequence")
+    resolved = resolve_rollout_correction(explicit, "vllm")
+    assert (resolved.rollout_correction, resolved.rollout_correction_level) == ("mis", "sequence")
+    assert resolve_rollout_correction(turn, "transformers").ratio_level == "turn"
+
+
+def _correction(correction, level="token", cap=2.0):
+    mask = torch.tensor([[True, True, False, True], [True, False, False, False]])
+    turns = torch.tensor([[0, 0, -1, 1], [0, -1, -1, -1]])
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-2.0, 0.0, 0.0, 0.0]])
+    # token weights exp(old - sample): 3, 0.5, (masked: e^30), 2 (at the cap), 1
+    sample = old - torch.tensor([[math.log(3.0), math.log(0.5), 30.0, math.log(2.0)], [0.0, 5.0, 5.0, 5.0]])
+    config = AlgorithmConfig(rollout_correction=correction, rollout_correction_level=level,
+                             rollout_correction_cap=cap)
+    return rollout_correction_weights(old, sample, mask, turns, config), mask
+
+
+def test_rollout_correction_metrics_and_the_tis_cap():
+    (weights, metrics), _ = _correction("tis")
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    logs = [math.log(3.0), math.log(0.5), math.log(2.0), 0.0]
+    assert metrics["rollout_logprob_diff"] == pytest.approx(sum(abs(x) for x in logs) / 4, rel=1e-5)
+    assert metrics["rollout_correction/kl"] == pytest.approx(sum(math.expm1(x) - x for x in logs) / 4, rel=1e-5)
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(6.5 / 4, rel=1e-5)
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(3.0, rel=1e-5)
+    assert metrics["rollout_correction/weight_p99"] == pytest.approx(2.0 + 0.97 * 1.0, rel=1e-4)
+    assert metrics["rollout_correction/truncated_frac"] == pytest.approx(0.25)  # 2 at the cap is not above it
+    assert "rollout_correction/masked_frac" not in metrics
+
+
+def test_rollout_correction_mis_masks_above_the_cap_and_none_only_measures():
+    (weights, metrics), _ = _correction("mis")
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.5, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/masked_frac"] == pytest.approx(0.25)
+    assert "rollout_correction/truncated_frac" not in metrics
+    (weights, metrics), _ = _correction("none")
+    assert weights is None and metrics["rollout_correction/weight_max"] == pytest.approx(3.0, rel=1e-5)
+    assert not any(key.endswith("_frac") for key in metrics)
+    (weights, metrics), _ = _correction("tis", cap=4.0)
+    torch.testing.assert_close(weights, torch.tensor([[3.0, 0.5, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/truncated_frac"] == 0.0
+
+
+def test_rollout_correction_at_turn_and_sequence_level_uses_geometric_means():
+    (weights, metrics), _ = _correction("tis", level="turn", cap=10.0)
+    g = math.sqrt(1.5)  # turn 0 of row 0: sqrt(3 * 0.5)
+    torch.testing.assert_close(weights, torch.tensor([[g, g, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(2.0, rel=1e-5)
+    # the token-level mismatch metrics do not depend on the level
+    assert metrics["rollout_correction/kl"] == pytest.approx(
+        sum(math.expm1(x) - x for x in [math.log(3.0), math.log(0.5), math.log(2.0), 0.0]) / 4, rel=1e-5)
+    (weights, _), _ = _correction("mis", level="sequence", cap=1.5)
+    row0 = 3.0 ** (1 / 3)  # (3 * 0.5 * 2) ** (1 / 3) = 1.44 <= 1.5
+    torch.testing.assert_close(weights, torch.tensor([[row0, row0, 0.0, row0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_rollout_correction_refuses_auto_and_weighs_a_batch_without_policy_tokens_zero():
+    with pytest.raises(ValueError, match="^rollout_correction is 'auto': resolve it for the generation backend "
+                                         r"first \(resolve_rollout_correction\)$"):
+        rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                                   torch.zeros(1, 2, dtype=torch.long),
+                                   AlgorithmConfig(rollout_correction_level="token"))
+    with pytest.raises(ValueError, match="auto"):
+        rollout_correction_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                                   torch.zeros(1, 2, dtype=torch.long), AlgorithmConfig(rollout_correction="tis"))
+    config = AlgorithmConfig(rollout_correction="tis", rollout_correction_level="token")
+    weights, metrics = rollout_correction_weights(torch.zeros(1, 2), torch.ones(1, 2),
+                                                  torch.zeros(1, 2, dtype=torch.bool),
+                                                  torch.zeros(1, 2, dtype=torch.long), config)
+    assert torch.equal(weights, torch.zeros(1, 2)) and metrics == {}  # zero weights, so that shares merge
+
+
+def test_rollout_correction_clamps_the_log_weight_at_20():
+    config = AlgorithmConfig(rollout_correction="none", rollout_correction_level="token")
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    _, metrics = rollout_correction_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-30.0, 0.0]]), mask,
+                                            torch.zeros(1, 2, dtype=torch.long), config)
+    assert metrics["rollout_correction/weight_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert metrics["rollout_correction/kl"] == pytest.approx((math.expm1(20.0) - 20.0) / 2, rel=1e-5)
+    assert metrics["rollout_logprob_diff"] == pytest.approx(15.0)  # the raw difference, not clamped

@@ -1,9 +1,11 @@
-"""The 2025-26 stabilisers (CISPO, SAPO, GMPO, DPPO, M2PO, Dr. GRPO, DAPO) and per-turn GAE against plain loops,
-at token, turn and sequence level; M2PO's statistic over 2 gloo processes; DAPO's group filter; presets."""
+"""``stppo_agent.algorithms.stabilizers``: the 2025-26 stabilisers (CISPO, SAPO,
+GMPO, DPPO, M2PO, Dr. GRPO, DAPO) and per-turn GAE against plain loops at token, turn and sequence level and by
+hand at their boundaries; M2PO's statistic over 2 gloo processes; DAPO's group filter; the presets."""
 
 from __future__ import annotations
 
-import dataclasses
+# --- config ---------------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402
 import math
 
 import pytest
@@ -19,15 +21,25 @@ from stppo_agent.algorithms import (
     informative_groups,
     register_advantage_estimator,
 )
-from stppo_agent.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from stppo_agent.algorithms.losses import aggregate
+
+# --- advantages ---------------------------------------------------------------------------------------------
+# --- losses -------------------------------------------------------------------------------------------------
+# --- second_moment ------------------------------------------------------------------------------------------
+from stppo_agent.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+)
+from stppo_agent.algorithms.losses import (
+    aggregate,
+)
+
+# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
+# --- rollout_correction -----------------------------------------------------------------------------------------
 from stppo_agent.algorithms.second_moment import m2po_keep_mask
 from stppo_agent.distributed.process_group import free_port
-
-from . import algorithm_reference as ref
-from .gloo_ranks import gloo_rank, start_ranks
-from .test_algorithms import LEVELS, _policy_grads
-from .test_algorithms import random_batch as any_batch
+from tests.support import algorithm_reference as ref
+from tests.support.batches import EXERCISE, F64, LEVELS, _policy_grads, _ratio_batch, probability_batch, t64
+from tests.support.batches import random_batch as random_batch
+from tests.support.gloo_ranks import gloo_rank, start_ranks
 
 SEEDS = range(6)
 RULES = {
@@ -44,18 +56,6 @@ RULES = {
     "m2po": lambda c, lp, d: ref.ref_m2po(lp, d["old"], d["advantages"], d["mask"], d["turns"], c.ratio_level,
                                           c.m2_threshold, c.loss_agg),
 }
-# Settings under which every rule's special branch is exercised on random_batch(spread=0.4): small DPPO thresholds
-# and an is_cap inside the ratio range, an M2 threshold below the batch's second moment.
-EXERCISE = dict(dppo_tv=dict(clip_low=0.05, clip_high=0.05, is_cap=1.5),
-                dppo_kl=dict(clip_low=0.01, clip_high=0.01, is_cap=1.5), m2po=dict(m2_threshold=0.05))
-
-
-def random_batch(seed, dtype, spread=0.3):
-    """test_algorithms' batches with behaviour log-probs that are log-probabilities (<= 0): DPPO reads the
-    probabilities themselves."""
-    data = any_batch(seed, dtype, spread)
-    data["old"] = data["old"].clamp(max=-1e-3)
-    return data
 
 
 def _run(config, data, logprobs=None):
@@ -70,7 +70,7 @@ def _run(config, data, logprobs=None):
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rule_loss_and_gradient_match_a_plain_loop(seed, rule, level):
-    data = random_batch(seed, torch.float64, spread=0.4)
+    data = probability_batch(seed, torch.float64, spread=0.4)
     config = dataclasses.replace(ALGORITHMS[rule], ratio_level=level, **EXERCISE.get(rule, {}))
     theta, loss, _, metrics = _run(config, data)
     loss.backward()
@@ -91,7 +91,7 @@ def test_each_rule_changes_something_on_the_reference_batches(rule):
     changed = 0.0
     for seed in SEEDS:
         config = dataclasses.replace(ALGORITHMS[rule], **EXERCISE.get(rule, {}))
-        changed += float(_run(config, random_batch(seed, torch.float64, spread=0.4))[3]["clip_frac"])
+        changed += float(_run(config, probability_batch(seed, torch.float64, spread=0.4))[3]["clip_frac"])
     assert changed > 0
 
 
@@ -99,7 +99,7 @@ def test_each_rule_changes_something_on_the_reference_batches(rule):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_bias_surrogate_is_what_the_rule_took_from_importance_sampling(seed, rule):
     """At token level grad(bias) = grad agg(rho A) - grad(-pg_loss): C of docs/algorithms.md for every rule."""
-    data = random_batch(seed, torch.float64, spread=0.4)
+    data = probability_batch(seed, torch.float64, spread=0.4)
     if not data["mask"].any():
         return
     config = dataclasses.replace(ALGORITHMS[rule], ratio_level="token", **EXERCISE.get(rule, {}))
@@ -126,7 +126,7 @@ def metrics_loss(config, theta, data):
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_on_policy_every_rule_is_the_policy_gradient(rule):
     """ratio 1: nothing is clipped, masked or gated, and the gradient is agg(A grad log pi) (SAPO's f'(1) = 1)."""
-    data = random_batch(4, torch.float64)
+    data = probability_batch(4, torch.float64)
     data["old"] = data["logprobs"].clone()
     # one advantage per trajectory (GRPO's): a segment-level rule spreads a segment's advantages over its tokens
     per_trajectory = torch.randn(data["mask"].shape[0], 1, dtype=torch.float64).expand_as(data["logprobs"])
@@ -143,7 +143,7 @@ def test_on_policy_every_rule_is_the_policy_gradient(rule):
 @pytest.mark.parametrize("rule", ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("seed", range(4))
 def test_micro_batches_add_up_to_the_full_batch_gradient(seed, rule):
-    data = random_batch(seed + 100, torch.float64, spread=0.6)
+    data = probability_batch(seed + 100, torch.float64, spread=0.6)
     config = dataclasses.replace(ALGORITHMS[rule], **EXERCISE.get(rule, {}))
     full, _ = _policy_grads(config, data)
     rows = list(range(data["mask"].shape[0]))
@@ -157,7 +157,7 @@ def test_micro_batches_add_up_to_the_full_batch_gradient(seed, rule):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_dr_grpo_and_dapo_losses_match_a_plain_loop(seed, level):
-    data = random_batch(seed, torch.float64, spread=0.4)
+    data = probability_batch(seed, torch.float64, spread=0.4)
     for name in ("dr_grpo", "dapo"):
         config = dataclasses.replace(ALGORITHMS[name], ratio_level=level)
         theta, loss, _, _ = _run(config, data)
@@ -263,7 +263,7 @@ def test_m2po_keeps_one_segment_when_no_cut_reaches_the_threshold():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_turn_gae_matches_a_per_turn_loop(seed):
-    data = random_batch(seed, torch.float64)
+    data = probability_batch(seed, torch.float64)
     gamma, lam = data["rng"].choice([1.0, 0.99, 0.9]), data["rng"].choice([1.0, 0.95, 0.5, 0.0])
     kl_penalty = 0.01 * torch.randn(data["mask"].shape, dtype=torch.float64) if seed % 2 else None
     config = AlgorithmConfig(advantage="turn_gae", gamma=gamma, lam=lam, whiten_advantages=False)
@@ -309,7 +309,7 @@ def test_estimate_advantages_passes_turn_ids_only_to_estimators_that_take_them()
 
     ADVANTAGE_ESTIMATORS._items.pop("test_old_style", None)
     register_advantage_estimator("test_old_style", old_style)
-    data = random_batch(1, torch.float64)
+    data = probability_batch(1, torch.float64)
     kwargs = dict(rewards=data["rewards"], values=data["values"], loss_mask=data["mask"], group_ids=data["groups"],
                   config=AlgorithmConfig())
     estimate_advantages("test_old_style", turn_ids=data["turns"], **kwargs)
@@ -384,8 +384,7 @@ def test_cispo_in_its_paper_form_has_no_lower_bound(tiny_model, tmp_path):
     would have raised it), and a run with the step diagnostics (whose band once refused clip_low = 1) trains."""
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
-
-    from .test_trainer import toy_config
+    from tests.support.runs import toy_config
 
     assert ALGORITHMS["cispo"].clip_low == 1.0
     logprobs = torch.tensor([[-6.9, 0.1]], dtype=torch.float64, requires_grad=True)
@@ -418,11 +417,204 @@ NEW_PRESETS = ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po", "dr_grpo",
 def test_every_new_preset_learns_the_toy_env(tiny_model, tmp_path, algo):
     from stppo_agent.runs.metrics_log import read_metrics
     from stppo_agent.training.trainer import Trainer
-
-    from .test_trainer import toy_config
+    from tests.support.runs import toy_config
 
     Trainer(toy_config(tiny_model, tmp_path, algo)).train()
     curve = [record["reward"] for record in read_metrics(tmp_path)]
     assert curve[0] < 0.4, curve  # chance: 1/9 per turn for the untrained model
     assert sum(curve[-3:]) / 3 > 0.8, curve
     assert {"clip_frac", "turn_clip_frac", "ratio/mean", "approx_kl"} <= set(read_metrics(tmp_path)[-1])
+
+
+# --- stabilizers --------------------------------------------------------------------------------------------
+
+RATIOS = [(0, 0, 1.5, 1.0), (0, 1, 0.8, -1.0), (0, 2, 1.2, 2.0), (1, 0, 0.5, -2.0), (1, 2, 1.0, 0.0)]
+"""(row, column, ratio, advantage) of the policy tokens of :func:`_ratio_batch` (5 tokens, 4 turns)."""
+
+
+def _rule(name, config, advantages=None, **kwargs):
+    logprobs, old, batch_advantages, mask, turns = _ratio_batch()
+    loss, bias, metrics = get_policy_loss(name)(
+        logprobs=logprobs, old_logprobs=old, advantages=batch_advantages if advantages is None else advantages,
+        loss_mask=mask, turn_ids=turns, config=config, **kwargs)
+    grad, bias_grad = torch.autograd.grad(loss, logprobs, retain_graph=True)[0], None
+    if bias.requires_grad:
+        bias_grad = torch.autograd.grad(bias, logprobs)[0]
+    return logprobs.detach(), loss, bias, metrics, grad, bias_grad
+
+
+def _grid(values):
+    """Per-token values of RATIOS' order on the (2, 3) batch grid (0 at the masked position)."""
+    out = torch.zeros(2, 3, dtype=F64)
+    for (row, column, _, _), value in zip(RATIOS, values):
+        out[row, column] = value
+    return out
+
+
+def test_cispo_by_hand_weights_capped_changed_tokens_and_the_removed_share():
+    config = AlgorithmConfig(clip_low=0.1, clip_high=0.3)
+    logprobs, loss, bias, metrics, grad, bias_grad = _rule("cispo", config)
+    weights = [1.3, 0.9, 1.2, 0.9, 1.0]
+    expected = -sum(w * a * float(logprobs[r, c]) for w, (r, c, _, a) in zip(weights, RATIOS)) / 5
+    assert loss.item() == pytest.approx(expected)
+    torch.testing.assert_close(grad, _grid([-w * a / 5 for w, (_, _, _, a) in zip(weights, RATIOS)]))
+    assert metrics["clip_frac"].item() == pytest.approx(0.6)  # 1.5, 0.8, 0.5: outside [0.9, 1.3]
+    assert metrics["turn_clip_frac"].item() == pytest.approx(0.5)  # turns (0, 0) and (1, 0)
+    torch.testing.assert_close(metrics.parts["turn_clip_frac"].sums, t64([2.0, 4.0]))
+    assert bias.item() == pytest.approx((0.2 + 0.1 + 0.8) / 5)  # agg((rho - w) A)
+    torch.testing.assert_close(bias_grad, _grid([0.2 / 5, 0.1 / 5, 0.0, 0.8 / 5, 0.0]))
+
+
+def test_sapo_by_hand_gate_temperatures_by_advantage_sign_and_removed_share():
+    config = AlgorithmConfig(tau_pos=2.0, tau_neg=0.5, loss_agg="token-mean")
+    _, loss, bias, metrics, grad, bias_grad = _rule("sapo", config)
+    gates, per_token, grads, removed = [], [], [], []
+    for _, _, ratio, advantage in RATIOS:
+        tau = 2.0 if advantage > 0 else 0.5
+        gate = 1 / (1 + math.exp(-tau * (ratio - 1)))
+        gates.append(gate)
+        per_token.append(-gate * 4 / tau * advantage)
+        grads.append(-4 * gate * (1 - gate) * ratio * advantage / 5)
+        removed.append(1 - 4 * gate * (1 - gate))
+    assert loss.item() == pytest.approx(sum(per_token) / 5)
+    torch.testing.assert_close(grad, _grid(grads))
+    assert metrics["clip_frac"].item() == pytest.approx(sum(removed) / 5)
+    expected_bias = sum(s * r * a for s, (_, _, r, a) in zip(removed, RATIOS)) / 5
+    assert bias.item() == pytest.approx(expected_bias)
+    assert metrics["turn_clip_frac"].item() == pytest.approx(0.75)  # every turn but (1, 1), ratio 1
+    assert bias_grad is not None
+
+
+def test_gmpo_by_hand_sign_aware_log_clipping():
+    config = AlgorithmConfig(clip_low=0.1, clip_high=0.3)
+    _, loss, bias, metrics, grad, _ = _rule("gmpo", config)
+    clipped = [0.3, -0.1, math.log(1.2), -0.1, 0.0]
+    per_token = [-a * math.exp(c) for c, (_, _, _, a) in zip(clipped, RATIOS)]
+    assert loss.item() == pytest.approx(sum(per_token) / 5)
+    torch.testing.assert_close(grad, _grid([0.0, 0.0, -2.4 / 5, 0.0, 0.0]))
+    assert metrics["clip_frac"].item() == pytest.approx(0.6)
+    assert metrics["turn_clip_frac"].item() == pytest.approx(0.5)
+    assert bias.item() == pytest.approx((1.5 - 0.8 + 2.4 - 1.0) / 5 + sum(per_token) / 5)
+    flipped = -_ratio_batch()[2]  # every log-ratio now moves against its advantage: none is bounded
+    _, loss, bias, metrics, _, _ = _rule("gmpo", config, advantages=flipped)
+    assert loss.item() == pytest.approx((1.5 - 0.8 + 2.4 - 1.0) / 5)
+    assert metrics["clip_frac"].item() == 0.0 and metrics["turn_clip_frac"].item() == 0.0
+    assert not bias.requires_grad and bias.item() == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("rule, low, high", [("dppo_tv", 0.1, 0.15), ("dppo_kl", 0.04, 0.05)])
+def test_dppo_by_hand_drops_tokens_moved_past_the_threshold_in_their_advantages_direction(rule, low, high):
+    """p - p_old: 0.184, -0.027, 0.121, -0.112, 0; binary KL: 0.068, 0.004, 0.034, 0.050, 0."""
+    config = AlgorithmConfig(clip_low=low, clip_high=high, is_cap=1.1)
+    _, loss, bias, metrics, grad, _ = _rule(rule, config)
+    # dropped: 1.5 (A > 0, moved up) and 0.5 (A < 0, moved down); 1.2 capped at 1.1
+    torch.testing.assert_close(grad, _grid([0.0, 0.8 / 5, -1.1 * 2 / 5, 0.0, 0.0]))
+    assert metrics["clip_frac"].item() == pytest.approx(0.6)
+    assert metrics["turn_clip_frac"].item() == pytest.approx(0.75)
+    assert bias.item() == pytest.approx((1.5 + 0.2 - 1.0) / 5)
+    # the same moves against the advantage's direction are kept: only the cap changes 1.5 and 1.2
+    _, _, bias, metrics, grad, _ = _rule(rule, config, advantages=-_ratio_batch()[2])
+    torch.testing.assert_close(grad, _grid([1.1 / 5, -0.8 / 5, 1.1 * 2 / 5, -0.5 * 2 / 5, 0.0]))
+    assert metrics["clip_frac"].item() == pytest.approx(0.4)
+    assert bias.item() == pytest.approx((-0.4 - 0.2) / 5)
+
+
+def test_m2po_by_hand_drops_the_largest_squared_log_ratios_until_the_mean_is_below_the_threshold():
+    config = AlgorithmConfig(m2_threshold=0.04)
+    squares = [math.log(r) ** 2 for _, _, r, _ in RATIOS]
+    _, loss, bias, metrics, grad, _ = _rule("m2po", config)
+    # sorted: 0.48 (0.5), 0.16 (1.5), 0.05, 0.03, 0: the tail means fall below 0.04 after the two largest
+    assert loss.item() == pytest.approx((0.8 - 2.4) / 5)
+    torch.testing.assert_close(grad, _grid([0.0, 0.8 / 5, -2.4 / 5, 0.0, 0.0]))
+    assert metrics["clip_frac"].item() == pytest.approx(0.4)
+    assert metrics["turn_clip_frac"].item() == pytest.approx(0.5)
+    assert bias.item() == pytest.approx((1.5 - 1.0) / 5)
+    assert metrics["m2po/second_moment"].item() == pytest.approx(sum(squares) / 5)
+    assert metrics.parts["m2po/second_moment"].op == "max"
+    keep = torch.tensor([[True, True, True], [False, True, True]])  # a mask taken over a larger batch
+    _, loss, bias, metrics, _, _ = _rule("m2po", config, keep=keep, second_moment=torch.tensor(0.5, dtype=F64))
+    assert loss.item() == pytest.approx(-(1.5 - 0.8 + 2.4) / 5)  # the masked position stays out
+    assert metrics["clip_frac"].item() == pytest.approx(0.2)
+    assert metrics["m2po/second_moment"].item() == 0.5
+    assert bias.item() == pytest.approx(-1.0 / 5)
+
+
+def test_stabilisers_clamp_the_level_log_ratio_keep_the_models_dtype_and_take_the_global_normalisers():
+    mask = torch.tensor([[True, True, True]])
+    logprobs = torch.tensor([[30.0, -30.0, 0.0]], requires_grad=True)
+    advantages = t64([[1.0, -1.0, 0.5]])
+    config = AlgorithmConfig(m2_threshold=1e6)
+    loss, _, metrics = get_policy_loss("m2po")(logprobs=logprobs, old_logprobs=torch.zeros(1, 3), advantages=advantages,
+                                                loss_mask=mask, turn_ids=torch.zeros(1, 3, dtype=torch.long),
+                                                config=config)
+    assert loss.dtype == torch.float32  # float64 advantages do not promote the loss
+    assert metrics["ratio/max"].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert metrics["ratio/min"].item() == pytest.approx(math.exp(-20.0), rel=1e-5)
+    assert loss.item() == pytest.approx(-(math.exp(20.0) - math.exp(-20.0) + 0.5) / 3, rel=1e-5)
+    assert metrics["pg_loss"].item() == pytest.approx(loss.item())
+    assert metrics.parts["pg_loss"].sums[1].item() == 3.0
+    kwargs = dict(logprobs=logprobs.detach().double() * 0.01, old_logprobs=torch.zeros(1, 3, dtype=F64),
+                  advantages=advantages, loss_mask=mask, turn_ids=torch.zeros(1, 3, dtype=torch.long))
+    for name in ("cispo", "m2po"):
+        rule = get_policy_loss(name)
+        own = rule(config=config, **kwargs)[0]
+        assert rule(config=config, global_num_tokens=6, global_num_seqs=1, **kwargs)[0].item() == \
+            pytest.approx(own.item() / 2)
+        seq = dataclasses.replace(config, loss_agg="seq-mean-token-mean")
+        assert rule(config=seq, global_num_tokens=1, global_num_seqs=4, **kwargs)[0].item() == \
+            pytest.approx(rule(config=seq, **kwargs)[0].item() / 4)
+
+
+def _dppo_edges(rule, config):
+    """Token 0: p 0.5 -> 1 (A > 0); token 1: p 1 -> 0.5 (A < 0); token 2: p 0.25 -> 1 (A = 0)."""
+    old = t64([[math.log(0.5), 0.0, math.log(0.25)]])
+    logprobs = t64([[0.0, math.log(0.5), 0.0]]).requires_grad_(True)
+    return get_policy_loss(rule)(logprobs=logprobs, old_logprobs=old, advantages=t64([[1.0, -1.0, 0.0]]),
+                                 loss_mask=torch.ones(1, 3, dtype=torch.bool),
+                                 turn_ids=torch.tensor([[0, 1, 2]]), config=config)
+
+
+def test_dppo_tv_keeps_a_move_equal_to_the_threshold_and_reads_a_zero_advantage_as_negative():
+    # ratios 2, 0.5, 4: a ratio equal to the cap is not truncated
+    _, bias, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.5, clip_high=0.5, is_cap=4.0))
+    assert metrics["clip_frac"].item() == 0.0 and not bias.requires_grad
+    _, _, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.5, clip_high=0.5, is_cap=3.99))
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
+    _, _, metrics = _dppo_edges("dppo_tv", AlgorithmConfig(clip_low=0.49, clip_high=0.49))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)  # token 2 stays: A = 0 takes the lower bound
+
+
+def test_dppo_kl_at_certain_tokens_and_at_the_threshold():
+    # p = 1 on either side: the 1e-8 keeps the Bernoulli KL finite (0.69 and 8.5; token 2: 13.2)
+    _, bias, metrics = _dppo_edges("dppo_kl", AlgorithmConfig(clip_low=0.9, clip_high=9.0))
+    assert metrics["clip_frac"].item() == 0.0 and not bias.requires_grad
+    old_p, new_p = t64([0.5, 1.0]), t64([1.0, 0.5])
+    old_log, new_log = torch.log(old_p), torch.log(new_p)
+    kl = old_p * (old_log - new_log) + (1 - old_p) * torch.log((1 - old_p + 1e-8) / (1 - new_p + 1e-8))
+    assert kl[0].item() == pytest.approx(0.5 * math.log(0.5) + 0.5 * math.log(0.5e8))
+    _, _, metrics = _dppo_edges("dppo_kl", AlgorithmConfig(clip_low=kl[1].item(), clip_high=kl[0].item()))
+    assert metrics["clip_frac"].item() == 0.0  # a KL equal to the threshold is kept
+    _, _, metrics = _dppo_edges("dppo_kl", AlgorithmConfig(clip_low=0.5, clip_high=8.0))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("rule", ["cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "m2po"])
+def test_every_stabiliser_adds_the_kl_and_entropy_terms_and_takes_the_global_normalisers(rule):
+    config = AlgorithmConfig(clip_low=0.1, clip_high=0.3, kl_loss_coef=0.5, kl_estimator="k1", entropy_coef=0.1)
+    logprobs, old, advantages, mask, turns = _ratio_batch()
+    kwargs = dict(logprobs=logprobs, old_logprobs=old, advantages=advantages, loss_mask=mask, turn_ids=turns)
+    ref_logprobs = logprobs.detach() - t64([[1.0, 2.0, 3.0], [4.0, 50.0, 5.0]])
+    entropy = t64([[1.0, 1.0, 1.0], [2.0, 90.0, 5.0]])
+    loss, _, metrics = get_policy_loss(rule)(config=config, ref_logprobs=ref_logprobs, entropy=entropy, **kwargs)
+    assert metrics["kl_loss"].item() == pytest.approx(3.0) and metrics["entropy"].item() == pytest.approx(2.0)
+    assert loss.item() == pytest.approx(metrics["pg_loss"].item() + 0.5 * 3.0 - 0.1 * 2.0)
+    plain = get_policy_loss(rule)(config=config, **kwargs)[0]
+    (plain_grad,) = torch.autograd.grad(plain, logprobs)
+    (full_grad,) = torch.autograd.grad(get_policy_loss(rule)(config=config, ref_logprobs=ref_logprobs,
+                                                             entropy=entropy, **kwargs)[0], logprobs)
+    torch.testing.assert_close(full_grad - plain_grad, mask.to(F64) * 0.5 / 5)  # the k1 term's gradient
+    halved = get_policy_loss(rule)(config=config, global_num_tokens=10, **kwargs)[0]
+    assert halved.item() == pytest.approx(plain.item() / 2)
+    seq = dataclasses.replace(config, loss_agg="seq-mean-token-mean")
+    quarter = get_policy_loss(rule)(config=seq, global_num_seqs=8, **kwargs)[0]
+    assert quarter.item() == pytest.approx(get_policy_loss(rule)(config=seq, **kwargs)[0].item() / 4)

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from stppo_agent.algorithms import ALGORITHMS, POLICY_LOSSES, call_policy_loss, get_policy_loss
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
-
-from . import algorithm_reference as ref
-from .test_stabilizer_rules import EXERCISE, random_batch
-from .test_trainer import toy_config
+from tests.support import algorithm_reference as ref
+from tests.support.batches import EXERCISE, probability_batch
+from tests.support.runs import toy_config
 
 LEVELS = ("token", "turn", "sequence")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
@@ -63,7 +60,7 @@ def some_weights(seed: int, mask: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rule", sorted(POLICY_LOSSES))
 @pytest.mark.parametrize("seed", range(4))
 def test_every_rule_weights_each_tokens_term_and_drops_weight_zero_tokens(seed, rule, level, agg):
-    data = random_batch(seed, torch.float64, spread=0.4)
+    data = probability_batch(seed, torch.float64, spread=0.4)
     config = rule_config(rule, level, agg)
     weights = some_weights(seed, data["mask"])
     theta = data["logprobs"].clone().requires_grad_(True)
@@ -89,7 +86,7 @@ def test_every_rule_weights_each_tokens_term_and_drops_weight_zero_tokens(seed, 
 def test_weight_zero_is_the_token_truly_dropped_kl_and_entropy_included(rule, level):
     """Weights 0 / 1 give exactly the loss, and the gradients (log-probs and entropies), of the rule called on the
     batch without those tokens."""
-    data = random_batch(2, torch.float64, spread=0.4)
+    data = probability_batch(2, torch.float64, spread=0.4)
     config = dataclasses.replace(rule_config(rule, level, "token-mean"), kl_loss_coef=0.1, entropy_coef=0.01)
     weights = (some_weights(2, data["mask"]) > 0).double()
     generator = torch.Generator().manual_seed(5)
@@ -133,7 +130,7 @@ def test_gmpo_weight_zero_leaves_the_trajectorys_geometric_mean():
 def test_a_rule_of_ones_own_without_the_keyword_gets_the_weights_folded_in():
     """A registered loss written before token_weights existed: weight-0 tokens leave its mask, the others'
     advantages carry their weight; the same loss as ppo_clip taking the weights itself (linear in A)."""
-    data = random_batch(3, torch.float64, spread=0.4)
+    data = probability_batch(3, torch.float64, spread=0.4)
     weights = some_weights(3, data["mask"])
     config = ALGORITHMS["grpo"]
     seen = {}
@@ -149,13 +146,6 @@ def test_a_rule_of_ones_own_without_the_keyword_gets_the_weights_folded_in():
     taken, _, _ = call_policy_loss(get_policy_loss("ppo_clip"), token_weights=weights, **keywords)
     torch.testing.assert_close(folded, taken, rtol=1e-12, atol=1e-15)
     assert torch.equal(seen["mask"], data["mask"] & (weights > 0))
-
-
-# --- through the trainer ----------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def actor_gradient(trainer, batch) -> torch.Tensor:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def test_every_attack_holds_at_small_scale():

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from .processes import alive, descendants, gone_within, name
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+from tests.support.processes import alive, descendants, gone_within, name
 
 
 def test_stability_study_quick_mode_runs_every_part(tmp_path):

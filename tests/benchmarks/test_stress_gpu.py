@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 import stress_gpu  # noqa: E402
 

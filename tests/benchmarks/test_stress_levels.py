@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import stress  # noqa: E402
 import stress_levels as levels  # noqa: E402
 from stress_readout import readouts, run_readout  # noqa: E402

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 import stress  # noqa: E402
 from collapse_criterion import CRITERION  # noqa: E402

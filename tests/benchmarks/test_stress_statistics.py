@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import collapse_criterion as criterion  # noqa: E402
 import stress_stats as stats  # noqa: E402
 from stress_interaction import arm_comparison, interactions  # noqa: E402
@@ -180,7 +180,7 @@ def test_the_criterion_text_states_the_constants_the_function_uses():
 
 
 def test_docs_quote_the_criterion_as_the_code_states_it():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "stability.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "stability.md").read_text()
     quoted = text.split("<!-- criterion -->\n", 1)[1].split("<!-- /criterion -->", 1)[0]
     assert quoted == criterion.CRITERION[0].upper() + criterion.CRITERION[1:]
 

@@ -1,6 +1,5 @@
-"""`stppo compare` lets the examples' content hash decide whether two evaluations ran on the same examples: a --limit
-at or above the dataset's size, or a split alias that reads the same rows, no longer makes identical example sets
-incomparable; a limit that does cut them still does."""
+"""``stppo compare`` (stppo_agent/cli/compare.py): what it hands the comparison, and the
+examples' content hash deciding whether two evaluations ran on the same examples."""
 
 from __future__ import annotations
 
@@ -8,7 +7,8 @@ import json
 
 import pytest
 
-from .cli_in_process import stppo
+from tests.support.cli_calls import Calls, run, usage_error
+from tests.support.cli_in_process import stppo
 
 
 @pytest.fixture
@@ -44,3 +44,21 @@ def test_a_limit_that_cuts_the_examples_is_still_refused(evaluate, capsys):
     done = stppo("compare", "plain", "cut", capsys=capsys)
     assert done.returncode == 1 and "results are not comparable" in done.stderr
     assert "dataset_sha256" in done.stderr and "limit: [None, 5]" in done.stderr
+
+
+# ---------------------------------------------------------------- compare, plot
+
+
+def test_compare_hands_every_file_its_label_and_force(monkeypatch, capsys):
+    from stppo_agent.evaluation import comparison
+    from stppo_agent.runs import labels
+
+    monkeypatch.setattr(comparison, "load_results", Calls(lambda path: [{"from": path}]))
+    monkeypatch.setattr(labels, "distinct_labels", Calls(lambda paths: [p.upper() for p in paths]))
+    monkeypatch.setattr(comparison, "compare", Calls("THE TABLE"))
+    assert run(capsys, "compare", "a/results.json", "b") == (0, "THE TABLE\n", "")
+    assert comparison.compare.only == (([[{"from": "a/results.json"}], [{"from": "b"}]], ["A/RESULTS.JSON", "B"],
+                                        False), {})
+    run(capsys, "compare", "a", "--force")
+    assert comparison.compare.calls[-1][0][2] is True
+    assert "required: results" in usage_error(capsys, "compare")

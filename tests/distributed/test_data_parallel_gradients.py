@@ -16,8 +16,7 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.config_sections import DistributedConfig, LoggingConfig, OptimizerConfig, RolloutConfig
 from stppo_agent.training.trainer import Trainer
-
-from .gloo_ranks import start_ranks
+from tests.support.gloo_ranks import start_ranks
 
 
 def config(model: Path, out: Path, algo: str, strategy: str = "ddp") -> TrainConfig:
@@ -67,7 +66,6 @@ def _rank_main(rank: int, port: int, model: str, out: str, algo: str, batch_path
     # gloo's teardown occasionally aborts in C++ ("terminate called without an active exception") after all work
     # is done and saved; leave without running destructors so that cannot turn a passed check into a failure
     os._exit(0)
-
 
 
 @pytest.mark.parametrize("strategy, tied", [("ddp", False), ("fsdp2", False), ("fsdp2+checkpointing", False),

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from .processes import alive, gone_within
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+from tests.support.processes import alive, gone_within
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal")
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import build_parser, main
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def _subparsers(parser):
@@ -115,8 +114,7 @@ def test_the_raw_update_baseline_does_exactly_the_trainers_forward_work(tmp_path
     response's only) through the LM head."""
     from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
     from stppo_agent.training.trainer import Trainer
-
-    from .test_trainer import toy_config
+    from tests.support.runs import toy_config
 
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # responses of 1-6 tokens over 1-3 turns, one row per micro-batch: each is trimmed to its own length

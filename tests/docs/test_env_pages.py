@@ -13,7 +13,7 @@ from gymnasium.envs.registration import load_env_creator
 
 import stppo_envs  # noqa: F401 (registers the ids)
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "envs.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "envs.md"
 SECTIONS = ("Action Space", "Observation Space", "Rewards", "Starting State", "Episode End", "Information",
             "Arguments", "Version History")
 IDS = sorted(env_id for env_id in gymnasium.registry if env_id.startswith("stppo/"))

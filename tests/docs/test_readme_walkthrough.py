@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
-from .cli_in_process import stppo
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.cli_in_process import stppo
+from tests.support.paths import REPO
 
 
 def walkthrough_commands() -> list[str]:

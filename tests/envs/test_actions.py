@@ -1,15 +1,17 @@
-"""Action parsing edge cases and a hypothesis fuzz of env.step."""
+"""``stppo_envs.actions``: parsing one turn's action text with Search-R1's semantics --
+edge cases, the reasons an action is invalid, the query length limit, and a hypothesis fuzz of ``env.step``."""
 
 from __future__ import annotations
 
 import gymnasium as gym
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stppo_envs  # noqa: F401  (registers the ids)
 from stppo_envs.actions import MAX_QUERY_CHARS, ActionType, parse_action
-
-from .conftest import KeywordRetriever
+from tests.support.envs import _env
+from tests.support.retrievers import KeywordRetriever
 
 
 def test_first_complete_block_decides():
@@ -96,3 +98,40 @@ def test_long_and_adversarial_actions_parse_in_linear_time():
     too_long = "<answer>x</answer>" + " " * MAX_ACTION_CHARS
     parsed = parse_action(too_long)
     assert parsed.type is ActionType.INVALID and "longer than" in parsed.reason
+
+
+@pytest.mark.parametrize("action, reason", [(42, "action must be str, got int"), (None, "got NoneType"),
+                                            ("<search> a </search", "no complete <search>...</search>"),
+                                            ("<search> <answer> x </answer> </search>", "nested action tags"),
+                                            ("<search>   </search>", "empty <search> block")])
+def test_invalid_actions_say_why(action, reason):
+    parsed = parse_action(action)
+    assert parsed.type is ActionType.INVALID and reason in parsed.reason
+
+
+def test_the_query_length_limit_is_inclusive():
+    assert parse_action(f"<search>{'q' * MAX_QUERY_CHARS}</search>").type is ActionType.SEARCH
+    too_long = parse_action(f"<search>{'q' * (MAX_QUERY_CHARS + 1)}</search>")
+    assert too_long.type is ActionType.INVALID and f"query longer than {MAX_QUERY_CHARS}" in too_long.reason
+
+
+def test_an_invalid_action_reports_its_reason_and_a_non_string_action_is_recorded_by_repr():
+    from stppo_envs.actions import INVALID_ACTION_MESSAGE
+
+    env = _env()
+    env.reset(options={"index": 0})
+    observation, reward, terminated, truncated, info = env.step(42)
+    assert info["action_type"] == "invalid" and info["invalid_reason"] and info["invalid_actions"] == 1
+    assert observation == INVALID_ACTION_MESSAGE
+    assert info["segments"] == [("assistant", "42", 0), ("environment", INVALID_ACTION_MESSAGE, 0)]
+    assert "error" not in info and "query" not in info
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    *_, info = env.step("no tags at all")
+    assert info["invalid_actions"] == 2 and info["segments"][1] == ("environment", INVALID_ACTION_MESSAGE, 1)
+
+
+def test_two_blocks_in_one_action_take_the_first_complete_one_lazily():
+    parsed = parse_action("<search> one </search> text <search> two </search>")
+    assert parsed.type is ActionType.SEARCH and parsed.content == "one"  # not "one </search> ... <search> two"
+    parsed = parse_action("<answer> A </answer><answer> B </answer>")
+    assert parsed.content == "A"

@@ -11,8 +11,7 @@ import pytest
 from stppo_agent.evaluation.evaluate import run_episodes
 from stppo_envs import SearchQAEnv
 from stppo_envs.vector import SearchQAVectorEnv, step_envs
-
-from .conftest import KeywordRetriever
+from tests.support.retrievers import KeywordRetriever
 
 PASSAGES = [(f"T{i}", f"passage {i} about paris") for i in range(6)]
 

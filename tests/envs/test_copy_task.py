@@ -4,16 +4,13 @@ invalid actions, the copy tier's tokenizer (one token per symbol) and its superv
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import gymnasium as gym
 import pytest
 
 from stppo_envs.copy_task import COPY_ENV_ID, CopyEnv, copy_symbols
-
-from . import test_envs as generic
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.envs import test_registered_envs as generic
+from tests.support.paths import REPO
 
 
 def test_registered_and_passes_the_generic_env_checks():

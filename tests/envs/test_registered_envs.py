@@ -10,8 +10,7 @@ from gymnasium.utils.env_checker import check_env
 
 import stppo_envs
 from stppo_envs.actions import INVALID_ACTION_MESSAGE
-
-from .conftest import FailingRetriever, KeywordRetriever
+from tests.support.retrievers import FailingRetriever, KeywordRetriever
 
 ENV_IDS = stppo_envs.registered_ids()
 

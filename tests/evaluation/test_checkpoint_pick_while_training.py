@@ -7,20 +7,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from stppo_agent.cli import main
-from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
+from stppo_agent.models.tiny import toy_train_command
 from stppo_agent.runs.checkpoint import list_checkpoints
-
-from .cli_in_process import stppo
-from .test_trainer import REPO
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
-
+from tests.support.cli_in_process import stppo
+from tests.support.paths import REPO
 
 KEEP_ONE = ("checkpoint.keep=1", "monitor.on_collapse=none")
 

@@ -1,25 +1,19 @@
-"""Pins of evaluation (issue 27): the settings a result records as its provenance, every setting reaching the
-episodes it describes, the episode records and metrics, the files and tables written, and comparisons refusing
-results produced under other settings. Scripted agents and an in-memory retriever keep them cheap."""
+"""``stppo_agent.evaluation.evaluate``: the settings a result records as its
+provenance, every setting reaching the episodes it describes, episode records, metrics and the observation cut.
+Scripted agents and an in-memory retriever."""
 
 from __future__ import annotations
 
-import csv
+import dataclasses
 import hashlib
 import json
 
 import pytest
+import tqdm.auto
 
 import stppo_envs
 from stppo_agent.evaluation import evaluate as evaluate_module
-from stppo_agent.evaluation.comparison import (
-    ProvenanceMismatchError,
-    compare,
-    load_results,
-    provenance_differences,
-    search_error_differences,
-    searched_index_id,
-)
+from stppo_agent.evaluation.agents import OracleAgent
 from stppo_agent.evaluation.evaluate import (
     EvalSettings,
     _episode_ids,
@@ -29,11 +23,11 @@ from stppo_agent.evaluation.evaluate import (
     run_episodes,
     summarize,
 )
-from stppo_agent.evaluation.results import evaluate_all, format_table, write_results
+from stppo_agent.evaluation.results import evaluate_all
 from stppo_envs import Example, SearchQAEnv
 from stppo_envs.prompts import template_hash
-
-from .conftest import FailingRetriever, KeywordRetriever
+from tests.support.evaluation import _no_search_factory
+from tests.support.retrievers import FailingRetriever, KeywordRetriever
 
 
 class IndexedRetriever(KeywordRetriever):
@@ -300,190 +294,6 @@ def test_examples_hash_is_the_canonical_json_lines_digest():
     assert examples_hash([]) == hashlib.sha256(b"").hexdigest()
 
 
-# ---------------------------------------------------------------- comparison
-
-
-def test_searched_index_id_strips_every_remote_layer_but_keeps_addresses():
-    assert searched_index_id("remote:remote:bm25:x") == "bm25:x"
-    assert searched_index_id("bm25:x") == "bm25:x"
-    assert searched_index_id("remote:http://h:1/retrieve") == "remote:http://h:1/retrieve"
-    assert searched_index_id("remote:https://h/retrieve") == "remote:https://h/retrieve"
-    assert searched_index_id("remote:remote:https://h") == "remote:https://h"
-
-
-def _record(benchmark="nq", metrics=None, **provenance):
-    base = {"agent": "a", "dataset": "d", "retriever": "r", "topk": 3, "retriever_id": "bm25:x"}
-    return {"benchmark": benchmark, "metrics": metrics or {"em": 0.5, "n": 2}, "provenance": {**base, **provenance}}
-
-
-def test_provenance_differences_ignore_the_contestant_and_compare_the_searched_index():
-    same = [_record(agent="x", dataset="p/one", retriever="bm25:a"),
-            _record(agent="y", dataset="q/one", retriever="http://s", retriever_id="remote:bm25:x")]
-    assert provenance_differences(same) == {}
-    assert provenance_differences([_record(), _record(topk=5)]) == {"topk": [3, 5]}
-    assert provenance_differences([_record(), _record(retriever_id="remote:http://h")]) == {
-        "retriever_id": ["bm25:x", "remote:http://h"]}
-    missing = _record()
-    del missing["provenance"]["topk"]
-    assert provenance_differences([_record(), missing]) == {"topk": [3, None]}
-    assert provenance_differences([_record(max_new_tokens=256), _record(max_new_tokens=512),
-                                   _record(max_new_tokens=256)]) == {"max_new_tokens": [256, 512, 256]}
-    assert provenance_differences([_record(seed=1), _record(seed=1)]) == {}
-    # only retriever_id names an index: another field's "remote:" prefix is part of its value
-    assert provenance_differences([_record(prompt_template="remote:ab"), _record(prompt_template="ab")]) == {
-        "prompt_template": ["remote:ab", "ab"]}
-    assert provenance_differences([_record(retriever_id=None), _record(retriever_id="bm25:x")]) == {
-        "retriever_id": [None, "bm25:x"]}
-
-
-def test_search_error_rates_differ_only_beyond_the_tolerance():
-    def rates(*values):
-        return [{"metrics": {"search_error_rate": v}} for v in values]
-
-    assert search_error_differences(rates(0.0, 0.005)) is None  # exactly the tolerance: comparable
-    assert search_error_differences(rates(0.0, 0.0051)) == [0.0, 0.0051]
-    assert search_error_differences(rates(0.0051, 0.0)) == [0.0051, 0.0]
-    assert search_error_differences([{"metrics": {}}, {"metrics": {"search_error_rate": 0.5}}]) == [0.0, 0.5]
-    assert search_error_differences([]) is None
-    assert search_error_differences(rates(0.3, 0.3, 0.304)) is None  # equal failures on both sides: comparable
-
-
-def test_compare_prints_every_metric_of_every_benchmark():
-    a = [_record("nq", {"em": 0.5, "f1": 0.25, "n": 2, "mean_turns": 1.5}),
-         _record("medqa", {"acc": 1.0, "n": 3})]
-    b = [_record("nq", {"em": 0.125, "f1": 1.0, "n": 2, "mean_turns": 2.0})]
-    assert compare([a, b], ["A", "B"]).splitlines() == [
-        "benchmark  metric  A      B",
-        "---------  ------  -----  -----",
-        "medqa      acc     1.000  -",
-        "           n       3      -",
-        "nq         EM      0.500  0.125",
-        "           F1      0.250  1.000",
-        "           turns   1.500  2.000",
-        "           n       2      2"]
-
-
-@pytest.mark.parametrize("key, values", [("max_new_tokens", (256, 64)), ("max_turns", (4, 2)), ("topk", (3, 5)),
-                                         ("seed", (0, 1)), ("prompt_template", ("ab", "cd")),
-                                         ("dataset_sha256", ("x", "y")), ("split", ("dev", "test")),
-                                         ("limit", (None, 10))])
-def test_compare_refuses_results_produced_under_different_settings(key, values):
-    a, b = [_record(**{key: values[0]})], [_record(**{key: values[1]})]
-    with pytest.raises(ProvenanceMismatchError) as error:
-        compare([a, b], ["A", "B"])
-    assert str(error.value) == (f"nq: results are not comparable ({key}: {list(values)}); rerun under the same "
-                                "settings or pass --force to print them flagged")
-    flagged = compare([a, b], ["A", "B"], force=True).splitlines()
-    assert flagged[2].split()[:3] == ["nq", "(!)", "EM"] and flagged[3].split()[0] == "n"
-    assert flagged[3].startswith(" ")  # the flagged name on the benchmark's first row only
-    assert flagged[-1] == f"!! nq NOT COMPARABLE: {key}: {list(values)}"
-
-
-def test_compare_refuses_different_search_error_rates_with_both_reasons():
-    a = [_record(metrics={"em": 0.5, "search_error_rate": 0.1}, topk=3)]
-    b = [_record(metrics={"em": 0.5, "search_error_rate": 0.03456}, topk=5)]
-    with pytest.raises(ProvenanceMismatchError, match=r"\(topk: \[3, 5\]; search_error_rate: \[0.1, 0.0346\]\)"):
-        compare([a, b], ["A", "B"])
-    lines = compare([a, b], ["A", "B"], force=True).splitlines()
-    assert lines[-1] == "!! nq NOT COMPARABLE: topk: [3, 5]; search_error_rate: [0.1, 0.0346]"
-    assert "search errors" in lines[3] and lines[3].split()[-2:] == ["0.100", "0.035"]
-
-
-def test_a_benchmark_missing_from_one_side_is_compared_with_the_others_only():
-    a = [_record("nq", topk=3), _record("hotpotqa", topk=3)]
-    b = [_record("hotpotqa", topk=3)]
-    c = [_record("nq", topk=3)]
-    out = compare([a, b, c], ["A", "B", "C"]).splitlines()
-    assert out[2].split() == ["hotpotqa", "EM", "0.500", "0.500", "-"]
-    assert out[4].split() == ["nq", "EM", "0.500", "-", "0.500"]
-
-
-def test_load_results_reads_a_folder_or_a_file_and_refuses_anything_else(tmp_path):
-    records = [_record()]
-    (tmp_path / "results.json").write_text(json.dumps(records))
-    assert load_results(tmp_path) == records and load_results(str(tmp_path / "results.json")) == records
-    with pytest.raises(FileNotFoundError) as error:
-        load_results(tmp_path / "nowhere")
-    assert str(error.value) == (f"no results.json at {tmp_path / 'nowhere'}; produce one with `stppo eval ... "
-                                "--output-dir DIR`")
-    bad = tmp_path / "bad.json"
-    for content in (b"{not json", b"\xff\xfe\x00"):
-        bad.write_bytes(content)
-        with pytest.raises(ValueError, match=f"^{bad} is not a readable results.json \\("):
-            load_results(bad)
-    for content in ({"benchmark": "nq", "metrics": {}}, [{"benchmark": "nq"}], [{"metrics": {}}], ["nq"],
-                    [{"benchmark": "nq", "metrics": {}}, 3]):
-        bad.write_text(json.dumps(content))
-        with pytest.raises(ValueError) as error:
-            load_results(bad)
-        assert str(error.value) == f"{bad} is not a results.json of `stppo eval` (a list of benchmark records)"
-    bad.write_text(json.dumps([{"benchmark": "nq", "metrics": {}, "extra": 1}]))
-    assert load_results(bad) == [{"benchmark": "nq", "metrics": {}, "extra": 1}]
-    bad.write_text(json.dumps([{"benchmark": "nq", "metrics": {}}]))  # the two required keys and nothing else
-    assert load_results(bad) == [{"benchmark": "nq", "metrics": {}}]
-
-
-# ---------------------------------------------------------------- results.py
-
-
-def _metrics(**kw):
-    base = {"n": 4, "em": 0.5, "f1": 0.625, "answer_rate": 0.75, "invalid_action_rate": 0.125, "mean_turns": 1.5,
-            "mean_search_calls": 0.25}
-    return {**base, **kw}
-
-
-def test_format_table_of_qa_and_mcq_benchmarks_with_the_qa_average():
-    results = [{"benchmark": "nq", "metrics": _metrics()},
-               {"benchmark": "hotpotqa", "metrics": _metrics(em=0.25, f1=0.5)},
-               {"benchmark": "medqa", "metrics": {k: v for k, v in _metrics(acc=1.0).items() if k not in ("em", "f1")}}]
-    assert format_table(results).splitlines() == [
-        "benchmark    n  EM/acc  F1     answer  invalid  turns  searches",
-        "-----------  -  ------  -----  ------  -------  -----  --------",
-        "nq           4  0.500   0.625  0.750   0.125    1.50   0.25",
-        "hotpotqa     4  0.250   0.500  0.750   0.125    1.50   0.25",
-        "medqa        4  1.000   -      0.750   0.125    1.50   0.25",
-        "QA avg (EM)     0.375"]
-
-
-def test_format_table_adds_tokens_and_search_errors_only_when_there_are_any():
-    one = [{"benchmark": "nq", "metrics": _metrics(search_error_rate=0.0)}]
-    assert format_table(one).splitlines()[0].split()[-1] == "searches"  # one QA benchmark: no average either
-    assert len(format_table(one).splitlines()) == 3
-    both = [{"benchmark": "nq", "metrics": _metrics(mean_response_tokens=12.25, search_error_rate=0.5)},
-            {"benchmark": "bamboogle", "metrics": _metrics(search_error_rate=0.0)}]
-    lines = format_table(both).splitlines()
-    assert lines[0].endswith("searches  tokens  search errors")
-    assert lines[2].split()[-2:] == ["12.2", "0.500"] and lines[3].split()[-2:] == ["0.0", "0.000"]
-    assert lines[4].split() == ["QA", "avg", "(EM)", "0.500"] and lines[4].endswith("0.500")
-    unrecorded = [both[0], {"benchmark": "old", "metrics": _metrics()}]  # a record from before the rate existed
-    assert format_table(unrecorded).splitlines()[3].split()[-1] == "0.000"
-    no_em = [{"benchmark": "x", "metrics": {k: v for k, v in _metrics().items() if k != "em"}}]
-    assert format_table(no_em).splitlines()[2].split()[2] == "0.000"
-
-
-def test_write_results_writes_the_three_files(tmp_path):
-    results = [{"benchmark": "nq", "metrics": {"n": 2, "em": 0.5}, "provenance": {"topk": 3},
-                "episodes": [{"example_id": "a", "em": 1.0, "question": "Wo liegt München?"},
-                             {"example_id": "b", "em": 0.0}]},
-               {"benchmark": "medqa", "metrics": {"n": 1, "acc": 1.0}, "provenance": {"topk": 3},
-                "episodes": [{"example_id": "c", "correct": 1.0}]}]
-    out = tmp_path / "new" / "deeper"
-    write_results(results, out)
-    summary = json.loads((out / "results.json").read_text())
-    assert summary == [{k: v for k, v in r.items() if k != "episodes"} for r in results]
-    assert (out / "results.json").read_text() == json.dumps(summary, indent=2, sort_keys=True) + "\n"
-    episodes = (out / "episodes.jsonl").read_text(encoding="utf-8").splitlines()
-    assert episodes == [json.dumps({"benchmark": "nq", **results[0]["episodes"][0]}, sort_keys=True),
-                        json.dumps({"benchmark": "nq", **results[0]["episodes"][1]}, sort_keys=True),
-                        json.dumps({"benchmark": "medqa", **results[1]["episodes"][0]}, sort_keys=True)]
-    assert "München" not in (out / "episodes.jsonl").read_text(encoding="utf-8")  # ASCII-escaped JSON
-    assert (out / "results.csv").read_bytes() == (b"benchmark,acc,em,n\r\n" b"nq,,0.5,2\r\n" b"medqa,1.0,,1\r\n")
-    with open(out / "results.csv", newline="") as handle:
-        assert list(csv.reader(handle))[0] == ["benchmark", "acc", "em", "n"]
-    write_results(results[:1], out)  # an existing folder is reused, files replaced
-    assert len((out / "episodes.jsonl").read_text().splitlines()) == 2
-
-
 def test_evaluate_all_runs_each_named_benchmark_with_its_dataset_and_the_settings(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(evaluate_module, "evaluate_benchmark",
@@ -546,3 +356,130 @@ def test_the_split_setting_chooses_the_file_of_a_dataset_folder(tmp_path):
     assert result["provenance"]["split"] == "dev" and result["provenance"]["dataset"] == "nq"
     train = _evaluate(EvalSettings("nq", dataset=str(folder), split="train", retriever=IndexedRetriever()))
     assert [e["example_id"] for e in train["episodes"]] == ["train-1"]
+
+
+# Evaluation cuts observations where training does, and counts how often.
+
+
+def _tiny_smollm2_model(path):
+    from stppo_agent.models.default_model import smollm2_path
+    from stppo_agent.models.loading import load_tokenizer
+    from stppo_agent.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(path, load_tokenizer(str(smollm2_path())), hidden=16, layers=1, seed=5)
+
+
+def test_eval_cuts_observations_where_told_and_says_how_often_it_cut(tmp_path):
+    # A wiki-18 observation of 5 passages is ~800 SmolLM2 tokens (3 passages: 410-600): the hf: agent cut every one
+    # to a fixed 512 tokens -- passages 4 and 5 and the closing tag gone -- and the results said topk=5, nothing else.
+    from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
+    from stppo_agent.evaluation.results import format_table
+
+    model = _tiny_smollm2_model(tmp_path / "tiny")
+    settings = EvalSettings("nq", limit=2, max_turns=3, max_new_tokens=4)
+    default = evaluate_benchmark(f"hf:{model}", settings)
+    cut = evaluate_benchmark(f"hf:{model}", dataclasses.replace(settings, max_observation_tokens=16))
+    # the random model's turns are invalid: each is answered by Search-R1's ~60-token corrective message
+    assert [e["turns"] for e in cut["episodes"]] == [3, 3]
+    assert [e["observations_cut"] for e in cut["episodes"]] == [2, 2]  # both observations the agent read
+    assert cut["metrics"]["observation_cut_rate"] == 1.0
+    assert [e["observations_cut"] for e in default["episodes"]] == [0, 0]
+    assert default["metrics"]["observation_cut_rate"] == 0.0
+    # recorded where it is not the default, so compare refuses a 16-token cut beside a 512-token one; results made
+    # before the setting existed (all at 512) stay comparable with the default
+    assert cut["provenance"]["max_observation_tokens"] == 16 and "max_observation_tokens" not in default["provenance"]
+    assert "obs cut" in format_table([default, cut]) and "obs cut" not in format_table([default])
+
+
+def test_the_eval_observation_cut_defaults_to_trainings():
+    from stppo_agent.evaluation.evaluate import EvalSettings, observation_cut
+    from stppo_agent.rollouts.turn_loop import RolloutLimits
+
+    # unset, an agent that does not say what it reads is taken to read what training did
+    assert observation_cut(object(), EvalSettings("nq")) == RolloutLimits.max_observation_tokens == 512
+
+
+def test_the_cut_rate_counts_the_observations_the_agent_read():
+    from stppo_agent.evaluation.evaluate import summarize
+
+    def rec(turns, cut):
+        return {"em": 0.0, "f1": 0.0, "turns": turns, "search_calls": 0, "search_errors": 0, "invalid_actions": 0,
+                "response_chars": 1, "terminated": True, "observations_cut": cut}
+
+    # an episode of t turns read t - 1 observations (the last turn's is never read)
+    assert summarize([rec(3, 1), rec(1, 0), rec(2, 1)], False)["observation_cut_rate"] == pytest.approx(2 / 3)
+    uncounted = {k: v for k, v in rec(2, 0).items() if k != "observations_cut"}  # a scripted agent reads none
+    assert "observation_cut_rate" not in summarize([rec(2, 0), uncounted], False)
+
+
+def test_evaluate_all_hands_the_observation_budget_to_every_benchmark(monkeypatch):
+    from stppo_agent.evaluation import evaluate as evaluate_module
+    from stppo_agent.evaluation.results import evaluate_all
+
+    seen = []
+    monkeypatch.setattr(evaluate_module, "evaluate_benchmark", lambda agent, settings: seen.append(settings) or {})
+    evaluate_all("oracle", ["nq", "hotpotqa"], {}, None, None, "demo", 3, 4, 32, 0, 256, 1024)
+    evaluate_all("oracle", ["nq"], {}, None, None, "demo", 3, 4, 32, 0)
+    assert [s.max_observation_tokens for s in seen] == [1024, 1024, None]  # None: the agent's own (hf: 512)
+
+
+class _Bar:
+    made: list[_Bar] = []
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs, self.ticks, self.closed = args, kwargs, [], False
+        _Bar.made.append(self)
+
+    def update(self, n=1):
+        self.ticks.append(n)
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_progress_bar_counts_every_episode_of_the_run(monkeypatch):
+    _Bar.made = []
+    monkeypatch.setattr(tqdm.auto, "tqdm", _Bar)
+    envs = [SearchQAEnv("nq", max_turns=2, limit=4) for _ in range(2)]
+    records = run_episodes(envs, OracleAgent(envs[0].examples), [0, 1, 2])
+    assert len(records) == 3
+    [bar] = _Bar.made
+    assert bar.args == ()
+    assert bar.kwargs == {"total": 3, "desc": "nq", "unit": "episode", "disable": None, "leave": False}
+    assert bar.ticks == [1, 1, 1] and bar.closed
+
+
+def test_an_agent_without_a_name_is_named_by_its_class_when_it_drops_an_action():
+    class TerseAgent:
+        def act(self, episodes):
+            return ["<answer> x </answer>"] * (len(episodes) - 1)
+
+    envs = [SearchQAEnv("nq", max_turns=2, limit=4) for _ in range(2)]
+    with pytest.raises(ValueError, match="^agent TerseAgent returned 1 actions for 2 episodes$"):
+        run_episodes(envs, TerseAgent(), [0, 1])
+
+
+def test_the_default_observation_cut_is_not_recorded():
+    settings = EvalSettings("nq", limit=1, retriever=KeywordRetriever())
+    provenance = evaluate_benchmark("no-search", settings, agent_factory=_no_search_factory)["provenance"]
+    assert "max_observation_tokens" not in provenance
+
+
+def test_evaluate_all_hands_the_observation_cut_and_the_token_budget_to_every_benchmark(monkeypatch):
+    calls = []
+    monkeypatch.setattr(evaluate_module, "evaluate_benchmark",
+                        lambda agent, settings: calls.append(settings) or {"benchmark": settings.benchmark})
+    evaluate_all("oracle", ["nq", "hotpotqa"], {}, None, None, "demo", 5, 2, 16, 3, max_new_tokens=33,
+                 max_observation_tokens=77)
+    assert [(s.benchmark, s.topk, s.max_turns, s.batch_size, s.seed, s.max_new_tokens, s.max_observation_tokens)
+            for s in calls] == [("nq", 5, 2, 16, 3, 33, 77), ("hotpotqa", 5, 2, 16, 3, 33, 77)]
+
+
+def _record(turns: int, cut: int) -> dict:
+    return {"em": 0.0, "f1": 0.0, "terminated": True, "truncated": False, "invalid_actions": 0, "search_calls": 0,
+            "search_errors": 0, "turns": turns, "response_chars": 0, "observations_cut": cut}
+
+
+def test_one_observation_read_and_cut_is_a_cut_rate_of_one():
+    assert summarize([_record(2, 1)], multiple_choice=False)["observation_cut_rate"] == 1.0
+    assert summarize([_record(1, 0)], multiple_choice=False)["observation_cut_rate"] == 0.0

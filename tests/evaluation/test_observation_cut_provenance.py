@@ -13,8 +13,7 @@ from stppo_agent.evaluation import openai_agent
 from stppo_agent.evaluation.agent_specs import build_agent
 from stppo_agent.evaluation.comparison import ProvenanceMismatchError, compare, provenance_differences
 from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark, observation_cut
-
-from .conftest import KeywordRetriever
+from tests.support.retrievers import KeywordRetriever
 
 
 class _Response:

@@ -7,17 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from stppo_agent.distributed.process_group import free_port
 from stppo_agent.evaluation.comparison import ProvenanceMismatchError, compare, searched_index_id
-
-from .cli_in_process import stppo
-from .processes import wait_until_serving
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.cli_in_process import stppo
+from tests.support.processes import wait_until_serving
 
 
 def record(retriever: str, retriever_id: str, topk: int = 3) -> list[dict]:

@@ -348,8 +348,7 @@ def test_plot_keeps_each_runs_style_across_panels_and_integer_iterations(tmp_pat
 def _keyword_envs(n: int, max_turns: int = 3):
     import gymnasium as gym
 
-    from .conftest import KeywordRetriever
-    from .test_rollout import PASSAGES
+    from tests.support.retrievers import PASSAGES, KeywordRetriever
 
     return [gym.make("stppo/NQ-v0", retriever=KeywordRetriever(PASSAGES), max_turns=max_turns).unwrapped
             for _ in range(n)]

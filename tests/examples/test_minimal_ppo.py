@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.config_sections import (
     CheckpointConfig,
@@ -24,7 +23,7 @@ from stppo_agent.training.config_sections import (
 )
 from stppo_agent.training.trainer import Trainer
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minimal_ppo.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "minimal_ppo.py"
 LR = 1e-3
 
 
@@ -38,11 +37,6 @@ def example():
         yield module
     finally:
         sys.modules.pop(spec.name, None)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def toy_trainer(model: Path, out: Path, algo: str, max_grad_norm: float = 1.0, **algorithm) -> Trainer:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.cli import main
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.monitoring.collapse_guard import CollapseStopped
 from stppo_agent.monitoring.collapse_rules import CollapseMonitor, MonitorSettings
 from stppo_agent.runs.checkpoint_health import best_step, checkpoint_reward, healthy_steps
@@ -19,14 +18,7 @@ from stppo_agent.runs.plots import collapse_events, plot_runs
 from stppo_agent.runs.run_folder import pick_checkpoint
 from stppo_agent.training.config import merged
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
-
+from tests.support.runs import toy_config
 
 FLIP = [9, 12]  # iterations 10, 11 and 12 pay for *not* saying the target
 

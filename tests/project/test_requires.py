@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.requires import require_or_skip
+from tests.support.requires import require_or_skip
 
 MISSING = "stppo_no_such_framework"
 

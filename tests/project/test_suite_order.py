@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .conftest import REPO, SLOWEST_FIRST
+from tests.conftest import REPO, SLOWEST_FIRST
 
 
 def test_every_listed_slow_file_exists():

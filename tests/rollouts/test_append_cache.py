@@ -1,4 +1,5 @@
-"""The rollout's in-place key/value cache holds what transformers' DynamicCache holds, without a copy per token."""
+"""``stppo_agent.rollouts.append_cache``: the in-place key/value cache holds
+what transformers' DynamicCache holds, without a copy per token."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts import append_cache
 from stppo_agent.rollouts.append_cache import AppendLayer, new_cache
 from stppo_agent.rollouts.batch import left_pad
-from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT
+from stppo_agent.rollouts.hf_generation import (
+    CACHE_ARGUMENT,
+)
 
 
 def states(rows: int, positions: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,3 +111,51 @@ def test_the_rollout_backend_generates_with_the_in_place_cache(tmp_path):
     backend = HFGenerationBackend(model, tokenizer, SamplingSettings(greedy=True), batch_size=2)
     backend.generate([[4, 5, 6], [5, 6]], 3, keys=["a", "b"])  # a first turn: a fresh cache
     assert all(isinstance(layer, AppendLayer) for layer in backend.turns.states[0].cache.layers)
+
+
+# -- append_cache --------------------------------------------------------------------------------------------------
+
+
+def test_append_cache_grows_by_whole_blocks_and_adopts_replaced_keys():
+    assert append_cache.BLOCK_POSITIONS == 256
+    layer = AppendLayer()
+    k, v = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 5)
+    keys, values = layer.update(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v) and layer._key_buffer.shape == (2, 1, 256, 4)
+    assert layer._value_buffer.shape == (2, 1, 256, 5)
+    k2, v2 = torch.randn(2, 1, 253, 4), torch.randn(2, 1, 253, 5)
+    keys, values = layer.update(k2, v2)  # exactly one block: no new buffer
+    assert layer._key_buffer.shape[-2] == 256 and keys.data_ptr() == layer._key_buffer.data_ptr()
+    assert torch.equal(keys, torch.cat([k, k2], -2)) and torch.equal(values, torch.cat([v, v2], -2))
+    k3, v3 = torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 5)
+    keys, values = layer.update(k3, v3)  # 257 positions: a second block, the old ones copied over
+    assert layer._key_buffer.shape[-2] == 512 and torch.equal(keys, torch.cat([k, k2, k3], -2))
+    assert torch.equal(values, torch.cat([v, v2, v3], -2))
+    layer.keys, layer.values = layer.keys[[1]], layer.values[[1]]  # a row selection replaced the tensors
+    k4, v4 = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 5)
+    keys, values = layer.update(k4, v4)
+    assert keys.shape == (1, 1, 259, 4) and torch.equal(keys[0, :, :257], torch.cat([k, k2, k3], -2)[1])
+    assert torch.equal(values[0, :, 257:], v4[0]) and layer._key_buffer.shape[0] == 1
+    layer.keys, layer.values = layer.keys[..., :100, :], layer.values[..., :100, :]  # a crop: a view, same start
+    keys, _ = layer.update(k4, v4)
+    assert keys.shape[-2] == 102 and torch.equal(keys[..., 100:, :], k4)
+
+
+def test_append_cache_new_cache_replaces_only_full_attention_layers():
+    from transformers import LlamaConfig
+    from transformers.cache_utils import DynamicLayer
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    cache = new_cache(config)
+    assert [type(layer) for layer in cache.layers] == [AppendLayer, AppendLayer]
+    assert issubclass(AppendLayer, DynamicLayer)
+    config.layer_types, config.sliding_window = ["sliding_attention", "full_attention"], 4
+    kinds = [type(layer) for layer in new_cache(config).layers]
+    assert kinds[0] is not AppendLayer and kinds[1] is AppendLayer
+    # a config that names no layers: the cache makes them lazily, one per layer index, and they append in place
+    lazy = new_cache(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=0,
+                                 num_attention_heads=2, num_key_value_heads=2))
+    assert lazy.layers == [] and lazy.layer_class_to_replicate is AppendLayer
+    lazy.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    assert type(lazy.layers[0]) is AppendLayer

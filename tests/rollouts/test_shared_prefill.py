@@ -19,9 +19,7 @@ from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT, CACHE_OUTPUT, HFG
 from stppo_agent.rollouts.sampling import SamplingSettings, generation_config
 from stppo_agent.rollouts.shared_prefill import distinct_rows, shared_prefill
 from stppo_agent.rollouts.turn_loop import RolloutLimits, collect_rollouts
-
-from .conftest import KeywordRetriever
-from .test_rollout import PASSAGES
+from tests.support.retrievers import PASSAGES, KeywordRetriever
 
 
 @pytest.fixture(scope="module")

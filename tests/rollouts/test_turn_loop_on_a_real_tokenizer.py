@@ -11,11 +11,7 @@ import stppo_envs  # noqa: F401
 from stppo_agent.rollouts.generation import Generation, generated_length
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend, StopOnStrings, stop_candidate_ids
 from stppo_agent.rollouts.turn_loop import RolloutLimitError, RolloutLimits, collect_rollouts
-
-from .conftest import KeywordRetriever
-
-PASSAGES = [("München", "München liegt an der Isar. 東京は日本の首都です。"),
-            ("Zürich", "Zürich 🚀 café naïve façade.")]
+from tests.support.retrievers import PASSAGES, KeywordRetriever
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +175,7 @@ class PerTrajectoryBackend:
 
 
 def test_per_trajectory_counters_flags_and_keys(smollm2_tokenizer):
-    from .conftest import FailingRetriever
+    from tests.support.retrievers import FailingRetriever
 
     tok = smollm2_tokenizer
 

@@ -11,8 +11,7 @@ import yaml
 
 from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
-
-from .cli_in_process import stppo
+from tests.support.cli_in_process import stppo
 
 KL = ("algorithm.kl_in_reward=0.001",)  # the reference policy is the base model: a resume loads it
 

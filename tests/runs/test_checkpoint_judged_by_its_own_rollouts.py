@@ -8,18 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
+from stppo_agent.models.tiny import toy_train_command
 from stppo_agent.runs.metrics_log import read_metrics
-
-from .cli_in_process import stppo
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
-
+from tests.support.cli_in_process import stppo
 
 QUIET = ("checkpoint.keep=20", "monitor.warmup=2", "monitor.z=1000")  # every checkpoint kept, no signal trips
 

@@ -19,10 +19,9 @@ from safetensors.torch import load_file
 from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.checkpoint import OPTIMIZER_FILE, NoOptimizerStateError, load_trainer_state, verify_checkpoint
 from stppo_agent.runs.metrics_log import read_metrics
+from tests.support.cli_in_process import stppo
+from tests.support.paths import REPO
 
-from .cli_in_process import stppo
-
-REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "checkpoint.dtype=bfloat16", "--set", "checkpoint.optimizer=newest"]
 
 

@@ -14,8 +14,7 @@ from safetensors import safe_open
 
 from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
-
-from .cli_in_process import stppo
+from tests.support.cli_in_process import stppo
 
 LAGGED = "lagged_policy.safetensors"
 

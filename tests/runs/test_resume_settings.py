@@ -1,5 +1,5 @@
-"""What --resume does with settings that differ from the checkpoint's, and the learning rate across rollbacks
-(issue 33, items 4 and 5)."""
+"""``stppo_agent.runs.resume_settings``: what ``--resume`` may change, what it
+refuses, and the learning rate across rollbacks."""
 
 from __future__ import annotations
 
@@ -9,18 +9,13 @@ import pytest
 import yaml
 
 from stppo_agent.cli import main
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+from stppo_agent.runs import resume_settings
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.runs.resume_settings import check
 from stppo_agent.training.config import merged
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.runs import toy_config
 
 
 def small(model: Path, out: Path, iterations: int, **overrides):
@@ -142,3 +137,118 @@ def test_a_recording_run_keeps_its_sampling_on_resume_and_a_plain_run_may_change
     Trainer(small(tiny_model, plain, 2, rollout=dict(temperature=0.7)), resume=True, report=said.append).train()
     assert any("temperature" in line for line in said), said
     assert [r["step"] for r in read_metrics(plain)] == [1, 2]
+
+
+# -- resume_settings -----------------------------------------------------------------------------------------------
+def test_resume_settings_flatten_opens_every_mapping_as_set_spells_its_keys():
+    config = {"algorithm": {"clip_high": 0.2}, "env_kwargs": {"split": "dev"},
+              "monitor": {"thresholds": {"a": 1}, "z": 6.0}, "seed": 3}
+    assert resume_settings.flatten(config) == {"algorithm.clip_high": 0.2, "env_kwargs.split": "dev",
+                                               "monitor.thresholds.a": 1, "monitor.z": 6.0, "seed": 3}
+    assert resume_settings.flatten({"algorithm": "ppo"}) == {"algorithm": "ppo"}
+
+
+def test_resume_settings_changes_in_order_with_numbers_compared_by_value():
+    previous = {"seed": 1, "actor_lr": 1, "gone": 5, "output_dir": "a", "flag": True, "xs": [1, 2],
+                "algorithm": {"clip_high": 0.2, "old": 1}}
+    current = {"actor_lr": 1.0, "seed": 1, "flag": 1, "xs": (1.0, 2.0), "output_dir": "b", "new": None,
+               "algorithm": {"clip_high": 0.3}, "ys": [1]}
+    assert resume_settings.changes(previous, current) == [
+        ("algorithm.clip_high", 0.2, 0.3), ("ys", None, [1]), ("gone", 5, None),
+        ("algorithm.old", 1, None)]
+    assert resume_settings.changes({"xs": [1, 2]}, {"xs": [1]}) == [("xs", [1, 2], [1])]
+    assert resume_settings.changes({"xs": [1, 2]}, {"xs": [1, 3]}) == [("xs", [1, 2], [1, 3])]
+    assert resume_settings.changes({"a": 1}, {"a": False}) == [("a", 1, False)]
+    assert resume_settings.changes({"a": 0}, {"a": False}) == []  # bools compare as Python does
+    assert resume_settings.changes({"a": 1.5}, {"a": 3 / 2}) == [] and resume_settings.changes({"a": 2}, {"a": 2.5})
+    assert resume_settings.changes({"a": [[1]]}, {"a": [[1.0]]}) == []
+    assert resume_settings.changes({"a": "1"}, {"a": 1}) == [("a", "1", 1)]
+    assert resume_settings.describe([("seed", 1, 2), ("model", None, "m")]) == "seed 1 -> 2, model unset -> m"
+    assert resume_settings.describe([]) == ""
+
+
+FIXED_REASONS = {
+    "model": "the reference policy (KL) and the recorded initial weights are this model; the checkpoint's actor was "
+             "trained from it (a moved copy of the same weights is accepted: checkpoints record their sha256, "
+             "those written before that cannot tell)",
+    "critic_model": "the checkpoint's critic was trained from it",
+    "algo": "a run trains one algorithm; to apply another rule to the same start, replay recorded rollouts or start a "
+            "new run from the checkpoint's actor",
+    "algorithm.use_critic": "the checkpoint holds (or lacks) a critic and its optimizer state",
+    "seed": "the random streams and the prompt order continue from the checkpoint; a new seed would make one run "
+            "of two seeds",
+    "env": "the checkpoint's prompt position indexes these envs' examples",
+    "precision.dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays "
+                       "share it",
+    "precision.autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
+    "rollout.staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
+}
+TAIL = (". Start a new run in another --output-dir instead (--model RUN/checkpoints/step-N/actor starts it from "
+        "these weights)")
+
+
+def test_resume_settings_check_refuses_what_the_checkpoint_is_tied_to_with_one_line():
+    assert resume_settings.FIXED == FIXED_REASONS
+    for key, reason in FIXED_REASONS.items():
+        previous, current = resume_settings.flatten({key: "a"}), {key: None}
+        with pytest.raises(ValueError) as caught:
+            resume_settings.check(previous, current, 3)
+        assert str(caught.value) == f"--resume cannot change {key} (a -> unset): {reason}{TAIL}"
+    for name in ("dataset", "split", "limit", "shuffle_seed", "benchmark", "family"):
+        with pytest.raises(ValueError) as caught:
+            resume_settings.check({"env_kwargs": {name: 1}}, {"env_kwargs": {name: 2}}, 0)
+        assert str(caught.value) == (f"--resume cannot change env_kwargs.{name} (1 -> 2): the checkpoint's prompt "
+                                     f"position indexes the examples this selects{TAIL}")
+    allowed = resume_settings.check({"env_kwargs": {"retriever": "bm25"}, "actor_lr": 1e-5, "output_dir": "a",
+                                     "dataset": 1},
+                                    {"env_kwargs": {"retriever": "dense"}, "actor_lr": 2e-5, "output_dir": "b",
+                                     "dataset": 2}, 5)
+    assert allowed == [("env_kwargs.retriever", "bm25", "dense"), ("actor_lr", 1e-5, 2e-5), ("dataset", 1, 2)]
+    # the whole inner name is compared: a dotted env kwarg is not the dataset
+    assert len(resume_settings.check({"env_kwargs": {"dataset.x": 1, "a.dataset": 1}},
+                                     {"env_kwargs": {"dataset.x": 2, "a.dataset": 2}}, 3)) == 2
+    first = {"seed": 1, "model": "a"}
+    with pytest.raises(ValueError, match=r"^--resume cannot change seed \(1 -> 2\)"):  # the first in order
+        resume_settings.check(first, {"seed": 2, "model": "b"}, 1)
+
+
+def test_resume_settings_turning_recording_on_is_refused_only_after_the_first_iteration():
+    off, on = {"logging": {"save_rollouts": False}}, {"logging": {"save_rollouts": True}}
+    with pytest.raises(ValueError) as caught:
+        resume_settings.check(off, on, 4)
+    assert str(caught.value) == ("--resume cannot change logging.save_rollouts (False -> True): the recording would "
+                                 "lack the initial weights and iterations 1..4, so stppo replay could not use it"
+                                 + TAIL)
+    with pytest.raises(ValueError, match=r"logging.save_rollouts \(unset -> True\).*iterations 1\.\.1,"):
+        resume_settings.check({}, on, 1)
+    assert resume_settings.check(off, on, 0) == [("logging.save_rollouts", False, True)]
+    assert resume_settings.check(on, off, 4) == [("logging.save_rollouts", True, False)]
+    assert resume_settings.check({"save_tokens": False}, {"save_tokens": True}, 4) == [("save_tokens", False, True)]
+
+
+RECORDING = {"logging": {"save_rollouts": True}}
+
+
+def test_a_recording_run_refuses_a_new_temperature_naming_the_old_one():
+    with pytest.raises(ValueError) as info:
+        check({**RECORDING, "rollout": {"temperature": 1.0}}, {**RECORDING, "rollout": {"temperature": 0.7}}, 3)
+    assert str(info.value) == (
+        "--resume cannot change rollout.temperature (1.0 -> 0.7): iterations 1..3 were recorded sampled with "
+        "rollout.temperature=1.0, and stppo replay takes one setting for every recorded iteration. Start a new run in "
+        "another --output-dir instead (--model RUN/checkpoints/step-N/actor starts it from these weights)")
+
+
+def test_an_unset_old_setting_is_shown_as_unset():
+    with pytest.raises(ValueError, match=r"recorded sampled with precision.generation_autocast_dtype=unset, and"):
+        check(RECORDING, {**RECORDING, "precision": {"generation_autocast_dtype": "bfloat16"}}, 1)
+
+
+def test_at_iteration_zero_nothing_was_recorded_so_sampling_may_change():
+    assert check({**RECORDING, "rollout": {"top_k": 0}}, {**RECORDING, "rollout": {"top_k": 5}}, 0) == \
+        [("rollout.top_k", 0, 5)]
+
+
+def test_a_run_that_does_not_record_may_change_its_sampling():
+    plain = {"logging": {"save_rollouts": False}}
+    assert check({**plain, "rollout": {"top_p": 1.0}}, {**plain, "rollout": {"top_p": 0.9}}, 4) == \
+        [("rollout.top_p", 1.0, 0.9)]

@@ -1,365 +1,20 @@
-"""Pins for what a run writes for a researcher to read later (issue 27): result labels, metrics.jsonl and its
-resume, every rank's random streams, what --resume may change, the run folder's verdicts and the end-of-run summary
-(plots and recorded rollouts: tests/test_pins_run_records_plots_recording.py). Exact file contents and messages;
-fakes for TensorBoard, wandb and the process group; no model, no subprocess."""
+"""``stppo_agent.runs.run_folder``: run folders never lose or mix runs -- refusal
+without --resume/--overwrite, corrupt checkpoints and manifests, torn metrics lines, picking a checkpoint."""
 
 from __future__ import annotations
 
 import json
-import random
-import sys
-import types
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
+from stppo_agent.cli import main
 from stppo_agent.distributed import process_group
-from stppo_agent.runs import rank_streams, resume_settings, run_folder
-from stppo_agent.runs.checkpoint import CorruptCheckpointError, _write_manifest
-from stppo_agent.runs.labels import distinct_labels
-from stppo_agent.runs.metrics_log import MetricsLogger, json_value, read_metrics
-
-
-# -- labels --------------------------------------------------------------------------------------------------------
-def test_labels_take_as_many_parents_as_it_takes_and_drop_results_json():
-    assert distinct_labels(["runs/a/eval/results.json", "runs/b/eval/results.json", "x/c"]) == ["a/eval", "b/eval",
-                                                                                              "c"]
-    assert distinct_labels(["p/x/run/results.json", "q/x/run/results.json"]) == ["p/x/run", "q/x/run"]
-    assert distinct_labels(["a/run", "b/other"]) == ["run", "other"]  # one part each is enough
-    assert distinct_labels(["a/b/results.json"]) == ["b"]
-    assert distinct_labels(["a/results.txt"]) == ["results.txt"]  # only results.json names its folder
-    assert distinct_labels(["same/run", "same/run"]) == ["same/run", "same/run"]  # nothing tells them apart
-    assert distinct_labels(["run", "x/run"]) == ["run", "x/run"]
-    assert distinct_labels([]) == []
-
-
-# -- metrics_log ---------------------------------------------------------------------------------------------------
-class FakeWriter:
-    def __init__(self, log_dir):
-        self.log_dir, self.scalars, self.flushes, self.closed = log_dir, [], 0, False
-
-    def add_scalar(self, key, value, step):
-        self.scalars.append((key, value, step))
-
-    def flush(self):
-        self.flushes += 1
-
-    def close(self):
-        self.closed = True
-
-
-@pytest.fixture
-def fake_tensorboard(monkeypatch):
-    module = types.ModuleType("torch.utils.tensorboard")
-    made = []
-    module.SummaryWriter = lambda log_dir: made.append(FakeWriter(log_dir)) or made[-1]
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
-    return made
-
-
-def test_metrics_log_writes_one_json_line_per_iteration_and_the_finite_numbers_to_tensorboard(tmp_path,
-                                                                                            fake_tensorboard):
-    run = tmp_path / "new" / "run"
-    logger = MetricsLogger(run)  # TensorBoard on by default
-    assert logger.path == run / "metrics.jsonl" and run.is_dir()
-    assert [w.log_dir for w in fake_tensorboard] == [str(run / "tensorboard")]
-    logger.log(3, {"reward": torch.tensor(0.5), "loss": float("nan"), "name": "x", "turns": 2, "up": float("inf")})
-    logger.log(4, {"reward": 1.0})
-    assert (run / "metrics.jsonl").read_text() == (
-        '{"step": 3, "reward": 0.5, "loss": "nan", "name": "x", "turns": 2, "up": "inf"}\n'
-        '{"step": 4, "reward": 1.0}\n')
-    writer = fake_tensorboard[0]
-    assert writer.scalars == [("reward", 0.5, 3), ("turns", 2, 3), ("reward", 1.0, 4)]
-    assert writer.flushes == 2 and not writer.closed
-    logger.close()
-    assert writer.closed
-    assert read_metrics(run) == [{"step": 3, "reward": 0.5, "loss": "nan", "name": "x", "turns": 2, "up": "inf"},
-                                 {"step": 4, "reward": 1.0}]
-    assert MetricsLogger(tmp_path / "off", tensorboard=False)._tb is None and len(fake_tensorboard) == 1
-
-
-def test_metrics_log_without_tensorboard_installed_keeps_the_json_lines(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    logger = MetricsLogger(tmp_path)
-    assert logger._tb is None
-    logger.log(1, {"a": 1})
-    logger.close()
-    assert read_metrics(tmp_path) == [{"step": 1, "a": 1}]
-
-
-def test_metrics_log_sends_numbers_to_wandb_when_a_project_is_named(tmp_path, monkeypatch):
-    calls = []
-
-    class Run:
-        def log(self, numbers, step):
-            calls.append(("log", numbers, step))
-
-        def finish(self):
-            calls.append(("finish",))
-
-    module = types.ModuleType("wandb")
-    module.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
-    monkeypatch.setitem(sys.modules, "wandb", module)
-    logger = MetricsLogger(tmp_path, tensorboard=False, wandb_project="proj", config={"seed": 1})
-    logger.log(2, {"reward": 0.25, "note": "text", "bad": float("nan")})
-    logger.close()
-    assert calls == [("init", dict(project="proj", dir=str(tmp_path), config={"seed": 1}, resume="allow")),
-                     ("log", {"reward": 0.25}, 2), ("finish",)]
-    assert MetricsLogger(tmp_path / "b", tensorboard=False)._wandb is None and len(calls) == 3
-    monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(ValueError, match=r"^logging.wandb_project is set but wandb is not installed: pip install "
-                                         r"wandb$"):
-        MetricsLogger(tmp_path, tensorboard=False, wandb_project="proj")
-
-
-def test_metrics_log_truncate_after_keeps_the_checkpoints_iterations_and_drops_a_torn_last_line(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
-    notes = []
-    logger.truncate_after(2, report=notes.append)  # no file yet: nothing made
-    assert not logger.path.exists() and notes == []
-    logger.path.write_text('{"step": 1, "r": 1}\n\n{"note": 0}\n{"step": 2, "r": 2}\n{"step": 3, "r": 3}\n'
-                           '{"step": 4, "r": 4}\n{"step": 5, "r"')
-    logger.truncate_after(3, report=notes.append)
-    assert logger.path.read_text() == '{"step": 1, "r": 1}\n{"note": 0}\n{"step": 2, "r": 2}\n{"step": 3, "r": 3}\n'
-    assert notes == [f"{logger.path}: dropped a torn last record (line 7, an interrupted write)"]  # the file's line
-    logger.truncate_after(2, report=notes.append)
-    assert logger.path.read_text() == '{"step": 1, "r": 1}\n{"note": 0}\n{"step": 2, "r": 2}\n' and len(notes) == 1
-    logger.path.write_text('{"step": 1}\n\n{"step": 2\n{"step": 3}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3 is not JSON \(.*\); fix or remove that line, then "
-                                         r"--resume$"):
-        logger.truncate_after(5, report=notes.append)
-    logger.path.write_text("")
-    logger.truncate_after(0)
-    assert logger.path.read_text() == ""
-
-
-def test_metrics_log_json_values_and_reading_another_file(tmp_path):
-    assert json_value(torch.tensor(2)) == 2 and isinstance(json_value(torch.tensor(2)), int)
-    assert json_value(float("-inf")) == "-inf" and json_value(1.5) == 1.5 and json_value("a") == "a"
-    assert json_value(np.float64("nan")) == "nan"
-    assert read_metrics(tmp_path) == [] and read_metrics(tmp_path / "missing") == []
-    (tmp_path / "steps.jsonl").write_text('{"step": 7}\n  \n{"step": 8}\n')
-    assert read_metrics(tmp_path, "steps.jsonl") == [{"step": 7}, {"step": 8}]
-    assert read_metrics(str(tmp_path), name="steps.jsonl")[1] == {"step": 8}
-    assert read_metrics(tmp_path) == []
-
-
-def test_metrics_log_truncate_after_a_write_torn_inside_a_character(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
-    logger.path.write_bytes('{"note": "start"}\n{"step": 1, "q": "é"}\n{"step": 2, "q": "'.encode() + b"\xc3")
-    notes = []
-    logger.truncate_after(0, report=notes.append)  # a record without a step belongs before the first iteration
-    assert logger.path.read_text(encoding="utf-8") == '{"note": "start"}\n'
-    assert notes == [f"{logger.path}: dropped a torn last record (line 3, an interrupted write)"]
-
-
-# -- rank_streams --------------------------------------------------------------------------------------------------
-def draws():
-    return torch.rand(3).tolist(), random.random(), float(np.random.rand())
-
-
-def test_rank_streams_save_nothing_with_one_process_and_every_ranks_streams_with_several(monkeypatch):
-    tensors, json_state = {}, {}
-    rank_streams.save(tensors, json_state)
-    assert tensors == {} and json_state == {}
-    other = {"torch": torch.tensor([9], dtype=torch.uint8), "python": "p1", "numpy": "n1", "cuda": ["c1"]}
-    gathered = []
-    monkeypatch.setattr(process_group, "world_size", lambda: 2)
-    monkeypatch.setattr(process_group, "all_gather_objects", lambda local: gathered.append(local) or [local, other])
-    torch.manual_seed(5)
-    random.seed(5)
-    np.random.seed(5)
-    rank_streams.save(tensors, json_state)
-    local = gathered[0]
-    assert set(local) == {"torch", "python", "numpy"}  # no CUDA here
-    assert torch.equal(local["torch"], torch.get_rng_state())
-    assert local["python"] == json.loads(json.dumps(rank_streams.jsonable(random.getstate())))
-    assert local["numpy"][1]["dtype"] == "uint32"
-    assert [sorted(entry) for entry in tensors["rank_rng"]] == [["torch"], ["cuda", "torch"]]
-    assert torch.equal(tensors["rank_rng"][0]["torch"], local["torch"]) and tensors["rank_rng"][1]["cuda"] == ["c1"]
-    assert json_state["rank_rng"] == [{"python": local["python"], "numpy": local["numpy"]},
-                                      {"python": "p1", "numpy": "n1"}]
-
-
-def test_rank_streams_restore_this_ranks_entry_or_start_a_fresh_stream(monkeypatch):
-    def state_of(seed):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-        return ({"torch": torch.get_rng_state()},
-                {"python": rank_streams.jsonable(random.getstate()),
-                 "numpy": rank_streams.jsonable(np.random.get_state())})
-
-    saved = [state_of(s) for s in (10, 11, 12)]
-    expected = {}
-    for seed in (10, 11, 12):
-        state_of(seed)
-        expected[seed] = draws()
-    tensors = {"rank_rng": [t for t, _ in saved]}
-    json_state = json.loads(json.dumps({"rank_rng": [j for _, j in saved]}))
-    notes = []
-    run = dict(seed=7, iteration=4, report=notes.append)  # the run this rank resumes
-
-    monkeypatch.setattr(process_group, "rank", lambda: 0)
-    state_of(99)
-    untouched = draws()
-    state_of(99)
-    rank_streams.restore(tensors, json_state, **run)
-    assert draws() == untouched and notes == []  # rank 0: the caller restores the main entries
-    for rank, seed in ((1, 11), (2, 12)):
-        monkeypatch.setattr(process_group, "rank", lambda rank=rank: rank)
-        state_of(99)
-        rank_streams.restore(tensors, json_state, **run)
-        assert draws() == expected[seed] and notes == []
-
-    seeded = []
-    monkeypatch.setattr(process_group, "seed_everything", seeded.append)
-    monkeypatch.setattr(process_group, "rank", lambda: 2)
-    fresh = int(np.random.SeedSequence([7, 2, 4]).generate_state(1)[0])
-    for short_tensors, short_json, written in ((tensors["rank_rng"][:2], json_state["rank_rng"], 2),
-                                               (tensors["rank_rng"], json_state["rank_rng"][:2], 3),
-                                               ([], [], 1), (None, None, 1)):
-        rank_streams.restore({"rank_rng": short_tensors}, {"rank_rng": short_json}, **run)
-        assert seeded[-1] == fresh
-        assert notes[-1] == (f"rank 2: the checkpoint holds no random state for this rank (written by {written} "
-                             f"process(es)); its sampling continues from a fresh stream (seed {fresh})")
-    rank_streams.restore({}, {}, **run)
-    assert len(seeded) == 5 and "written by 1 process(es)" in notes[-1]
-    rank_streams.restore({}, {}, seed=2**64 + 7, iteration=4, report=notes.append)
-    assert seeded[-1] == fresh  # the seed is taken modulo 2**64, as rank_seed does
-
-
-def test_rank_streams_json_states_round_trip_through_json():
-    random.seed(3)
-    np.random.seed(3)
-    python = json.loads(json.dumps(rank_streams.jsonable(random.getstate())))
-    numpy = json.loads(json.dumps(rank_streams.jsonable(np.random.get_state())))
-    assert numpy[1]["dtype"] == "uint32" and len(numpy[1]["ndarray"]) == 624
-    expected = (random.random(), float(np.random.rand()))
-    random.seed(4)
-    np.random.seed(4)
-    random.setstate(rank_streams.python_state(python))
-    np.random.set_state(rank_streams.numpy_state(numpy))
-    assert (random.random(), float(np.random.rand())) == expected
-    assert rank_streams.jsonable((1, np.array([2], dtype=np.int64), (3,))) == [1, {"ndarray": [2], "dtype": "int64"},
-                                                                               [3]]
-    assert rank_streams.python_state([3, [1, 2], None]) == (3, (1, 2), None)
-    state = rank_streams.numpy_state(["MT19937", {"ndarray": [1, 2], "dtype": "uint32"}, 5, 0, 0.5])
-    assert state[0] == "MT19937" and state[1].dtype == np.uint32 and state[1].tolist() == [1, 2]
-    assert state[2:] == (5, 0, 0.5)
-
-
-def test_rank_streams_cuda_streams_travel_when_a_gpu_is_there(monkeypatch):
-    set_calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: ["gpu state"])
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_calls.append)
-    monkeypatch.setattr(process_group, "world_size", lambda: 2)
-    monkeypatch.setattr(process_group, "all_gather_objects", lambda local: [local, local])
-    tensors, json_state = {}, {}
-    rank_streams.save(tensors, json_state)
-    assert [entry["cuda"] for entry in tensors["rank_rng"]] == [["gpu state"], ["gpu state"]]
-    assert sorted(tensors["rank_rng"][1]) == ["cuda", "torch"]
-
-    monkeypatch.setattr(process_group, "rank", lambda: 1)
-    run = dict(seed=1, iteration=0, report=print)
-    rank_streams.restore({"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["rank 1 gpu"]}]},
-                         json.loads(json.dumps(json_state)), **run)
-    assert set_calls == [["rank 1 gpu"]]
-    rank_streams.restore({"rank_rng": [{}, {"torch": torch.get_rng_state()}]}, json_state, **run)
-    assert len(set_calls) == 1  # written without a GPU: nothing to put back
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    rank_streams.restore({"rank_rng": [{}, {"torch": torch.get_rng_state(), "cuda": ["x"]}]}, json_state, **run)
-    assert len(set_calls) == 1  # resumed without a GPU
-
-
-# -- resume_settings -----------------------------------------------------------------------------------------------
-def test_resume_settings_flatten_opens_every_mapping_as_set_spells_its_keys():
-    config = {"algorithm": {"clip_high": 0.2}, "env_kwargs": {"split": "dev"},
-              "monitor": {"thresholds": {"a": 1}, "z": 6.0}, "seed": 3}
-    assert resume_settings.flatten(config) == {"algorithm.clip_high": 0.2, "env_kwargs.split": "dev",
-                                               "monitor.thresholds.a": 1, "monitor.z": 6.0, "seed": 3}
-    assert resume_settings.flatten({"algorithm": "ppo"}) == {"algorithm": "ppo"}
-
-
-def test_resume_settings_changes_in_order_with_numbers_compared_by_value():
-    previous = {"seed": 1, "actor_lr": 1, "gone": 5, "output_dir": "a", "flag": True, "xs": [1, 2],
-                "algorithm": {"clip_high": 0.2, "old": 1}}
-    current = {"actor_lr": 1.0, "seed": 1, "flag": 1, "xs": (1.0, 2.0), "output_dir": "b", "new": None,
-               "algorithm": {"clip_high": 0.3}, "ys": [1]}
-    assert resume_settings.changes(previous, current) == [
-        ("algorithm.clip_high", 0.2, 0.3), ("ys", None, [1]), ("gone", 5, None),
-        ("algorithm.old", 1, None)]
-    assert resume_settings.changes({"xs": [1, 2]}, {"xs": [1]}) == [("xs", [1, 2], [1])]
-    assert resume_settings.changes({"xs": [1, 2]}, {"xs": [1, 3]}) == [("xs", [1, 2], [1, 3])]
-    assert resume_settings.changes({"a": 1}, {"a": False}) == [("a", 1, False)]
-    assert resume_settings.changes({"a": 0}, {"a": False}) == []  # bools compare as Python does
-    assert resume_settings.changes({"a": 1.5}, {"a": 3 / 2}) == [] and resume_settings.changes({"a": 2}, {"a": 2.5})
-    assert resume_settings.changes({"a": [[1]]}, {"a": [[1.0]]}) == []
-    assert resume_settings.changes({"a": "1"}, {"a": 1}) == [("a", "1", 1)]
-    assert resume_settings.describe([("seed", 1, 2), ("model", None, "m")]) == "seed 1 -> 2, model unset -> m"
-    assert resume_settings.describe([]) == ""
-
-
-FIXED_REASONS = {
-    "model": "the reference policy (KL) and the recorded initial weights are this model; the checkpoint's actor was "
-             "trained from it (a moved copy of the same weights is accepted: checkpoints record their sha256, "
-             "those written before that cannot tell)",
-    "critic_model": "the checkpoint's critic was trained from it",
-    "algo": "a run trains one algorithm; to apply another rule to the same start, replay recorded rollouts or start a "
-            "new run from the checkpoint's actor",
-    "algorithm.use_critic": "the checkpoint holds (or lacks) a critic and its optimizer state",
-    "seed": "the random streams and the prompt order continue from the checkpoint; a new seed would make one run "
-            "of two seeds",
-    "env": "the checkpoint's prompt position indexes these envs' examples",
-    "precision.dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays "
-                       "share it",
-    "precision.autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
-    "rollout.staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
-}
-TAIL = (". Start a new run in another --output-dir instead (--model RUN/checkpoints/step-N/actor starts it from "
-        "these weights)")
-
-
-def test_resume_settings_check_refuses_what_the_checkpoint_is_tied_to_with_one_line():
-    assert resume_settings.FIXED == FIXED_REASONS
-    for key, reason in FIXED_REASONS.items():
-        previous, current = resume_settings.flatten({key: "a"}), {key: None}
-        with pytest.raises(ValueError) as caught:
-            resume_settings.check(previous, current, 3)
-        assert str(caught.value) == f"--resume cannot change {key} (a -> unset): {reason}{TAIL}"
-    for name in ("dataset", "split", "limit", "shuffle_seed", "benchmark", "family"):
-        with pytest.raises(ValueError) as caught:
-            resume_settings.check({"env_kwargs": {name: 1}}, {"env_kwargs": {name: 2}}, 0)
-        assert str(caught.value) == (f"--resume cannot change env_kwargs.{name} (1 -> 2): the checkpoint's prompt "
-                                     f"position indexes the examples this selects{TAIL}")
-    allowed = resume_settings.check({"env_kwargs": {"retriever": "bm25"}, "actor_lr": 1e-5, "output_dir": "a",
-                                     "dataset": 1},
-                                    {"env_kwargs": {"retriever": "dense"}, "actor_lr": 2e-5, "output_dir": "b",
-                                     "dataset": 2}, 5)
-    assert allowed == [("env_kwargs.retriever", "bm25", "dense"), ("actor_lr", 1e-5, 2e-5), ("dataset", 1, 2)]
-    # the whole inner name is compared: a dotted env kwarg is not the dataset
-    assert len(resume_settings.check({"env_kwargs": {"dataset.x": 1, "a.dataset": 1}},
-                                     {"env_kwargs": {"dataset.x": 2, "a.dataset": 2}}, 3)) == 2
-    first = {"seed": 1, "model": "a"}
-    with pytest.raises(ValueError, match=r"^--resume cannot change seed \(1 -> 2\)"):  # the first in order
-        resume_settings.check(first, {"seed": 2, "model": "b"}, 1)
-
-
-def test_resume_settings_turning_recording_on_is_refused_only_after_the_first_iteration():
-    off, on = {"logging": {"save_rollouts": False}}, {"logging": {"save_rollouts": True}}
-    with pytest.raises(ValueError) as caught:
-        resume_settings.check(off, on, 4)
-    assert str(caught.value) == ("--resume cannot change logging.save_rollouts (False -> True): the recording would "
-                                 "lack the initial weights and iterations 1..4, so stppo replay could not use it"
-                                 + TAIL)
-    with pytest.raises(ValueError, match=r"logging.save_rollouts \(unset -> True\).*iterations 1\.\.1,"):
-        resume_settings.check({}, on, 1)
-    assert resume_settings.check(off, on, 0) == [("logging.save_rollouts", False, True)]
-    assert resume_settings.check(on, off, 4) == [("logging.save_rollouts", True, False)]
-    assert resume_settings.check({"save_tokens": False}, {"save_tokens": True}, 4) == [("save_tokens", False, True)]
+from stppo_agent.runs import run_folder
+from stppo_agent.runs.checkpoint import CorruptCheckpointError, _write_manifest, list_checkpoints, verify_checkpoint
+from stppo_agent.runs.metrics_log import read_metrics
+from stppo_agent.training.trainer import Trainer
+from tests.support.runs import toy_config
 
 
 # -- run_folder ----------------------------------------------------------------------------------------------------
@@ -561,123 +216,121 @@ def test_run_folder_pick_checkpoint_of_an_unmonitored_run(tmp_path):
     assert run_folder.pick_checkpoint(run, "2")[1] == "step-2: as asked"
 
 
-# -- run_summary ---------------------------------------------------------------------------------------------------
-def test_run_summary_human_bytes_in_decimal_units_at_the_boundaries():
-    from stppo_agent.runs.run_summary import human_bytes
-
-    assert [human_bytes(n) for n in (0, 999, 1000, 1536000, 999_949, 10**9, 2.5e12, 10**15, 10**16)] == [
-        "0 B", "999 B", "1.0 kB", "1.5 MB", "999.9 kB", "1.0 GB", "2.5 TB", "1000.0 TB", "10000.0 TB"]
-    # a size that rounds up to 1000 of a unit is shown in the next one (not "1000.0 kB")
-    assert [human_bytes(n) for n in (999_950, 999_999, 999_999_999, 999.6)] == ["1.0 MB", "1.0 MB", "1.0 GB",
-                                                                                "1.0 kB"]
+# Run folders never lose or mix runs: refusal without --resume/--overwrite, corrupt checkpoints and manifests, torn
+# metrics lines.
 
 
-def test_run_summary_reward_line_first_best_last_and_the_earliest_of_equal_bests():
-    from stppo_agent.runs.run_summary import reward_line
-
-    records = [{"step": 1, "reward": 0.25}, {"step": 2, "reward": "nan"}, {"step": 3, "reward": 0.75},
-               {"step": 4, "reward": True}, {"step": 5}, {"step": 6, "reward": 0.75}, {"step": 7, "reward": 0.5},
-               {"step": 8, "reward": float("inf")}]
-    assert reward_line(records) == "0.250 (iteration 1) -> best 0.750 (iteration 3) -> 0.500 (iteration 7)"
-    assert reward_line([{"step": "2", "reward": -1}]) == "-1.000 (iteration 2) -> best -1.000 (iteration 2) -> " \
-                                                          "-1.000 (iteration 2)"
-    assert reward_line([{"step": 1, "loss": 1.0}]) == reward_line([]) == "no iteration recorded a reward"
-    assert reward_line([{"step": 1, "reward": float("nan")}]) == "no iteration recorded a reward"
+def config(model, out, iterations):
+    # on_collapse=none: pruning then keeps exactly the newest keep_checkpoints (the collapse monitor also keeps a
+    # healthy and a best checkpoint; tests/test_collapse.py covers that)
+    return toy_config(model, out, "ppo", iterations=iterations, checkpoint=dict(every=1, keep=2),
+                      rollout=dict(prompts_per_iteration=2, samples_per_prompt=2),
+                      optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none"))
 
 
-def test_run_summary_clipping_line_follows_the_rules_ratio_level_and_corrections():
-    from stppo_agent.runs.run_summary import clipping_line
-
-    records = [{"step": 1, "clip_frac": 0.1, "turn_clip_frac": 0.4, "clip_bias_scale": 1.0,
-                "rollout_correction/truncated_frac": 0.0, "rollout_correction/masked_frac": 0.0},
-               {"step": 2, "clip_frac": 0.3, "turn_clip_frac": 0.2, "clip_bias_scale": 0.5,
-                "rollout_correction/truncated_frac": 0.0, "rollout_correction/masked_frac": 0.25},
-               {"step": 3, "clip_frac": 0.2, "turn_clip_frac": 0.1, "clip_bias_scale": 0.75,
-                "rollout_correction/masked_frac": 0.125}]
-    assert clipping_line(records, {}) == ("token clip share 0.100 -> 0.200 (max 0.300); rollout-correction masked "
-                                          "share 0.000 -> 0.125 (max 0.250)")
-    assert clipping_line(records, {"ratio_level": "turn", "clip_bias_correction": True}) == (
-        "turn clip share 0.400 -> 0.100 (max 0.400); clip-bias correction scale 1.000 -> 0.750 (max 1.000); "
-        "rollout-correction masked share 0.000 -> 0.125 (max 0.250)")
-    assert clipping_line(records, {"ratio_level": "sequence", "clip_bias_correction": False}).startswith(
-        "sequence clip share 0.100 -> 0.200 (max 0.300); rollout-correction masked")
-    truncated = [{"step": 1, "rollout_correction/truncated_frac": 0.5}]
-    assert clipping_line(truncated, {}) == "rollout-correction truncated share 0.500 -> 0.500 (max 0.500)"
-    assert clipping_line([{"step": 1, "rollout_correction/truncated_frac": 0.0}], {}) == "no clipping figures recorded"
-    assert clipping_line([], {"clip_bias_correction": True}) == "no clipping figures recorded"
+def test_a_folder_holding_a_run_is_refused_without_resume_or_overwrite(tiny_model, tmp_path):
+    Trainer(config(tiny_model, tmp_path, 3)).train()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="already holds a run .2 checkpoint.*steps 2, 3.*--resume.*--overwrite"):
+        Trainer(config(tiny_model, tmp_path, 2))
+    assert (tmp_path / "metrics.jsonl").read_text() == before and list_checkpoints(tmp_path) == [2, 3]
+    messages = []
+    Trainer(config(tiny_model, tmp_path, 2), overwrite=True, report=messages.append).train()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert list_checkpoints(tmp_path) == [1, 2]  # the old run's step-3 is gone, not kept over the new run
+    assert any("--overwrite: removing" in m for m in messages)
+    with pytest.raises(ValueError, match="pass one"):
+        Trainer(config(tiny_model, tmp_path, 2), resume=True, overwrite=True)
+    assert main(["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
+                 str(tmp_path), "--iterations", "1"]) == 1
 
 
-def test_run_summary_alarms_line_names_alarms_rollbacks_and_skipped_updates():
-    from stppo_agent.runs.run_summary import alarms_line
-
-    records = [{"step": 1, "nan_skips_total": 0}, {"step": 2, "collapse/alarm": True, "nan_skips_total": 2},
-               {"step": 3, "collapse/alarm": 0, "collapse/rollback_to": 1, "nan_skips_total": 1},
-               {"step": 4, "collapse/alarm": 1, "collapse/rollback_to": 3}]
-    assert alarms_line(records) == ("collapse alarm at iteration 2, 4; rolled back to step 1, 3; 2 update(s) skipped "
-                                    "for NaN/inf")
-    assert alarms_line([{"step": 1, "nan_skips_total": 0}]) == "no collapse alarm"
-    assert alarms_line([{"step": 1, "nan_skips_total": 1}]) == "no collapse alarm; 1 update(s) skipped for NaN/inf"
-    assert alarms_line([{"step": 1, "collapse/rollback_to": 0}]) == "no collapse alarm; rolled back to step 0"
-
-
-def test_run_summary_eval_command_on_the_trained_benchmarks_and_limits():
-    from stppo_agent.runs.run_summary import eval_command
-
-    config = {"env": "stppo/HotpotQA-v0, stppo/Toy-v0,stppo/NQ-v0", "env_kwargs": {"retriever": "bm25"},
-              "max_turns": 3, "max_new_tokens_per_turn": 64}
-    assert eval_command("runs/a b", config) == (
-        "stppo eval --agent 'hf:runs/a b@latest' --benchmarks hotpotqa,nq --retriever bm25 --max-turns 3 "
-        "--max-new-tokens 64 --output-dir 'runs/a b/eval'")
-    assert eval_command("r", {"env": "stppo/Toy-v0", "env_kwargs": {"retriever": {"k": 1}}, "max_turns": 2.5,
-                              "max_new_tokens_per_turn": 8}) == (
-        "stppo eval --agent hf:r@latest --benchmarks nq --max-new-tokens 8 --output-dir r/eval")
-    assert eval_command("r", {}) == "stppo eval --agent hf:r@latest --benchmarks nq --output-dir r/eval"
-    assert eval_command("r", {"env_kwargs": None, "max_turns": 4}) == (
-        "stppo eval --agent hf:r@latest --benchmarks nq --max-turns 4 --output-dir r/eval")
+def test_resume_with_every_checkpoint_corrupt_stops_and_says_what_it_found(tiny_model, tmp_path):
+    Trainer(config(tiny_model, tmp_path, 2)).train()
+    for step in (1, 2):
+        weights = tmp_path / "checkpoints" / f"step-{step}" / "actor" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(CorruptCheckpointError, match="nothing in .* can be resumed.*does not match its checksum"):
+        Trainer(config(tiny_model, tmp_path, 4), resume=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == before  # nothing lost
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [".corrupt-step-1", ".corrupt-step-2"]
 
 
-def test_run_summary_of_a_whole_run_folder(tmp_path, monkeypatch):
-    from stppo_agent.runs.run_summary import folder_bytes, run_summary
+def test_a_corrupt_newest_checkpoint_is_set_aside_and_never_pruned_over_the_resumed_run(tiny_model, tmp_path):
+    Trainer(config(tiny_model, tmp_path, 3)).train()
+    (tmp_path / "checkpoints" / "step-3" / "trainer_state.json").write_text("{}")
+    messages = []
+    Trainer(config(tiny_model, tmp_path, 5), resume=True, report=messages.append).train()
+    assert any("skipping corrupt checkpoint" in m for m in messages)
+    assert list_checkpoints(tmp_path) == [4, 5]  # resumed from 2: 3, 4, 5 were redone
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
 
-    monkeypatch.chdir(tmp_path)
-    run = Path("runs") / "r1"
-    run.mkdir(parents=True)
-    (run / "config.yaml").write_text("algo: st_ppo\nenv: stppo/MedQA-v0\nrollout:\n  max_turns: 2\noptimizer:\n"
-                                     "  actor_lr: 1e-6\nalgorithm:\n  ratio_level: turn\n")
-    (run / "metrics.jsonl").write_text(
-        '{"step": 3, "reward": 0.5, "clip_frac": 0.9, "turn_clip_frac": 0.2}\n'
-        '{"step": 4, "reward": 0.25, "turn_clip_frac": 0.1, "collapse/alarm": true}\n')
-    (run / "checkpoints" / "step-3").mkdir(parents=True)
-    (run / "checkpoints" / "step-4" / "actor").mkdir(parents=True)
-    (run / "checkpoints" / "step-4" / "actor" / "w.bin").write_bytes(b"x" * 1500)
-    (run / "checkpoints" / "step-4" / "t.json").write_bytes(b"y" * 100)
-    size = folder_bytes(run)
-    assert folder_bytes(run / "checkpoints") == 1600 and size > 1600
-    assert run_summary(str(run), title="replay") == "\n".join([
-        "replay runs/r1: st_ppo on stppo/MedQA-v0, iterations 3-4",
-        "  reward      0.500 (iteration 3) -> best 0.500 (iteration 3) -> 0.250 (iteration 4)",
-        "  clipping    turn clip share 0.200 -> 0.100 (max 0.200)",
-        "  alarms      collapse alarm at iteration 4",
-        "  checkpoint  runs/r1/checkpoints/step-4 (1.6 kB; 2 kept)",
-        "  evaluate    stppo eval --agent hf:runs/r1@latest --benchmarks medqa --max-turns 2 --output-dir runs/r1/eval",
-        f"  run folder  runs/r1: {size / 1000:.1f} kB on disk; every iteration's figures in metrics.jsonl"])
-    (run / "steps.jsonl").write_text("{}\n")
-    import shutil
 
-    shutil.rmtree(run / "checkpoints" / "step-3")
-    lines = run_summary(run).splitlines()
-    assert lines[4] == "  checkpoint  runs/r1/checkpoints/step-4 (1.6 kB)"  # one kept: no count
-    assert lines[0].startswith("run runs/r1: ")
-    assert lines[-1].endswith("every iteration's figures in metrics.jsonl (each optimizer step's: steps.jsonl)")
-    empty = Path("empty")
-    empty.mkdir()
-    (empty / "config.yaml").write_text("- a list\n")
-    assert run_summary(empty) == "\n".join([
-        "run empty: ? on ?, no iteration recorded", "  reward      no iteration recorded a reward",
-        "  clipping    no clipping figures recorded", "  alarms      no collapse alarm", "  checkpoint  none written",
-        f"  run folder  empty: {folder_bytes(empty)} B on disk; every iteration's figures in metrics.jsonl"])
-    assert folder_bytes(empty) == 9
-    (empty / "config.yaml").unlink()
-    assert run_summary(empty).splitlines()[0] == "run empty: ? on ?, no iteration recorded"
-    (empty / "metrics.jsonl").write_text('{"step": 5}\n{"step": 6}\n{"step": 7}\n')
-    assert run_summary(empty).splitlines()[0] == "run empty: ? on ?, iterations 5-7"
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tiny_model, tmp_path):
+    Trainer(config(tiny_model, tmp_path, 2)).train()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 3, "reward": 0.')  # kill -9 during a write
+    messages = []
+    Trainer(config(tiny_model, tmp_path, 3), resume=True, report=messages.append).train()
+    assert any("dropped a torn last record (line 3" in m for m in messages)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    lines.insert(1, "not json")  # corruption in the middle is not an interrupted write: named, not guessed
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl, line 2 is not JSON"):
+        Trainer(config(tiny_model, tmp_path, 4), resume=True)
+
+
+@pytest.mark.parametrize("manifest", ["[]", "{}", '{"actor/config.json": 3}', "not json"])
+def test_manifests_that_do_not_vouch_for_every_file_are_corrupt(tiny_model, tmp_path, manifest):
+    Trainer(config(tiny_model, tmp_path, 1)).train()
+    folder = tmp_path / "checkpoints" / "step-1"
+    verify_checkpoint(folder)
+    (folder / "manifest.json").write_text(manifest)
+    with pytest.raises(CorruptCheckpointError, match="manifest.json"):
+        verify_checkpoint(folder)
+
+
+def test_a_manifest_missing_one_file_is_corrupt(tiny_model, tmp_path):
+    Trainer(config(tiny_model, tmp_path, 1)).train()
+    folder = tmp_path / "checkpoints" / "step-1"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["actor/model.safetensors"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpointError, match="does not list actor/model.safetensors"):
+        verify_checkpoint(folder)
+
+
+def test_a_checkpoint_that_cannot_be_written_says_why_and_keeps_the_last_good_one(tiny_model, tmp_path, monkeypatch,
+                                                                                capsys):
+    # a full disk: safetensors raises its own error type (not OSError) halfway through the weights
+    import transformers
+
+    Trainer(config(tiny_model, tmp_path, 1)).train()
+    save = transformers.PreTrainedModel.save_pretrained
+
+    def disk_full(self, folder, *args, **kwargs):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1000)  # what got written before the disk filled
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    code = main(["train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
+                 str(tmp_path), "--iterations", "2", "--resume", "--set", "checkpoint.every=1", "--set",
+                 "monitor.on_collapse=none",
+                 "--set", "rollout.prompts_per_iteration=2", "--set", "rollout.samples_per_prompt=2", "--set",
+                 "optimizer.mini_batch_size=4",
+                 "--set", "optimizer.micro_batch_size=2", "--set", "logging.progress=false", "--set",
+                 "logging.tensorboard=false"])
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stppo train:")]
+    assert code == 1 and len(error) == 1, error  # one line (progress bars of the loading aside)
+    error = error[0]
+    assert "No space left on device" in error and "step-1, is intact" in error and "--resume" in error
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]  # no partial copy left
+    verify_checkpoint(tmp_path / "checkpoints" / "step-1")
+    assert (tmp_path / "metrics.jsonl").read_text().startswith(before)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save)
+    Trainer(config(tiny_model, tmp_path, 2), resume=True).train()  # space again: the run goes on
+    assert list_checkpoints(tmp_path) == [1, 2]

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
-
-from .cli_in_process import stppo
+from tests.support.cli_in_process import stppo
 
 
 @pytest.fixture(scope="module")

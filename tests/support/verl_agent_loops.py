@@ -10,7 +10,7 @@ import functools
 
 from omegaconf import OmegaConf
 
-from tests.verl_rows import row_kwargs
+from tests.support.verl_rows import row_kwargs
 
 
 @functools.lru_cache(maxsize=1)

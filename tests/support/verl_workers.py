@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 PLATFORM = "stppo_test_cpu"
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 # float32 everywhere; verl's engine and this project's computation differ in summation order (FSDP2 reduce-scatter

@@ -1,5 +1,6 @@
-"""The grouped config: sections spelled ``section.key`` in --set, YAML and config.yaml; the refusals that name the
-right key; a run folder's flat config.yaml of an earlier version still loading; each rule's own settings."""
+"""``stppo_agent.training.config_sections``: sections spelled ``section.key``
+in --set, YAML and config.yaml; the refusals that name the right key; a run folder's flat config.yaml of an
+earlier version still loading; each rule's own settings."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from stppo_agent.runs.config_yaml import RENAMED
 from stppo_agent.training.config import TrainConfig, from_dict, load_config, setting_names
 from stppo_agent.training.config_sections import SECTIONS
 
-FLAT = Path(__file__).parent / "data" / "flat_config_0.1.yaml"
+FLAT = Path(__file__).resolve().parents[1] / "data" / "flat_config_0.1.yaml"
 # the settings FLAT records that differ from the defaults, in the grouped names
 FLAT_SETTINGS = ["rollout.samples_per_prompt=4", "optimizer.actor_lr=3e-6", "rollout.max_turns=3", "checkpoint.every=5",
                  "checkpoint.optimizer=newest", "monitor.window=12", "monitor.thresholds.kl_to_reference=2.0",
@@ -205,3 +206,17 @@ def test_set_of_a_nested_key_reaches_the_trainer(monkeypatch, tmp_path, capsys):
     config = seen["config"]
     assert (config.rollout.samples_per_prompt, config.optimizer.actor_lr) == (3, 5e-3)
     assert config.monitor.thresholds == {"kl_to_reference": 0.25}
+
+
+def test_sectioned_overrides_keep_the_section_defaults():
+    c = load_config(None, ["monitor.thresholds.entropy=0.5"])
+    assert c.monitor.thresholds == {"kl_to_reference": 1.0, "entropy": 0.5}
+    c = load_config(None, ["env_kwargs.topk=3", "env_kwargs.split=dev"])
+    assert c.env_kwargs == {"topk": 3, "split": "dev"}
+    c = load_config(None, ["algorithm.clip_high=0.3", "algorithm.clip_high=0.35"])
+    assert c.algorithm == {"clip_high": 0.35}
+    assert TrainConfig().monitor.thresholds is not TrainConfig().monitor.thresholds
+    assert load_config(None, ["env_kwargs.a.b=1"]).env_kwargs == {"a.b": 1}  # the first dot splits
+    c = load_config(None, ["monitor.thresholds.kl_to_reference=2"])
+    assert TrainConfig().monitor.thresholds == {"kl_to_reference": 1.0} and c.monitor.thresholds[
+        "kl_to_reference"] == 2

@@ -1,28 +1,26 @@
-"""The decoupled objective under a rollout lag: the behaviour weight pi_prox / pi_behav is per token for every rule,
-M2PO cuts on the proximal-vs-behaviour pair, and the KL columns mean the behaviour policy under both objectives
-(with the learner's own KL logged beside them)."""
+"""The decoupled objective under a rollout lag: the behaviour weight
+pi_prox / pi_behav is per token for every rule, M2PO cuts on the proximal-vs-behaviour pair, the KL columns mean
+the behaviour policy; and a run that left its rollout correction to ``auto`` switching to it on ``--resume`` or
+in ``stppo replay``."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from stppo_agent.algorithms import estimate_advantages, kl_reward_penalty
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+from stppo_agent.models.tiny import toy_train_command
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.cli_in_process import stppo
+from tests.support.runs import toy_config
 
 
 def lagged_config(model: Path, out: Path, algo: str, staleness: int, **overrides) -> TrainConfig:
@@ -132,3 +130,55 @@ def test_kl_columns_are_the_behaviour_policys_and_the_learners_is_logged_apart(t
     lagged = [(b, r) for (b, (behaviour, learner)), r in zip(seen, records)
               if (behaviour - learner)[b.loss_mask].abs().max() > 1e-3]
     assert lagged  # the two policies differ: the checks above tell them apart
+
+
+# A run that left its rollout correction to ``auto`` can switch to ``stale_objective=decoupled`` on ``--resume`` or in
+# ``stppo replay``: config.yaml keeps the ``auto`` the user asked for beside what it resolved to, and the switch
+# resolves it again (to the decoupled objective's per-token mis).
+
+
+def recorded(run: Path) -> dict:
+    return yaml.safe_load((run / "config.yaml").read_text())
+
+
+def test_resume_and_replay_switch_an_auto_correction_to_the_decoupled_objective(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    command = toy_train_command(tiny_model, run, 2, extra=("rollout.staleness=1", "logging.save_rollouts=true"))[3:]
+    assert stppo(*command, capsys=capsys).returncode == 0
+    config = recorded(run)
+    assert config["algorithm"]["rollout_correction"] == config["algorithm"]["rollout_correction_level"] == "auto"
+    assert config["algorithm_resolved"] == {"rollout_correction": "none", "rollout_correction_level": "turn"}
+    assert "rollout_correction/masked_frac" not in read_metrics(run)[-1]
+
+    replayed = tmp_path / "replay"
+    done = stppo("replay", str(run), "--output-dir", str(replayed), "--set", "rollout.stale_objective=decoupled",
+                 capsys=capsys)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((replayed / "replay.json").read_text())["rollout_correction"] == "mis"
+    assert recorded(replayed)["algorithm"]["rollout_correction_level"] == "token"
+    assert all("rollout_correction/masked_frac" in record for record in read_metrics(replayed))
+
+    resumed = stppo(*toy_train_command(tiny_model, run, 3, resume=True,
+                                       extra=("rollout.staleness=1", "logging.save_rollouts=true",
+                                              "rollout.stale_objective=decoupled"))[3:], capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "rollout_correction/masked_frac" in read_metrics(run)[-1] and read_metrics(run)[-1]["step"] == 3
+    config = recorded(run)
+    assert config["rollout"]["stale_objective"] == "decoupled" and config["algorithm"]["rollout_correction"] == "auto"
+    assert config["algorithm_resolved"] == {"rollout_correction": "mis", "rollout_correction_level": "token"}
+
+
+def test_a_correction_set_by_hand_stays_set(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    command = toy_train_command(tiny_model, run, 1, extra=("rollout.staleness=1", "algorithm.rollout_correction=tis",
+                                                           "algorithm.rollout_correction_cap=3"))[3:]
+    assert stppo(*command, capsys=capsys).returncode == 0
+    config = recorded(run)
+    assert config["algorithm"]["rollout_correction"] == "tis" and config["algorithm"]["rollout_correction_cap"] == 3
+    assert config["algorithm_resolved"] == {"rollout_correction_level": "turn"}
+    resumed = stppo(*toy_train_command(tiny_model, run, 2, resume=True,
+                                       extra=("rollout.staleness=1", "rollout.stale_objective=decoupled"))[3:],
+                                       capsys=capsys)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "rollout_correction/truncated_frac" in read_metrics(run)[-1]  # still tis, now per token
+    assert recorded(run)["algorithm_resolved"] == {"rollout_correction_level": "token"}

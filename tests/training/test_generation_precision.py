@@ -9,19 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
-
-from .test_replay import TIMING
-from .test_trainer import toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.runs import TIMING, toy_config
 
 
 def config(model: Path, out: Path, algo: str = "ppo", **overrides):

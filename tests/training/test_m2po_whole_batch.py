@@ -13,9 +13,8 @@ from stppo_agent.distributed.process_group import free_port
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.trainer import Trainer
-
-from .gloo_ranks import gloo_rank, start_ranks
-from .test_multiprocess_metrics import TIMING, toy_config
+from tests.support.gloo_ranks import gloo_rank, start_ranks
+from tests.support.runs import TIMING, one_iteration_config
 
 M2PO = {"kl_in_reward": 0.0, "kl_loss_coef": 0.0, "m2_threshold": 0.02}
 
@@ -58,7 +57,7 @@ def test_m2po_update_does_not_depend_on_the_micro_batch_size(tmp_path):
     """Same batch, same weights (lr 0): micro-batch 1 / 2 / 4 / 8 log the same loss, masked share, second moment
     and gradient norm as the whole batch in one call -- with a per-micro-batch cut they differ."""
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    trainer = Trainer(toy_config(model, tmp_path / "run", algo="m2po", algorithm=M2PO,
+    trainer = Trainer(one_iteration_config(model, tmp_path / "run", algo="m2po", algorithm=M2PO,
                                  optimizer=dict(actor_lr=0.0, critic_lr=0.0)),
                       report=lambda _: None)
     batch = _off_policy_batch(trainer)
@@ -77,7 +76,7 @@ def test_m2po_update_does_not_depend_on_the_micro_batch_size(tmp_path):
 
 def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: str) -> None:
     with gloo_rank(rank, port):
-        trainer = Trainer(toy_config(model, out, algo="m2po", algorithm=M2PO,
+        trainer = Trainer(one_iteration_config(model, out, algo="m2po", algorithm=M2PO,
                                      optimizer=dict(actor_lr=0.0, critic_lr=0.0, micro_batch_size=1)),
                                                                                              report=lambda _: None)
         batch = torch.load(batch_path, weights_only=False)
@@ -88,7 +87,7 @@ def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: st
 
 def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    trainer = Trainer(toy_config(model, tmp_path / "one", algo="m2po", algorithm=M2PO,
+    trainer = Trainer(one_iteration_config(model, tmp_path / "one", algo="m2po", algorithm=M2PO,
                                  optimizer=dict(actor_lr=0.0, critic_lr=0.0, micro_batch_size=1)),
                       report=lambda _: None)
     batch = _off_policy_batch(trainer)
@@ -108,7 +107,7 @@ def test_two_processes_with_several_micro_batches_each_cut_the_global_batch(tmp_
 def _strategy_config(model, out, strategy: str):
     # 4 prompts x 2 samples (M2PO is GRPO's family), mini-batch 8, micro-batch 2: 4 micro-batches in one process,
     # 2 on each of two ranks
-    return toy_config(model, out, algo="m2po", algorithm=M2PO, distributed=dict(strategy=strategy),
+    return one_iteration_config(model, out, algo="m2po", algorithm=M2PO, distributed=dict(strategy=strategy),
                       rollout=dict(samples_per_prompt=2, prompts_per_iteration=4), optimizer=dict(micro_batch_size=2))
 
 

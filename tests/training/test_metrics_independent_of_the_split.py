@@ -19,25 +19,12 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.episode_stats import episode_rates
 from stppo_agent.rollouts.statistics import ROLLOUT_STAT_POPULATIONS
 from stppo_agent.runs.metrics_log import read_metrics
-from stppo_agent.training.config import TrainConfig, from_dict, merged
+from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.live_rollouts import RolloutContext
 from stppo_agent.training.log_probs import critic_values, token_logprobs
 from stppo_agent.training.trainer import Trainer
-
-from .gloo_ranks import gloo_rank, start_ranks
-
-TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
-
-
-def toy_config(model: Path, out: Path, **overrides) -> TrainConfig:
-    values = dict(algo="st_ppo", env="stppo/Toy-v0", model=str(model), output_dir=str(out), iterations=1,
-                  algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
-                  rollout=dict(prompts_per_iteration=4, samples_per_prompt=2, max_turns=2, max_new_tokens_per_turn=2,
-                               max_prompt_tokens=8, max_total_tokens=32),
-                  optimizer=dict(epochs=1, mini_batch_size=8, micro_batch_size=2),
-                  logging=dict(progress=False, tensorboard=False))
-    values = merged(values, overrides)
-    return from_dict(values)
+from tests.support.gloo_ranks import gloo_rank, start_ranks
+from tests.support.runs import TIMING, one_iteration_config
 
 
 def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
@@ -45,7 +32,7 @@ def test_logged_losses_and_fractions_do_not_depend_on_micro_batching(tmp_path):
     value_loss, clip and turn-clip fractions, and each equals the loss's own value over the whole batch."""
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
     # learning rates 0: every update sees the same weights, so the runs differ only in how the batch is split
-    trainer = Trainer(toy_config(model, tmp_path / "run", optimizer=dict(actor_lr=0.0, critic_lr=0.0)),
+    trainer = Trainer(one_iteration_config(model, tmp_path / "run", optimizer=dict(actor_lr=0.0, critic_lr=0.0)),
                       report=lambda _: None)
     batch = trainer.rollout()
     trainer.score(batch)
@@ -161,7 +148,7 @@ class FixedShares:
 def shared_config(model: str, out: str) -> TrainConfig:
     # two mini-batches of 4 over two epochs: the shuffle decides which rows share a step; step diagnostics log
     # every step; rollout correction (tis) logs weight statistics; the reference model logs kl_to_reference
-    return toy_config(Path(model), Path(out),
+    return one_iteration_config(Path(model), Path(out),
                       algorithm={"kl_in_reward": 0.0, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
                                  "rollout_correction": "tis", "rollout_correction_cap": 1.2},
                       optimizer=dict(epochs=2, mini_batch_size=4, micro_batch_size=1, actor_lr=3e-3, critic_lr=3e-3),
@@ -179,7 +166,7 @@ def _two_process_main(rank: int, port: int, model: str, out: str, batch_path: st
 
 def test_two_processes_log_and_train_what_one_process_does(tmp_path):
     model = build_tiny_llama(tmp_path / "model", word_tokenizer())
-    maker = Trainer(toy_config(model, tmp_path / "maker"), report=lambda _: None)
+    maker = Trainer(one_iteration_config(model, tmp_path / "maker"), report=lambda _: None)
     batch = maker.rollout()
     # sampled log-probs off the trainer's: rollout-correction weights spread around 1, some above the cap
     batch.sample_logprobs = batch.sample_logprobs + 0.3 * torch.randn(

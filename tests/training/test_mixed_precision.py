@@ -17,8 +17,7 @@ from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.config_sections import DistributedConfig, PrecisionConfig
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
+from tests.support.runs import toy_config
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +174,7 @@ def test_the_run_records_what_auto_chose(tiny_model, tmp_path, monkeypatch):
 def test_a_run_under_autocast_replays_exactly(tiny_model, tmp_path):
     """The stability study replays bfloat16-autocast recordings: same rule, same data -> the same update metrics."""
     from stppo_agent.training.replay import replay
-
-    from .test_replay import TIMING
+    from tests.support.runs import TIMING
 
     run = tmp_path / "recorded"
     Trainer(toy_config(tiny_model, run, "ppo", iterations=2,

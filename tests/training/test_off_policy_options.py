@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
-
-from .test_replay import TIMING
-from .test_trainer import toy_config
+from tests.support.runs import TIMING, toy_config
 
 NO_KL = {"kl_in_reward": 0.0, "kl_loss_coef": 0.0}
 OPTIONS = {
@@ -27,11 +24,6 @@ OPTIONS = {
     "dual_clip_after": ("st_ppo", {"algorithm": {**NO_KL, "clip_ratio_c": 1.2, "clip_bias_order": "after_grad_clip",
                                                  "clip_bias_kappa": 0.05}}),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def run_config(model: Path, out: Path, name: str, **overrides):

@@ -11,19 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.config_sections import PrecisionConfig, RolloutConfig
 from stppo_agent.training.ppo_update import starts_on_policy
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.runs import toy_config
 
 
 def steps(run: Path) -> list[dict]:
@@ -53,7 +46,7 @@ def test_under_coupled_staleness_the_lagged_first_step_is_off_policy(tiny_model,
         assert record["offpolicy/tail/ratio_max"] == pytest.approx(record["tail/ratio_max"])
         assert "grad_cos_to_first" not in record and "offpolicy/grad_cos_to_first" not in record
     # the stability study reads such a run: off-policy steps without a cosine leave its cosine mean unset
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import stability
 
     summary = stability.summarize(tmp_path)

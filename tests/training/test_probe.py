@@ -10,21 +10,14 @@ import torch
 import yaml
 
 from stppo_agent.models.loading import load_actor
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+from stppo_agent.models.tiny import word_tokenizer
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import merged
 from stppo_agent.training.probe import KEYS, LearnerProbe
 from stppo_agent.training.trainer import Trainer
-
-from .test_replay import TIMING
-from .test_trainer import toy_config
+from tests.support.runs import TIMING, toy_config
 
 IGNORED = TIMING | {"probe_seconds"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def config(model: Path, out: Path, **overrides):

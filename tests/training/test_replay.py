@@ -1,4 +1,5 @@
-"""Recorded rollouts, replay, per-step diagnostics and the off-policy metrics (issue 17)."""
+"""``stppo_agent.training.replay``: recorded rollouts replayed -- the config a replay
+runs with, the batches it serves each rank, per-step diagnostics and the off-policy metrics."""
 
 from __future__ import annotations
 
@@ -16,16 +17,7 @@ from stppo_agent.runs.recording import load_batch, recorded_iterations, recorded
 from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
-
-# Timing and throughput differ between any two runs; everything else an update logs must replay exactly.
-TIMING = {"rollout_seconds", "iteration_seconds", "rollout_tokens_per_s", "update_tokens_per_s"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.runs import TIMING, toy_config
 
 
 def off_policy_config(model: Path, out: Path, algo: str, **overrides):
@@ -302,3 +294,244 @@ def test_replay_shares_a_recorded_iteration_among_another_number_of_processes(re
     (run / "rollouts" / "iter-000001.rank-1.safetensors").unlink()
     with pytest.raises(ValueError, match="iteration 1 was recorded by 2 processes.*rank-1.*missing"):
         replay(run, None, str(tmp_path / "x"), report=lambda _: None)
+
+
+# --- replay: the config a replay runs with, the batches it serves --------------------------------------------
+
+
+def synthetic_batch(groups: int, per_group: int = 2):
+    from stppo_agent.rollouts.batch import RolloutBatch
+
+    rows = groups * per_group
+    return RolloutBatch(
+        input_ids=torch.arange(rows * 3).reshape(rows, 3) % 7 + 3, attention_mask=torch.ones(rows, 3, dtype=torch.long),
+        prompt_width=1, response_ids=torch.arange(rows * 2).reshape(rows, 2) % 7 + 3,
+        loss_mask=torch.ones(rows, 2, dtype=torch.bool), turn_ids=torch.zeros(rows, 2, dtype=torch.long),
+        sample_logprobs=torch.zeros(rows, 2), rewards=torch.arange(rows, dtype=torch.float),
+        group_ids=torch.arange(rows) // per_group, terminated=torch.ones(rows, dtype=torch.bool),
+        truncated=torch.zeros(rows, dtype=torch.bool), stats={"reward": 1.0})
+
+
+def recorded_run(tmp_path: Path, iterations=(1, 2, 3), worlds: dict | None = None, backend: str = "hf",
+                 algo: str = "ppo", algorithm: dict | None = None, critic: bool = False, **config) -> Path:
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.runs.recording import RolloutRecorder
+    from stppo_agent.training.config import from_dict, merged
+
+    run = tmp_path / "recorded"
+    values = dict(algo=algo, env="stppo/Toy-v0", model="tiny-model", output_dir=str(run),
+                  iterations=config.pop("planned", len(iterations)), algorithm=algorithm or {"clip_high": 0.3},
+                  logging=dict(progress=False, tensorboard=False, save_rollouts=True),
+                  rollout=dict(backend=backend, temperature=0.9), distributed=dict(share_retriever=True))
+    original = from_dict(merged(values, config))
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(original.to_yaml(resolved=original.algorithm_config()))
+    (run / "rollouts" / "initial" / "actor").mkdir(parents=True)
+    if critic:
+        (run / "rollouts" / "initial" / "critic").mkdir()
+    tokenizer = word_tokenizer()
+    RolloutRecorder(run, tokenizer, 0, 1)  # format.json
+    for iteration in iterations:
+        world = (worlds or {}).get(iteration, 1)
+        whole = synthetic_batch(4)
+        for rank in range(world):
+            share = whole.select(torch.isin(whole.group_ids, torch.arange(4)[rank::world]).nonzero().flatten())
+            RolloutRecorder(run, tokenizer, rank, world).record(iteration, share)
+    return run
+
+
+def test_replay_config_keeps_the_recorded_run_but_not_its_recording_settings(tmp_path):
+    from stppo_agent.training.replay import replay_config
+
+    run = recorded_run(tmp_path)
+    config = replay_config(run, None, str(tmp_path / "out"), ["optimizer.actor_lr=0.5"])
+    assert (config.algo, config.iterations, config.optimizer.actor_lr) == ("ppo", 3, 0.5)
+    assert config.output_dir == str(tmp_path / "out")
+    assert (config.logging.save_rollouts, config.rollout.backend, config.distributed.share_retriever) == (False, "hf",
+                                                                                                          False)
+    assert config.logging.step_diagnostics is True and config.rollout.temperature == 0.9
+    assert config.model == str(run / "rollouts" / "initial" / "actor") and config.critic_model is None
+    assert config.algorithm_config().clip_high == 0.3  # the same algorithm keeps the recorded overrides
+    assert replay_config(run, "ppo", str(tmp_path / "o")).algorithm_config().clip_high == 0.3
+    other = replay_config(run, "grpo", str(tmp_path / "o"))
+    assert other.algo == "grpo" and other.algorithm_config().clip_high != 0.3
+    assert replay_config(run, None, str(tmp_path / "o"), iterations=2).iterations == 2
+    with pytest.raises(ValueError, match=r"^iterations=4: /.* recorded only 3$"):
+        replay_config(run, None, str(tmp_path / "o"), iterations=4)
+    with pytest.raises(ValueError, match="recorded only 3"):
+        replay_config(run, None, str(tmp_path / "o"), ["iterations=4"])
+    stopped = recorded_run(tmp_path / "s", planned=10)  # a run stopped after 3 of its 10 iterations
+    assert replay_config(stopped, None, "o").iterations == 3
+    with_critic = recorded_run(tmp_path / "c", critic=True)
+    assert replay_config(with_critic, None, "o").critic_model == str(with_critic / "rollouts" / "initial" / "critic")
+
+
+@pytest.mark.parametrize("override, said", [("rollout.temperature=0.7",
+                                             "rollout.temperature=0.9 recorded, rollout.temperature=0.7 asked"),
+                                            ("rollout.top_p=0.5",
+                                             "rollout.top_p=1.0 recorded, rollout.top_p=0.5 asked"),
+                                            ("rollout.top_k=3", "rollout.top_k=0 recorded, rollout.top_k=3 asked")])
+def test_replay_config_refuses_another_sampling_distribution(tmp_path, override, said):
+    from stppo_agent.training.replay import replay_config
+
+    with pytest.raises(ValueError, match=(f"^a replay scores the recorded tokens with the settings that "
+                                          f"sampled them; {said}: drop that --set$")):
+        replay_config(recorded_run(tmp_path), "grpo", "o", [override])
+
+
+def test_replay_config_refuses_a_folder_without_a_complete_recording(tmp_path):
+    from stppo_agent.training.replay import replay_config
+
+    with pytest.raises(FileNotFoundError, match=r"^/.* is not a run folder \(/.*/config.yaml is missing\)$"):
+        replay_config(tmp_path, None, "o")
+    with pytest.raises(FileNotFoundError, match="^/.*/rollouts holds no recorded iteration$"):
+        replay_config(recorded_run(tmp_path / "a", iterations=()), None, "o")
+    with pytest.raises(ValueError, match=r"recorded iterations are not 1..N \(\[1, 3\]\.\.\.\); was the run resumed"):
+        replay_config(recorded_run(tmp_path / "b", iterations=(1, 3)), None, "o")
+    with pytest.raises(ValueError, match=(r"recorded iterations are not 1..N \(\[2, 3\]\.\.\.\); was the "
+                                          r"run resumed from a checkpoint after deleting recordings\?$")):
+        replay_config(recorded_run(tmp_path / "d", iterations=(2, 3)), None, "o")
+    with pytest.raises(ValueError, match=r"not 1..N \(\[1, 2, 3, 4, 5\]\.\.\.\)"):
+        replay_config(recorded_run(tmp_path / "f", iterations=(1, 2, 3, 4, 5, 7)), None, "o")
+    torn = recorded_run(tmp_path / "e", worlds={2: 2})
+    (torn / "rollouts" / "iter-000002.rank-1.safetensors").unlink()
+    with pytest.raises(ValueError, match=("^/.*/rollouts: iteration 2 was recorded by 2 processes, but "
+                                          "the share of rank-1 is missing; a replay would use part of "
+                                          "its data$")):
+        replay_config(torn, None, "o")
+
+
+def test_the_rollout_correction_follows_the_data_into_another_rule(tmp_path):
+    from stppo_agent.training.config import load_config
+    from stppo_agent.training.replay import describe_correction, recorded_correction, replay_config
+
+    vllm = recorded_run(tmp_path / "v", backend="vllm", algorithm={"rollout_correction": "tis",
+                                                                    "rollout_correction_level": "token",
+                                                                    "rollout_correction_cap": 3.0})
+    original = load_config(vllm / "config.yaml")
+    assert recorded_correction(original) == {"rollout_correction": "tis", "rollout_correction_cap": 3.0}
+    st = replay_config(vllm, "st_ppo", "o").algorithm_config()
+    assert (st.rollout_correction, st.rollout_correction_level, st.rollout_correction_cap) == ("tis", "turn", 3.0)
+    by_hand = recorded_run(tmp_path / "h", backend="vllm", algorithm={"rollout_correction": "mis",
+                                                                       "rollout_correction_level": "sequence"})
+    assert recorded_correction(load_config(by_hand / "config.yaml")) == {
+        "rollout_correction": "mis", "rollout_correction_cap": 2.0, "rollout_correction_level": "sequence"}
+    grpo = replay_config(vllm, "grpo", "o")
+    assert describe_correction(grpo, original, []) == (
+        "rollout correction: tis at token level, cap 3, kept from the recorded run (its batches were sampled by "
+        "vllm); --set algorithm.rollout_correction=none|tis|mis to change it")
+    off = replay_config(vllm, "grpo", "o", ["algorithm.rollout_correction=none"])
+    assert describe_correction(off, original, ["algorithm.rollout_correction=none"]) == (
+        "rollout correction: none (set here; the recorded run used tis)")
+    plain = recorded_run(tmp_path / "p")
+    assert describe_correction(replay_config(plain, "grpo", "o"), load_config(plain / "config.yaml"), []).startswith(
+        "rollout correction: none, kept from the recorded run (its batches were sampled by hf)")
+
+
+def test_recorded_rollouts_serve_each_rank_its_share_of_every_iteration(tmp_path):
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.training.replay import RecordedRollouts
+
+    run = recorded_run(tmp_path, worlds={1: 2, 2: 1})
+
+    def source(rank, world):
+        return RecordedRollouts(run, word_tokenizer(), rank, world)
+
+    one = source(0, 1)
+    assert one.iterations == [1, 2, 3] and one.state() == {} and one.load({"x": 1}) is None
+    assert one.next_batch(0).group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # two shares merged, prompt order
+    assert one.next_batch(1).rewards.tolist() == list(map(float, range(8)))
+    for rank in (0, 1):
+        assert source(rank, 2).next_batch(0).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # as recorded
+        assert source(rank, 2).next_batch(1).group_ids.tolist() == [rank, rank, rank + 2, rank + 2]  # r::world
+    assert source(3, 4).next_batch(2).group_ids.tolist() == [3, 3]
+    from stppo_agent.runs.recording import RolloutRecorder
+
+    RolloutRecorder(run, word_tokenizer(), 0, 1).record(4, synthetic_batch(3))
+    with pytest.raises(ValueError, match="iteration 4 holds 3 prompts, which 2 processes cannot share evenly"):
+        source(1, 2).next_batch(3)
+    assert source(0, 1).next_batch(3).group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match=("^recorded iteration 3 holds 4 prompts, which 3 processes "
+                                          "cannot share evenly: replay it with a number of processes "
+                                          "that divides that$")):
+        source(0, 3).next_batch(2)
+    with pytest.raises(ValueError, match=(r"^tokenizer mismatch: the model's tokenizer differs from the "
+                                          r"one that recorded /.* \(vocab_sha256, vocab_size\); recorded "
+                                          r"token ids would mean other text$")):
+        RecordedRollouts(run, word_tokenizer(["other", "words"]))
+
+
+def test_replay_builds_the_trainer_on_the_recording_and_writes_replay_json(tmp_path, monkeypatch):
+    import stppo_agent.training.trainer as trainer_module
+    from stppo_agent.models.tiny import word_tokenizer
+    from stppo_agent.rollouts.vllm_generation import VLLMGenerationBackend
+    from stppo_agent.training.live_rollouts import RolloutContext
+    from stppo_agent.training.replay import RecordedRollouts, replay
+
+    run = recorded_run(tmp_path, backend="vllm", algorithm={"rollout_correction": "tis"})
+    built = []
+
+    class FakeTrainer:
+        def __init__(self, config, report, rollout_source, resume, overwrite):
+            self.config, self.report, self.rollout_source = config, report, rollout_source
+            self.intent = (resume, overwrite)
+            self.algo = config.algorithm_config()
+            Path(config.output_dir).mkdir(parents=True)
+            built.append(self)
+
+        def train(self):
+            return {"done": self.config.iterations}
+
+    monkeypatch.setattr(trainer_module, "Trainer", FakeTrainer)
+    messages = []
+    out = tmp_path / "out"
+    assert replay(run, "grpo", str(out), iterations=2, report=messages.append) == {"done": 2}
+    trainer = built[0]
+    assert trainer.config.algo == "grpo" and trainer.report == messages.append
+    assert trainer.intent == (False, False)  # a folder holding a run is refused unless --resume or --overwrite
+    engine = VLLMGenerationBackend.__new__(VLLMGenerationBackend)
+    source = trainer.rollout_source(RolloutContext(trainer.config, trainer.algo, out, word_tokenizer(), engine, 1, 2))
+    assert isinstance(source, RecordedRollouts) and source.folder == run / "rollouts"
+    assert (source.rank, source.world, source.env_kwargs) == (1, 2, None)
+    assert source.sampled_by_actor is False  # another rule than the recorded one
+    written = {"replay_of": str(run.resolve()), "recorded_algo": "ppo", "algo": "grpo", "iterations": 2,
+               "rollout_correction": "tis"}
+    assert (out / "replay.json").read_text() == json.dumps(written, indent=1) + "\n"
+    assert messages == ["rollout correction: tis at token level, cap 2, kept from the recorded run (its batches were "
+                        "sampled by vllm); --set algorithm.rollout_correction=none|tis|mis to change it"]
+    with pytest.raises(ValueError, match="^the replay's --output-dir must differ from the recorded run's folder$"):
+        replay(run, None, str(run))
+    assert len(built) == 1
+
+
+def test_every_changed_sampling_setting_is_named(tmp_path):
+    from stppo_agent.training.replay import replay_config
+
+    with pytest.raises(ValueError, match="; rollout.temperature=0.9, rollout.top_p=1.0 recorded, "
+                                         "rollout.temperature=0.7, rollout.top_p=0.5 asked: "):
+        replay_config(recorded_run(tmp_path), "grpo", "o", ["rollout.temperature=0.7", "rollout.top_p=0.5"])
+
+
+# A replay refuses another rollout staleness than the recorded one.
+
+
+def test_replay_refuses_another_rollout_staleness_than_the_recorded_one(tmp_path):
+    # the recorded tokens were sampled by weights K iterations old; a replay with another K took its behaviour
+    # log-probs from other weights than those that sampled them (iteration 3 of a K=1 recording replayed with K=2
+    # logged other ratios and clip fractions, while temperature, top_p and top_k are refused)
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+    from stppo_agent.training.replay import replay_config
+    from stppo_agent.training.trainer import Trainer
+    from tests.support.runs import toy_config
+
+    model = build_tiny_llama(tmp_path / "model", word_tokenizer())
+    run = tmp_path / "run"
+    Trainer(toy_config(model, run, "ppo", iterations=1,
+                       rollout=dict(prompts_per_iteration=2, samples_per_prompt=2, staleness=1),
+                       optimizer=dict(mini_batch_size=4, micro_batch_size=4, epochs=1),
+                       logging=dict(save_rollouts=True))).train()
+    for other in (0, 2):
+        with pytest.raises(ValueError, match=r"rollout.staleness=1 recorded, rollout.staleness=%d asked" % other):
+            replay_config(run, "grpo", str(tmp_path / "unused"), [f"rollout.staleness={other}"])
+    assert replay_config(run, "grpo", str(tmp_path / "unused"),
+                         ["rollout.stale_objective=decoupled"]).rollout.staleness == 1

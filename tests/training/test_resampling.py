@@ -1,5 +1,6 @@
-"""DAPO's dynamic sampling in the live rollouts (issue 25): uninformative groups are replaced by resampled ones, up
-to a cap, the batch keeps its shape, and what was dropped is logged."""
+"""``stppo_agent.training.resampling``: DAPO's dynamic sampling in the live
+rollouts -- uninformative groups replaced by resampled ones up to a cap, the batch keeping its shape, what was
+dropped logged."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ import torch
 
 from stppo_agent.algorithms import informative_groups
 from stppo_agent.distributed.process_group import free_port
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.batch import Trajectory, to_batch
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import merged
 from stppo_agent.training.resampling import keep_informative_groups
 from stppo_agent.training.trainer import Trainer
-
-from .gloo_ranks import gloo_rank, start_ranks
-from .test_trainer import toy_config
+from tests.support.gloo_ranks import gloo_rank, start_ranks
+from tests.support.runs import toy_config
+from tests.support.training_parts import group_batch
 
 
 def groups_batch(rewards_by_group: dict[int, list[float]]):
@@ -94,11 +94,6 @@ def test_ranks_take_extra_rounds_together_until_every_rank_is_full(tmp_path):
     assert zero["stats"]["dynamic_sampling/rounds"] == one["stats"]["dynamic_sampling/rounds"] == 2.0
     assert zero["stats"]["dynamic_sampling/dropped_frac"] == 0.0
     assert one["stats"]["dynamic_sampling/dropped_frac"] == 2 / 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def test_dapo_trains_on_informative_groups_and_logs_what_it_dropped(tiny_model, tmp_path):
@@ -207,7 +202,7 @@ def test_dynamic_sampling_is_refused_where_no_group_can_be_informative(tiny_mode
 
 
 def test_the_cli_refuses_dynamic_sampling_with_groups_of_one(tiny_model, tmp_path, capsys):
-    from .cli_in_process import stppo
+    from tests.support.cli_in_process import stppo
 
     done = stppo("train", "--algo", "ppo", "--env", "stppo/Toy-v0", "--model", str(tiny_model), "--output-dir",
                  str(tmp_path / "run"), "--iterations", "1", "--set", "algorithm.dynamic_sampling=true",
@@ -216,3 +211,38 @@ def test_the_cli_refuses_dynamic_sampling_with_groups_of_one(tiny_model, tmp_pat
     assert done.returncode == 1
     assert done.stderr.startswith("stppo train: error: algorithm.dynamic_sampling needs groups of >= 2 trajectories")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_uninformative_groups_are_replaced_until_the_batch_is_full():
+    from stppo_agent.training.resampling import keep_informative_groups
+
+    first = group_batch([(0, [1.0, 1.0]), (1, [0.0, 1.0]), (2, [0.0, 0.0])])
+    first.stats = {"reward": 0.5}
+    rounds = {1: group_batch([(10, [1.0, 1.0]), (11, [1.0, 0.0])]),
+              2: group_batch([(20, [0.0, 1.0]), (21, [0.5, 0.0])])}
+    played = []
+    batch = keep_informative_groups(first, lambda r: played.append(r) or rounds[r], max_rounds=5, pad_id=0)
+    assert played == [1, 2]
+    assert batch.group_ids.tolist() == [1, 1, 11, 11, 20, 20]
+    assert batch.rewards.tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert batch.stats == {"reward": 0.5, "dynamic_sampling/rounds": 2.0, "dynamic_sampling/dropped_frac": 3 / 7}
+
+
+def test_the_round_cap_fills_the_batch_with_dropped_groups_in_sampling_order():
+    from stppo_agent.training.resampling import keep_informative_groups
+
+    first = group_batch([(0, [1.0, 1.0]), (1, [0.0, 1.0]), (2, [0.0, 0.0])])
+    more = group_batch([(10, [1.0, 1.0]), (11, [1.0, 0.0])])
+    batch = keep_informative_groups(first, lambda r: more, max_rounds=1, pad_id=0)
+    assert batch.group_ids.tolist() == [1, 1, 11, 11, 0, 0]
+    assert batch.stats["dynamic_sampling/rounds"] == 1.0
+    assert batch.stats["dynamic_sampling/dropped_frac"] == 3 / 5
+    played = []
+    uncapped = keep_informative_groups(  # 0: no cap (verl's meaning): rounds until the batch is full
+        first, lambda r: played.append(r) or group_batch([(10 * r + 1, [0.0, 1.0])]), max_rounds=0, pad_id=0)
+    assert played == [1, 2] and uncapped.group_ids.tolist() == [1, 1, 11, 11, 21, 21]
+    assert uncapped.stats["dynamic_sampling/rounds"] == 2.0
+    assert uncapped.stats["dynamic_sampling/dropped_frac"] == 2 / 5
+    full = group_batch([(0, [1.0, 0.0]), (1, [0.0, 1.0])])
+    kept = keep_informative_groups(full, lambda r: pytest.fail("the batch is full"), max_rounds=3, pad_id=0)
+    assert kept.group_ids.tolist() == [0, 0, 1, 1] and kept.stats["dynamic_sampling/dropped_frac"] == 0.0

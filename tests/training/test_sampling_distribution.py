@@ -21,13 +21,7 @@ from stppo_agent.training.config import merged
 from stppo_agent.training.config_sections import RolloutConfig
 from stppo_agent.training.log_probs import batched_no_grad, token_logprobs
 from stppo_agent.training.trainer import Trainer
-
-from .test_trainer import toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.runs import toy_config
 
 
 @pytest.fixture(scope="module")

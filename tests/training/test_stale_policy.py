@@ -1,5 +1,5 @@
-"""rollout_staleness (issue 24): rollouts sampled by the policy of K iterations earlier, the coupled and decoupled
-objectives, the lag in checkpoints (resume, kill -9), replay, and K = 0 unchanged."""
+"""``stppo_agent.training.stale_policy``: rollouts sampled by the policy of K
+iterations earlier, the lag in checkpoints (resume, kill -9), replay, and K = 0 unchanged."""
 
 from __future__ import annotations
 
@@ -12,22 +12,17 @@ import torch
 
 from stppo_agent.models.loading import load_actor
 from stppo_agent.models.precision import autocast_forward, independent_copy
-from stppo_agent.models.tiny import build_tiny_llama, toy_train_command, word_tokenizer
+from stppo_agent.models.tiny import toy_train_command
 from stppo_agent.runs.checkpoint import load_trainer_state
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig, merged
 from stppo_agent.training.log_probs import token_logprobs
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
-
-from .processes import kill_9_once_written
-from .test_replay import TIMING
-from .test_trainer import REPO, toy_config
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
+from tests.support.paths import REPO
+from tests.support.processes import kill_9_once_written
+from tests.support.runs import TIMING, toy_config
+from tests.support.training_parts import tiny_lm
 
 
 def stale_config(model: Path, out: Path, staleness: int, **overrides) -> TrainConfig:
@@ -176,3 +171,72 @@ def test_a_stale_run_replays_exactly(tiny_model, tmp_path):
     for a, b in zip(original, again):
         for key in sorted(set(a) - TIMING):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+# -- stale_policy ---------------------------------------------------------------------------------------------
+
+def test_staleness_zero_generates_with_the_actor_itself():
+    from stppo_agent.training.stale_policy import StalePolicy
+
+    actor = torch.nn.Linear(2, 2)
+    policy = StalePolicy(actor, 0)
+    assert policy.model is actor and policy.lag == 0 and policy.state(actor) == {}
+    assert actor.training and actor.weight.requires_grad
+    policy.advance(actor)
+    assert policy.lag == 0 and not policy.pending
+    policy.load(None, actor)  # nothing to restore
+    with pytest.raises(ValueError, match=r"^rollout.staleness must be >= 0, got -1$"):
+        StalePolicy(actor, -1)
+
+
+def test_iteration_i_generates_with_the_weights_after_i_minus_k_updates():
+    from stppo_agent.training.stale_policy import StalePolicy
+
+    actor = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        actor.weight.fill_(0.0)
+    policy = StalePolicy(actor, 2)
+    assert policy.model is not actor and not policy.model.training
+    assert not any(p.requires_grad for p in policy.model.parameters()) and actor.weight.requires_grad
+    assert policy.state(actor)["pending"] == [] and float(policy.state(actor)["model"]["weight"]) == 0.0
+    assert not policy.state(actor)["pending_from_actor"]  # nothing queued yet
+    generating = []
+    for update in range(1, 6):  # iteration update-1 plays, then the actor takes its update-th step
+        generating.append(float(policy.model.weight))
+        with torch.no_grad():
+            actor.weight.fill_(float(update))
+        policy.advance(actor)
+        assert policy.lag == min(2, update)
+    assert generating == [0.0, 0.0, 0.0, 1.0, 2.0]  # max(0, i - 2) updates
+    state = policy.state(actor)
+    # the newest queued weights (5.0) are the actor's own: the checkpoint's actor restores them
+    assert float(state["model"]["weight"]) == 3.0 and [float(s["weight"]) for s in state["pending"]] == [4.0]
+    assert state["pending_from_actor"] and state["aliases"] == {}
+    with torch.no_grad():
+        policy.model.weight.fill_(-1.0)
+    assert float(state["model"]["weight"]) == 3.0  # a copy, not the live tensor
+    fresh = StalePolicy(actor, 2)
+    fresh.load(state, actor)
+    assert float(fresh.model.weight) == 3.0 and fresh.lag == 2
+    assert [float(s["weight"]) for s in fresh.pending] == [4.0, 5.0]
+    with torch.no_grad():
+        actor.weight.fill_(6.0)  # another update: the queued actor weights were a copy too
+    assert float(fresh.pending[-1]["weight"]) == 5.0
+    other = StalePolicy(actor, 2)
+    other.load({**state, "pending_from_actor": False}, actor)  # a queue stored whole (older checkpoints)
+    assert [float(s["weight"]) for s in other.pending] == [4.0]
+    with pytest.raises(ValueError, match=r"^the checkpoint holds no lagged policy, but rollout.staleness is 2"):
+        fresh.load({}, actor)
+
+
+def test_the_lagged_copy_keeps_the_autocast_of_the_run():
+    from stppo_agent.models.precision import autocast_forward
+    from stppo_agent.training.stale_policy import StalePolicy
+
+    actor = autocast_forward(tiny_lm(), "bfloat16")
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        want = actor(input_ids=ids).logits
+        got = StalePolicy(actor, 1, "bfloat16").model(input_ids=ids).logits
+        plain = StalePolicy(actor, 1, None).model(input_ids=ids).logits
+    assert torch.equal(got, want) and not torch.equal(plain, want)

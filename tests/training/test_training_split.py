@@ -3,12 +3,8 @@ evaluation split, which is what eval wants and training must not take)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import yaml
 
-from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.envs import make_env
 from stppo_agent.training.config import TrainConfig, from_dict, merged
 from stppo_agent.training.config_sections import LoggingConfig
@@ -45,11 +41,6 @@ def test_a_run_started_without_a_split_resumes_on_the_split_it_started_with():
     assert resumed.env_kwargs == {}  # the checkpoint's prompt position indexes the evaluation split's examples
     assert "evaluation" in said[0] and "train split" in said[0]
     assert with_training_split(config(), previous={"env_kwargs": {"split": "train"}}).env_kwargs == {"split": "train"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())
 
 
 def test_the_trainer_plays_train_questions_and_records_the_split(tiny_model, tmp_path):

@@ -16,10 +16,8 @@ from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import merged
 from stppo_agent.training.replay import replay
 from stppo_agent.training.trainer import Trainer
-
-from .cli_in_process import stppo
-from .test_replay import TIMING
-from .test_trainer import toy_config
+from tests.support.cli_in_process import stppo
+from tests.support.runs import TIMING, toy_config
 
 LR = 1e-2
 

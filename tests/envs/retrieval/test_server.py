@@ -1,23 +1,33 @@
-"""Pins for the retrieval server, its client and the retriever protocol (server.py, remote.py, base.py): the
-limits at their boundaries, what a merged batch hands each request, the 413/422/500/503 answers, the body
-limit, the client's URL, chunking, retries and parsing (issue 27). The app is driven at the ASGI level and the
-client against a stub HTTP server in a thread, so no test starts a process or loads an index."""
+"""``stppo_envs.retrieval.server``: the limits at their boundaries, merged
+batches handing every request its own rows and errors, the 413/422/500/503 answers, the body limit, health. The
+app is driven in-process."""
 
 from __future__ import annotations
 
 import asyncio
 import http.server
+import itertools
 import json
-import pickle
+import string
 import threading
 
 import pytest
+import requests
 
-from stppo_envs.retrieval import Hit, RetrievalError, RetrieverUnavailableError
-from stppo_envs.retrieval.base import CachedRetriever, PartialSearchError, search_each
+# --- the retriever protocol: base.py -----------------------------------------------------------------------------
+from stppo_envs.retrieval import (
+    Hit,
+    RetrievalError,
+    RetrieverUnavailableError,
+    make_retriever,
+)
+from stppo_envs.retrieval.base import PartialSearchError
+
+# --- the client: RemoteRetriever ---------------------------------------------------------------------------------
+from stppo_envs.retrieval.remote import RemoteRetriever  # noqa: E402
 from stppo_envs.retrieval.server import BodyLimit, ServerLimits, _Batcher, create_app
-
-from .conftest import KeywordRetriever
+from tests.support.retrieval_server import _Backend
+from tests.support.retrievers import KeywordRetriever
 
 PASSAGES = [(f"T{i}", f"passage {i} about paris") for i in range(6)]
 
@@ -197,22 +207,6 @@ def test_the_app_names_itself_in_its_openapi_description():
     assert info["title"] == "stppo retrieval server" and info["description"] == "Search-R1-compatible /retrieve"
 
 
-# --- the batcher -------------------------------------------------------------------------------------------------
-
-class _Backend:
-    """Rows that name their query and k; records every call."""
-
-    def __init__(self):
-        self.calls: list[tuple[list[str], int]] = []
-
-    def batch_search(self, queries, k=10):
-        self.calls.append((list(queries), k))
-        return [[Hit(f"{q}#{j}", float(k - j), q, "") for j in range(k)] for q in queries]
-
-    def search(self, query, k=10):
-        return self.batch_search([query], k)[0]
-
-
 def _gather(batcher, requests_):
     async def run():
         return await asyncio.wait_for(asyncio.gather(*(batcher.search(q, k) for q, k in requests_)), timeout=10)
@@ -370,418 +364,6 @@ def test_serve_runs_uvicorn_on_loopback_with_the_limited_app(monkeypatch):
     assert kwargs == {"host": "0.0.0.0", "port": 9001, "log_level": "warning"} and app.limit == 7
 
 
-# --- the client: RemoteRetriever ---------------------------------------------------------------------------------
-
-from stppo_envs.retrieval.remote import RemoteRetriever  # noqa: E402
-
-
-class _Response:
-    def __init__(self, status=200, body=None, text=None):
-        self.status_code, self._body = status, body
-        self.text = text if text is not None else json.dumps(body)
-
-    def json(self):
-        if self._body is None:
-            raise ValueError("not JSON")
-        return self._body
-
-
-class _Session:
-    """Stands in for requests.Session: answers each post with the next of ``answers`` (or rows naming the queries)."""
-
-    def __init__(self, answers=()):
-        self.answers, self.posts = list(answers), []
-
-    def post(self, url, json=None, timeout=None):
-        self.posts.append((url, json, timeout))
-        if self.answers:
-            return self.answers.pop(0)
-        rows = [[{"document": {"id": q, "contents": f'"{q}"\nabout {q}'}, "score": 1.0}] for q in json["queries"]]
-        return _Response(body={"result": rows})
-
-
-def _client(answers=(), **kwargs):
-    client = RemoteRetriever("http://stub:1", **kwargs)
-    client._session = _Session(answers)
-    return client
-
-
-def test_the_client_url_defaults_and_repr():
-    assert RemoteRetriever("http://h:1/").url == "http://h:1/retrieve"
-    assert RemoteRetriever("http://h:1/retrieve/").url == "http://h:1/retrieve"
-    assert RemoteRetriever("http://h:1/prefiX").url == "http://h:1/prefiX/retrieve"
-    client = RemoteRetriever("http://h:1")
-    assert (client.timeout, client.retries, client.backoff, client.max_batch) == (30.0, 2, 0.2, 512)
-    assert repr(client) == "RemoteRetriever('http://h:1/retrieve')"
-
-
-def test_the_client_posts_search_r1_requests_in_chunks_of_max_batch():
-    client = _client(max_batch=2, timeout=7.5)
-    rows = client.batch_search(["a", "b", "c", "d", "e"], 4)
-    assert [url for url, _, _ in client._session.posts] == ["http://stub:1/retrieve"] * 3
-    assert [payload for _, payload, _ in client._session.posts] == [
-        {"queries": ["a", "b"], "topk": 4, "return_scores": True}, {"queries": ["c", "d"], "topk": 4,
-                                                                    "return_scores": True},
-        {"queries": ["e"], "topk": 4, "return_scores": True}]
-    assert {timeout for _, _, timeout in client._session.posts} == {7.5}
-    assert [row[0].docid for row in rows] == ["a", "b", "c", "d", "e"] and rows[0][0] == Hit("a", 1.0, "a", "about a")
-    assert client.batch_search([], 3) == [] and len(client._session.posts) == 3
-    client.batch_search(["z"])
-    assert client._session.posts[-1][1]["topk"] == 10  # the default k is pyserini's 10
-
-
-def _rows(n):
-    return [[{"document": {"id": str(i), "contents": f'"T{i}"\ntext {i}'}, "score": float(i)}] for i in range(n)]
-
-
-def test_per_query_errors_come_back_at_the_callers_positions():
-    answers = [_Response(body={"result": _rows(2)}),
-               _Response(body={"result": _rows(2), "errors": [{"index": 1, "type": "E", "message": "refused"}]})]
-    client = _client(answers, max_batch=2)
-    with pytest.raises(PartialSearchError) as caught:
-        client.batch_search(["a", "b", "c", "d"], 1)
-    assert list(caught.value.errors) == [3] and caught.value.results[3] is None
-    assert [row[0].docid for row in caught.value.results[:3]] == ["0", "1", "0"]
-    assert str(caught.value.errors[3]) == "retrieval server http://stub:1/retrieve: refused"
-    alone = _client([_Response(body={"result": [[]], "errors": [{"index": 0, "message": "too many clauses"}]})])
-    with pytest.raises(RetrievalError) as single:
-        alone.search("q", 1)
-    assert type(single.value) is RetrievalError
-    assert str(single.value) == "retrieval server http://stub:1/retrieve: too many clauses"
-
-
-@pytest.mark.parametrize("status, kind, words", [
-    (500, RetrieverUnavailableError, "failed (500)"), (503, RetrieverUnavailableError, "failed (503)"),
-    (499, RetrievalError, "rejected the request (499)"), (400, RetrievalError, "rejected the request (400)")])
-def test_error_statuses_map_to_unavailable_or_refused(status, kind, words):
-    client = _client([_Response(status, text="e" * 400)])
-    with pytest.raises(RetrievalError) as caught:
-        client.search("q", 1)
-    assert type(caught.value) is kind
-    assert str(caught.value) == f"retrieval server http://stub:1/retrieve {words}: " + "e" * 300
-
-
-def test_a_request_that_cannot_be_sent_is_unavailable():
-    import requests
-
-    class Refusing(_Session):
-        def post(self, url, json=None, timeout=None):
-            raise requests.ConnectionError("connection refused")
-
-    client = RemoteRetriever("http://stub:1")
-    client._session = Refusing()
-    with pytest.raises(RetrieverUnavailableError, match=r"^retrieval server http://stub:1/retrieve unreachable: "
-                                                        r"connection refused$"):
-        client.search("q", 1)
-
-
-@pytest.mark.parametrize("answer, words", [
-    (_Response(body=None, text="<html>"), "sent an unexpected answer"),
-    (_Response(body={"rows": []}), "sent an unexpected answer"),
-    (_Response(body={"result": [[{"document": "x"}]]}), "sent an unexpected answer"),
-    (_Response(body={"result": _rows(1)}), "sent 1 rows (errors at []) for 2 queries"),
-    (_Response(body={"result": _rows(3)}), "sent 3 rows (errors at []) for 2 queries"),
-    (_Response(body={"result": _rows(2), "errors": [{"index": 2, "message": "m"}]}), "sent 2 rows (errors at [2])"),
-    (_Response(body={"result": _rows(2), "errors": [{"index": -1, "message": "m"}]}), "sent 2 rows (errors at [-1])"),
-])
-def test_answers_that_do_not_match_the_request_are_refused(answer, words):
-    with pytest.raises(RetrievalError) as caught:
-        _client([answer]).batch_search(["a", "b"], 1)
-    assert type(caught.value) is RetrievalError and words in str(caught.value)
-
-
-def test_results_parse_scored_bare_and_split_documents():
-    items = [{"document": {"id": 7, "contents": '"Paris"\nCapital.'}, "score": 2.5},
-             {"id": "8", "contents": "Rome\nEternal."},
-             {"docid": "9", "title": "Oslo", "text": "Cold."},
-             {"document": {"title": "Nowhere"}}, {"document": {"id": "10", "text": "Only text."}}]
-    (row,) = _client([_Response(body={"result": [items]})]).batch_search(["q"], 5)
-    assert row == [Hit("7", 2.5, "Paris", "Capital."), Hit("8", 0.0, "Rome", "Eternal."),
-                   Hit("9", 0.0, "Oslo", "Cold."), Hit("", 0.0, "Nowhere", ""), Hit("10", 0.0, "", "Only text.")]
-    assert row[1].title_line == "Rome" and row[0].title_line == '"Paris"'
-
-
-class _Stub(http.server.BaseHTTPRequestHandler):
-    """A scripted HTTP server: answers with the next (status, body) of ``script``; counts the hits per path."""
-
-    script: list = []
-    hits: dict = {}
-
-    def _answer(self):
-        type(self).hits[self.path] = type(self).hits.get(self.path, 0) + 1
-        if self.command == "POST":
-            self.rfile.read(int(self.headers["content-length"]))
-        status, body = self.script.pop(0) if self.script else (200, {"result": _rows(1)})
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    do_GET = do_POST = _answer
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def stub():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    _Stub.script, _Stub.hits = [], {}
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.mark.parametrize("statuses, retries, hits, served", [
-    ([502, 504], 2, 3, True), ([503, 503, 503], 2, 3, False), ([503], 0, 1, False), ([500], 2, 1, False)])
-def test_the_client_retries_502_503_504_up_to_retries_times(stub, statuses, retries, hits, served):
-    _Stub.script = [(status, {"detail": "busy"}) for status in statuses]
-    client = RemoteRetriever(stub, retries=retries, backoff=0)
-    if served:
-        assert client.search("q", 1)[0].docid == "0"
-    else:
-        with pytest.raises(RetrieverUnavailableError):
-            client.search("q", 1)
-    assert _Stub.hits == {"/retrieve": hits}
-
-
-def test_the_session_mounts_one_pooled_retrying_adapter_for_http_and_https():
-    session = RemoteRetriever("http://h:1", retries=3, backoff=0.5).session
-    for scheme in ("http://h", "https://h"):
-        adapter = session.get_adapter(scheme)
-        retry = adapter.max_retries
-        assert (retry.total, retry.connect, retry.read, retry.backoff_factor) == (3, 3, 3, 0.5)
-        assert tuple(retry.status_forcelist) == (502, 503, 504) and set(retry.allowed_methods) == {"POST"}
-        assert adapter.poolmanager.connection_pool_kw["maxsize"] == 64
-    assert RemoteRetriever("http://h:1").session is not None
-
-
-def test_index_id_comes_from_health_once_and_falls_back_to_the_url(stub):
-    _Stub.script = [(200, {"status": "ok", "index_id": "abc123"})]
-    client = RemoteRetriever(stub + "/retrieve")
-    assert client.index_id == "remote:abc123" and client.index_id == "remote:abc123"
-    assert _Stub.hits == {"/health": 1}
-    for answer in [(200, {"status": "ok"}), (200, {"index_id": None}), (200, b"not json"), (404, ["x"])]:
-        _Stub.script = [answer]
-        assert RemoteRetriever(stub).index_id == f"remote:{stub}/retrieve", answer
-
-
-def test_a_pickled_client_reopens_its_session_and_asks_for_its_index_again(stub):
-    _Stub.script = [(200, {"index_id": "one"})]
-    client = RemoteRetriever(stub, timeout=3.0, retries=1, max_batch=9)
-    assert client.index_id == "remote:one" and client._session is not None
-    clone = pickle.loads(pickle.dumps(client))
-    assert clone._session is None and clone.__dict__["_index_id"] is None
-    assert (clone.url, clone.timeout, clone.retries, clone.max_batch) == (client.url, 3.0, 1, 9)
-    _Stub.script = [(200, {"index_id": "two"})]
-    assert clone.index_id == "remote:two" and clone.search("q", 1)[0].docid == "0"
-
-
-# --- the retriever protocol: base.py -----------------------------------------------------------------------------
-
-from stppo_envs.retrieval import base  # noqa: E402
-
-
-def test_hits_keep_the_stored_title_line_or_quote_the_title():
-    assert base.Hit("1", 0.0, "Paris", "A city.").contents == '"Paris"\nA city.'
-    assert base.Hit("1", 0.0, "Paris", "A city.", title_line="Paris").contents == "Paris\nA city."
-    assert base.Hit("1", 0.0, "Paris", "x", title_line="Paris") == base.Hit("1", 0.0, "Paris", "x")  # not compared
-    hit = base.hit_from_contents("7", 1.5, "Arkansas\nA state.\nMore.")
-    assert (hit.docid, hit.score, hit.title, hit.text, hit.title_line) == ("7", 1.5, "Arkansas", "A state.\nMore.",
-                                                                            "Arkansas")
-    bare = base.hit_from_contents("8", 0.0, "no title line")
-    assert (bare.title, bare.text, bare.title_line, bare.display_title) == ("", "no title line", None, '""')
-
-
-@pytest.mark.parametrize("contents, parsed", [
-    ('"Paris"\nCapital.', ("Paris", "Capital.")), ('  "Paris"  \nCapital.', ("Paris", "Capital.")),
-    ('"\nx', ('"', "x")), ('""\nx', ("", "x")), ('"a\nx', ('"a', "x")), ("Rome\nx\ny", ("Rome", "x\ny")),
-    ("alone", ("", "alone"))])
-def test_parse_contents_unquotes_only_a_fully_quoted_title(contents, parsed):
-    assert base.parse_contents(contents) == parsed
-
-
-def test_passages_sha256_covers_ids_contents_order_and_boundaries():
-    one = base.passages_sha256([("1", "a"), ("2", "b")])
-    import hashlib
-
-    expected = hashlib.sha256(b'["1", "a"]\n["2", "b"]\n').hexdigest()
-    assert one == expected
-    assert base.passages_sha256([(1, "\u00e9")]) == hashlib.sha256('["1", "\u00e9"]\n'.encode()).hexdigest()
-    assert base.passages_sha256([]) == hashlib.sha256(b"").hexdigest()
-
-
-def test_portable_name_drops_machine_directories(tmp_path):
-    assert base.portable_name("/x/y/gt_model/model") == "gt_model/model"
-    assert base.portable_name("/x/y/idx/index") == "idx/index" and base.portable_name("/x/y/e/encoder") == "e/encoder"
-    assert base.portable_name("/x/y/some-index") == "some-index"
-    assert base.portable_name("org/enc") == "org/enc"
-    (tmp_path / "rel").mkdir()
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert base.portable_name("rel") == "rel" and base.portable_name("rel/model") == "rel/model"
-    finally:
-        os.chdir(cwd)
-
-
-def test_sanitize_query_and_is_valid_unicode():
-    assert base.is_valid_unicode("caf\u00e9") and not base.is_valid_unicode("a\ud800")
-    assert base.sanitize_query(" a\x00b\x1fc\x7fd\te\nf\rg\x0bh\x0ci ") == "a b c d\te\nf\rg h i"
-    assert base.sanitize_query("x\udfffy") == "x\ufffdy" and base.sanitize_query(" \x00 ") == "?"
-    assert base.sanitize_query("\x08\x0e") == "?" and base.sanitize_query("ok") == "ok"
-
-
-def test_error_types_nest_as_documented():
-    assert issubclass(base.IndexNotFoundError, base.RetrievalError) and issubclass(base.IndexNotFoundError,
-                                                                                   FileNotFoundError)
-    assert issubclass(base.RetrieverUnavailableError, ConnectionError)
-    assert issubclass(base.RetrievalError, RuntimeError)
-
-
-def test_partial_search_error_messages_and_order():
-    single = PartialSearchError([None], {0: RetrievalError("too many clauses")})
-    assert str(single) == "too many clauses"
-    several = PartialSearchError([None, [], None], {2: RetrievalError("late"), 0: RetrievalError("first")})
-    assert str(several) == "2 of 3 queries failed; query 0: first"
-    assert list(several.errors) == [0, 2] and several.results == [None, [], None]
-    two = PartialSearchError([[], None], {1: RetrievalError("x")})
-    assert str(two) == "1 of 2 queries failed; query 1: x"
-
-
-def test_as_retrieval_error_names_a_foreign_exception():
-    error = RetrievalError("mine")
-    assert base.as_retrieval_error(error) is error
-    wrapped = base.as_retrieval_error(ValueError("bad input"))
-    assert type(wrapped) is RetrievalError and str(wrapped) == "ValueError: bad input"
-
-
-class _Refuses(_Backend):
-    """Refuses any batch holding a query with BAD in it, with ``error``."""
-
-    def __init__(self, error=None):
-        super().__init__()
-        self.error = error or RetrievalError("refused")
-
-    def batch_search(self, queries, k=10):
-        self.calls.append((list(queries), k))
-        if any("BAD" in q for q in queries):
-            raise self.error
-        return [[Hit(f"{q}#{j}", 0.0, q, "") for j in range(k)] for q in queries]
-
-
-def test_search_each_splits_in_halves_down_to_the_refused_query():
-    backend = _Refuses()
-    rows, errors = search_each(backend, ["a", "b", "BAD", "d", "e"], 2)
-    assert list(errors) == [2] and str(errors[2]) == "refused" and rows[2] is None
-    assert [row[1].docid for i, row in enumerate(rows) if i != 2] == ["a#1", "b#1", "d#1", "e#1"]
-    assert [queries for queries, _ in backend.calls] == [["a", "b", "BAD", "d", "e"], ["a", "b"], ["BAD", "d", "e"],
-                                                         ["BAD"], ["d", "e"]]
-    assert {k for _, k in backend.calls} == {2}
-    rows, errors = search_each(_Refuses(), ["x", "BAD"], 1)
-    assert list(errors) == [1] and rows[0][0].docid == "x#0"
-    assert search_each(_Refuses(), [], 1) == ([], {})
-
-
-def test_search_each_isolates_only_what_it_is_told_to():
-    with pytest.raises(ValueError):  # a bug in the backend is not a refused query by default
-        search_each(_Refuses(ValueError("bug")), ["BAD", "b"], 1)
-    for queries in (["a", "BAD"], ["BAD", "b"], ["a", "BAD", "c", "d", "e"], ["a", "b", "c", "BAD"]):
-        rows, errors = search_each(_Refuses(ValueError("bug")), queries, 1, isolate=Exception)  # in either half
-        bad = queries.index("BAD")
-        assert list(errors) == [bad] and str(errors[bad]) == "ValueError: bug", queries
-        assert [row[0].docid for i, row in enumerate(rows) if i != bad] == [f"{q}#0" for q in queries if q != "BAD"]
-
-
-def test_search_each_fails_every_query_at_once_when_the_backend_is_down():
-    backend = _Refuses(RetrieverUnavailableError("down"))
-    rows, errors = search_each(backend, ["BAD", "b", "c"], 1)
-    assert rows == [None, None, None] and list(errors) == [0, 1, 2] and len(backend.calls) == 1
-    assert all(str(e) == "down" for e in errors.values())
-
-
-def test_search_each_keeps_a_partial_answer_as_it_came():
-    class Partial(_Backend):
-        def batch_search(self, queries, k=10):
-            self.calls.append(queries)
-            raise PartialSearchError([None, [Hit("b", 0.0, "", "")]], {0: RetrievalError("no")})
-
-    backend = Partial()
-    rows, errors = search_each(backend, ["a", "b"], 1)
-    assert rows == [None, [Hit("b", 0.0, "", "")]] and list(errors) == [0] and len(backend.calls) == 1
-
-
-def test_search_each_refuses_rows_that_do_not_match_the_queries():
-    class Long(_Backend):
-        def batch_search(self, queries, k=10):
-            return super().batch_search(list(queries) + ["extra"], k)
-
-    rows, errors = search_each(Long(), ["a", "b"], 1)
-    assert rows == [None, None] and str(errors[1]) == "the backend returned 3 rows for 2 queries"
-
-
-def test_batch_search_mixin_search_is_the_first_row():
-    class Mixed(base.BatchSearchMixin):
-        def batch_search(self, queries, k=10):
-            return [[Hit(q, float(k), "", "")] for q in queries] + [["never"]]
-
-    assert Mixed().search("q") == [Hit("q", 10.0, "", "")] and Mixed().search("q", 2)[0].score == 2.0
-
-
-def test_the_cache_asks_the_backend_once_per_distinct_query_and_k():
-    backend = _Backend()
-    cached = CachedRetriever(backend)
-    assert cached.maxsize == 65536
-    rows = cached.batch_search(["a", "b", "a"], 1)
-    assert [row[0].docid for row in rows] == ["a#0", "b#0", "a#0"] and backend.calls == [(["a", "b"], 1)]
-    assert cached.search("a", 2)[0].docid == "a#0" and backend.calls[-1] == (["a"], 2)  # another k: asked again
-    assert cached.batch_search(["b", "a"], 1) == [rows[1], rows[0]] and len(backend.calls) == 2
-    assert cached.batch_search([], 1) == [] and len(backend.calls) == 2
-
-
-def test_the_cache_evicts_the_least_recently_used_beyond_maxsize_and_pickles_its_size():
-    backend = _Backend()
-    cached = CachedRetriever(backend, maxsize=2)
-    cached.batch_search(["a", "b"], 1)
-    cached.search("a", 1)  # a is now the most recent
-    cached.search("c", 1)  # evicts b
-    backend.calls.clear()
-    cached.batch_search(["a", "c", "b"], 1)
-    assert backend.calls == [(["b"], 1)]
-    clone = pickle.loads(pickle.dumps(cached))
-    assert clone.maxsize == 2 and clone._cache.maxsize == 2 and len(clone._cache) == 0
-    assert isinstance(clone.retriever, _Backend) and repr(clone) == f"CachedRetriever({clone.retriever!r})"
-
-
-def test_the_cache_names_its_backends_index():
-    class Named(_Backend):
-        index_id = "bm25:abc"
-
-    assert CachedRetriever(Named()).index_id == "bm25:abc"
-    backend = _Backend()
-    assert CachedRetriever(backend).index_id == repr(backend)
-
-
-def test_reopens_after_pickling_drops_only_the_transient_attributes():
-    class Holder(base.ReopensAfterPickling):
-        _transient = ("_handle", "_other")
-
-        def __init__(self):
-            self.path, self._handle, self._other = "p", object(), 1
-
-    state = Holder().__getstate__()
-    assert state == {"path": "p", "_handle": None, "_other": None}
-    holder = Holder()
-    holder.__getstate__()
-    assert holder._handle is not None  # the live object keeps its handle
-    assert base.ReopensAfterPickling._transient == ()
-
-
 def test_a_zero_window_serves_every_request_on_its_own():
     backend = _Backend()
     batcher = _Batcher(backend, ServerLimits(batch_window_s=0.0))
@@ -842,3 +424,210 @@ def test_merged_requests_get_their_own_errors_at_their_own_positions(error):
                [None if i in bad else f"{q}#0" for i, q in enumerate(queries)]
         assert all(str(error) in str(e) for e in errors.values())
     assert batcher.queries_served == 8 - 2 and batcher.batches_served == 1
+
+
+# The retrieval server: a query the backend refuses is that query's failure, never the batch's, and a merged request
+# hands every client exactly its own rows.
+
+
+# 1,296 distinct two-character terms in 3,887 characters: under the env's 4,096-character query limit, over
+# Lucene's 1,024-clause limit, so pyserini raises TooManyClauses for this query alone.
+TOO_MANY_CLAUSES = " ".join("".join(p) for p in itertools.product(string.ascii_lowercase + string.digits, repeat=2))
+GOOD = ["In which town was the founder born?", "first-line treatment fever", "river"]
+
+
+@pytest.fixture(scope="module")
+def demo_bm25():
+    return make_retriever("demo", cache_size=0)
+
+
+def test_a_query_lucene_refuses_fails_alone_through_stppo_serve(threaded_server, demo_bm25):  # noqa: F811
+    from stppo_envs import make_vec
+
+    assert len(TOO_MANY_CLAUSES) < 4096
+    url, _ = threaded_server(demo_bm25)
+    response = requests.post(f"{url}/retrieve", json={"queries": GOOD + [TOO_MANY_CLAUSES], "topk": 3,
+                                                      "return_scores": True}, timeout=60)
+    assert response.status_code == 200, response.text[:300]
+    body = response.json()
+    expected = demo_bm25.batch_search(GOOD, 3)
+    assert [[item["document"]["id"] for item in row] for row in body["result"][:3]] == \
+           [[hit.docid for hit in row] for row in expected]
+    assert body["result"][3] == []
+    assert [e["index"] for e in body["errors"]] == [3] and "maxClauseCount" in body["errors"][0]["message"]
+
+    envs = make_vec("stppo/NQ-v0", 4, retriever=url)
+    envs.reset(seed=0)
+    _, _, _, _, infos = envs.step([f"<search>{q}</search>" for q in GOOD + [TOO_MANY_CLAUSES]])
+    assert infos["search_calls"].tolist() == [1, 1, 1, 0]  # served [0, 1, 2]
+    assert infos["search_errors"].tolist() == [0, 0, 0, 1]
+    assert infos["_error"].tolist() == [False, False, False, True]
+    assert infos["error"]["type"][3] == "RetrievalError" and "maxClauseCount" in infos["error"]["message"][3]
+
+    remote = RemoteRetriever(url)
+    with pytest.raises(PartialSearchError) as caught:
+        remote.batch_search(GOOD + [TOO_MANY_CLAUSES] + GOOD[:1], 3)
+    assert sorted(caught.value.errors) == [3] and caught.value.results[3] is None
+    assert caught.value.results[:3] == expected and caught.value.results[4] == expected[0]
+    with pytest.raises(RetrievalError, match="maxClauseCount") as alone:
+        remote.search(TOO_MANY_CLAUSES, 3)
+    assert type(alone.value) is RetrievalError  # its own error; not "server down": no retries, no 503
+    chunked = RemoteRetriever(url, max_batch=2)  # a refused query in one request, the rest served in others
+    with pytest.raises(PartialSearchError) as caught:
+        chunked.batch_search(GOOD + [TOO_MANY_CLAUSES, GOOD[0]], 3)
+    assert sorted(caught.value.errors) == [3] and caught.value.results[:3] == expected
+
+
+class _FailingOnBadBackend:
+    """Rows that name their query and k; raises ``error`` for any batch holding a query that contains BAD."""
+
+    def __init__(self, error=None):
+        self.calls: list[tuple[list[str], int]] = []
+        self.error = error
+
+    def batch_search(self, queries, k=10):
+        self.calls.append((list(queries), k))
+        if self.error is not None and any("BAD" in q for q in queries):
+            raise self.error
+        return [[Hit(f"{q}#{j}", float(k - j), q, f"row {j} of {q!r}") for j in range(k)] for q in queries]
+
+    def search(self, query, k=10):
+        return self.batch_search([query], k)[0]
+
+
+def _served(batcher: _Batcher, requests_: list[tuple[list[str], int]]):
+    async def run():  # a request the batcher forgets fails the test instead of hanging it
+        return await asyncio.wait_for(asyncio.gather(*(batcher.search(queries, k) for queries, k in requests_),
+                                                     return_exceptions=True), timeout=10)
+
+    return asyncio.run(run())
+
+
+def _own_rows(queries, k):
+    return [[f"{q}#{j}" for j in range(k)] for q in queries]
+
+
+def test_merged_requests_hand_every_client_its_own_rows():
+    backend = _FailingOnBadBackend()
+    batcher = _Batcher(backend, ServerLimits(batch_window_s=0.2))
+    asked = [([f"a{i}" for i in range(3)], 2), (["b0"], 5), ([f"c{i}" for i in range(4)], 2), ([], 2),
+             (["d0", "d1"], 1), (["e0"], 5), (["a0", "a0"], 2)]
+    answers = _served(batcher, asked)
+    for (queries, k), (rows, errors) in zip(asked, answers):
+        assert errors == {}
+        assert [[hit.docid for hit in row] for row in rows] == _own_rows(queries, k), (queries, k)
+    # merged: one backend call per top-k, each holding its requests' queries in order
+    assert sorted(backend.calls, key=lambda c: c[1]) == [
+        (["d0", "d1"], 1), (["a0", "a1", "a2", "c0", "c1", "c2", "c3", "a0", "a0"], 2), (["b0", "e0"], 5)]
+    assert batcher.queries_served == 3 + 1 + 4 + 2 + 1 + 2 and batcher.batches_served == 3
+
+
+@pytest.mark.parametrize("error", [RetrievalError("backend refused a query"), RuntimeError("faiss: bad input")])
+def test_a_merged_bad_query_fails_only_itself(error):
+    backend = _FailingOnBadBackend(error)
+    batcher = _Batcher(backend, ServerLimits(batch_window_s=0.2))
+    asked = [(["a0", "BAD a1", "a2"], 2), (["b0"], 2), (["c0", "c1"], 3), (["BAD d0"], 2), (["e0", "e1", "e2"], 2)]
+    answers = _served(batcher, asked)
+    for (queries, k), (rows, errors) in zip(asked, answers):
+        bad = [i for i, q in enumerate(queries) if "BAD" in q]
+        assert sorted(errors) == bad, queries
+        for i, row in enumerate(rows):
+            assert (row is None) if i in bad else [hit.docid for hit in row] == _own_rows([queries[i]], k)[0]
+        for i in bad:
+            assert isinstance(errors[i], RetrievalError) and str(error) in str(errors[i])
+    assert batcher.queries_served == 10 - 2
+
+
+def test_a_backend_that_is_down_fails_the_request_so_that_the_client_retries():
+    batcher = _Batcher(_FailingOnBadBackend(RetrieverUnavailableError("upstream server down")), ServerLimits())
+    (answer,) = _served(batcher, [(["BAD x", "y"], 2)])
+    assert isinstance(answer, RetrieverUnavailableError)
+
+
+def test_a_backend_returning_the_wrong_number_of_rows_hands_out_no_rows():
+    class Short(_FailingOnBadBackend):
+        def batch_search(self, queries, k=10):
+            return super().batch_search(queries, k)[:-1]
+
+    batcher = _Batcher(Short(), ServerLimits(batch_window_s=0.2))
+    answers = _served(batcher, [(["a0", "a1"], 2), (["b0"], 2)])
+    for rows, errors in answers:  # never a neighbour's row shifted into place
+        assert all(row is None for row in rows) and all("rows for" in str(e) for e in errors.values())
+
+
+class _FlakyHandler(http.server.BaseHTTPRequestHandler):
+    statuses: list[int] = []
+    hits = 0
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        type(self).hits += 1
+        self.rfile.read(int(self.headers["content-length"]))
+        status = self.statuses.pop(0) if self.statuses else 200
+        body = json.dumps({"result": [[{"document": {"id": "7", "contents": '"T"\ntext'}, "score": 1.0}]]}
+                          if status == 200 else {"detail": "overloaded"}).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_client_still_retries_a_server_that_is_really_down():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        _FlakyHandler.statuses, _FlakyHandler.hits = [503, 503], 0
+        assert RemoteRetriever(url, retries=2, backoff=0).search("q", 1)[0].docid == "7"
+        assert _FlakyHandler.hits == 3
+        _FlakyHandler.statuses, _FlakyHandler.hits = [503] * 5, 0
+        with pytest.raises(RetrieverUnavailableError):
+            RemoteRetriever(url, retries=2, backoff=0).search("q", 1)
+        assert _FlakyHandler.hits == 3
+    finally:
+        server.shutdown()
+
+
+def test_the_cache_reports_a_partial_failure_at_the_callers_positions():
+    from stppo_envs.retrieval import CachedRetriever, search_each
+
+    class Partial(_FailingOnBadBackend):  # answers as a remote client does when the server refused some queries
+        def batch_search(self, queries, k=10):
+            rows = super().batch_search(queries, k)
+            errors = {i: RetrievalError(f"refused {q}") for i, q in enumerate(queries) if "BAD" in q}
+            if errors:
+                raise PartialSearchError([None if i in errors else row for i, row in enumerate(rows)], errors)
+            return rows
+
+    backend = Partial()
+    cached = CachedRetriever(backend)
+    with pytest.raises(PartialSearchError) as caught:
+        cached.batch_search(["a", "BAD1", "b", "BAD1", "a"], 1)
+    assert backend.calls == [(["a", "BAD1", "b"], 1)]  # each distinct query once
+    assert sorted(caught.value.errors) == [1, 3] and str(caught.value.errors[3]) == "refused BAD1"
+    assert [row and row[0].docid for row in caught.value.results] == ["a#0", None, "b#0", None, "a#0"]
+    with pytest.raises(PartialSearchError):
+        cached.batch_search(["a", "BAD1"], 1)
+    assert backend.calls[-1] == (["BAD1"], 1)  # a refused query is asked again; the served one came from the cache
+    backend.calls.clear()
+    assert search_each(cached, ["b", "a"], 1)[0] == [backend.search("b", 1), backend.search("a", 1)]
+    assert backend.calls == [(["b"], 1), (["a"], 1)]  # the two served before came from the cache
+    cached.batch_search(["z"])
+    assert backend.calls[-1] == (["z"], 10)  # the default k is pyserini's 10
+    down = _FailingOnBadBackend(RetrieverUnavailableError("down"))
+    rows, errors = search_each(down, [f"BAD {i}" for i in range(64)], 1)
+    assert rows == [None] * 64 and len(errors) == 64
+
+
+def test_search_each_finds_a_refused_query_in_few_calls():
+    from stppo_envs.retrieval import search_each
+
+    backend = _FailingOnBadBackend(RetrievalError("refused"))
+    queries = [f"q{i}" for i in range(1024)]
+    queries[700] = "BAD"
+    rows, errors = search_each(backend, queries, 1)
+    assert list(errors) == [700] and rows[699][0].docid == "q699#0" and rows[701][0].docid == "q701#0"
+    assert len(backend.calls) <= 2 * 10 + 1  # halving: about two calls per level of a 1,024-query batch

@@ -9,13 +9,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.requires import require_trl
+from tests.support.requires import require_trl
 
 require_trl("docs/trl.md's example needs TRL (`pip install .[trl]`)")
 
-from .trl_models import tiny_tool_model  # noqa: E402
+from tests.support.trl_models import tiny_tool_model  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "trl.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "trl.md"
 MODEL_LINE = re.compile(r"^model_path = .*$", re.M)
 
 

@@ -36,15 +36,6 @@ class ScriptedRetriever:
 RETRIEVER = ScriptedRetriever()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _demo_data_loaded():
-    """Loads the demo sets once, before the first test: their loaders' imports (datasets, scipy) then predate
-    every test, so conftest's per-test cleanup of modules imported from outside the interpreter's prefix (a venv
-    layered on another one) never drops half of numpy for pyserini to re-import."""
-    for env_id in ("stppo/NQ-v0", "stppo/HotpotQA-v0", "stppo/MedQA-v0"):
-        search_environment(env_id, retriever=RETRIEVER)
-
-
 def play_gym(env_id: str, kwargs: dict, index: int, turns: list[tuple[str, str]]) -> tuple[list[str], float]:
     """(observations, final reward) of the Gymnasium env given the same turns as Search-R1 action text."""
     env = gym.make(env_id, disable_env_checker=True, **kwargs)

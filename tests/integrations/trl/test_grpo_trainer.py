@@ -15,7 +15,7 @@ import os
 import gymnasium as gym
 import pytest
 
-from tests.requires import require_trl
+from tests.support.requires import require_trl
 
 require_trl()
 
@@ -25,14 +25,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from stppo_agent.integrations.trl import search_environment, training_dataset  # noqa: E402
 from stppo_envs import env_id  # noqa: E402
-
-from .trl_models import (  # noqa: E402
-    environment_tools,
-    message_logprob,
-    teach,
-    tiny_tool_model,
-    tool_chat_tokenizer,
-)
+from tests.support.trl_models import environment_tools, message_logprob, teach, tiny_tool_model, tool_chat_tokenizer  # noqa: E402
 
 QUERY, RIGHT, WRONG = "Zaeththeiv Penda", "linguist", "chemist"  # demo NQ question 0 and its gold answer
 SHORT = {"template": "{question}", "limit": 1}  # the bare question: short contexts keep the tiny model fast

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.requires import require_trl
+from tests.support.paths import REPO
+from tests.support.requires import require_trl
 
 require_trl("benchmarks/peers.py needs TRL (`pip install .[trl]`)")
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, NEW_TOKENS = 2, 2, 8
 
 

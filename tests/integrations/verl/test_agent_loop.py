@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.requires import require_verl
+from tests.support.requires import require_verl
 
 require_verl()
 
@@ -18,9 +18,9 @@ from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl.reward import compute_score  # noqa: E402
 from stppo_agent.integrations.verl.turns import TURN_SPANS, TURN_TEXTS  # noqa: E402
 from stppo_envs import SearchQAEnv  # noqa: E402
-from tests.conftest import KeywordRetriever  # noqa: E402
-from tests.verl_agent_loops import ScriptedServer, build_loop, play, smollm2_tokenizer  # noqa: E402
-from tests.verl_rows import parquet_rows  # noqa: E402
+from tests.support.retrievers import KeywordRetriever  # noqa: E402
+from tests.support.verl_agent_loops import ScriptedServer, build_loop, play, smollm2_tokenizer  # noqa: E402
+from tests.support.verl_rows import parquet_rows  # noqa: E402
 
 LOOP = {"name": "stppo_env", "retriever": "keyword", "topk": 3, "max_observation_tokens": 512}
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.requires import require_verl
+from tests.support.paths import REPO
+from tests.support.requires import require_verl
 
 require_verl()
 
@@ -34,10 +35,8 @@ from stppo_agent.integrations.verl import losses as bridge  # noqa: E402
 from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
 from stppo_agent.models.tiny import word_tokenizer  # noqa: E402
 from stppo_envs import BENCHMARKS, SearchQAEnv  # noqa: E402
+from tests.support.verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark  # noqa: E402
 
-from .verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 bridge.register_verl_losses()
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.requires import require_verl
+from tests.support.requires import require_verl
 
 require_verl()
 
 import torch  # noqa: E402
 
-from tests.verl_workers import (  # noqa: E402
+from tests.support.verl_workers import (  # noqa: E402
     CLIP_HIGH,
     CLIP_LOW,
     GRAD_TOL,

@@ -12,8 +12,8 @@ import pytest
 from stppo_agent.integrations.verl import reward as verl_reward
 from stppo_agent.integrations.verl.turns import TURN_TEXTS
 from stppo_envs import BENCHMARKS, SearchQAEnv
-from tests.requires import require_verl
-from tests.verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark, parquet_rows
+from tests.support.requires import require_verl
+from tests.support.verl_rows import PER_BENCHMARK, OnePassage, export_every_benchmark, parquet_rows
 
 QA = {"target": ["Paris"], "choices": [], "answer_letter": ""}
 

@@ -21,7 +21,7 @@ import dataclasses
 
 import pytest
 
-from tests.requires import require_verl
+from tests.support.requires import require_verl
 
 require_verl("the reference comparison needs verl 0.9 (docs/verl.md)")
 

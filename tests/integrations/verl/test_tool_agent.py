@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.requires import require_verl
+from tests.support.paths import REPO
+from tests.support.requires import require_verl
 
 require_verl()
 
@@ -23,11 +24,10 @@ from stppo_agent.integrations.verl import data as export  # noqa: E402
 from stppo_agent.integrations.verl.reward import compute_score  # noqa: E402
 from stppo_agent.integrations.verl.turns import TURN_SPANS, TURN_TEXTS  # noqa: E402
 from stppo_envs import SearchQAEnv  # noqa: E402
-from tests.conftest import KeywordRetriever  # noqa: E402
-from tests.verl_agent_loops import ScriptedServer, build_loop, play, smollm2_tokenizer  # noqa: E402
-from tests.verl_rows import parquet_rows  # noqa: E402
+from tests.support.retrievers import KeywordRetriever  # noqa: E402
+from tests.support.verl_agent_loops import ScriptedServer, build_loop, play, smollm2_tokenizer  # noqa: E402
+from tests.support.verl_rows import parquet_rows  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 MULTI_TURN = {"multi_turn": {"max_user_turns": None, "max_assistant_turns": 6, "max_parallel_calls": 1,
                              "max_tool_response_length": 100000, "tool_response_truncate_side": "middle",
                              "format": "hermes"}, "full_determinism": False}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.requires import require_verl
+from tests.support.requires import require_verl
 
 require_verl()
 
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from stppo_agent.algorithms import ALGORITHMS, ClipBiasCorrector, get_policy_loss  # noqa: E402
 from stppo_agent.integrations.verl.settings import not_in_verl  # noqa: E402
 from stppo_agent.integrations.verl.turns import TURN_SPANS, spans_from_mask, turn_ids_from_mask  # noqa: E402
-from tests.verl_workers import (  # noqa: E402
+from tests.support.verl_workers import (  # noqa: E402
     CLIP_HIGH,
     CLIP_LOW,
     GRAD_TOL,
