@@ -23,23 +23,34 @@ REPO = Path(__file__).resolve().parents[1]
 # test-verl), and --doctest-modules would otherwise import them in the main venv, where verl is absent.
 collect_ignore = [] if importlib.util.find_spec("verl") else ["support/verl_agent_loops.py"]
 
-# The slowest test files, slowest first (wall time in a profile of the whole suite, session 12). `make test` hands
-# whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these start first
-# and the many quick files fill in at the end. xdist's default order (most tests first) ran them last -- files of one
-# to ten tests, minutes each -- and left a worker idle for minutes while the other finished one (issue 28).
+# The slowest test files (paths under tests/), slowest first (wall time in a profile of the whole suite). `make test`
+# hands whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these start
+# first and the many quick files fill in at the end. xdist's default order (most tests first) ran them last -- files
+# of one to ten tests, minutes each -- and left a worker idle for minutes while the other finished one.
 SLOWEST_FIRST = (
-    "test_stress_quick.py", "test_stability_quick.py", "test_readme_walkthrough.py", "test_distributed.py",
-    "test_checkpoint_size.py", "test_run_summary.py", "test_trainer.py", "test_m2po_whole_batch.py",
-    "test_staleness.py", "test_sft.py", "test_retrieval.py", "test_shared_retrieval.py",
-    "test_multiprocess_streams.py", "test_robustness_quick.py", "test_compare_retriever_identity.py",
-    "test_collapse.py", "test_append_cache.py", "test_multiprocess_metrics.py", "test_learning_signal.py",
-    "test_plot_labels.py", "test_dynamic_sampling.py", "test_actions.py", "test_cli_docs.py",
+    "benchmarks/test_stress_quick.py", "benchmarks/test_stability_quick.py", "docs/test_readme_walkthrough.py",
+    "distributed/test_data_parallel_gradients.py", "runs/test_checkpoint_size.py", "runs/test_run_summary.py",
+    "end_to_end/test_learning_on_the_toy_env.py", "training/test_m2po_whole_batch.py",
+    "training/test_stale_policy.py", "training/test_sft.py", "envs/retrieval/test_backends_and_server.py",
+    "distributed/test_shared_retrieval_stops_with_the_run.py", "distributed/test_rank_streams_under_torchrun.py",
+    "benchmarks/test_robustness_quick.py", "evaluation/test_retriever_identity_in_comparisons.py",
+    "monitoring/test_collapse_early_warning.py", "rollouts/test_append_cache.py",
+    "training/test_metrics_independent_of_the_split.py", "monitoring/test_learning_signal.py", "cli/test_plot.py",
+    "training/test_resampling.py", "envs/test_actions.py", "docs/test_commands_in_docs.py",
 )
+
+
+def suite_path(path: Path) -> str:
+    """``path`` relative to tests/ (``runs/test_checkpoint.py``); "" for a file outside it (a library doctest)."""
+    try:
+        return path.resolve().relative_to(REPO / "tests").as_posix()
+    except ValueError:
+        return ""
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+    items.sort(key=lambda item: rank.get(suite_path(item.path), len(rank)))  # stable: a file's own order stays
 
 
 def shared_data_dir() -> Path | None:
@@ -54,8 +65,8 @@ def shared_data_dir() -> Path | None:
 @pytest.fixture(autouse=True)
 def _plugin_registrations_end_with_the_test():
     """A test that imports a plugin in-process registers its rule, loss, estimator or agent for the whole worker;
-    the registries go back to what they held before, so no later test sees it (a preset-table pin saw a plugin's
-    `my_algo` when the two tests happened to share a worker)."""
+    the registries go back to what they held before, so no later test sees it (a test of the preset table would see a
+    plugin's `my_algo` whenever the two tests share a worker)."""
     from stppo_agent.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from stppo_agent.algorithms.config import ALGORITHMS
     from stppo_agent.algorithms.losses import POLICY_LOSSES, WHOLE_BATCH_STATISTICS

@@ -4,18 +4,13 @@ before the group baseline, and advantages computed on the inputs' device."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import math
 
 import pytest
 import torch
 
-# --- advantages ---------------------------------------------------------------------------------------------
-from stppo_agent.algorithms import advantages as advantages_module  # noqa: E402
-
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-from stppo_agent.algorithms.advantages import (  # noqa: E402
+from stppo_agent.algorithms import advantages as advantages_module
+from stppo_agent.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
     compact_policy_positions,
@@ -24,16 +19,9 @@ from stppo_agent.algorithms.advantages import (  # noqa: E402
     outcome_scores,
     register_advantage_estimator,
 )
-from stppo_agent.algorithms.config import (  # noqa: E402
-    ALGORITHMS,
-    AlgorithmConfig,  # noqa: E402
-)
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-# --- rollout_correction -----------------------------------------------------------------------------------------
-from stppo_agent.algorithms.segments import (
-    whiten,
-)
+from stppo_agent.algorithms.config import ALGORITHMS, AlgorithmConfig
+from stppo_agent.algorithms.losses import kl_reward_penalty
+from stppo_agent.algorithms.segments import whiten
 from tests.support import algorithm_reference as ref
 from tests.support.batches import F64, t64
 
@@ -310,3 +298,24 @@ def test_advantages_are_computed_on_the_inputs_device_whatever_the_default_devic
     for got, want in zip((advantages, returns), expected):
         assert got.device.type == "cpu" and got.dtype == F64
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_kl_penalty_lowers_the_reward_by_the_expected_amount():
+    config = ALGORITHMS["ppo"]  # kl_in_reward 0.001
+    mask = torch.tensor([[True, True, False, True]])
+    old = torch.tensor([[-1.0, -2.0, -9.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, 0.0, -0.5]])
+    penalty = kl_reward_penalty(old, ref, mask, config)
+    expected = 0.001 * torch.tensor([[0.5, -1.0, 0.0, 0.0]])
+    torch.testing.assert_close(penalty, expected)
+    from stppo_agent.algorithms import get_advantage_estimator
+
+    rewards = torch.tensor([1.0])
+    values = torch.zeros(1, 4)
+    plain = dict(rewards=rewards, values=values, loss_mask=mask, group_ids=torch.tensor([0]),
+                 config=ALGORITHMS["ppo"].__class__(whiten_advantages=False))
+    _, returns = get_advantage_estimator("gae")(**plain)
+    _, penalised = get_advantage_estimator("gae")(**plain, kl_penalty=penalty)
+    # gamma = lam = 1: the return at the first token is R minus the sum of the penalties from there on
+    assert float(returns[0, 0] - penalised[0, 0]) == pytest.approx(float(penalty.sum()), abs=1e-7)
+    assert float(penalised[0, 0]) == pytest.approx(1.0 - 0.001 * (0.5 - 1.0), abs=1e-7)

@@ -324,7 +324,7 @@ def test_entropy_and_kl_terms_enter_the_loss():
     assert metrics["entropy"].item() > 0 and metrics["kl_loss"].item() > 0
 
 
-# --- issue 11: GSPO aggregation, KL numerics ------------------------------------------------------------------
+# --- GSPO aggregation, KL numerics ----------------------------------------------------------------------------------
 
 
 def test_gspo_averages_per_sequence_against_a_hand_computed_value():

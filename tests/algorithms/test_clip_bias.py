@@ -4,22 +4,14 @@ collectives faked, so they run in one process), measuring without correcting, an
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-# --- advantages ---------------------------------------------------------------------------------------------
 from stppo_agent.algorithms import clip_bias as clip_bias_module
-
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
 from stppo_agent.algorithms.clip_bias import ClipBiasCorrector
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-# --- rollout_correction -----------------------------------------------------------------------------------------
 from tests.support.batches import F64, t64
 
 # --- clip_bias: ClipBiasCorrector ---------------------------------------------------------------------------

@@ -3,23 +3,11 @@ boundaries, and each preset's difference from the defaults as docs/algorithms.md
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
-import dataclasses  # noqa: E402
+import dataclasses
 
 import pytest
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-from stppo_agent.algorithms.config import (  # noqa: E402
-    ALGORITHMS,
-    AlgorithmConfig,  # noqa: E402
-    register_algorithm,
-)
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-
-# --- rollout_correction -----------------------------------------------------------------------------------------
+from stppo_agent.algorithms.config import ALGORITHMS, AlgorithmConfig, register_algorithm
 
 DEFAULTS = {
     "name": "custom", "advantage": "gae", "policy_loss": "ppo_clip", "ratio_level": "token",

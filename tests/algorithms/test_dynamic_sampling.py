@@ -3,16 +3,9 @@ informative (spread and tolerance), on the inputs' device."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import torch
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-from stppo_agent.algorithms.dynamic_sampling import dropped_group_count, informative_groups  # noqa: E402
-
-# --- rollout_correction -----------------------------------------------------------------------------------------
+from stppo_agent.algorithms.dynamic_sampling import dropped_group_count, informative_groups
 from tests.support.batches import t64
 from tests.support.devices import F64
 

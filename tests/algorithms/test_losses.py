@@ -4,25 +4,15 @@ dual clip), the value loss, explained variance, and the device every loss is com
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
-import dataclasses  # noqa: E402
+import dataclasses
 import math
 
 import pytest
 import torch
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-from stppo_agent.algorithms import losses as losses_module  # noqa: E402
-
-# --- second_moment ------------------------------------------------------------------------------------------
-from stppo_agent.algorithms.config import (  # noqa: E402
-    ALGORITHMS,
-    AlgorithmConfig,  # noqa: E402
-    )
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-from stppo_agent.algorithms.losses import (  # noqa: E402
+from stppo_agent.algorithms import losses as losses_module
+from stppo_agent.algorithms.config import ALGORITHMS, AlgorithmConfig
+from stppo_agent.algorithms.losses import (
     aggregate,
     aggregate_parts,
     aggregation_kwargs,
@@ -33,8 +23,6 @@ from stppo_agent.algorithms.losses import (  # noqa: E402
     log_ratio_at_level,
     value_loss,
 )
-
-# --- rollout_correction -----------------------------------------------------------------------------------------
 from stppo_agent.training.config import load_config
 from tests.support import algorithm_reference as ref
 from tests.support.batches import F64, _ratio_batch, random_batch, t64

@@ -3,17 +3,10 @@ micro-batches and ranks."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import pytest
 import torch
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-from stppo_agent.algorithms.metrics import Extreme, LossMetrics, Summed, ratio_of_sums  # noqa: E402
-
-# --- rollout_correction -----------------------------------------------------------------------------------------
+from stppo_agent.algorithms.metrics import Extreme, LossMetrics, Summed, ratio_of_sums
 from tests.support.batches import F64, t64
 
 

@@ -4,25 +4,17 @@ check that lets a registered function be called with or without an optional keyw
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import pytest
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-from stppo_agent.algorithms import losses as losses_module  # noqa: E402
-
-# --- second_moment ------------------------------------------------------------------------------------------
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-from stppo_agent.algorithms.losses import (  # noqa: E402
+from stppo_agent.algorithms import losses as losses_module
+from stppo_agent.algorithms.losses import (
     POLICY_LOSSES,
     WHOLE_BATCH_STATISTICS,
     get_policy_loss,
     register_policy_loss,
     register_whole_batch_statistic,
 )
-from stppo_agent.algorithms.registry import Registry  # noqa: E402
-
-# --- rollout_correction -----------------------------------------------------------------------------------------
+from stppo_agent.algorithms.registry import Registry
 
 
 def test_policy_loss_and_whole_batch_statistic_registries():

@@ -4,8 +4,7 @@ backend and level, and its metrics."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
-import dataclasses  # noqa: E402
+import dataclasses
 import math
 import random
 
@@ -20,20 +19,11 @@ from stppo_agent.algorithms import (
     resolve_rollout_correction,
     rollout_correction_weights,
 )
-
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.trainer import Trainer
 from tests.support import algorithm_reference as ref
 from tests.support.runs import toy_config
-
-# --- rollout_correction -----------------------------------------------------------------------------------------
-
-
 
 LEVELS = ("token", "turn", "sequence")
 

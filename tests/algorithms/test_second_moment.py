@@ -4,27 +4,13 @@ ranks and over micro-batches of different lengths, on the inputs' device."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import pytest
 import torch
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-from stppo_agent.algorithms import second_moment as second_moment_module  # noqa: E402
-from stppo_agent.algorithms.config import (  # noqa: E402
-    AlgorithmConfig,  # noqa: E402
-)
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-# --- rollout_correction -----------------------------------------------------------------------------------------
-from stppo_agent.algorithms.second_moment import (  # noqa: E402
-    keep_items,
-    m2po_keep_mask,
-    m2po_keep_masks,
-    segment_ids,
-)
-from stppo_agent.algorithms.stabilizers import m2po_whole_batch  # noqa: E402
+from stppo_agent.algorithms import second_moment as second_moment_module
+from stppo_agent.algorithms.config import AlgorithmConfig
+from stppo_agent.algorithms.second_moment import keep_items, m2po_keep_mask, m2po_keep_masks, segment_ids
+from stppo_agent.algorithms.stabilizers import m2po_whole_batch
 from tests.support.batches import F64, t64
 from tests.support.devices import _policy_batch
 

@@ -4,24 +4,13 @@ inputs' device."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import math
 
 import pytest
 import torch
 
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-from stppo_agent.algorithms.advantages import (  # noqa: E402
-    compact_policy_positions,
-)
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-# --- rollout_correction -----------------------------------------------------------------------------------------
-from stppo_agent.algorithms.second_moment import (  # noqa: E402
-    keep_items,
-)
+from stppo_agent.algorithms.advantages import compact_policy_positions
+from stppo_agent.algorithms.second_moment import keep_items
 from stppo_agent.algorithms.segments import (
     broadcast_segments,
     check_turn_ids,
@@ -140,7 +129,7 @@ def test_sorts_are_stable_on_long_rows():
     assert keep[ones[:21]].tolist() == [False] * 21 and keep[ones[21:]].all() and keep[values == 0.0].all()
 
 
-# the one costly pin (a 16M-value sort) last: under mutation testing -x stops before it for most mutants
+# the one costly test (a 16M-value sort) last: under mutation testing -x stops before it for most mutants
 def test_quantile_past_torchs_input_limit_subsamples_keeping_both_tails(monkeypatch):
     seen = []
 

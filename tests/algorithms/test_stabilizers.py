@@ -4,8 +4,7 @@ hand at their boundaries; M2PO's statistic over 2 gloo processes; DAPO's group f
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
-import dataclasses  # noqa: E402
+import dataclasses
 import math
 
 import pytest
@@ -21,19 +20,8 @@ from stppo_agent.algorithms import (
     informative_groups,
     register_advantage_estimator,
 )
-
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-from stppo_agent.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-)
-from stppo_agent.algorithms.losses import (
-    aggregate,
-)
-
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-# --- rollout_correction -----------------------------------------------------------------------------------------
+from stppo_agent.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from stppo_agent.algorithms.losses import aggregate
 from stppo_agent.algorithms.second_moment import m2po_keep_mask
 from stppo_agent.distributed.process_group import free_port
 from tests.support import algorithm_reference as ref

@@ -20,7 +20,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
 def reference(rule, config, theta, data, mask, weights):
-    """The rule's loss from its definition, one token at a time (tests/algorithm_reference.py), over ``mask``,
+    """The rule's loss from its definition, one token at a time (tests/support/algorithm_reference.py), over ``mask``,
     each token's term times its weight."""
     common = (theta, data["old"], data["advantages"], mask, data["turns"], config.ratio_level)
     if rule == "ppo_clip":

@@ -1,5 +1,5 @@
 """--quick runs of the benchmark scripts say they check the plumbing, write to their own folder and are never
-reused by a full run (issue 31.8). The quick runs themselves: tests/test_stability_quick.py and
+reused by a full run. The quick runs themselves: tests/benchmarks/test_stability_quick.py and
 test_robustness_quick.py."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _quiet_environment(monkeypatch):
 @pytest.fixture
 def run_folders(tmp_path, monkeypatch):
     """Run folders r, r1 and r2 (each with a metrics.jsonl) in the current folder: `stppo plot` refuses a run
-    folder that is not there before the plotting these pins replace."""
+    folder that is not there before the plotting the tests replace."""
     monkeypatch.chdir(tmp_path)
     for name in ("r", "r1", "r2"):
         (tmp_path / name).mkdir()

@@ -1,5 +1,5 @@
 """`hf:RUN@latest|@best|@healthy|@STEP` on a folder without such a checkpoint says so and lists what the folder
-holds, never a Hugging Face hub error (issue 31.6)."""
+holds, never a Hugging Face hub error."""
 
 from __future__ import annotations
 

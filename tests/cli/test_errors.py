@@ -1,4 +1,4 @@
-"""Bad input on the command line gets one clear line naming the fix, never a traceback (issue 12)."""
+"""Bad input on the command line gets one clear line naming the fix, never a traceback."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Pins for the command line's help (issue 27, the cli slice): every command's one-line help in its parent's listing
-and every option's name, metavar and help, as a user reads them in `stppo ... --help` (the README points there). A
-change to a help text is made here too, on purpose. The behaviour behind the options: tests/test_pins_cli.py.
+"""The command line's help, word for word: every command's one-line help in its parent's listing and every
+option's name, metavar and help, as a user reads them in `stppo ... --help` (the README points there). A change to a
+help text is made here too, on purpose. The behaviour behind the options: tests/cli/test_<command>.py.
 
-Tests are named ``test_<module>_help_texts`` after the cli module whose text they pin (``cli``: the package's own)."""
+Tests are named ``test_<module>_help_texts`` after the cli module whose text they hold (``cli``: the package's
+own)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A misspelt name anywhere on the command line gets the closest known one besides the list (issue 31.7)."""
+"""A misspelt name anywhere on the command line gets the closest known one besides the list."""
 
 from __future__ import annotations
 

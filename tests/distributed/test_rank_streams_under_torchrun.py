@@ -1,5 +1,4 @@
-"""Each torchrun rank samples from its own random streams, and a resumed run continues every rank's exactly
-(issue 33.1)."""
+"""Each torchrun rank samples from its own random streams, and a resumed run continues every rank's exactly."""
 
 from __future__ import annotations
 

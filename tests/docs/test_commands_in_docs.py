@@ -95,7 +95,7 @@ def test_third_party_noise_is_hidden_unless_verbose(tmp_path):
 
 
 # The README's measured table compares the trainer with raw baselines: a baseline must do the trainer's work, no
-# more (issue 34.6), or the ratio flatters the trainer.
+# more, or the ratio flatters the trainer.
 
 
 def _benchmark(name: str):

@@ -28,7 +28,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, capsys, monkeypatch):
     for command in commands:
         # as written, except that its outputs go to a scratch folder instead of the checkout's runs/tour; in this
         # process through the CLI's entry point (seven new processes cost ~40 s of imports; the `stppo` console
-        # script itself is run by tests/test_cli_docs.py)
+        # script itself is run by tests/docs/test_commands_in_docs.py)
         argv = [arg.replace("runs/tour", str(tmp_path)) for arg in shlex.split(command)[1:]]
         done = stppo(*argv, capsys=capsys)
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"

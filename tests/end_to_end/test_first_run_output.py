@@ -1,4 +1,4 @@
-"""What a newcomer's first run prints: nothing about optional extras a fresh install cannot avoid (issue 28, 3)."""
+"""What a newcomer's first run prints: nothing about optional extras a fresh install cannot avoid."""
 
 from __future__ import annotations
 

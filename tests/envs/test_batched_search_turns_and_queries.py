@@ -1,5 +1,5 @@
-"""Pins that each env's own turn decides whether its search is served when the searches of several envs go out
-together (issue: one-line bugs the suite let through): ``step_envs``, the vector env and evaluation's
+"""Each env's own turn decides whether its search is served when the searches of several envs go out together:
+``step_envs``, the vector env and evaluation's
 ``run_episodes`` must ask every env, never the first one of the batch, whether its search could still be used.
 Envs at different turns (or with different ``max_turns``) in one batch tell the two apart. A batched search
 must also send the query sanitised, as a single env's ``step`` does. In-memory retrievers."""

@@ -14,11 +14,7 @@ from stppo_agent.evaluation.agent_specs import (
     register_agent,
     resolve_agent_spec,
 )
-from stppo_agent.evaluation.agents import (
-    DEFAULT_MAX_OBSERVATION_TOKENS,
-    NoSearchAgent,
-    OracleAgent,
-)
+from stppo_agent.evaluation.agents import DEFAULT_MAX_OBSERVATION_TOKENS, NoSearchAgent, OracleAgent
 from stppo_agent.evaluation.evaluate import EvalSettings, evaluate_benchmark
 from stppo_agent.evaluation.openai_agent import OpenAIChatAgent
 from tests.support.evaluation import QA, view

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stppo_agent.evaluation.agent_specs import (
-    SCRIPTED_AGENTS,
-)
+from stppo_agent.evaluation.agent_specs import SCRIPTED_AGENTS
 from stppo_agent.evaluation.agents import (
     DEFAULT_MAX_OBSERVATION_TOKENS,
     GoldSearchAgent,

@@ -1,4 +1,4 @@
-"""`stppo compare` knows a retriever by what it searches, not by how it was reached (issue 31.9): a local and a
+"""`stppo compare` knows a retriever by what it searches, not by how it was reached: a local and a
 served evaluation of one index compare without --force; another index, or a server that does not say what it
 serves, is still refused."""
 

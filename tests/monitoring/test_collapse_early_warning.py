@@ -273,7 +273,7 @@ def test_config_rejects_bad_collapse_settings():
 
 
 def test_an_unmonitored_run_has_no_healthy_checkpoint_and_its_best_says_so(tiny_model, tmp_path):
-    # on_collapse=none: no monitor judged any iteration, so none can vouch for a checkpoint (issue 33, item 10)
+    # on_collapse=none: no monitor judged any iteration, so none can vouch for a checkpoint
     config = toy_config(tiny_model, tmp_path, "ppo", iterations=4, checkpoint=dict(every=1, keep=4),
                         rollout=dict(prompts_per_iteration=4, samples_per_prompt=2),
                         optimizer=dict(mini_batch_size=8, micro_batch_size=4), monitor=dict(on_collapse="none"))

@@ -1,5 +1,5 @@
 """`--import` as a researcher types it: a file next to them, a module in the current directory, on train and replay;
-a plugin that cannot be imported is one line naming the file and the reason (issue 31.1)."""
+a plugin that cannot be imported is one line naming the file and the reason."""
 
 from __future__ import annotations
 

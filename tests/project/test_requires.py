@@ -1,5 +1,5 @@
-"""tests/requires.py: a framework the project does not depend on skips the tests that need it, unless the venv that
-installs it says it is required -- then its absence is an error, not a quiet skip."""
+"""tests/support/requires.py: a framework the project does not depend on skips the tests that need it, unless the
+venv that installs it says it is required -- then its absence is an error, not a quiet skip."""
 
 from __future__ import annotations
 

@@ -12,9 +12,7 @@ from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts import append_cache
 from stppo_agent.rollouts.append_cache import AppendLayer, new_cache
 from stppo_agent.rollouts.batch import left_pad
-from stppo_agent.rollouts.hf_generation import (
-    CACHE_ARGUMENT,
-)
+from stppo_agent.rollouts.hf_generation import CACHE_ARGUMENT
 
 
 def states(rows: int, positions: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,7 @@ from stppo_agent.rollouts import hf_generation
 from stppo_agent.rollouts import sampling as sampling_module
 from stppo_agent.rollouts.append_cache import AppendLayer
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend, StopOnStrings, _eos_ids, stop_candidate_ids
-from stppo_agent.rollouts.sampling import (
-    SamplingSettings,
-    sampling_logits,
-)
+from stppo_agent.rollouts.sampling import SamplingSettings, sampling_logits
 
 # -- hf_generation -------------------------------------------------------------------------------------------------
 

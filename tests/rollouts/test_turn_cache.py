@@ -11,9 +11,7 @@ import stppo_envs  # noqa: F401
 from stppo_agent.models.loading import load_actor
 from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 from stppo_agent.rollouts.hf_generation import HFGenerationBackend
-from stppo_agent.rollouts.sampling import (
-    SamplingSettings,
-)
+from stppo_agent.rollouts.sampling import SamplingSettings
 from stppo_agent.rollouts.turn_cache import ChunkCache, TurnCaches, after_generate, extend_inputs
 from stppo_agent.rollouts.turn_loop import RolloutLimits, collect_rollouts
 from tests.support.retrievers import PASSAGES, KeywordRetriever

@@ -1,5 +1,5 @@
 """What a checkpoint holds per parameter, and a run that keeps checkpoints small: weights in bfloat16, optimizer
-state only in the newest checkpoint, still resumable after kill -9 (issue 31.4)."""
+state only in the newest checkpoint, still resumable after kill -9."""
 
 from __future__ import annotations
 

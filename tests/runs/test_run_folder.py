@@ -222,7 +222,7 @@ def test_run_folder_pick_checkpoint_of_an_unmonitored_run(tmp_path):
 
 def config(model, out, iterations):
     # on_collapse=none: pruning then keeps exactly the newest keep_checkpoints (the collapse monitor also keeps a
-    # healthy and a best checkpoint; tests/test_collapse.py covers that)
+    # healthy and a best checkpoint; tests/monitoring/test_collapse_early_warning.py covers that)
     return toy_config(model, out, "ppo", iterations=iterations, checkpoint=dict(every=1, keep=2),
                       rollout=dict(prompts_per_iteration=2, samples_per_prompt=2),
                       optimizer=dict(mini_batch_size=4, micro_batch_size=2), monitor=dict(on_collapse="none"))

@@ -133,7 +133,7 @@ def ref_value_loss(values, old_values, returns, mask, eps):
     return total / max(1, count)
 
 
-# --- the 2025-26 stabilisers (tests/test_stabilizer_rules.py) ------------------------------------------------------
+# --- the 2025-26 stabilisers (tests/algorithms/test_stabilizers.py) ---------------------------------------------------
 # Each builds its loss from scalar tensor ops, one token at a time, so autograd through the loop gives an
 # independent reference gradient.
 

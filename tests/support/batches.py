@@ -4,22 +4,12 @@ log-probs themselves."""
 
 from __future__ import annotations
 
-# --- config ---------------------------------------------------------------------------------------------------
 import math
 import random
 
 import torch
 
-from stppo_agent.algorithms import (
-    ClipBiasCorrector,
-    get_policy_loss,
-)
-
-# --- advantages ---------------------------------------------------------------------------------------------
-# --- losses -------------------------------------------------------------------------------------------------
-# --- second_moment ------------------------------------------------------------------------------------------
-# --- dynamic_sampling, metrics, registry ----------------------------------------------------------------------
-# --- rollout_correction -----------------------------------------------------------------------------------------
+from stppo_agent.algorithms import ClipBiasCorrector, get_policy_loss
 from tests.support import algorithm_reference as ref
 
 LEVELS = ("token", "turn", "sequence")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from stppo_agent.evaluation.agents import (
-    EpisodeView,
-    NoSearchAgent,
-)
+from stppo_agent.evaluation.agents import EpisodeView, NoSearchAgent
 from stppo_envs import Example, Segment
 
 QA = Example("q1", "Who wrote Hamlet?", ("Shakespeare", "William Shakespeare"), "nq",

@@ -3,8 +3,12 @@ slower, forked confirmation).
 
     .venv/bin/mutmut run "stppo_agent.cli.*"      # generates mutants/ (interrupt it once "Running stats" shows)
     .venv/bin/mutmut results --all true | grep -o "stppo_agent[^:]*" > names.txt
-    cd mutants && MUT_ALARM=120 ../.venv/bin/python ../tests/mutants_in_process.py out.txt ../names.txt \\
-        tests/test_pins_cli.py tests/test_pins_cli_help.py
+    cd mutants && MUT_ALARM=120 ../.venv/bin/python ../tests/support/mutants_in_process.py out.txt ../names.txt \\
+        tests/cli/test_main.py tests/cli/test_help_texts.py tests/cli/test_train.py ...
+
+Pass the test modules of the modules mutated (tests/<subpackage>/test_<module>.py mirrors the library; the
+``pytest_add_cli_args_test_selection`` of pyproject.toml lists them all) and test files only: a library module's path
+adds its doctests, which fail when rerun in one process and would "kill" equivalent mutants.
 
 Every collected test first runs once under mutmut's own "stats" trampoline, which records the mutated functions it
 reaches; then each mutant (mutmut's switch, MUTANT_UNDER_TEST) runs only the tests that reach its function, in this

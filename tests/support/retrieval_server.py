@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-# --- the retriever protocol: base.py -----------------------------------------------------------------------------
-from stppo_envs.retrieval import (
-    Hit,  # noqa: E402
-)
-
-# --- the client: RemoteRetriever ---------------------------------------------------------------------------------
+from stppo_envs.retrieval import Hit
 
 # --- the batcher -------------------------------------------------------------------------------------------------
 

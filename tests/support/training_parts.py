@@ -106,7 +106,7 @@ def update_stage(algo: str = "ppo", critic: bool = True, lr: float = 0.1, **valu
         actor_scheduler=torch.optim.lr_scheduler.LambdaLR(actor_optimizer, lambda step: 1.0),
         stale_policy=StalePolicy(actor, 0), critic=value_model, critic_optimizer=critic_optimizer,
         critic_scheduler=torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda step: 1.0) if critic else None)
-    return PPOUpdate(state, cfg, cfg.algorithm_config(), run_dir=Path("runs/pins"), report=Said(), phase=Said())
+    return PPOUpdate(state, cfg, cfg.algorithm_config(), run_dir=Path("runs/ppo"), report=Said(), phase=Said())
 
 
 # -- resampling -------------------------------------------------------------------------------------------------

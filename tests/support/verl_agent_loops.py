@@ -1,7 +1,7 @@
-"""What the tests of the bridge's verl agent loops share (tests/test_verl_env_agent_loop.py,
-tests/test_verl_tool_agent.py): the tokenizer, a scripted stand-in for verl's ``server_manager``, an agent loop
-built the way verl's ``AgentLoopWorker`` builds it (hydra, from an agent loop config entry), and an episode on a
-row (tests/verl_rows.py)."""
+"""What the tests of the bridge's verl agent loops share (tests/integrations/verl/test_agent_loop.py and
+test_tool_agent.py): the tokenizer, a scripted stand-in for verl's ``server_manager``, an agent loop built the way
+verl's ``AgentLoopWorker`` builds it (hydra, from an agent loop config entry), and an episode on a row
+(tests/support/verl_rows.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rows exported for verl as the bridge's tests read them (tests/test_verl_*.py): every demo benchmark exported
+"""Rows exported for verl as the bridge's tests read them (tests/integrations/verl/): every demo benchmark exported
 once, the rows as verl's dataset reads them, the keyword arguments verl's agent loop worker passes per row, and a
 retriever that finds one passage for any query. Needs no verl."""
 

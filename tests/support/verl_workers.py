@@ -1,8 +1,9 @@
-"""What the tests that run verl's engine on CPU share (tests/test_verl_engine.py, tests/test_verl_training_worker.py):
-a CPU platform for verl, a multi-turn batch of a tiny Llama in verl's field names, and worker processes on gloo.
+"""What the tests that run verl's engine on CPU share (tests/integrations/verl/test_engine.py and
+test_training_worker.py): a CPU platform for verl, a multi-turn batch of a tiny Llama in verl's field names, and
+worker processes on gloo.
 
 verl fixes its platform at the first import of its engine module, so the workers register the CPU platform first
-(``python tests/<file>.py worker ...`` with ``VERL_USE_EXTERNAL_PLUGINS=none``).
+(``python tests/integrations/verl/<file>.py worker ...`` with ``VERL_USE_EXTERNAL_PLUGINS=none``).
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ import torch
 from stppo_agent.cli.demo import DEMO_DEFAULTS
 from stppo_agent.training import demo
 from stppo_agent.training.config_checks import setting
-from stppo_agent.training.demo import (
-    DemoSettings,
-)
+from stppo_agent.training.demo import DemoSettings
 from stppo_agent.training.demo_progress import DemoProgress
 from tests.support.demo import CountingAgent, Recorder
 

@@ -9,13 +9,7 @@ import math
 import pytest
 
 from stppo_agent.training import demo
-from stppo_agent.training.demo import (
-    EXPECTED_RANGES,
-    before_after_table,
-    demo_figures,
-    off_policy_summary,
-    range_check,
-)
+from stppo_agent.training.demo import EXPECTED_RANGES, before_after_table, demo_figures, off_policy_summary, range_check
 
 
 def test_demo_off_policy_means_average_the_off_policy_records(tmp_path):
@@ -116,7 +110,7 @@ def test_demo_figures_and_the_range_check_bounds():
 
 
 # `stppo demo`'s own parts: the progress display, the before/after table with its noise line and the check line (the
-# command end to end, on a tiny model: tests/test_sft.py).
+# command end to end, on a tiny model: tests/training/test_sft.py).
 
 
 def results(em: float, answer: float, n: int = 8) -> list[dict]:

@@ -1,6 +1,6 @@
-"""generation_autocast_dtype (issue 24's precision stressor): the sampler computes in bfloat16 while the learner
-stays float32, the gap a bfloat16 inference engine opens; it is logged, corrected by TIS under `auto`, recorded,
-replayed exactly, and refused where there is no float32 learner to differ from."""
+"""generation_autocast_dtype (the stress benchmark's precision stressor): the sampler computes in bfloat16 while the
+learner stays float32, the gap a bfloat16 inference engine opens; it is logged, corrected by TIS under `auto`,
+recorded, replayed exactly, and refused where there is no float32 learner to differ from."""
 
 from __future__ import annotations
 

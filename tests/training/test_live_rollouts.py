@@ -52,7 +52,7 @@ def live(env="stppo/Toy-v0", env_kwargs=None, backend=None, **values):
 
     cfg = config(env=env, env_kwargs=env_kwargs or {}, **values)
     backend = backend or VLLMGenerationBackend.__new__(VLLMGenerationBackend)
-    return LiveRollouts(RolloutContext(cfg, cfg.algorithm_config(), Path("runs/pins"), word_tokenizer(), backend,
+    return LiveRollouts(RolloutContext(cfg, cfg.algorithm_config(), Path("runs/live"), word_tokenizer(), backend,
                                        phase=Said()))
 
 

@@ -1,4 +1,4 @@
-"""M2PO's cut is a statistic of the whole optimizer batch across ranks (issue 25.5), whatever the micro-batch size
+"""M2PO's cut is a statistic of the whole optimizer batch across ranks, whatever the micro-batch size
 and the number of processes: the trainer takes it from a no-grad forward over every micro-batch before the
 backward passes (``WHOLE_BATCH_STATISTICS``)."""
 

@@ -1,6 +1,6 @@
 """Logged numbers do not depend on how a batch is split: micro-batch size, number of processes.
 
-Losses and fractions are ratios of sums over the whole mini-batch (issue 33.3, 34.5), rollout statistics are
+Losses and fractions are ratios of sums over the whole mini-batch, rollout statistics are
 combined over ranks as sums and counts (33.2), and the global mini-batches of 2 processes are those of 1
 process (33.6): 2 gloo processes log what 1 process logs on the same global batch, step by step.
 """

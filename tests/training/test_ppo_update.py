@@ -176,7 +176,7 @@ def test_a_non_finite_step_is_skipped_then_the_run_stops():
         updater._optimizer_step(bad)
     assert str(info.value) == (
         f"2 consecutive updates had NaN/inf losses or gradients; stopping. Checkpoints are in "
-        f"{Path('runs/pins/checkpoints')}; the newest may hold the weights that diverged (a skipped update keeps the "
+        f"{Path('runs/ppo/checkpoints')}; the newest may hold the weights that diverged (a skipped update keeps the "
         "last finite weights, not healthy ones). Lower the learning rate, raise optimizer.max_grad_norm headroom, or "
         "check the data and rewards, then --resume, or start a new run from an earlier checkpoint's actor "
         "(--model RUN/checkpoints/step-N/actor).")

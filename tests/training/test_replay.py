@@ -177,7 +177,7 @@ def as_if_recorded_with_vllm(run: Path, copy: Path) -> Path:
 
 
 def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recorded_ppo, tmp_path):
-    # issue 30, item 3: the correction belongs to the data (which engine sampled it), not to the update rule
+    # the correction belongs to the data (which engine sampled it), not to the update rule
     from stppo_agent.training.replay import replay_config
 
     run = as_if_recorded_with_vllm(recorded_ppo, tmp_path / "vllm-run")
@@ -206,7 +206,7 @@ def test_replay_through_another_rule_keeps_the_recorded_rollout_correction(recor
 
 def test_replay_refuses_other_sampling_settings_than_the_recorded_ones(recorded_ppo, tmp_path):
     # the recorded tokens were drawn at the recorded temperature / top-p / top-k, and scoring must use the same
-    # distribution (issue 30, item 1): a replay that rescored them at another temperature would see ratios != 1
+    # distribution: a replay that rescored them at another temperature would see ratios != 1
     from stppo_agent.training.replay import replay_config
 
     recorded = replay_config(recorded_ppo, "grpo", str(tmp_path / "unused"))
@@ -249,7 +249,7 @@ def _record_with_world_sizes(source: Path, target: Path, worlds: dict[int, int])
 
 
 def test_replay_reads_every_ranks_files_of_iterations_recorded_by_another_process_count(recorded_ppo, tmp_path):
-    # issue 33, item 7: iteration 1 recorded by 2 processes, then a resume with 1 process recorded 2 and 3 (and
+    # iteration 1 recorded by 2 processes, then a resume with 1 process recorded 2 and 3 (and
     # re-recorded 3, which the 2-process attempt had written before it was killed)
     from stppo_agent.runs.recording import RolloutRecorder
 

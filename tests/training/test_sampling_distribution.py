@@ -1,4 +1,4 @@
-"""The trainer scores samples under the distribution they were drawn from (issue 30, items 1 and 2).
+"""The trainer scores samples under the distribution they were drawn from.
 
 Temperature, top-k and top-p reshape the distribution ``generate`` samples from; the behaviour log-probs recorded at
 sampling time are log-probs of that processed distribution. The trainer's old log-probs, reference log-probs and

@@ -13,7 +13,6 @@ from stppo_agent.training.trainer import Trainer
 from tests.support.runs import toy_config
 from tests.support.training_parts import config, dataclasses_replace, make_batch, tiny_lm
 
-# -- scoring (mutmut skips score_batch: it is decorated with torch.no_grad) ---------------------------------------
 
 def scoring_inputs(algo="ppo", reference=True, critic=True, **values) -> dict:
     """What score_batch takes: the config, tiny actor, critic, reference and lagged generator (other weights than

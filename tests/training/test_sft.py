@@ -385,7 +385,7 @@ def test_sft_command(tiny_model, tmp_path, capsys):
                  "--limit", "4", "--steps", "2", "--batch-size", "2"]) == 0
     captured = capsys.readouterr()
     assert "loss" in captured.out and (tmp_path / "out" / "config.json").exists()
-    assert "warm start" in captured.err and "2/2" in captured.err  # the steps' progress bar (issue 28, 1)
+    assert "warm start" in captured.err and "2/2" in captured.err  # the steps' progress bar
     assert main(["sft", "--model", str(tiny_model), "--output-dir", str(tmp_path / "x"), "--benchmarks", "nq",
                  "--limit", "4", "--teacher", "no-search", "--steps", "1"]) == 1
 

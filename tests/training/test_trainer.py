@@ -1,6 +1,7 @@
 """``stppo_agent.training.trainer``: ``Trainer.__init__``'s wiring and the loop's
 stages with their collaborators stubbed -- resume, rollback, the guard's decisions, the bar, every rank's share of
-the writing."""
+the writing -- and short runs on the toy env: the critic steps, the reference stays the initial policy, later
+mini-batches are off-policy, progress shows within iterations."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 import torch
 import yaml
 
+from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training import trainer as trainer_module
 from stppo_agent.training.config import from_dict, merged
 from stppo_agent.training.live_rollouts import RolloutContext
 from stppo_agent.training.state import Restore
+from stppo_agent.training.trainer import Trainer
+from tests.support.runs import toy_config
 from tests.support.training_parts import RecordedBar, record_bars
 from tests.support.training_states import linear_state
 
@@ -24,7 +28,7 @@ from tests.support.training_states import linear_state
 def tiny_folder(tmp_path_factory):
     from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
 
-    return build_tiny_llama(tmp_path_factory.mktemp("pins_tiny") / "model", word_tokenizer(), hidden=8, layers=1)
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer(), hidden=8, layers=1)
 
 
 def toy_run(model, out, **values):
@@ -53,9 +57,9 @@ def test_a_short_run_trains_logs_and_checkpoints_every_save_every_and_at_the_end
     reports, batches = [], []
     trainer = Trainer(toy_run(tiny_folder, tmp_path, device="cpu", rollout=dict(staleness=1),
                               logging=dict(save_rollouts=True, step_diagnostics=True, tensorboard=True,
-                                           wandb_project="pins"), precision=dict(autocast_dtype="auto")),
+                                           wandb_project="toy"), precision=dict(autocast_dtype="auto")),
                       report=reports.append, batch_hook=batches.append)
-    assert [entry[:3] for entry in loggers] == [(tmp_path, True, "pins")] and loggers[0][3]["seed"] == 11
+    assert [entry[:3] for entry in loggers] == [(tmp_path, True, "toy")] and loggers[0][3]["seed"] == 11
     assert torch.initial_seed() == 11 and trainer.config.precision.autocast_dtype in (None, "bfloat16")  # auto resolved
     state = trainer.state
     assert (state.iteration, state.optimizer_steps, state.nan_skips_in_a_row, state.nan_skips_total,
@@ -680,3 +684,52 @@ def test_print_is_the_default_report(monkeypatch, tmp_path):
     _stub(monkeypatch)
     t = trainer_module.Trainer(FakeConfig(output_dir=str(tmp_path)))
     assert t.report is print and _calls("prepare")[0][1]["report"] is print
+
+
+def small(model, out, algo="ppo", **overrides):
+    values = dict(iterations=1, rollout=dict(prompts_per_iteration=4, samples_per_prompt=2),
+                  optimizer=dict(mini_batch_size=4, micro_batch_size=2, epochs=2, actor_lr=1e-2, critic_lr=1e-2),
+                  checkpoint=dict(every=1))
+    values = merged(values, overrides)
+    return toy_config(model, out, algo, **values)
+
+
+# --- trainer -------------------------------------------------------------------------------------------------
+
+def test_the_critic_takes_optimizer_steps(tiny_model, tmp_path):
+    trainer = Trainer(small(tiny_model, tmp_path))
+    before = {n: p.detach().clone() for n, p in trainer.state.critic.named_parameters()}
+    trainer.train()
+    changed = [n for n, p in trainer.state.critic.named_parameters() if not torch.equal(p, before[n])]
+    assert "score.weight" in changed and len(changed) > len(before) // 2
+
+
+def test_the_reference_stays_the_initial_policy_after_resume(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    config = small(tiny_model, tmp_path, algo="grpo", iterations=2, algorithm={"kl_loss_coef": 0.1})
+    Trainer(config).train()
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    config.iterations = 3
+    resumed = Trainer(config, resume=True)
+    trained = load_file(str(tmp_path / "checkpoints" / "step-2" / "actor" / "model.safetensors"))
+    reference = resumed.state.reference.state_dict()
+    assert all(torch.equal(reference[k], initial[k]) for k in initial)  # not the resumed actor
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    actor = resumed.state.actor.state_dict()
+    assert all(torch.equal(actor[k], trained[k]) for k in trained)
+
+
+def test_later_mini_batches_are_off_policy(tiny_model, tmp_path):
+    """Old log-probs come from before the update: after the first step the ratios leave 1 and clipping acts."""
+    Trainer(small(tiny_model, tmp_path, logging=dict(step_diagnostics=True), optimizer=dict(actor_lr=5e-2))).train()
+    record = read_metrics(tmp_path)[0]
+    assert record["offpolicy/steps"] == 3 and record["offpolicy/clip_frac"] > 0
+    assert record["offpolicy/tail/ratio_max"] > 1.2
+
+
+def test_training_shows_progress_within_iterations(tiny_model, tmp_path, capsys):
+    Trainer(small(tiny_model, tmp_path, logging=dict(progress=True))).train()
+    err = capsys.readouterr().err
+    for phase in ("rollout turn 1/2", "scoring", "update step 1/4", "update step 4/4"):
+        assert phase in err, phase

@@ -526,7 +526,7 @@ def test_a_csv_saved_with_a_utf8_bom_loads_like_one_without(tmp_path):
 
 
 def test_a_keyed_pubmedqa_json_with_a_utf8_bom_loads_like_one_without(tmp_path):
-    # with the BOM its first line no longer started with "{": read as records, the PMIDs became field names
+    # the BOM must not hide the "{" that makes it a keyed file: read as records, the PMIDs would become field names
     records = {"123": {"QUESTION": "Does X help?", "final_decision": "yes", "CONTEXTS": ["c"]},
                "456": {"QUESTION": "Does Y help?", "final_decision": "no", "CONTEXTS": ["d"]}}
     path = tmp_path / "ori_pqal.json"
@@ -546,7 +546,7 @@ def test_a_null_split_cell_is_no_split(tmp_path):
 
 
 def test_a_hub_splits_rows_are_chosen_by_load_dataset_not_by_a_split_column(monkeypatch):
-    # _load_cached (lru_cache-decorated: mutmut makes no mutants of it) filters by the column for local files only
+    # _load_cached filters by the split column for local files only
     import datasets
 
     from stppo_envs.data import loading

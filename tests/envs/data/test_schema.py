@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stppo_envs.data.adapters import (
-    example_from_record,
-)
+from stppo_envs.data.adapters import example_from_record
 from stppo_envs.data.schema import DatasetFormatError, Example
 
 # ---------------------------------------------------------------- schema

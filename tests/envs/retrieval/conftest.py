@@ -11,9 +11,7 @@ import pytest
 
 import stppo_envs  # noqa: F401
 from stppo_agent.distributed.process_group import free_port
-from stppo_envs.retrieval import (
-    dense_build,
-)
+from stppo_envs.retrieval import dense_build
 from tests.support.retrieval_backends import WORDS, _FakeEncoder
 
 # --- server ----------------------------------------------------------------------------------------------------

@@ -316,7 +316,7 @@ def test_index_commands(shared_data, tmp_path, capsys):
     assert "corpus file not found" in capsys.readouterr().err
 
 
-# --- titles as stored (issue 11) -----------------------------------------------------------------------------
+# --- titles as stored ----------------------------------------------------------------------------------------------
 
 def _stored_contents(shared_data) -> dict[str, str]:
     with open(shared_data / "corpus/wiki_dpr_sample_1000.jsonl", encoding="utf-8") as handle:

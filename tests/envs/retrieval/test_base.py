@@ -9,17 +9,8 @@ import types
 
 import pytest
 
-# --- the retriever protocol: base.py -----------------------------------------------------------------------------
-from stppo_envs.retrieval import (
-    Hit,
-    RetrievalError,
-    RetrieverUnavailableError,
-    base,  # noqa: E402
-    bm25,
-)
+from stppo_envs.retrieval import Hit, RetrievalError, RetrieverUnavailableError, base, bm25
 from stppo_envs.retrieval.base import CachedRetriever, PartialSearchError, search_each
-
-# --- the client: RemoteRetriever ---------------------------------------------------------------------------------
 from tests.support.retrieval_backends import _Doc, _FakeSearcher, _lucene_dir
 from tests.support.retrieval_server import _Backend
 

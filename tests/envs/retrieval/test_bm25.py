@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stppo_envs.retrieval import (
-    IndexNotFoundError,
-    bm25,
-)
+from stppo_envs.retrieval import IndexNotFoundError, bm25
 from stppo_envs.retrieval.base import Hit, passages_sha256
 from tests.support.retrieval_backends import _FakeSearcher, _lucene_dir
 

@@ -9,12 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from stppo_envs.retrieval import (
-    IndexNotFoundError,
-    RetrievalError,
-    dense,
-    dense_build,
-)
+from stppo_envs.retrieval import IndexNotFoundError, RetrievalError, dense, dense_build
 from stppo_envs.retrieval.base import Hit
 from stppo_envs.retrieval.encoder import EncoderSettings
 from tests.support.retrieval_backends import INDEX_PASSAGES, PASSAGES, _corpus, _index_corpus, _reference

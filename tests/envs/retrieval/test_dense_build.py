@@ -8,9 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from stppo_envs.retrieval import (
-    dense_build,
-)
+from stppo_envs.retrieval import dense_build
 from stppo_envs.retrieval.base import passages_sha256
 from stppo_envs.retrieval.encoder import TextEncoder
 from stppo_envs.retrieval.indexing import CorpusFormatError

@@ -9,9 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stppo_envs.retrieval import (
-    encoder,
-)
+from stppo_envs.retrieval import encoder
 from stppo_envs.retrieval.encoder import BGE_QUERY_INSTRUCTION, EncoderSettings, TextEncoder
 from tests.support.retrieval_backends import _reference
 

@@ -6,10 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stppo_envs.data import loading
-from stppo_envs.retrieval import (
-    bm25,
-    factory,
-)
+from stppo_envs.retrieval import bm25, factory
 from stppo_envs.retrieval.base import CachedRetriever
 
 # ---------------------------------------------------------------- factory

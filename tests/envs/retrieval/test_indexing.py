@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stppo_envs.retrieval import (
-    bm25,
-    indexing,
-)
+from stppo_envs.retrieval import bm25, indexing
 from stppo_envs.retrieval.indexing import CorpusFormatError, iter_contents, iter_corpus
 
 # ---------------------------------------------------------------- corpus reading (indexing)

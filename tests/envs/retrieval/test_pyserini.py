@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stppo_envs.retrieval import (
-    _pyserini,
-)
+from stppo_envs.retrieval import _pyserini
 
 # ---------------------------------------------------------------- pyserini start-up
 

@@ -10,16 +10,9 @@ import threading
 
 import pytest
 
-# --- the retriever protocol: base.py -----------------------------------------------------------------------------
-from stppo_envs.retrieval import (
-    Hit,
-    RetrievalError,
-    RetrieverUnavailableError,  # noqa: E402
-)
+from stppo_envs.retrieval import Hit, RetrievalError, RetrieverUnavailableError
 from stppo_envs.retrieval.base import PartialSearchError
-
-# --- the client: RemoteRetriever ---------------------------------------------------------------------------------
-from stppo_envs.retrieval.remote import RemoteRetriever  # noqa: E402
+from stppo_envs.retrieval.remote import RemoteRetriever
 
 
 class _Response:

@@ -14,17 +14,9 @@ import threading
 import pytest
 import requests
 
-# --- the retriever protocol: base.py -----------------------------------------------------------------------------
-from stppo_envs.retrieval import (
-    Hit,
-    RetrievalError,
-    RetrieverUnavailableError,
-    make_retriever,
-)
+from stppo_envs.retrieval import Hit, RetrievalError, RetrieverUnavailableError, make_retriever
 from stppo_envs.retrieval.base import PartialSearchError
-
-# --- the client: RemoteRetriever ---------------------------------------------------------------------------------
-from stppo_envs.retrieval.remote import RemoteRetriever  # noqa: E402
+from stppo_envs.retrieval.remote import RemoteRetriever
 from stppo_envs.retrieval.server import BodyLimit, ServerLimits, _Batcher, create_app
 from tests.support.retrieval_server import _Backend
 from tests.support.retrievers import KeywordRetriever

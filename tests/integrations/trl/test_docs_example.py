@@ -1,5 +1,5 @@
-"""docs/trl.md's example runs as written, with a tiny tool-calling model (tests/trl_models.py) in place of SmolLM2:
-TRL's GRPOTrainer trains on the dict of envs, each rollout in the env its row names, on the train split.
+"""docs/trl.md's example runs as written, with a tiny tool-calling model (tests/support/trl_models.py) in place of
+SmolLM2: TRL's GRPOTrainer trains on the dict of envs, each rollout in the env its row names, on the train split.
 
 Needs TRL: skipped without it; ``make test`` runs it in the TRL venv with ``STPPO_REQUIRE_TRL=1``.
 """

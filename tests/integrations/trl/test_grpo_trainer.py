@@ -1,8 +1,8 @@
 """TRL's own GRPOTrainer on the envs through the adapter (stppo_agent/integrations/trl): one real training step,
 single-environment and multi-environment, with a tiny Llama taught to call the ``search`` then the ``answer`` tool
-(built from a config, no hub; tests/trl_models.py). What must hold: TRL parses the model's tool calls against the
-adapter's tools, the env's retriever answers them, TRL's reward is the env's score of each rollout, and the update
-moves the policy toward the rewarded answer.
+(built from a config, no hub; tests/support/trl_models.py). What must hold: TRL parses the model's tool calls
+against the adapter's tools, the env's retriever answers them, TRL's reward is the env's score of each rollout, and
+the update moves the policy toward the rewarded answer.
 
 TRL is not a dependency of the project: without it this module is skipped; ``make test`` runs it in the TRL venv
 (.venv-trl) with ``STPPO_REQUIRE_TRL=1``, which turns the skip into a failure.

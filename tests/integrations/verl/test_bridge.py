@@ -1,7 +1,7 @@
 """The verl bridge (stppo_agent/integrations/verl, docs/verl.md): presets as verl policy losses through verl's own
 ``ppo_loss`` call site, a preset's settings as overrides of verl's trainer config, and the parquet export through
 verl's ``RLHFDataset``. The agent loops, the search tool, the reward function, the engine and whole updates through
-verl's ``TrainingWorker`` have test files of their own (tests/test_verl_*.py).
+verl's ``TrainingWorker`` have test files of their own beside this one.
 
 verl is not a dependency of the project: without it this whole module is skipped by the marker below, which a CI
 that installs verl (docs/verl.md, "Install") turns into a requirement with ``STPPO_REQUIRE_VERL=1``.

@@ -4,9 +4,10 @@ verl's own FSDP2 engine on CPU (gloo, a tiny Llama built from a config, ``attn_i
 ||C|| that this project's own loss and clip-bias corrector give on the same batch, with 2 micro-batches (FSDP2's
 no-sync accumulation on and off) and with 2 gloo processes.
 
-verl's engine runs in subprocesses (``python tests/test_verl_engine.py worker ...``): verl fixes its platform at
-the first import of its engine module, and the CPU platform must be registered before that (tests/verl_workers.py).
-The whole update through verl's ``TrainingWorker`` is tests/test_verl_training_worker.py.
+verl's engine runs in subprocesses (``python tests/integrations/verl/test_engine.py worker ...``): verl fixes its
+platform at the first import of its engine module, and the CPU platform must be registered before that
+(tests/support/verl_workers.py).
+The whole update through verl's ``TrainingWorker`` is tests/integrations/verl/test_training_worker.py.
 """
 
 from __future__ import annotations

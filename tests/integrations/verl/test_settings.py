@@ -1,7 +1,7 @@
 """``python -m stppo_agent.integrations.verl.settings PRESET``, the command that writes a preset's verl overrides
 (docs/verl.md): a usage line without a preset, one line saying what to use for a preset verl cannot train, and the
 stppo engine selected wherever the loss needs it. Needs no verl (the overrides merged into verl's own config are
-tests/test_verl_bridge.py's)."""
+tests/integrations/verl/test_bridge.py's)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ threshold, all but one when none does) and the paper's objective.
 Tolerance: float64, rtol 1e-7 / atol 2e-8. verl divides each row's token sum by ``count + 1e-8``: a row's term moves
 by up to 1e-8 of itself (the 1-token row), so these O(1) losses, whose rows partly cancel, differ by up to ~1e-8
 absolute (8.8e-9 the largest seen); everything else is the same arithmetic. Where ours differs on purpose the test
-pins the exact relation (``test_*differ*``).
+holds the exact relation (``test_*differ*``).
 
 verl is not a dependency of the project: without it this module is skipped; ``STPPO_REQUIRE_VERL=1`` (the verl CI
 line of the Makefile) makes a missing verl an error instead.
@@ -243,12 +243,12 @@ def test_gmpo_differs_from_verl_geo_mean_on_rows_without_response_tokens():
     torch.testing.assert_close(ours[1] * share, theirs[1], rtol=RTOL, atol=ATOL)
 
 
-# -- pinned differences of the PPO family (stppo_agent/algorithms/losses.py) ----------------------------------------
+# -- the PPO family's differences, held exactly (stppo_agent/algorithms/losses.py) ----------------------------------
 def test_ppo_clip_clamps_like_verl_and_gspo_differs_beyond_its_clamp():
     """verl clamps the token log-ratio to [-20, 20] in ``vanilla`` and the sequence log-ratio to <= 10 in ``gspo``
     before exp. Our ppo_clip clamps at 20 as verl does (an unclamped float32 log-ratio above 88 made the loss
     infinite), so it equals vanilla there too; our gspo does not clamp at 10. Only the unclipped branch sees a
-    clamp: A < 0 with a ratio above the bound. Pinned: gspo's loss differs by exactly that branch."""
+    clamp: A < 0 with a ratio above the bound. Held exactly: gspo's loss differs by exactly that branch."""
     old, new, adv, mask, turns = make_batch(0, 0.02, extreme=True)  # token (0, 2): log-ratio +26, A = -0.7 < 0
     adv[0, 2] = -0.7
     config = dataclasses.replace(ALGORITHMS["grpo"], kl_loss_coef=0.0)

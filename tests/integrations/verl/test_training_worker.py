@@ -9,7 +9,7 @@ writes the gradient into the logits it saved (``inplace_backward=True``, verl's 
 through it reads garbage. And verl's token-level rollout rejection (``rollout_rs=token_k1``) applied to the mask, which
 splits turns unless the loss reads them from the turn record.
 
-verl runs in one subprocess (``python tests/test_verl_training_worker.py worker ...``) for every case.
+verl runs in one subprocess (``python tests/integrations/verl/test_training_worker.py worker ...``) for every case.
 """
 
 from __future__ import annotations
