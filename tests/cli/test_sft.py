@@ -188,12 +188,12 @@ def trained_run(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("which, step, why", [("latest", 2, "the newest checkpoint"), ("1", 1, "as asked")])
 def test_a_checkpoint_of_a_run_teaches(trained_run, capsys, which, step, why):
-    done = stppo("sft", "--model", "tiny", "--teacher", f"hf:{run}@{which}", "--benchmarks", "nq", "--limit", "2",
-                 "--max-turns", "2", "--steps", "1", "--output-dir", "warm", capsys=capsys)
-    assert f"teacher hf:{run}@{which} -> step-{step}: {why}" in done.stdout.splitlines()
+    done = stppo("sft", "--model", "tiny", "--teacher", f"hf:{trained_run}@{which}", "--benchmarks", "nq",
+                 "--limit", "2", "--max-turns", "2", "--steps", "1", "--output-dir", "warm", capsys=capsys)
+    assert f"teacher hf:{trained_run}@{which} -> step-{step}: {why}" in done.stdout.splitlines()
     # the toy-env model never answers an nq question, so it is refused for that, by the checkpoint it played
     assert (done.returncode, done.stderr.splitlines()[-1]) == (
-        1, f"stppo sft: error: the teacher 'hf:{run}/checkpoints/step-{step}/actor' earned no reward on nq: no "
+        1, f"stppo sft: error: the teacher 'hf:{trained_run}/checkpoints/step-{step}/actor' earned no reward on nq: no "
            "demonstrations to learn from")
 
 

@@ -89,7 +89,7 @@ def test_notice_once_per_run_after_a_batch_with_signal():
     notice.check(fake_batch([1.0, 0.0, 1.0, 0.0]), 4)
     assert said == []
     notice.check(fake_batch([1.0, 1.0, 0.0, 0.0]), 4)  # grpo: equal inside every group
-    assert said == [f"iteration 5: {advice(reason([1.0, 1.0, 0.0, 0.0], True), notice.config)}"]
+    assert said == [f"iteration 5: {advice(no_signal([1.0, 1.0, 0.0, 0.0], True), notice.config)}"]
     notice.check(fake_batch([0.0] * 4), 5)
     assert len(said) == 1
     critic, critic_said = signal_notice("gae")  # a critic learns from groups that differ

@@ -132,7 +132,7 @@ def _two():
     return [a, b]
 
 
-def test_tensors_are_pinned_exactly():
+def test_to_batch_lays_out_every_tensor_with_its_exact_values_and_dtype():
     batch = to_batch(_two(), PAD)
     assert batch.prompt_width == 3
     assert batch.input_ids.tolist() == [[5, 6, 7, 10, 11, 12, 13], [PAD, PAD, 8, 20, PAD, PAD, PAD]]
@@ -156,7 +156,7 @@ def test_tensors_are_pinned_exactly():
                       "truncated": torch.bool}
 
 
-def test_stats_are_pinned_exactly():
+def test_to_batch_stats_are_the_exact_means_and_rates_of_the_trajectories():
     assert to_batch(_two(), PAD).stats == {
         "reward": 0.75, "response_tokens": 2.0, "turns": 1.5, "search_calls": 0.5, "search_errors": 0.5,
         "answer_rate": 0.5, "invalid_action_rate": 1 / 3, "search_error_rate": 0.5,
