@@ -1,7 +1,7 @@
 """Attack the project as a hostile user would, at scale, and print what held.
 
     python benchmarks/robustness.py [--actions 100000] [--clients 6] [--requests 200] [--corruptions 20] [--kills 5]
-    python benchmarks/robustness.py --quick   # the same attacks, smaller (tests/test_robustness_quick.py)
+    python benchmarks/robustness.py --quick   # the same attacks, smaller (tests/benchmarks/test_robustness_quick.py)
 
 1. Fuzzed actions: random, malformed and oversized actions (unclosed and nested tags, lone surrogates, control
    characters, long runs of repeated tags, non-strings) through ``env.step`` of the demo NQ env with its BM25

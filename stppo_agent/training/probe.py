@@ -7,7 +7,7 @@ Why: under ``rollout.staleness`` K a batch shows the generating weights, K updat
 rewards dates a collapse K iterations late and never sees the learner's last K updates. The probe plays the
 learner itself, on the same prompts every time, so its series is a curve of the policy being trained.
 
-A run with probes trains exactly as one without (tests/test_learner_probe.py holds it to that):
+A run with probes trains exactly as one without (tests/training/test_probe.py holds it to that):
 
 - the probe has envs of its own (an env's episode counter is state: the toy env's ``reward_flip_episodes``
   counts episodes) and a generation backend of its own over the actor (no key/value caches shared with the
