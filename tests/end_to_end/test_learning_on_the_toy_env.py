@@ -165,7 +165,7 @@ def test_config_layers_yaml_flags_and_overrides(tmp_path):
     with pytest.raises(ValueError, match="strategy must be ddp or fsdp2"):
         TrainConfig(model="m", distributed=DistributedConfig(strategy="zero3")).validate()
     load_config(None, ["model=m", "distributed.strategy=fsdp2", "precision.fsdp_compute_dtype=bfloat16"]).validate()
-    with pytest.raises(ValueError, match="fsdp_compute_dtype needs strategy=fsdp2"):
+    with pytest.raises(ValueError, match="precision.fsdp_compute_dtype needs distributed.strategy=fsdp2"):
         TrainConfig(model="m", precision=PrecisionConfig(fsdp_compute_dtype="bfloat16")).validate()
     with pytest.raises(ValueError, match="must be bfloat16 or float16"):
         TrainConfig(model="m", distributed=DistributedConfig(strategy="fsdp2"),
