@@ -50,10 +50,8 @@ test-main: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-verl: $(VERL_STAMP)
-	STPPO_REQUIRE_VERL=1 OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q tests/test_verl_bridge.py \
-		tests/test_verl_engine.py tests/test_verl_training_worker.py tests/test_verl_env_agent_loop.py \
-		tests/test_verl_tool_agent.py tests/test_verl_reward.py tests/test_stabilizers_reference.py \
-		stppo_agent/integrations tests/test_rollout.py tests/test_turn_cache.py \
+	STPPO_REQUIRE_VERL=1 OMP_NUM_THREADS=1 $(VERL_PY) -m pytest -q tests/integrations/verl stppo_agent/integrations \
+		tests/rollouts/test_turn_loop_on_a_real_tokenizer.py tests/rollouts/test_turn_cache.py \
 		> $(VERL_VENV)/tests.log 2>&1 || { cat $(VERL_VENV)/tests.log; exit 1; }
 	@echo "verl venv: $$(tail -n 1 $(VERL_VENV)/tests.log)"
 
@@ -76,11 +74,12 @@ $(VERL_STAMP): $(STAMP) pyproject.toml Makefile
 # the project's environment. pip adds trl alone (its other requirements are already in .venv): 30 s, 32 MB. Its
 # tests (TRL's GRPOTrainer through the adapter, docs/trl.md's example, `benchmarks/peers.py --quick`) run after
 # test-verl, beside the main suite, with their output kept in .venv-trl/tests.log. The adapter's own protocol tests
-# (tests/test_trl_environment.py) need no TRL: they run in the main suite.
+# (tests/integrations/trl/test_environment.py) need no TRL: they run in the main suite.
 .PHONY: test-trl
 test-trl: $(TRL_STAMP)
-	STPPO_REQUIRE_TRL=1 OMP_NUM_THREADS=1 $(TRL_PY) -m pytest -q tests/test_trl_grpo.py tests/test_trl_docs.py \
-		tests/test_trl_peers_quick.py > $(TRL_VENV)/tests.log 2>&1 || { cat $(TRL_VENV)/tests.log; exit 1; }
+	STPPO_REQUIRE_TRL=1 OMP_NUM_THREADS=1 $(TRL_PY) -m pytest -q tests/integrations/trl/test_grpo_trainer.py \
+		tests/integrations/trl/test_docs_example.py tests/integrations/trl/test_peers_benchmark_quick.py \
+		> $(TRL_VENV)/tests.log 2>&1 || { cat $(TRL_VENV)/tests.log; exit 1; }
 	@echo "trl venv: $$(tail -n 1 $(TRL_VENV)/tests.log)"
 
 $(TRL_STAMP): $(STAMP) pyproject.toml Makefile
@@ -98,7 +97,7 @@ $(TRL_STAMP): $(STAMP) pyproject.toml Makefile
 # run records, the collapse monitors), `SLICE=cli` (the commands), `SLICE=models` (model loading and precision, the
 # process group and shared retrieval, plugins); no SLICE: all of them. Settings in pyproject.toml [tool.mutmut]; results in mutants/
 # (`.venv/bin/mutmut browse` to read the survivors); NOTES.md has the scores and the equivalent mutants per module,
-# taken in one process with tests/mutants_in_process.py (faster; its docstring says how).
+# taken in one process with tests/support/mutants_in_process.py (faster; its docstring says how).
 MUTANTS_envs := "stppo_envs.scoring.*" "stppo_envs.actions.*" "stppo_envs.env.*" "stppo_envs.vector.*" \
 	"stppo_envs.prompts.*" "stppo_envs.retrieval.base.*" "stppo_envs.retrieval.remote.*" "stppo_envs.retrieval.server.*"
 MUTANTS_evaluation := "stppo_agent.evaluation.*" "stppo_agent.rollouts.turn_loop.*"

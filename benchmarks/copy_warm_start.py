@@ -38,7 +38,7 @@ def transcripts(tokenizer, seeds, length: int, vocabulary: int, turns: int, max_
             policy = tokenizer(action, add_special_tokens=False)["input_ids"]
             if len(policy) > max_new_tokens_per_turn:
                 raise SystemExit(f"a copy of {length} symbols is {len(policy)} tokens with this tokenizer, over "
-                                 f"max_new_tokens_per_turn={max_new_tokens_per_turn}; raise it")
+                                 f"rollout.max_new_tokens_per_turn={max_new_tokens_per_turn}; raise it")
             if len(policy) < max_new_tokens_per_turn:  # the turn ends by EOS, not by its budget
                 policy.append(tokenizer.eos_token_id)
             ids += policy

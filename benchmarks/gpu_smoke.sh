@@ -39,9 +39,9 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda
       "transformers", transformers.__version__, "vllm", __import__("vllm").__version__ if vllm else "not installed")
 PY
 
-SETTINGS=(--set device="$DEVICE" --set dtype=bfloat16 --set prompts_per_iteration=32 --set samples_per_prompt=2
-          --set mini_batch_size=64 --set micro_batch_size=16 --set max_new_tokens_per_turn=128 --set max_turns=3
-          --set max_total_tokens=2048 --set progress=false --set tensorboard=false)
+SETTINGS=(--set device="$DEVICE" --set precision.dtype=bfloat16 --set rollout.prompts_per_iteration=32 --set rollout.samples_per_prompt=2
+          --set optimizer.mini_batch_size=64 --set optimizer.micro_batch_size=16 --set rollout.max_new_tokens_per_turn=128 --set rollout.max_turns=3
+          --set rollout.max_total_tokens=2048 --set logging.progress=false --set logging.tensorboard=false)
 [[ "$ENV_IDS" == *Toy* ]] || SETTINGS+=(--set env_kwargs.split=train)
 read -r -a EXTRA_SETTINGS <<< "${SMOKE_SETTINGS:-}"
 SETTINGS+=("${EXTRA_SETTINGS[@]}")
@@ -113,12 +113,12 @@ for run in $RUNS; do
   case "$run" in
     vllm)
       if "$PY" -c "import vllm" 2>/dev/null; then
-        EXTRA=(--set generation_backend=vllm); train vllm "$PY"
+        EXTRA=(--set rollout.backend=vllm); train vllm "$PY"
       else
         echo "vllm: skipped (vllm is not installed here)"
       fi ;;
-    hf) EXTRA=(--set generation_backend=hf); train hf "$PY" ;;
-    fsdp2) EXTRA=(--set generation_backend=hf --set strategy=fsdp2)
+    hf) EXTRA=(--set rollout.backend=hf); train hf "$PY" ;;
+    fsdp2) EXTRA=(--set rollout.backend=hf --set distributed.strategy=fsdp2)
            train fsdp2 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$GPUS" ;;
     verl) verl_run ;;
     *) echo "unknown run $run (known: vllm hf fsdp2 verl)"; failed+=("$run") ;;

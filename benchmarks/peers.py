@@ -43,6 +43,14 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repository on sys.path)
 
+from stppo_agent.training.config_sections import (
+    CheckpointConfig,
+    LoggingConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    RolloutConfig,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -97,13 +105,16 @@ class StppoSide:
         from stppo_agent.training.config import TrainConfig
         from stppo_agent.training.trainer import Trainer
 
-        config = TrainConfig(
-            algo="grpo", algorithm={"kl_loss_coef": 0.0}, env=s.env, env_kwargs=s.env_kwargs, model=s.model,
-            output_dir=tempfile.mkdtemp(prefix="peers-stppo-"), iterations=s.iterations,
-            prompts_per_iteration=s.prompts, samples_per_prompt=s.samples, mini_batch_size=s.prompts * s.samples,
-            micro_batch_size=s.micro, generation_batch_size=s.prompts * s.samples, actor_lr=s.lr, max_turns=1,
-            max_new_tokens_per_turn=s.new_tokens, device=s.device, seed=s.seed, progress=False, tensorboard=False,
-            save_every=10**9, on_collapse="none")
+        config = TrainConfig(algo="grpo", algorithm={"kl_loss_coef": 0.0}, env=s.env, env_kwargs=s.env_kwargs,
+                             model=s.model, output_dir=tempfile.mkdtemp(prefix="peers-stppo-"), iterations=s.iterations,
+                             device=s.device, seed=s.seed,
+                             rollout=RolloutConfig(prompts_per_iteration=s.prompts, samples_per_prompt=s.samples,
+                                                   generation_batch_size=s.prompts * s.samples, max_turns=1,
+                                                   max_new_tokens_per_turn=s.new_tokens),
+                             optimizer=OptimizerConfig(mini_batch_size=s.prompts * s.samples, micro_batch_size=s.micro,
+                                                       actor_lr=s.lr),
+                             logging=LoggingConfig(progress=False, tensorboard=False),
+                             checkpoint=CheckpointConfig(every=10**9), monitor=MonitorConfig(on_collapse="none"))
         self.trainer = Trainer(config, report=lambda _: None)
         self.generate_seconds = [0.0]
         self.trainer.backend.generate = timed(self.trainer.backend.generate, self.generate_seconds)
@@ -111,16 +122,17 @@ class StppoSide:
 
     def settings(self) -> dict:
         trainer, sampling, actor = self.trainer, self.trainer.config.sampling(), self.trainer.state.actor
-        return {**optimizer_settings(trainer.state.actor_optimizer), "max_grad_norm": trainer.config.max_grad_norm,
+        return {**optimizer_settings(trainer.state.actor_optimizer),
+                "max_grad_norm": trainer.config.optimizer.max_grad_norm,
                 "dtype": str(next(actor.parameters()).dtype), "attention": actor.config._attn_implementation,
                 "gradient_checkpointing": actor.is_gradient_checkpointing, "bf16": False,
                 "reference_model": trainer.state.reference is not None, "threads": threads(),
                 "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
                 "stop_strings": list(trainer.backend.stop_strings),
-                "max_new_tokens": trainer.config.max_new_tokens_per_turn,
+                "max_new_tokens": trainer.config.rollout.max_new_tokens_per_turn,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                "completions_per_optimizer_step": trainer.config.mini_batch_size,
-                "micro_batch": trainer.config.micro_batch_size}
+                "completions_per_optimizer_step": trainer.config.optimizer.mini_batch_size,
+                "micro_batch": trainer.config.optimizer.micro_batch_size}
 
     def iteration(self) -> dict:
         trainer = self.trainer

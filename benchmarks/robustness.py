@@ -1,7 +1,7 @@
 """Attack the project as a hostile user would, at scale, and print what held.
 
     python benchmarks/robustness.py [--actions 100000] [--clients 6] [--requests 200] [--corruptions 20] [--kills 5]
-    python benchmarks/robustness.py --quick   # the same attacks, smaller (tests/test_robustness_quick.py)
+    python benchmarks/robustness.py --quick   # the same attacks, smaller (tests/benchmarks/test_robustness_quick.py)
 
 1. Fuzzed actions: random, malformed and oversized actions (unclosed and nested tags, lone surrogates, control
    characters, long runs of repeated tags, non-strings) through ``env.step`` of the demo NQ env with its BM25
@@ -209,14 +209,23 @@ def attack_checkpoints(trials: int) -> tuple[bool, list[str]]:
     from stppo_agent.models.tiny import build_tiny_llama
     from stppo_agent.runs.checkpoint import CorruptCheckpointError, list_checkpoints
     from stppo_agent.training.config import TrainConfig
+    from stppo_agent.training.config_sections import (
+        CheckpointConfig,
+        LoggingConfig,
+        MonitorConfig,
+        OptimizerConfig,
+        RolloutConfig,
+    )
     from stppo_agent.training.trainer import Trainer
 
     scratch = Path(tempfile.mkdtemp())
     model = build_tiny_llama(scratch / "model")
-    config = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), iterations=3, prompts_per_iteration=2,
-                  samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2, max_turns=2,
-                  max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32, progress=False,
-                  tensorboard=False, save_every=1, keep_checkpoints=3, on_collapse="none")
+    config = dict(algo="ppo", env="stppo/Toy-v0", model=str(model), iterations=3,
+                  rollout=RolloutConfig(prompts_per_iteration=2, samples_per_prompt=2, max_turns=2,
+                                        max_new_tokens_per_turn=1, max_prompt_tokens=8, max_total_tokens=32),
+                  optimizer=OptimizerConfig(mini_batch_size=4, micro_batch_size=2),
+                  logging=LoggingConfig(progress=False, tensorboard=False),
+                  checkpoint=CheckpointConfig(every=1, keep=3), monitor=MonitorConfig(on_collapse="none"))
     base = scratch / "run"
     Trainer(TrainConfig(output_dir=str(base), **config), report=lambda _: None).train()
     rng = random.Random(0)
@@ -269,11 +278,11 @@ BAD_COMMANDS = [
     ["eval", "--agent", "hf:{tmp}/no-model", "--benchmarks", "nq", "--limit", "1", "--output-dir", "{tmp}/f"],
     ["train", "--model", "{tmp}/no-model", "--output-dir", "{tmp}/g", "--iterations", "1"],
     ["train", "--model", "m", "--output-dir", "{tmp}/h", "--set", "lr=1"],
-    ["train", "--model", "m", "--output-dir", "{tmp}/i", "--set", "actor_lr=fast"],
+    ["train", "--model", "m", "--output-dir", "{tmp}/i", "--set", "optimizer.actor_lr=fast"],
     ["train", "--model", "m", "--output-dir", "{tmp}/j", "--algo", "nope"],
     ["train", "--model", "m", "--output-dir", "{tmp}/k", "--algo", "grpo"],
     ["train", "--model", "m", "--output-dir", "{tmp}/l", "--set", "algorithm.clip_low=2"],
-    ["train", "--model", "m", "--output-dir", "{tmp}/m", "--set", "on_collapse=panic"],
+    ["train", "--model", "m", "--output-dir", "{tmp}/m", "--set", "monitor.on_collapse=panic"],
     ["train", "--model", "m", "--output-dir", "{tmp}/n", "--set", "algorithm.rollout_correction=is"],
     ["train", "--model", "m", "--output-dir", "{tmp}/o", "--config", "{tmp}/no.yaml"],
     ["train", "--model", "m", "--output-dir", "{tmp}/p", "--env", "stppo/Nope-v0", "--iterations", "1"],

@@ -31,9 +31,12 @@ def train_throughput(processes: int, model: Path, strategy: str = "ddp") -> list
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     command = launcher + ["-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/NQ-v0", "--model",
                           str(model), "--output-dir", str(out), "--iterations", "4"]
-    for item in ("prompts_per_iteration=16", "samples_per_prompt=1", "mini_batch_size=16", "micro_batch_size=4",
-                 "max_turns=2", "max_new_tokens_per_turn=48", "max_prompt_tokens=512", "max_total_tokens=1024",
-                 "progress=false", "tensorboard=false", "save_every=100", f"strategy={strategy}"):
+    for item in ("rollout.prompts_per_iteration=16", "rollout.samples_per_prompt=1", "optimizer.mini_batch_size=16",
+                 "optimizer.micro_batch_size=4",
+                 "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=48", "rollout.max_prompt_tokens=512",
+                 "rollout.max_total_tokens=1024",
+                 "logging.progress=false", "logging.tensorboard=false", "checkpoint.every=100",
+                 f"distributed.strategy={strategy}"):
         command += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     subprocess.run(command, check=True, capture_output=True, env=env, cwd=REPO)

@@ -86,18 +86,24 @@ WARM_START_LIMITS = ("--max-observation-tokens", "160", "--max-total-tokens", "1
 
 
 def train_overrides(settings: Settings, seed: int) -> list[str]:
-    common = [f"seed={seed}", f"device={settings.device}", "samples_per_prompt=4", "ppo_epochs=2",
-              f"actor_lr={settings.lr}", "critic_lr=1e-5", "save_every=1000", "keep_checkpoints=1", "progress=false",
-              "tensorboard=false", "step_diagnostics=true",
-              *([f"autocast_dtype={settings.autocast_dtype}"] if settings.autocast_dtype else [])]
+    common = [f"seed={seed}", f"device={settings.device}", "rollout.samples_per_prompt=4", "optimizer.epochs=2",
+              f"optimizer.actor_lr={settings.lr}", "optimizer.critic_lr=1e-5", "checkpoint.every=1000",
+              "checkpoint.keep=1",
+              "logging.progress=false",
+              "logging.tensorboard=false", "logging.step_diagnostics=true",
+              *([f"precision.autocast_dtype={settings.autocast_dtype}"] if settings.autocast_dtype else [])]
     if settings.quick:  # 16 trajectories in 4 mini-batches x 2 epochs: 7 of 8 steps off-policy, as in the study
         # 3 tokens per turn (the env reads the first word), so that turn-level ratios differ from token-level ones
-        return ["prompts_per_iteration=4", "mini_batch_size=4", "micro_batch_size=2", "max_turns=2",
-                "max_new_tokens_per_turn=3", "max_prompt_tokens=8", "max_total_tokens=32", *common]
+        return ["rollout.prompts_per_iteration=4", "optimizer.mini_batch_size=4", "optimizer.micro_batch_size=2",
+                "rollout.max_turns=2",
+                "rollout.max_new_tokens_per_turn=3", "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32",
+                *common]
     return [
-        "env_kwargs.split=train", "env_kwargs.format_reward=0.2", "prompts_per_iteration=8", "mini_batch_size=8",
-        "micro_batch_size=4", "max_turns=3", "max_new_tokens_per_turn=48", "max_observation_tokens=160",
-        "max_prompt_tokens=400", "max_total_tokens=768", *common,
+        "env_kwargs.split=train", "env_kwargs.format_reward=0.2", "rollout.prompts_per_iteration=8",
+        "optimizer.mini_batch_size=8",
+        "optimizer.micro_batch_size=4", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=48",
+        "rollout.max_observation_tokens=160",
+        "rollout.max_prompt_tokens=400", "rollout.max_total_tokens=768", *common,
     ]
 
 
@@ -159,7 +165,7 @@ def needs_run(out: Path) -> bool:
 def train(settings: Settings, model: str, algo: str, seed: int, out: Path, record: bool = False) -> None:
     if not needs_run(out):
         return
-    sets = train_overrides(settings, seed) + (["save_rollouts=true"] if record else [])
+    sets = train_overrides(settings, seed) + (["logging.save_rollouts=true"] if record else [])
     stppo("train", "--algo", algo, "--env", QUICK_ENV if settings.quick else STUDY_ENV, "--model", model,
           "--output-dir", str(out), "--iterations", str(settings.iterations),
           *[arg for item in sets for arg in ("--set", item)])
@@ -169,7 +175,7 @@ def train(settings: Settings, model: str, algo: str, seed: int, out: Path, recor
 def replay(recorded: Path, algo: str, out: Path, iterations: int | None = None) -> None:
     if not needs_run(out):
         return
-    stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "progress=false",
+    stppo("replay", str(recorded), "--algo", algo, "--output-dir", str(out), "--set", "logging.progress=false",
           *(["--iterations", str(iterations)] if iterations else []))
     (out / "done").write_text("")
 

@@ -7,7 +7,7 @@ collapse an update rule, and which rules resist it?
                                 [--model PATH] [--device cpu|cuda] [--jobs 2] [--quick] [--report-only]
 
 A grid of update rules x stress levels x paired seeds from one warm start. Each level varies one thing against a
-matched control at the tier's fixed learning rate (benchmarks/stress_levels.py): the lag ladder (rollout_staleness
+matched control at the tier's fixed learning rate (benchmarks/stress_levels.py): the lag ladder (rollout.staleness
 K at one optimizer step per iteration; lag0 is the on-policy control with the same lr, steps, batch and mini-batch
 by construction), the reuse ladder (epochs x mini-batches on one batch) against step-matched on-policy controls,
 and mechanism levels (a bfloat16 sampler's log-probs in the ratio, dual clip, the clip-bias correction after
@@ -71,8 +71,9 @@ from stress_tiers import COPY, DEMO, GPU, TIERS, TOY, Tier  # noqa: F401  (TOY: 
 
 CORE_RULES = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo", "so_grpo"]
 DEFAULT_RULES = ["ppo", "st_ppo"]
-LEVEL_OWNED = ("ppo_epochs", "mini_batch_size", "micro_batch_size", "actor_lr", "critic_lr")
-QUICK_SETS = ["probe_every=1", "probe_prompts=4"]
+LEVEL_OWNED = ("optimizer.epochs", "optimizer.mini_batch_size", "optimizer.micro_batch_size", "optimizer.actor_lr",
+               "optimizer.critic_lr")
+QUICK_SETS = ["monitor.probe_every=1", "monitor.probe_prompts=4"]
 
 
 
@@ -83,8 +84,8 @@ def run_overrides(args, tier: Tier, name: str, seed: int) -> tuple[list[str], ob
     base = [*common, *base_sets(args, tier)[len(tier.common):]]
     level_plan = plan(tier_with_lr(tier, args), args.levels, name, base, args.versions)
     start = [f"init_from={args.init_from}"] if args.init_from else []
-    return [*base, *level_plan.sets, f"seed={seed}", f"device={args.device}", "save_every=1000",
-            "keep_checkpoints=1", "progress=false", "tensorboard=false", *start], level_plan
+    return [*base, *level_plan.sets, f"seed={seed}", f"device={args.device}", "checkpoint.every=1000",
+            "checkpoint.keep=1", "logging.progress=false", "logging.tensorboard=false", *start], level_plan
 
 
 def base_sets(args, tier: Tier) -> list[str]:
@@ -145,13 +146,13 @@ def warm_start(args, tier: Tier) -> tuple[str, str | None, str]:
             source = resolve_model(source)
         supervised(source, base, target=0.1 if args.quick else 0.4, lr=args.warm_start_lr or tier.copy_warm_start_lr,
                    device=args.device,
-                   max_new_tokens_per_turn=int(effective(base_sets(args, tier), "max_new_tokens_per_turn")))
+                   max_new_tokens_per_turn=int(effective(base_sets(args, tier), "rollout.max_new_tokens_per_turn")))
     iterations = 2 if args.quick else tier.warm_start_iterations
     out = args.out / "warm-start"
     common = base_sets(args, tier)
     sets = [*common, *plan(tier_with_lr(tier, args), args.levels, "lag0", common, 1).sets,
-            "probe_every=0", "seed=1000", f"device={args.device}", "save_every=1000", "keep_checkpoints=1",
-            "progress=false", "tensorboard=false"]
+            "monitor.probe_every=0", "seed=1000", f"device={args.device}", "checkpoint.every=1000", "checkpoint.keep=1",
+            "logging.progress=false", "logging.tensorboard=false"]
     train(args, tier, str(base), "ppo", sets, iterations, out)
     checkpoint = out / "checkpoints" / f"step-{iterations}"
     carried = has_option("init_from")

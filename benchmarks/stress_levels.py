@@ -8,7 +8,7 @@ A level varies one thing against its matched control at the tier's fixed learnin
   divide it;
 - ``lr_scale`` / ``critic_lr_scale``: x the tier's actor / critic learning rate (the critic moves only when a
   level says so);
-- ``rollout_staleness`` K: the run trains N + K iterations and its rollout read-outs are iterations K .. K+N-1
+- ``rollout.staleness`` K: the run trains N + K iterations and its rollout read-outs are iterations K .. K+N-1
   (policy versions 0 .. N-1: iteration i samples with the weights after max(0, i - K) updates);
 - ``matches: LEVEL``: the step-matched on-policy control of a reuse level E x M: the same number of optimizer
   steps on the same mini-batch size, each on fresh rollouts -- prompts_per_iteration / M prompts an iteration,
@@ -40,27 +40,27 @@ META = ("ppo_epochs", "mini_batches", "lr_scale", "critic_lr_scale", "matches", 
 # training options old_logprobs, algorithm.clip_ratio_c and algorithm.clip_bias_order: a grid refuses them, naming
 # the option, on a stppo that lacks it.
 LADDER = {
-    "lag0": {"rollout_staleness": 0},
-    "lag4": {"rollout_staleness": 4, "control": "lag0"},
-    "lag16": {"rollout_staleness": 16, "control": "lag0"},
-    "lag32": {"rollout_staleness": 32, "control": "lag0"},
-    "lag64": {"rollout_staleness": 64, "control": "lag0"},
+    "lag0": {"rollout.staleness": 0},
+    "lag4": {"rollout.staleness": 4, "control": "lag0"},
+    "lag16": {"rollout.staleness": 16, "control": "lag0"},
+    "lag32": {"rollout.staleness": 32, "control": "lag0"},
+    "lag64": {"rollout.staleness": 64, "control": "lag0"},
     "reuse2x4": {"ppo_epochs": 2, "mini_batches": 4, "control": "steps8", "versions": 40, "probe_every": 1},
     "steps8": {"matches": "reuse2x4"},
     "reuse4x4": {"ppo_epochs": 4, "mini_batches": 4, "control": "steps16", "versions": 20, "probe_every": 1},
     "steps16": {"matches": "reuse4x4"},
     # the ratio's denominator from a bfloat16 sampler, uncorrected, on-policy otherwise: the precision gap reaches
     # the clip ("phantom clipping")
-    "sampler_bf16": {"old_logprobs": "sampler", "generation_autocast_dtype": "bfloat16",
+    "sampler_bf16": {"rollout.old_logprobs": "sampler", "precision.generation_autocast_dtype": "bfloat16",
                      "algorithm.rollout_correction": "none", "control": "lag0"},
-    "dualclip": {"rollout_staleness": 32, "algorithm.clip_ratio_c": 3, "control": "lag32"},
-    "bias_after": {"rollout_staleness": 32, "algorithm.clip_bias_order": "after_grad_clip", "control": "lag32",
+    "dualclip": {"rollout.staleness": 32, "algorithm.clip_ratio_c": 3, "control": "lag32"},
+    "bias_after": {"rollout.staleness": 32, "algorithm.clip_bias_order": "after_grad_clip", "control": "lag32",
                    "only": "s_ppo+st_ppo"},
 }
 DEFAULT_LEVELS = ["lag0", "lag16", "lag64", "reuse4x4", "steps16"]
 # --quick: the same ladders at tiny sizes
 QUICK = {
-    "lag2": {"rollout_staleness": 2, "control": "lag0"},
+    "lag2": {"rollout.staleness": 2, "control": "lag0"},
     "reuse2x2": {"ppo_epochs": 2, "mini_batches": 2, "control": "steps4"},
     "steps4": {"matches": "reuse2x2"},
 }
@@ -71,11 +71,12 @@ HISTORY = {
     "none": {},
     "mild": {"ppo_epochs": 2, "mini_batches": 4},
     "strong": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10},
-    "stale": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "rollout_staleness": 4},
+    "stale": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "rollout.staleness": 4},
     "extreme": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 100},
     "lr_only": {"lr_scale": 100},
-    "mismatch": {"generation_autocast_dtype": "bfloat16", "algorithm.rollout_correction": "none"},
-    "strong_mismatch": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10, "generation_autocast_dtype": "bfloat16",
+    "mismatch": {"precision.generation_autocast_dtype": "bfloat16", "algorithm.rollout_correction": "none"},
+    "strong_mismatch": {"ppo_epochs": 4, "mini_batches": 4, "lr_scale": 10,
+                        "precision.generation_autocast_dtype": "bfloat16",
                         "algorithm.rollout_correction": "none"},
 }
 
@@ -85,7 +86,7 @@ def known_levels() -> dict[str, dict]:
 
 
 def parse_level(spec: str, levels: dict[str, dict] | None = None) -> tuple[str, dict]:
-    """``lag8:rollout_staleness=8,control=lag0`` -> ("lag8", {...}); values read as YAML would; unnamed knobs keep
+    """``lag8:rollout.staleness=8,control=lag0`` -> ("lag8", {...}); values read as YAML would; unnamed knobs keep
     the named level's (or :data:`BASE`'s) values."""
     name, sep, body = spec.partition(":")
     if not sep or not name:
@@ -126,18 +127,18 @@ def plan(tier: Tier, levels: dict[str, dict], name: str, base: list[str], versio
     """Level ``name``'s `stppo train` options after ``base`` (the tier's and --set's, which they override) and the
     run's length for ``versions`` read-outs (unless the level, or the level it matches, sets its own)."""
     knobs = levels[name]
-    scale, prompts = 1, int(effective(base, "prompts_per_iteration", 8))
+    scale, prompts = 1, int(effective(base, "rollout.prompts_per_iteration", 8))
     own = levels[knobs["matches"]] if "matches" in knobs else knobs
     versions = int(own.get("versions", versions))
-    probe_every = int(own.get("probe_every", effective(base, "probe_every", 0)))
+    probe_every = int(own.get("probe_every", effective(base, "monitor.probe_every", 0)))
     if "matches" in knobs:
         matched = levels[knobs["matches"]]
         divisor, scale = int(matched["mini_batches"]), int(matched["ppo_epochs"]) * int(matched["mini_batches"])
         if prompts % divisor:
-            raise SystemExit(f"level {name} matches {knobs['matches']}: prompts_per_iteration={prompts} does not "
-                             f"split into its {divisor} mini-batches; use a multiple of {divisor}")
+            raise SystemExit(f"level {name} matches {knobs['matches']}: rollout.prompts_per_iteration={prompts} does "
+                             f"not split into its {divisor} mini-batches; use a multiple of {divisor}")
         prompts //= divisor
-    batch = prompts * int(effective(base, "samples_per_prompt", 1))
+    batch = prompts * int(effective(base, "rollout.samples_per_prompt", 1))
     minis = int(knobs["mini_batches"])
     if batch % minis:
         raise SystemExit(f"level {name}: mini_batches={minis} does not divide the run's batch of {batch} "
@@ -145,12 +146,13 @@ def plan(tier: Tier, levels: dict[str, dict], name: str, base: list[str], versio
     mini = batch // minis
     actor_lr = tier.base_lr * float(knobs["lr_scale"])
     critic_lr = tier.critic_lr * float(knobs["critic_lr_scale"])
-    staleness = int(knobs.get("rollout_staleness", 0))
-    sets = [f"ppo_epochs={knobs['ppo_epochs']}", f"prompts_per_iteration={prompts}", f"mini_batch_size={mini}",
-            f"micro_batch_size={math.gcd(mini, tier.micro)}", f"actor_lr={actor_lr:g}", f"critic_lr={critic_lr:g}"]
+    staleness = int(knobs.get("rollout.staleness", 0))
+    sets = [f"optimizer.epochs={knobs['ppo_epochs']}", f"rollout.prompts_per_iteration={prompts}",
+            f"optimizer.mini_batch_size={mini}", f"optimizer.micro_batch_size={math.gcd(mini, tier.micro)}",
+            f"optimizer.actor_lr={actor_lr:g}", f"optimizer.critic_lr={critic_lr:g}"]
     sets += [f"{k}={v}" for k, v in knobs.items() if k not in META]
     if probe_every:
-        sets.append(f"probe_every={probe_every * scale}")
+        sets.append(f"monitor.probe_every={probe_every * scale}")
     return Plan(sets, versions, staleness + scale * versions, staleness, scale, int(knobs["ppo_epochs"]) * minis,
                 actor_lr, critic_lr)
 
@@ -159,15 +161,16 @@ def missing_options(sets: list[str]) -> list[str]:
     """The keys of ``sets`` this stppo's TrainConfig / AlgorithmConfig does not have (options a level needs that
     are not built yet)."""
     from stppo_agent.algorithms import AlgorithmConfig
-    from stppo_agent.training.config import TrainConfig
+    from stppo_agent.training.config import MAPPINGS, setting_names
 
-    train = {f.name for f in dataclasses.fields(TrainConfig)}
+    train = set(setting_names())
     algo = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     missing = []
     for item in sets:
         key = item.partition("=")[0]
         section, dot, field = key.partition(".")
-        if (dot and section == "algorithm" and field not in algo) or (not dot and key not in train):
+        if (section == "algorithm" and field not in algo) or (section not in MAPPINGS and key not in train
+                                                              and not key.startswith("monitor.thresholds.")):
             missing.append(key)
     return missing
 

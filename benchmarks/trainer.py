@@ -167,12 +167,12 @@ def main() -> None:
                          report=lambda _: None)
     st_trainer.score(batch)
     ours, raw, st = [], [], []
-    micro = trainer.config.micro_batch_size
+    micro = trainer.config.optimizer.micro_batch_size
     for _ in range(args.repeats):  # alternate, so machine noise hits all three alike
         started = time.perf_counter()
         trainer.update(batch)
         ours.append(time.perf_counter() - started)
-        raw.append(raw_update(trainer.state.actor, batch, micro, trainer.config.max_grad_norm))
+        raw.append(raw_update(trainer.state.actor, batch, micro, trainer.config.optimizer.max_grad_norm))
         started = time.perf_counter()
         st_trainer.update(batch)
         st.append(time.perf_counter() - started)

@@ -16,16 +16,26 @@ import tempfile
 
 import torch
 
-from stppo_agent.algorithms import ALGORITHMS, get_policy_loss, register_algorithm, register_policy_loss
+from stppo_agent.algorithms import (
+    ALGORITHMS,
+    Hyperparameter,
+    get_policy_loss,
+    register_algorithm,
+    register_policy_loss,
+)
 from stppo_agent.models.default_model import resolve_model
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config_sections import LoggingConfig, OptimizerConfig, RolloutConfig
 from stppo_agent.training.trainer import Trainer
 
 
-@register_policy_loss("dual_clip")
-def dual_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, dual_clip_c=3.0, **kwargs):
-    """PPO's clipped surrogate, then for A < 0 the loss is capped at -c * A (so one huge ratio cannot dominate)."""
+@register_policy_loss("dual_clip", reads=("ratio_level", "clip_low", "clip_high"),
+                      hyperparameters=[Hyperparameter("dual_clip_c", 3.0, "cap -c * A on the loss of A < 0 tokens")])
+def dual_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, **kwargs):
+    """PPO's clipped surrogate, then for A < 0 the loss is capped at -c * A (so one huge ratio cannot dominate);
+    c is the rule's own hyper-parameter (``--set algorithm.dual_clip_c=5``)."""
+    dual_clip_c = config.hyperparameter("dual_clip_c")
     loss, bias, metrics = get_policy_loss("ppo_clip")(logprobs=logprobs, old_logprobs=old_logprobs,
                                                       advantages=advantages, loss_mask=loss_mask, turn_ids=turn_ids,
                                                       config=config, **kwargs)
@@ -51,12 +61,15 @@ def main() -> None:
     curves = {}
     for algo in ("ppo", "st_ppo", "dual_clip_turn_ppo"):
         out = tempfile.mkdtemp(prefix=f"{algo}-")
-        config = TrainConfig(algo=algo, env=args.env, model=model, output_dir=out, iterations=args.iterations,
-                             prompts_per_iteration=8, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=16,
-                             ppo_epochs=2, actor_lr=3e-3 if toy else 1e-6, critic_lr=3e-3 if toy else 1e-5,
-                             max_turns=2 if toy else 4, max_new_tokens_per_turn=1 if toy else 256,
-                             max_prompt_tokens=8 if toy else 1024, max_total_tokens=32 if toy else 4096,
-                             progress=False, tensorboard=False, seed=0, algorithm={"kl_in_reward": 0.0})
+        config = TrainConfig(algo=algo, env=args.env, model=model, output_dir=out, iterations=args.iterations, seed=0,
+                             algorithm={"kl_in_reward": 0.0},
+                             rollout=RolloutConfig(prompts_per_iteration=8, samples_per_prompt=4,
+                                                   max_turns=2 if toy else 4, max_new_tokens_per_turn=1 if toy else 256,
+                                                   max_prompt_tokens=8 if toy else 1024,
+                                                   max_total_tokens=32 if toy else 4096),
+                             optimizer=OptimizerConfig(mini_batch_size=16, micro_batch_size=16, epochs=2,
+                                                       actor_lr=3e-3 if toy else 1e-6, critic_lr=3e-3 if toy else 1e-5),
+                             logging=LoggingConfig(progress=False, tensorboard=False))
         Trainer(config, report=lambda _: None).train()
         curves[algo] = [r["reward"] for r in read_metrics(out)]
     print(f"{'iteration':>9s} " + " ".join(f"{a:>20s}" for a in curves))

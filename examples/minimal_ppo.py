@@ -4,7 +4,7 @@
 
 A reference to read, not the trainer. The math comes from the public API (``stppo_agent.algorithms``: presets,
 advantage estimators, policy and value losses, the clip-bias correction; docs/algorithms.md), everything else is
-torch, transformers and gymnasium. ``tests/test_minimal_ppo_example.py`` holds this file's scoring and update equal
+torch, transformers and gymnasium. ``tests/examples/test_minimal_ppo.py`` holds this file's scoring and update equal
 to the Trainer's on the same batch, so the math you read here is the math ``stppo train`` applies. Left out:
 micro-batches, several processes, rollout correction (the sampler here is the actor itself, in float32: its weights
 would all be 1), checkpoints, monitoring.

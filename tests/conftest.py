@@ -1,4 +1,5 @@
-"""Shared fixtures: where the real benchmark slices live, and in-memory retriever test doubles."""
+"""Fixtures every test folder sees: where the real benchmark slices live, a tiny Llama over the toy env's words,
+an in-memory retriever, plugin registrations undone after each test, and the order files are run in."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 
@@ -15,31 +15,42 @@ import pytest
 # it once; subprocesses inherit it)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from stppo_envs.retrieval import Hit, RetrievalError  # noqa: E402
+from tests.support.retrievers import KeywordRetriever  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 # The verl tests' helper modules import verl's own dependencies at module level; they run in .venv-verl (make
 # test-verl), and --doctest-modules would otherwise import them in the main venv, where verl is absent.
-collect_ignore = [] if importlib.util.find_spec("verl") else ["verl_agent_loops.py"]
+collect_ignore = [] if importlib.util.find_spec("verl") else ["support/verl_agent_loops.py"]
 
-# The slowest test files, slowest first (wall time in a profile of the whole suite, session 12). `make test` hands
-# whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these start first
-# and the many quick files fill in at the end. xdist's default order (most tests first) ran them last -- files of one
-# to ten tests, minutes each -- and left a worker idle for minutes while the other finished one (issue 28).
+# The slowest test files (paths under tests/), slowest first (wall time in a profile of the whole suite). `make test`
+# hands whole files to two workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these start
+# first and the many quick files fill in at the end. xdist's default order (most tests first) ran them last -- files
+# of one to ten tests, minutes each -- and left a worker idle for minutes while the other finished one.
 SLOWEST_FIRST = (
-    "test_stress_quick.py", "test_stability_quick.py", "test_readme_walkthrough.py", "test_distributed.py",
-    "test_checkpoint_size.py", "test_run_summary.py", "test_trainer.py", "test_m2po_whole_batch.py",
-    "test_staleness.py", "test_sft.py", "test_retrieval.py", "test_shared_retrieval.py",
-    "test_multiprocess_streams.py", "test_robustness_quick.py", "test_compare_retriever_identity.py",
-    "test_collapse.py", "test_append_cache.py", "test_multiprocess_metrics.py", "test_learning_signal.py",
-    "test_plot_labels.py", "test_dynamic_sampling.py", "test_actions.py", "test_cli_docs.py",
+    "benchmarks/test_stress_quick.py", "benchmarks/test_stability_quick.py", "docs/test_readme_walkthrough.py",
+    "distributed/test_data_parallel_gradients.py", "runs/test_checkpoint_size.py", "runs/test_run_summary.py",
+    "end_to_end/test_learning_on_the_toy_env.py", "training/test_m2po_whole_batch.py",
+    "training/test_stale_policy.py", "training/test_sft.py", "envs/retrieval/test_backends_and_server.py",
+    "distributed/test_shared_retrieval_stops_with_the_run.py", "distributed/test_rank_streams_under_torchrun.py",
+    "benchmarks/test_robustness_quick.py", "evaluation/test_retriever_identity_in_comparisons.py",
+    "monitoring/test_collapse_early_warning.py", "rollouts/test_append_cache.py",
+    "training/test_metrics_independent_of_the_split.py", "monitoring/test_learning_signal.py", "cli/test_plot.py",
+    "training/test_resampling.py", "envs/test_actions.py", "docs/test_commands_in_docs.py",
 )
+
+
+def suite_path(path: Path) -> str:
+    """``path`` relative to tests/ (``runs/test_checkpoint.py``); "" for a file outside it (a library doctest)."""
+    try:
+        return path.resolve().relative_to(REPO / "tests").as_posix()
+    except ValueError:
+        return ""
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+    items.sort(key=lambda item: rank.get(suite_path(item.path), len(rank)))  # stable: a file's own order stays
 
 
 def shared_data_dir() -> Path | None:
@@ -54,8 +65,8 @@ def shared_data_dir() -> Path | None:
 @pytest.fixture(autouse=True)
 def _plugin_registrations_end_with_the_test():
     """A test that imports a plugin in-process registers its rule, loss, estimator or agent for the whole worker;
-    the registries go back to what they held before, so no later test sees it (a preset-table pin saw a plugin's
-    `my_algo` when the two tests happened to share a worker)."""
+    the registries go back to what they held before, so no later test sees it (a test of the preset table would see a
+    plugin's `my_algo` whenever the two tests share a worker)."""
     from stppo_agent.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from stppo_agent.algorithms.config import ALGORITHMS
     from stppo_agent.algorithms.losses import POLICY_LOSSES, WHOLE_BATCH_STATISTICS
@@ -93,37 +104,15 @@ def shared_data() -> Path:
     return path
 
 
-class KeywordRetriever:
-    """A deterministic in-memory retriever: passages ranked by shared lower-case words. Counts its calls."""
-
-    def __init__(self, passages: Sequence[tuple[str, str]] = (("Paris", "Paris is the capital of France."),)):
-        self.passages = list(passages)
-        self.batch_calls: list[list[str]] = []
-
-    def search(self, query: str, k: int = 10) -> list[Hit]:
-        return self.batch_search([query], k)[0]
-
-    def batch_search(self, queries, k=10):
-        self.batch_calls.append(list(queries))
-        out = []
-        for query in queries:
-            words = set(query.lower().split())
-            scored = sorted(((len(words & set((t + " " + x).lower().split())), i) for i, (t, x) in
-                             enumerate(self.passages)), reverse=True)[:k]
-            out.append([Hit(str(i), float(s), *self.passages[i]) for s, i in scored])
-        return out
-
-
-class FailingRetriever:
-    """Every search fails the way a dead retrieval server does."""
-
-    def search(self, query, k=10):
-        raise RetrievalError("retrieval server at http://127.0.0.1:9 is down")
-
-    def batch_search(self, queries, k=10):
-        raise RetrievalError("retrieval server at http://127.0.0.1:9 is down")
-
-
 @pytest.fixture
 def keyword_retriever() -> KeywordRetriever:
     return KeywordRetriever()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random 2-layer Llama over the toy env's words (:func:`stppo_agent.models.tiny.build_tiny_llama`), one per
+    test module."""
+    from stppo_agent.models.tiny import build_tiny_llama, word_tokenizer
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", word_tokenizer())

@@ -24,6 +24,7 @@ from .advantages import (
 from .clip_bias import ClipBiasCorrector
 from .config import ALGORITHMS, AlgorithmConfig, register_algorithm
 from .dynamic_sampling import dropped_group_count, informative_groups
+from .hyperparameters import Hyperparameter
 from .losses import (
     POLICY_LOSSES,
     WHOLE_BATCH_STATISTICS,
@@ -52,6 +53,7 @@ from .rollout_correction import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "ALGORITHMS", "AUTO_FIELDS", "AlgorithmConfig", "ClipBiasCorrector", "Extreme",
+    "Hyperparameter",
     "LossMetrics", "POLICY_LOSSES", "Registry", "Summed", "WHOLE_BATCH_STATISTICS", "aggregate", "aggregate_parts",
     "call_policy_loss", "compact_policy_positions",
     "dropped_group_count", "estimate_advantages", "explained_variance", "get_advantage_estimator",

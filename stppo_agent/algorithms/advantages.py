@@ -11,10 +11,13 @@ parameter works too: :func:`estimate_advantages` passes it only to those that ac
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Iterable
 
 import torch
 
+from .config import AlgorithmConfig
+from .hyperparameters import Hyperparameter, declare
 from .registry import Registry, accepts_keyword
 from .segments import check_turn_ids, discounted_reverse_cumsum, whiten
 
@@ -30,8 +33,11 @@ UNWHITENED_ESTIMATORS = {"grpo", "rloo"}
 ``whiten_advantages`` says: with several processes the trainer must not whiten them globally either."""
 
 
-def register_advantage_estimator(name: str, fn: AdvantageEstimator | None = None):
-    """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises."""
+def register_advantage_estimator(name: str, fn: AdvantageEstimator | None = None, *, reads: Iterable[str] = (),
+                                 hyperparameters: Iterable[Hyperparameter] = ()):
+    """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises. ``reads`` and
+    ``hyperparameters`` as for :func:`~stppo_agent.algorithms.losses.register_policy_loss`."""
+    declare("advantage estimator", name, reads, hyperparameters, [f.name for f in dataclasses.fields(AlgorithmConfig)])
     if fn is None:
         return ADVANTAGE_ESTIMATORS.decorator(name)
     return ADVANTAGE_ESTIMATORS.register(name, fn)
@@ -60,7 +66,7 @@ def compact_policy_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.argsort((~loss_mask).to(torch.int8), dim=1, stable=True)
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", reads=("gamma", "lam", "whiten_advantages"))
 def gae_advantages(*, rewards, values, loss_mask, group_ids=None, config, kl_penalty=None, turn_ids=None):
     """Multi-turn GAE over policy tokens only (observation tokens are skipped, not zero-reward steps).
 
@@ -121,7 +127,7 @@ def _broadcast(per_trajectory: torch.Tensor, loss_mask: torch.Tensor, dtype: tor
     return torch.where(loss_mask, per_trajectory.to(dtype).unsqueeze(1), zero)
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", reads=("grpo_std_normalize",))
 def grpo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_penalty=None, turn_ids=None):
     """A_b = (S_b - mean_g S) / (std_g S + 1e-6), or without the division (Dr. GRPO); broadcast to tokens.
 
@@ -152,7 +158,7 @@ def rloo_advantages(*, rewards, values=None, loss_mask, group_ids, config, kl_pe
     return advantages, advantages
 
 
-@register_advantage_estimator("turn_gae")
+@register_advantage_estimator("turn_gae", reads=("gamma", "lam", "whiten_advantages"))
 def turn_gae_advantages(*, rewards, values, loss_mask, group_ids=None, config, kl_penalty=None, turn_ids=None):
     """GAE over the turns of each trajectory (one env.step is one step), shared by every token of the turn.
 

@@ -128,8 +128,8 @@ class ClipBiasCorrector:
 
 def changed_update(scale: float, grad_norm: float, max_grad_norm: float, order: str) -> bool:
     """Whether a clip-bias ``scale`` changed the gradient the optimizer receives, against what PPO hands it from
-    the same gradient g (of norm ``grad_norm``, clipped to ``max_grad_norm``). ``after_grad_clip``: whenever the
-    scale exceeds 1. ``before_grad_clip``: only when g / scale falls under the clip threshold -- at or above it,
+    the same gradient g (of norm ``grad_norm``, clipped to ``optimizer.max_grad_norm``). ``after_grad_clip``: whenever
+    the scale exceeds 1. ``before_grad_clip``: only when g / scale falls under the clip threshold -- at or above it,
     clipping rescales both to the same vector of norm max_grad_norm."""
     if not scale > 1:
         return False

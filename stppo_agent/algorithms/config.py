@@ -95,6 +95,22 @@ class AlgorithmConfig:
     """token, turn (geometric mean over the turn) or sequence; auto: turn for turn-level algorithms, else token."""
     rollout_correction_cap: float = 2.0
     """The cap of tis / mis (verl's default)."""
+    hyperparameters: tuple = ()
+    """(name, value) pairs of the hyper-parameters the rules define for themselves (a plugin's): set them as
+    ``algorithm.NAME``; read them with :meth:`hyperparameter`."""
+
+    def hyperparameter(self, name: str):
+        """The value of the rule's own hyper-parameter ``name``: as set, else its declared default."""
+        from .hyperparameters import declared_hyperparameters
+
+        values = dict(self.hyperparameters)
+        if name in values:
+            return values[name]
+        declared = declared_hyperparameters(self)
+        if name not in declared:
+            raise KeyError(f"no hyper-parameter {name!r} declared by policy loss {self.policy_loss} or advantage "
+                           f"estimator {self.advantage}; declared: {', '.join(declared) or 'none'}")
+        return declared[name].default
 
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVEL_NAMES)

@@ -19,10 +19,13 @@ correction's w', docs/algorithms.md); a token of weight 0 is dropped as if it ha
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Iterable
 
 import torch
 
+from .config import AlgorithmConfig
+from .hyperparameters import Hyperparameter, declare
 from .metrics import LossMetrics, effective_sample_size
 from .registry import Registry, accepts_keyword
 from .segments import (
@@ -39,8 +42,12 @@ PolicyLoss = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Ten
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def register_policy_loss(name: str, fn: PolicyLoss | None = None):
-    """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises."""
+def register_policy_loss(name: str, fn: PolicyLoss | None = None, *, reads: Iterable[str] = (),
+                         hyperparameters: Iterable[Hyperparameter] = ()):
+    """Register ``fn`` under ``name`` (usable as a decorator). A taken name raises. ``reads``: the AlgorithmConfig
+    fields the loss reads; ``hyperparameters``: its own (:mod:`stppo_agent.algorithms.hyperparameters`), both
+    listed by ``stppo train --algo NAME --help``."""
+    declare("policy loss", name, reads, hyperparameters, [f.name for f in dataclasses.fields(AlgorithmConfig)])
     if fn is None:
         return POLICY_LOSSES.decorator(name)
     return POLICY_LOSSES.register(name, fn)
@@ -249,7 +256,7 @@ def _level_weights(ratio, loss_mask, turn_sums, turn_counts, level: str) -> torc
     return ratio[loss_mask]
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", reads=("ratio_level", "clip_low", "clip_high", "clip_ratio_c"))
 def ppo_clip_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
                   entropy=None, global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """Clipped surrogate L_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho at config.ratio_level,

@@ -53,7 +53,8 @@ def recorded_algorithm(requested: dict, resolved) -> tuple[dict, dict]:
     user left to ``auto`` in ``requested`` (the preset's fields with the user's overrides), which stay ``auto`` so
     that a resume or a replay under other settings resolves them again; and ``algorithm_resolved``, what those
     resolved to for this run."""
-    algorithm = {k: v for k, v in dataclasses.asdict(resolved).items() if k != "name"}
+    algorithm = {k: v for k, v in dataclasses.asdict(resolved).items() if k not in ("name", "hyperparameters")}
+    algorithm.update(resolved.hyperparameters)  # a rule's own hyper-parameters, as --set algorithm.NAME spells them
     automatic = [field for field in AUTO_FIELDS if requested.get(field) == "auto"]
     algorithm.update({field: "auto" for field in automatic})
     return algorithm, {field: getattr(resolved, field) for field in automatic}

@@ -118,7 +118,7 @@ def _removed_share_bias(b: _Batch, effective_weight: torch.Tensor) -> torch.Tens
     return b.aggregate(removed * b.ratio * b.advantages)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", reads=("ratio_level", "clip_low", "clip_high"))
 def cispo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
                global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """CISPO (MiniMax-M1): L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t); every token keeps a
@@ -131,7 +131,7 @@ def cispo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, confi
     return _finish(b, per_token, changed, _removed_share_bias(b, weight), ref_logprobs, entropy)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", reads=("ratio_level", "tau_pos", "tau_neg"))
 def sapo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
               global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """SAPO: L_t = -f(rho_t) A_t, f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos for A_t > 0 else tau_neg. f'(1)
@@ -148,7 +148,7 @@ def sapo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config
     return _finish(b, per_token, removed != 0, bias, ref_logprobs, entropy, changed_share=removed)
 
 
-@register_policy_loss("gmpo")
+@register_policy_loss("gmpo", reads=("ratio_level", "clip_low", "clip_high"))
 def gmpo_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
               global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """GMPO: the token log-ratios are clipped in log space, sign-aware (A > 0: min(l, eps_high); A < 0:
@@ -190,7 +190,7 @@ def _dppo(kind: str, logprobs, old_logprobs, advantages, loss_mask, turn_ids, co
     return _finish(b, per_token, changed, _removed_share_bias(b, weight), ref_logprobs, entropy)
 
 
-@register_policy_loss("dppo_tv")
+@register_policy_loss("dppo_tv", reads=("clip_low", "clip_high", "is_cap"))
 def dppo_tv_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
                  entropy=None, global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """DPPO-Binary-TV: keep A > 0 while p - p_old <= eps_high, A <= 0 while p - p_old >= -eps_low."""
@@ -198,7 +198,7 @@ def dppo_tv_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, con
                  global_num_tokens, global_num_seqs, token_weights)
 
 
-@register_policy_loss("dppo_kl")
+@register_policy_loss("dppo_kl", reads=("clip_low", "clip_high", "is_cap"))
 def dppo_kl_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None,
                  entropy=None, global_num_tokens=None, global_num_seqs=None, token_weights=None):
     """DPPO-Binary-KL: keep A > 0 while KL(Bern(p_old) || Bern(p)) <= eps_high or p <= p_old; A <= 0 while it is
@@ -207,7 +207,7 @@ def dppo_kl_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, con
                  global_num_tokens, global_num_seqs, token_weights)
 
 
-@register_policy_loss("m2po")
+@register_policy_loss("m2po", reads=("ratio_level", "m2_threshold"))
 def m2po_loss(*, logprobs, old_logprobs, advantages, loss_mask, turn_ids, config, ref_logprobs=None, entropy=None,
               global_num_tokens=None, global_num_seqs=None, token_weights=None, keep=None, second_moment=None):
     """M2PO: L_t = -M_t rho_t A_t, no clipping; M drops the segments with the largest squared log-ratio until the

@@ -7,7 +7,7 @@ import argparse
 from stppo_agent.cli.arguments import positive_int
 
 # the recipe's defaults live in DemoSettings alone (stppo_agent.training.demo); imported lazily there, so these
-# mirror them and tests/test_sft.py checks that they agree
+# mirror them and tests/training/test_sft.py checks that they agree
 DEMO_DEFAULTS = {"iterations": 1, "sft_steps": 8, "limit": 8, "lr": 1.5e-5, "seed": 0, "autocast_dtype": "auto"}
 
 

@@ -10,8 +10,8 @@ def add_parser(commands) -> None:
     from stppo_agent.plugins.loader import add_import_argument
 
     rep = commands.add_parser("replay", help="apply an algorithm's updates to a run's recorded rollouts "
-                                              "(train it with --set save_rollouts=true)")
-    rep.add_argument("run", help="run folder with rollouts/ (recorded with --set save_rollouts=true)")
+                                              "(train it with --set logging.save_rollouts=true)")
+    rep.add_argument("run", help="run folder with rollouts/ (recorded with --set logging.save_rollouts=true)")
     rep.add_argument("--algo", default=None, help="algorithm to replay with (default: the recorded run's own)")
     rep.add_argument("--output-dir", required=True, help="the replay's run folder")
     rep.add_argument("--resume", action="store_true",
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from stppo_agent.training.replay import recorded_config, replay
 
     overrides = list(args.overrides)
-    check_run_settings(load_config(None, overrides))  # a typo in --set on_collapse=... answers before any loading
+    check_run_settings(load_config(None,
+                                   overrides))  # a typo in --set monitor.on_collapse=... answers before any loading
     if args.imports:  # added to the recorded run's plugins (which the replay imports again); an explicit --set wins
         merged = portable_specs([*recorded_config(args.run).plugins, *args.imports])
         overrides.insert(0, f"plugins={json.dumps(merged)}")

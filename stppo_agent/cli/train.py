@@ -13,7 +13,10 @@ from stppo_agent.cli.arguments import positive_int
 def add_parser(commands) -> None:
     from stppo_agent.plugins.loader import add_import_argument
 
-    train = commands.add_parser("train", help="train a policy with a PPO-family algorithm")
+    train = commands.add_parser("train", help="train a policy with a PPO-family algorithm", add_help=False)
+    train.add_argument("-h", "--help", dest="show_help", action="store_true",
+                       help="show this help, every setting --set takes with its default, and with --algo NAME the "
+                            "settings that algorithm's rules read")
     from stppo_agent.algorithms import ALGORITHMS
 
     train.add_argument("--algo", default=None,
@@ -24,9 +27,11 @@ def add_parser(commands) -> None:
     train.add_argument("--output-dir", default=None, help="run folder")
     train.add_argument("--iterations", type=positive_int, default=None,
                        help="iterations (default: the config's, else 100)")
-    train.add_argument("--config", default=None, help="YAML file with TrainConfig fields")
+    train.add_argument("--config", default=None, help="YAML file of settings (top-level keys and sections, as "
+                                                       "config.yaml holds them)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field: actor_lr=1e-6, algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR")
+                       help="override a setting: optimizer.actor_lr=1e-6, rollout.samples_per_prompt=8, "
+                            "algorithm.clip_high=0.28, env_kwargs.retriever=bm25:DIR (the keys: --help)")
     add_import_argument(train, recorded=True)
     train.add_argument("--resume", action="store_true",
                        help="continue from the run folder's last valid checkpoint, with the run's own config.yaml "
@@ -34,11 +39,17 @@ def add_parser(commands) -> None:
     train.add_argument("--overwrite", action="store_true", help="replace the run the output folder holds")
     train.add_argument("--json", action="store_true",
                        help="end with the last iteration's metrics as JSON instead of the summary (for scripts)")
-    train.set_defaults(handler=run)
+    train.set_defaults(handler=run, parser=train)
 
 
 def run(args: argparse.Namespace) -> int:
     from stppo_agent.distributed import process_group
+
+    if args.show_help:
+        from stppo_agent.cli.settings_help import settings_help
+
+        print(args.parser.format_help() + "\n" + settings_help(args.algo, args.imports))
+        raise SystemExit(0)
 
     with process_group.process_group_for_command():  # under torchrun: gloo on CPU, NCCL on GPUs
         (metrics, run_dir), main = _train(args), process_group.is_main()
@@ -90,5 +101,5 @@ def check_run_settings(config) -> None:
     from stppo_agent.monitoring.collapse_rules import check_action
     from stppo_agent.runs.checkpoint import check_checkpoint_settings
 
-    check_action(config.on_collapse)
-    check_checkpoint_settings(config.checkpoint_dtype, config.checkpoint_optimizer, config.on_collapse)
+    check_action(config.monitor.on_collapse)
+    check_checkpoint_settings(config.checkpoint.dtype, config.checkpoint.optimizer, config.monitor.on_collapse)

@@ -1,9 +1,9 @@
 """One retrieval server per node for the ranks of a data-parallel run, started by the node's first process.
 
 Loading a BM25 index (a JVM each) or a dense index (tens of GB of vectors each) in every training process
-wastes memory; with ``share_retriever`` (the default) and a local retriever spec, the process with LOCAL_RANK 0 on
-each node starts ``stppo serve`` on a free loopback port, that node's ranks talk to it over HTTP, and it stops with
-the run.
+wastes memory; with ``distributed.share_retriever`` (the default) and a local retriever spec, the process with
+LOCAL_RANK 0 on each node starts ``stppo serve`` on a free loopback port, that node's ranks talk to it over HTTP, and it
+stops with the run.
 """
 
 from __future__ import annotations

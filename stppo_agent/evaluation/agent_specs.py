@@ -118,7 +118,7 @@ def _no_checkpoint(run: Path, which: str) -> str:
         return f"{run} holds no checkpoint {held}, so there is no @{which}; it holds: {folder_listing(run)}"
     contents = folder_listing(run)
     held = f"it holds: {contents}" if contents else "it is empty"
-    return (f"{run} holds no checkpoint; {held}. A run writes checkpoints/step-N every save_every iterations and "
+    return (f"{run} holds no checkpoint; {held}. A run writes checkpoints/step-N every checkpoint.every iterations and "
             "at its end")
 
 

@@ -82,8 +82,11 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def with_resolved_precision(config, device: torch.device):
-    """``config`` (any dataclass with ``autocast_dtype``) with ``auto`` resolved for ``device``: the run's
-    config.yaml then records the precision chosen, so that a resume or replay on other hardware computes the same."""
+    """``config`` (a dataclass with ``autocast_dtype``, or with a ``precision`` section that has it) with ``auto``
+    resolved for ``device``: the run's config.yaml then records the precision chosen, so that a resume or replay on
+    other hardware computes the same."""
+    if hasattr(config, "precision"):
+        return dataclasses.replace(config, precision=with_resolved_precision(config.precision, device))
     return dataclasses.replace(config, autocast_dtype=resolve_autocast_dtype(config.autocast_dtype, device))
 
 

@@ -120,9 +120,12 @@ def toy_train_command(model: Path, out: Path, iterations: int, resume: bool = Fa
 
     command = [sys.executable, "-m", "stppo_agent.cli", "train", "--algo", "st_ppo", "--env", "stppo/Toy-v0",
                "--model", str(model), "--output-dir", str(out), "--iterations", str(iterations)]
-    for item in ("prompts_per_iteration=8", "samples_per_prompt=4", "mini_batch_size=16", "micro_batch_size=8",
-                 "actor_lr=0.003", "critic_lr=0.003", "max_turns=2", "max_new_tokens_per_turn=1",
-                 "max_prompt_tokens=8", "max_total_tokens=32", "progress=false", "tensorboard=false",
-                 "save_every=1", "keep_checkpoints=2", "algorithm.kl_in_reward=0.0", *extra):
+    for item in ("rollout.prompts_per_iteration=8", "rollout.samples_per_prompt=4", "optimizer.mini_batch_size=16",
+                 "optimizer.micro_batch_size=8",
+                 "optimizer.actor_lr=0.003", "optimizer.critic_lr=0.003", "rollout.max_turns=2",
+                 "rollout.max_new_tokens_per_turn=1",
+                 "rollout.max_prompt_tokens=8", "rollout.max_total_tokens=32", "logging.progress=false",
+                 "logging.tensorboard=false",
+                 "checkpoint.every=1", "checkpoint.keep=2", "algorithm.kl_in_reward=0.0", *extra):
         command += ["--set", item]
     return command + (["--resume"] if resume else [])

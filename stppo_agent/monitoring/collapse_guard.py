@@ -1,22 +1,22 @@
-"""What a run does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``on_collapse``): the guard
-decides, every iteration, and returns a :class:`Decision` that the training loop carries out.
+"""What a run does when :mod:`stppo_agent.monitoring.collapse_rules` raises an alarm (``monitor.on_collapse``): the
+guard decides, every iteration, and returns a :class:`Decision` that the training loop carries out.
 
 - ``warn``: a clear line (which signals, their values, their recent range) and the event in ``metrics.jsonl``;
 - ``stop``: also checkpoints and stops (:class:`CollapseStopped`) with advice;
 - ``rollback``: restores the newest *healthy* checkpoint taken before the collapse began, scales the actor's
-  learning rate by ``rollback_lr_factor`` and continues, at most ``max_rollbacks`` times (then it stops). The
-  factor compounds (x0.5 twice is x0.25, whichever checkpoint each rollback returns to) and survives ``--resume``;
-  ``collapse/lr_scale`` and ``collapse/actor_lr`` log the scale and the rate from then on.
+  learning rate by ``monitor.rollback_lr_factor`` and continues, at most ``monitor.max_rollbacks`` times (then it
+  stops). The factor compounds (x0.5 twice is x0.25, whichever checkpoint each rollback returns to) and survives
+  ``--resume``; ``collapse/lr_scale`` and ``collapse/actor_lr`` log the scale and the rate from then on.
   Iterations keep counting (they are rollouts spent); the checkpoints written during the collapse are moved
   aside to ``checkpoints/.collapsed-step-N`` (kept for inspection, never resumed from), and the restored state
   is saved at once as the current iteration's checkpoint, so ``--resume`` continues the rolled-back run.
 
 A checkpoint is *healthy* when the iteration that made it and the one whose rollouts its weights sampled (the next,
-or K + 1 later under ``rollout_staleness`` K) tripped no signal
+or K + 1 later under ``rollout.staleness`` K) tripped no signal
 (:func:`stppo_agent.runs.checkpoint_health.healthy_steps`). A rollback returns only to a healthy checkpoint that
-holds optimizer state (one written under ``checkpoint_optimizer=newest`` before a resume may not): with none, the
+holds optimizer state (one written under ``checkpoint.optimizer=newest`` before a resume may not): with none, the
 run stops as ``stop`` does. Pruning keeps the newest healthy checkpoint and the best one (by
-:func:`stppo_agent.runs.checkpoint_health.checkpoint_reward`) besides the ``keep_checkpoints`` newest.
+:func:`stppo_agent.runs.checkpoint_health.checkpoint_reward`) besides the ``checkpoint.keep`` newest.
 
 The first process decides (it holds the run's metrics); every process gets its decision and carries it out.
 """
@@ -34,7 +34,7 @@ from stppo_agent.runs.checkpoint_health import STALENESS_KEY, best_step, healthy
 
 
 class CollapseStopped(RuntimeError):
-    """The collapse monitor stopped the run (``on_collapse=stop``, or rollbacks exhausted)."""
+    """The collapse monitor stopped the run (``monitor.on_collapse=stop``, or rollbacks exhausted)."""
 
 
 ACTIONS = ("continue", "warn", "stop", "rollback")
@@ -117,39 +117,39 @@ class CollapseGuard:
                f"{verdict.describe()}"
         healthy = healthy_steps(self.records, valid_checkpoints(self.run_dir))
         known = f"the newest healthy checkpoint is step-{healthy[-1]}" if healthy else "no checkpoint is known healthy"
-        if config.on_collapse == "warn":
-            return Decision("warn", f"{head}. Training continues (on_collapse=warn); {known}. If the reward "
-                                    f"falls, lower actor_lr or use --set on_collapse=rollback.")
-        if config.on_collapse == "rollback":
-            if self.rollbacks >= config.max_rollbacks:
-                return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (max_rollbacks="
-                                        f"{config.max_rollbacks}): stopping; {known}. The collapse is not only "
-                                        "the learning rate: check the rewards and the data, or lower actor_lr "
-                                        "and clip_high further.")
+        if config.monitor.on_collapse == "warn":
+            return Decision("warn", f"{head}. Training continues (monitor.on_collapse=warn); {known}. If the reward "
+                                    f"falls, lower optimizer.actor_lr or use --set monitor.on_collapse=rollback.")
+        if config.monitor.on_collapse == "rollback":
+            if self.rollbacks >= config.monitor.max_rollbacks:
+                return Decision("stop", f"{head}. Already rolled back {self.rollbacks} time(s) (monitor.max_rollbacks="
+                                        f"{config.monitor.max_rollbacks}): stopping; {known}. The collapse is not only "
+                                        "the learning rate: check the rewards and the data, or lower "
+                                        "optimizer.actor_lr and clip_high further.")
             if not healthy:
-                return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every save_every="
-                                        f"{config.save_every} iterations; a healthy one needs two quiet "
-                                        "iterations). Stopping; lower actor_lr, or save more often.")
+                return Decision("stop", f"{head}. Cannot roll back: {known} (checkpoints every checkpoint.every="
+                                        f"{config.checkpoint.every} iterations; a healthy one needs two quiet "
+                                        "iterations). Stopping; lower optimizer.actor_lr, or save more often.")
             folders = self.run_dir / "checkpoints"
             resumable = [s for s in healthy if holds_resume_state(folders / f"step-{s}")]
             if not resumable:
                 return Decision("stop", f"{head}. Cannot roll back: {known}, and no healthy checkpoint holds "
-                                        "optimizer state (written under checkpoint_optimizer=newest, which keeps it "
+                                        "optimizer state (written under checkpoint.optimizer=newest, which keeps it "
                                         f"in the newest only). Stopping; its weights start a new run: --model "
                                         f"{folders / f'step-{healthy[-1]}' / 'actor'}, or continue with --resume "
-                                        "--set actor_lr=<lower>.")
-            factor = config.rollback_lr_factor
-            rate = config.actor_lr * actor_lr_scale * factor  # compounded over earlier rollbacks
+                                        "--set optimizer.actor_lr=<lower>.")
+            factor = config.monitor.rollback_lr_factor
+            rate = config.optimizer.actor_lr * actor_lr_scale * factor  # compounded over earlier rollbacks
             return Decision("rollback", f"{head}. Rolling back to step-{resumable[-1]} with the actor learning "
                                         f"rate x{factor}, now {rate:.4g} (rollback {self.rollbacks + 1} of at most "
-                                        f"{config.max_rollbacks}).", rollback_to=resumable[-1])
-        return Decision("stop", f"{head}. Stopping (on_collapse=stop); {known}. Continue with --resume "
-                                f"--set actor_lr=<lower>, or use --set on_collapse=rollback.")
+                                        f"{config.monitor.max_rollbacks}).", rollback_to=resumable[-1])
+        return Decision("stop", f"{head}. Stopping (monitor.on_collapse=stop); {known}. Continue with --resume "
+                                f"--set optimizer.actor_lr=<lower>, or use --set monitor.on_collapse=rollback.")
 
     # -- after a rollback --------------------------------------------------------------------------------
     def rolled_back(self, step: int) -> None:
         """The run went back to ``step-{step}``: the checkpoints written since are moved aside, the monitor forgets
-        the iterations after it, and the rollback counts toward ``max_rollbacks``."""
+        the iterations after it, and the rollback counts toward ``monitor.max_rollbacks``."""
         if process_group.is_main():
             for later in (s for s in list_checkpoints(self.run_dir) if s > step):
                 set_aside(self.run_dir / "checkpoints" / f"step-{later}", "collapsed")

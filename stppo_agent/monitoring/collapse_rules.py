@@ -3,26 +3,26 @@
 Runs that collapse (reward falling to zero after hundreds of good steps, as Search-R1 and others report) show it
 first in their update statistics: importance-ratio tails widen, clip fractions climb, entropy explodes or
 collapses, the KL to the reference spikes, gradients blow up, invalid actions and response lengths jump. Each
-such **signal** is scored against its last ``collapse_window`` iterations with a robust z-score,
+such **signal** is scored against its last ``monitor.window`` iterations with a robust z-score,
 
     z = (x - median(history)) / max(1.4826 * MAD(history), floor)
 
 (in log space for ratios and gradient norms, whose scale is multiplicative), and **trips** when z passes
-``collapse_z`` in its bad direction. ``floor`` is a per-signal smallest change that can count (a run whose
+``monitor.z`` in its bad direction. ``floor`` is a per-signal smallest change that can count (a run whose
 clip fraction sat at exactly 0 would otherwise trip on the first clipped token). The reward's **drawdown** trips
-when the iteration's reward falls more than ``collapse_drawdown`` of the way below the running best of its moving
+when the iteration's reward falls more than ``monitor.drawdown`` of the way below the running best of its moving
 average, and further than its noise explains (3 robust standard deviations of the iteration-to-iteration
 changes): small batches of a hard task have rewards that jump between 0 and 0.5 by chance.
 
-A signal may also have an absolute **limit** (``collapse_thresholds``, default ``kl_to_reference: 1.0`` nat per
+A signal may also have an absolute **limit** (``monitor.thresholds``, default ``kl_to_reference: 1.0`` nat per
 token, far above what a KL-regularised run reaches): above it, it trips from the first iteration, warm-up or not.
 
 Correlated signals are grouped in families (the ratio tails and clip fractions are one family, "off-policy"). An
-**alarm** is raised when at least ``collapse_min_families`` families trip in one iteration, or one family trips
-in ``collapse_patience`` consecutive iterations. Nothing trips during the first ``collapse_warmup`` iterations.
+**alarm** is raised when at least ``monitor.min_families`` families trip in one iteration, or one family trips
+in ``monitor.patience`` consecutive iterations. Nothing trips during the first ``monitor.warmup`` iterations.
 
-What the trainer does with an alarm (``on_collapse``) lives in :mod:`stppo_agent.monitoring.collapse_guard`; this module
-only reads numbers, so it is also what rebuilds the monitor's state from ``metrics.jsonl`` on resume.
+What the trainer does with an alarm (``monitor.on_collapse``) lives in :mod:`stppo_agent.monitoring.collapse_guard`;
+this module only reads numbers, so it is also what rebuilds the monitor's state from ``metrics.jsonl`` on resume.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ ACTIONS = ("none", "warn", "stop", "rollback")
 
 
 def check_action(on_collapse: str) -> None:
-    """``on_collapse`` is one of :data:`ACTIONS` (ValueError, one line, with the closest one)."""
+    """``monitor.on_collapse`` is one of :data:`ACTIONS` (ValueError, one line, with the closest one)."""
     if on_collapse not in ACTIONS:
-        raise ValueError(f"on_collapse must be one of {', '.join(ACTIONS)}, got {on_collapse!r}"
+        raise ValueError(f"monitor.on_collapse must be one of {', '.join(ACTIONS)}, got {on_collapse!r}"
                          f"{did_you_mean(str(on_collapse), ACTIONS)}")
 
 
@@ -54,7 +54,7 @@ class Signal:
     direction: str
     """up, down or both: which way is bad."""
     floor: float
-    """Smallest scale of a change (in log units when ``log``): a deviation below ``collapse_z * floor`` never
+    """Smallest scale of a change (in log units when ``log``): a deviation below ``monitor.z * floor`` never
     trips, however flat the history."""
     log: bool = False
 
@@ -96,22 +96,22 @@ class MonitorSettings:
 
     @classmethod
     def from_config(cls, config) -> "MonitorSettings":
-        return cls(window=config.collapse_window, warmup=config.collapse_warmup, z=config.collapse_z,
-                   patience=config.collapse_patience, min_families=config.collapse_min_families,
-                   drawdown=config.collapse_drawdown,
-                   thresholds=tuple(sorted((k, float(v)) for k, v in (config.collapse_thresholds or {}).items())))
+        return cls(window=config.monitor.window, warmup=config.monitor.warmup, z=config.monitor.z,
+                   patience=config.monitor.patience, min_families=config.monitor.min_families,
+                   drawdown=config.monitor.drawdown,
+                   thresholds=tuple(sorted((k, float(v)) for k, v in (config.monitor.thresholds or {}).items())))
 
     def validate(self) -> None:
         if self.window < 2 or self.warmup < 2 or self.warmup > self.window:
-            raise ValueError(f"collapse_warmup ({self.warmup}) must be >= 2 and <= collapse_window ({self.window})")
+            raise ValueError(f"monitor.warmup ({self.warmup}) must be >= 2 and <= monitor.window ({self.window})")
         if self.z <= 0 or self.patience < 1 or self.min_families < 1:
-            raise ValueError("collapse_z must be > 0, collapse_patience and collapse_min_families >= 1")
+            raise ValueError("monitor.z must be > 0, monitor.patience and monitor.min_families >= 1")
         if not 0 < self.drawdown <= 1:
-            raise ValueError(f"collapse_drawdown must be in (0, 1], got {self.drawdown}")
+            raise ValueError(f"monitor.drawdown must be in (0, 1], got {self.drawdown}")
         known = {signal.key for signal in SIGNALS}
         for key, _ in self.thresholds:
             if key not in known:
-                raise ValueError(f"collapse_thresholds: {key!r} is not a monitored signal; known: "
+                raise ValueError(f"monitor.thresholds: {key!r} is not a monitored signal; known: "
                                  f"{', '.join(sorted(known))}")
 
 

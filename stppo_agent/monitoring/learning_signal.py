@@ -41,8 +41,10 @@ def no_signal_reason(rewards: torch.Tensor, group_ids: torch.Tensor, advantages:
 
 def advice(reason: str, config) -> str:
     """The notice: what was seen, the likely cause at the run's settings, and what to try."""
-    settings = (f"max_turns={config.max_turns}, max_new_tokens_per_turn={config.max_new_tokens_per_turn}, "
-                f"temperature={config.temperature}, samples_per_prompt={config.samples_per_prompt}")
+    rollout = config.rollout
+    settings = (f"rollout.max_turns={rollout.max_turns}, rollout.max_new_tokens_per_turn="
+                f"{rollout.max_new_tokens_per_turn}, rollout.temperature={rollout.temperature}, "
+                f"rollout.samples_per_prompt={rollout.samples_per_prompt}")
     if reason.startswith("every trajectory earned the same reward"):
         cause = "the task is already solved (or always paid the same) at these settings"
         tries = "a harder dataset or split, or a reward that tells answers apart (--set env_kwargs.reward=f1)"
@@ -51,8 +53,8 @@ def advice(reason: str, config) -> str:
 
         cause = "the model never (or always) produces a rewarded action at these settings"
         search = any(is_search_env(e.strip()) for e in config.env.split(",") if e.strip())
-        tries = ", ".join(["longer turns (--set max_new_tokens_per_turn=...)",
-                           "more samples (--set samples_per_prompt=...)",
+        tries = ", ".join(["longer turns (--set rollout.max_new_tokens_per_turn=...)",
+                           "more samples (--set rollout.samples_per_prompt=...)",
                            *(["a shaped reward (--set env_kwargs.format_reward=0.2)", "a warm start (stppo sft)"]
                              if search else ["a model whose vocabulary holds the env's words (--model tiny on "
                                              "stppo/Toy-v0)"])])

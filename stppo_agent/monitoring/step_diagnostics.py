@@ -1,16 +1,16 @@
-"""Per-optimizer-step diagnostics of a PPO-family update, and the iteration means the trainer logs.
+"""Per-optimizer-step diagnostics of a PPO-family update.
 
 Within one iteration the first mini-batch of the first epoch is *on-policy* when the ratio's denominator is the
 actor's own weights as the learner computes them (``stppo_agent.training.ppo_update.starts_on_policy``): the
 actor has not moved since the old log-probs were taken, so every ratio is 1 up to rounding and nothing is clipped.
-It is not when a lagged generator's log-probs are the denominator (``rollout_staleness`` with the coupled
-objective: pi / pi_{i-K}) or the sampler's own ones with a precision gap (``old_logprobs=sampler`` with a bfloat16
-sampler or vLLM). Every later step is *off-policy*. That is where token- and turn-level clipping differ and where
-the clip-bias correction acts, so the iteration means are also given over the off-policy steps alone
-(``offpolicy/...``): averaged with an on-policy step they are diluted, and with one on-policy mini-batch per
-iteration they do not exist.
+It is not when a lagged generator's log-probs are the denominator (``rollout.staleness`` with the coupled
+objective: pi / pi_{i-K}) or the sampler's own ones with a precision gap (``rollout.old_logprobs=sampler`` with a
+bfloat16 sampler or vLLM). Every later step is *off-policy*. That is where token- and turn-level clipping differ and
+where the clip-bias correction acts, so the iteration means are also given over the off-policy steps alone
+(``offpolicy/...``, :class:`stppo_agent.algorithms.metrics.StepMeans`): averaged with an on-policy step they are
+diluted, and with one on-policy mini-batch per iteration they do not exist.
 
-:class:`StepDiagnostics` (``step_diagnostics=true``; on by default in ``stppo replay``) writes one record per
+:class:`StepDiagnostics` (``logging.step_diagnostics=true``; on by default in ``stppo replay``) writes one record per
 optimizer step to ``steps.jsonl``:
 
     iteration, step (optimizer steps so far), minibatch (0-based within the iteration), on_policy,
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -40,41 +39,9 @@ from stppo_agent.algorithms.segments import quantile, segment_counts, segment_su
 from stppo_agent.distributed import process_group
 from stppo_agent.runs.metrics_log import json_value
 
-OFF_POLICY_KEYS = ("clip_frac", "turn_clip_frac", "dual_clip_frac", "ratio/ess", "clip_bias_scale", "clip_bias_norm",
-                   "clip_bias_changed", "grad_cos_to_first", "tail/ratio_max", "tail/ratio_p99", "tail/turn_ratio_max",
-                   "tail/turn_ratio_p99", "tail/token_outside_frac", "tail/turn_outside_frac")
 # the loss and update metrics each steps.jsonl record repeats
 RECORDED_KEYS = ("clip_frac", "turn_clip_frac", "dual_clip_frac", "ratio/ess", "clip_bias_norm", "clip_bias_scale",
                  "clip_bias_changed", "grad_norm", "pg_grad_norm")
-
-
-class StepMeans:
-    """Means over an iteration's optimizer steps of every metric, plus ``offpolicy/K`` for the keys that tell
-    whether clipping and the correction acted (means over the off-policy steps; absent when there were none)."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
-
-    def add(self, metrics: dict[str, float], on_policy: bool, applied: bool = True) -> None:
-        """One optimizer step's metrics; ``applied`` False: the actor's step was skipped (non-finite), so it is no
-        off-policy step the actor took."""
-        for key, value in metrics.items():
-            self._add(key, value)
-            if not on_policy and key in OFF_POLICY_KEYS:
-                self._add(f"offpolicy/{key}", value)
-        if not on_policy and applied:
-            self._add("offpolicy/steps", 1.0)
-
-    def _add(self, key: str, value: float) -> None:
-        self.sums[key] += value
-        self.counts[key] += 1
-
-    def means(self) -> dict[str, float]:
-        out = {key: self.sums[key] / self.counts[key] for key in self.sums}
-        if "offpolicy/steps" in self.sums:
-            out["offpolicy/steps"] = self.sums["offpolicy/steps"]  # a count, not a mean
-        return out
 
 
 class StepDiagnostics:
@@ -102,9 +69,9 @@ class StepDiagnostics:
     @classmethod
     def for_run(cls, run_dir: Path, algo: AlgorithmConfig, *, step_diagnostics: bool, on_collapse: str,
                 sharded: bool = False, iteration: int = 0) -> "StepDiagnostics | None":
-        """Full diagnostics with ``step_diagnostics`` (written to ``run_dir/steps.jsonl``, continuing after
-        ``iteration``); the ratio tails alone when only the collapse monitor (``on_collapse``) needs them; None when
-        neither is on."""
+        """Full diagnostics with ``logging.step_diagnostics`` (written to ``run_dir/steps.jsonl``, continuing after
+        ``iteration``); the ratio tails alone when only the collapse monitor (``monitor.on_collapse``) needs them; None
+        when neither is on."""
         if not step_diagnostics and on_collapse == "none":
             return None
         return cls(run_dir / "steps.jsonl" if step_diagnostics else None, sharded, iteration, algo.clip_low,

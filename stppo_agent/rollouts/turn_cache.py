@@ -1,8 +1,8 @@
 """KV-cache reuse across the turns of a multi-turn rollout (transformers backend).
 
 Without it every turn re-encodes each trajectory's whole transcript. With it, each *chunk* of trajectories
-(``generation_batch_size`` of them, fixed for the whole rollout) keeps the key/value cache that ``generate`` left
-after its turn; the next turn feeds only the tokens that are new -- the observation, and the last generated token
+(``rollout.generation_batch_size`` of them, fixed for the whole rollout) keeps the key/value cache that ``generate``
+left after its turn; the next turn feeds only the tokens that are new -- the observation, and the last generated token
 -- and continues.
 
 Layout. A chunk's cache is rectangular (one width for all its rows), so a row's tokens are not contiguous: left

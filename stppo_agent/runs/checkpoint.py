@@ -19,15 +19,15 @@ manifest says (the trainer state, and the model folders' weights, configs and to
 else put in the folder (notes, an evaluation's output) is not the checkpoint's and does not make it corrupt. No
 stppo command writes there (:func:`stppo_agent.runs.run_folder.refuse_inside_checkpoint`).
 
-Disk (the run's config, read from the checkpoint's own record of it): ``checkpoint_dtype=bfloat16`` writes the
+Disk (the run's config, read from the checkpoint's own record of it): ``checkpoint.dtype=bfloat16`` writes the
 weights, critic and lagged copies included, in bfloat16 (half of float32; resume continues from the rounded
-weights; ``float16`` too, refused for a weight beyond its range), and ``checkpoint_optimizer=newest`` keeps what
+weights; ``float16`` too, refused for a weight beyond its range), and ``checkpoint.optimizer=newest`` keeps what
 only a resume reads (the optimizer state, the lagged copies) in the newest checkpoint only: an older one drops it
 (manifest entry first, then the file) once a newer one is complete, so a kill -9 at any moment leaves the newest
-checkpoint whole and the older ones verifying; ``checkpoint_optimizer=none`` never writes them (verl's
-``save_contents: [model]``): checkpoints to evaluate or to start a new run from, not to resume. (on_collapse=rollback
-restores an older checkpoint's optimizer state, so it needs checkpoint_optimizer=all.) Pruning skips a checkpoint a
-reader has pinned (:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
+checkpoint whole and the older ones verifying; ``checkpoint.optimizer=none`` never writes them (verl's
+``save_contents: [model]``): checkpoints to evaluate or to start a new run from, not to resume.
+(monitor.on_collapse=rollback restores an older checkpoint's optimizer state, so it needs checkpoint.optimizer=all.)
+Pruning skips a checkpoint a reader has pinned (:mod:`stppo_agent.runs.checkpoint_pins`); a later save prunes it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any, Collection
 import torch
 
 from stppo_agent.runs.checkpoint_pins import remove_unless_pinned
+from stppo_agent.runs.config_yaml import migrate_flat
 from stppo_agent.runs.lagged_weights import LAGGED_FILE, load_lagged, save_lagged
 from stppo_envs.suggest import did_you_mean
 
@@ -147,8 +148,9 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
     from stppo_agent.models.loading import save_policy
 
     settings = json_state.get("config") or {}  # the run's config as the checkpoint records it
-    dtype, optimizer_policy = settings.get("checkpoint_dtype"), settings.get("checkpoint_optimizer") or "all"
-    check_checkpoint_settings(dtype, optimizer_policy, settings.get("on_collapse"))
+    checkpointing = settings.get("checkpoint") or {}
+    dtype, optimizer_policy = checkpointing.get("dtype"), checkpointing.get("optimizer") or "all"
+    check_checkpoint_settings(dtype, optimizer_policy, (settings.get("monitor") or {}).get("on_collapse"))
     lagged = tensor_state.get("stale_policy") or {}
     if dtype is not None:
         actor_state = _for_disk(actor_state if actor_state is not None else actor.state_dict(), dtype, "actor")
@@ -186,7 +188,7 @@ def save_checkpoint(run_dir: Path, step: int, *, actor, tokenizer, critic, tenso
             "no complete checkpoint exists yet"
         raise CheckpointWriteError(
             f"could not write checkpoint {final}: {' '.join(str(exc).split())}. The partial copy was removed and "
-            f"{kept}: free disk space (or lower keep_checkpoints), then rerun with --resume") from exc
+            f"{kept}: free disk space (or lower checkpoint.keep), then rerun with --resume") from exc
     if final.exists():
         shutil.rmtree(final)
     os.replace(scratch, final)
@@ -215,9 +217,9 @@ def _check_range(state: dict[str, torch.Tensor], dtype: str, what: str) -> None:
     for name, tensor in state.items():
         largest = float(tensor.detach().abs().max()) if tensor.is_floating_point() and tensor.numel() else 0.0
         if largest > limit:
-            raise ValueError(f"checkpoint_dtype=float16 cannot hold the {what}'s {name} (|w| up to {largest:.3g}, "
+            raise ValueError(f"checkpoint.dtype=float16 cannot hold the {what}'s {name} (|w| up to {largest:.3g}, "
                              f"float16 ends at {limit:.0f}): it would be written as inf. Rerun with --resume --set "
-                             "checkpoint_dtype=bfloat16 (float32's range)")
+                             "checkpoint.dtype=bfloat16 (float32's range)")
 
 
 def _record_dtype(folder: Path, dtype: str) -> None:
@@ -234,20 +236,20 @@ def _record_dtype(folder: Path, dtype: str) -> None:
 
 
 def check_checkpoint_settings(dtype: str | None, optimizer_policy: str, on_collapse: str | None = None) -> None:
-    """``checkpoint_dtype`` and ``checkpoint_optimizer`` as :func:`save_checkpoint` reads them (ValueError, one
+    """``checkpoint.dtype`` and ``checkpoint.optimizer`` as :func:`save_checkpoint` reads them (ValueError, one
     line, with the closest valid value)."""
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
-        raise ValueError(f"checkpoint_dtype must be {', '.join(CHECKPOINT_DTYPES)} or null, got {dtype!r}"
+        raise ValueError(f"checkpoint.dtype must be {', '.join(CHECKPOINT_DTYPES)} or null, got {dtype!r}"
                          f"{did_you_mean(str(dtype), CHECKPOINT_DTYPES)}")
     if optimizer_policy not in CHECKPOINT_OPTIMIZER:
         choices = f"{', '.join(CHECKPOINT_OPTIMIZER[:-1])} or {CHECKPOINT_OPTIMIZER[-1]}"
-        raise ValueError(f"checkpoint_optimizer must be {choices}, got {optimizer_policy!r}"
+        raise ValueError(f"checkpoint.optimizer must be {choices}, got {optimizer_policy!r}"
                          f"{did_you_mean(str(optimizer_policy), CHECKPOINT_OPTIMIZER)}")
     if optimizer_policy != "all" and on_collapse == "rollback":
         dropped = "drops" if optimizer_policy == "newest" else "never writes"
-        raise ValueError(f"checkpoint_optimizer={optimizer_policy} {dropped} the optimizer state that "
-                         "on_collapse=rollback restores from an older checkpoint: use checkpoint_optimizer=all with "
-                         "rollback")
+        raise ValueError(f"checkpoint.optimizer={optimizer_policy} {dropped} the optimizer state that "
+                         "monitor.on_collapse=rollback restores from an older checkpoint: use "
+                         "checkpoint.optimizer=all with rollback")
 
 
 def in_dtype(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
@@ -365,19 +367,20 @@ def set_aside(folder: Path, prefix: str) -> Path:
 
 
 class NoOptimizerStateError(CorruptCheckpointError):
-    """A checkpoint without optimizer state (``checkpoint_optimizer=newest`` kept it in a newer one only, ``none`` in
+    """A checkpoint without optimizer state (``checkpoint.optimizer=newest`` kept it in a newer one only, ``none`` in
     none)."""
 
 
 def why_no_optimizer_state(folder: Path) -> str:
-    """Which checkpoint_optimizer setting left ``folder`` without optimizer state, as its run recorded it."""
+    """Which checkpoint.optimizer setting left ``folder`` without optimizer state, as its run recorded it."""
     try:
-        policy = json.loads((folder / "trainer_state.json").read_text()).get("config", {}).get("checkpoint_optimizer")
+        config = migrate_flat(json.loads((folder / "trainer_state.json").read_text()).get("config", {}))[0]
+        policy = (config.get("checkpoint") or {}).get("optimizer")
     except (OSError, ValueError, AttributeError):
         policy = None
     if policy == "none":
-        return "its run wrote none: checkpoint_optimizer=none"
-    return "checkpoint_optimizer=newest keeps it in the newest checkpoint only"
+        return "its run wrote none: checkpoint.optimizer=none"
+    return "checkpoint.optimizer=newest keeps it in the newest checkpoint only"
 
 
 def load_trainer_state(folder: Path, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -3,7 +3,7 @@ monitor's verdicts logged per iteration): what the run folder and ``--checkpoint
 
 A checkpoint is judged by the rollouts its own weights sampled. Checkpoint S holds the weights after S updates;
 iteration i's rollouts were sampled by the weights after ``i - 1 - lag`` updates, ``lag`` being the iteration's
-logged ``staleness`` (0 without ``rollout_staleness``; K once K updates are done), so S's own rollouts are those of
+logged ``staleness`` (0 without ``rollout.staleness``; K once K updates are done), so S's own rollouts are those of
 iteration S + 1 + K (:func:`own_iteration`).
 """
 
@@ -33,7 +33,7 @@ def own_iteration(records: Sequence[Mapping[str, Any]], step: int) -> int | None
 
 def healthy_steps(records: Sequence[Mapping[str, Any]], steps: Iterable[int]) -> list[int]:
     """Checkpoint steps known to be healthy: iteration S (whose update made the weights) and the iteration whose
-    rollouts those weights sampled (:func:`own_iteration`: S + 1, or S + 1 + K under ``rollout_staleness`` K) were
+    rollouts those weights sampled (:func:`own_iteration`: S + 1, or S + 1 + K under ``rollout.staleness`` K) were
     both judged by the monitor (``collapse/tripped`` logged: an unmonitored iteration vouches for nothing), past its
     warm-up, and neither tripped a signal."""
     logged = {int(r["step"]) for r in records if "step" in r and "collapse/tripped" in r
@@ -64,7 +64,7 @@ def checkpoint_reward(records: Sequence[Mapping[str, Any]], step: int) -> float 
 
 
 def monitored(records: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether the collapse monitor judged any of a run's iterations (not with ``on_collapse=none``)."""
+    """Whether the collapse monitor judged any of a run's iterations (not with ``monitor.on_collapse=none``)."""
     return any("collapse/tripped" in r for r in records)
 
 

@@ -1,7 +1,7 @@
 """Readers pin the checkpoint they chose, so that a run still training does not prune it under them.
 
 ``stppo eval --agent hf:RUN@latest`` while RUN trains picks ``step-N`` and loads it moments later; meanwhile the
-trainer may write ``step-N+1`` and prune ``step-N`` (``keep_checkpoints``). So the reader takes a shared lock
+trainer may write ``step-N+1`` and prune ``step-N`` (``checkpoint.keep``). So the reader takes a shared lock
 (``flock``) on ``RUN/checkpoints/.pins/step-N`` and keeps it for as long as its process lives, or until it picks
 another checkpoint of the same run; the trainer takes the exclusive lock before it removes a checkpoint and, when a
 reader holds the pin, leaves that checkpoint for a later save to prune. A reader that dies releases its pin with

@@ -1,13 +1,13 @@
-"""The lagged policy of a ``rollout_staleness: K`` run in a checkpoint: ``lagged_policy.safetensors``.
+"""The lagged policy of a ``rollout.staleness: K`` run in a checkpoint: ``lagged_policy.safetensors``.
 
 What a resume needs to continue the lag exactly (:class:`stppo_agent.training.stale_policy.StalePolicy`): the
 generating weights (after ``S - K`` updates at step S) and the queue of later weights, less the newest queued one,
 which is the checkpoint's own actor and is taken from ``actor/`` on load. So K copies of the actor, not K + 1:
 
-- in ``checkpoint_dtype`` when it is set (2 bytes a parameter in bfloat16; a resume continues from the rounded
+- in ``checkpoint.dtype`` when it is set (2 bytes a parameter in bfloat16; a resume continues from the rounded
   copies, as it does from the rounded actor), else in the weights' own dtype (a float32 resume is bit-identical);
 - tensors a model ties (an output head sharing the embedding matrix) stored once;
-- like the optimizer state, only in the newest checkpoint under ``checkpoint_optimizer=newest`` (an older one
+- like the optimizer state, only in the newest checkpoint under ``checkpoint.optimizer=newest`` (an older one
   cannot be resumed anyway).
 
 Safetensors, so nothing is unpickled. Keys: ``generator.NAME`` and ``pending.I.NAME``; the metadata says how many

@@ -28,7 +28,7 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError as exc:
-                raise ValueError("wandb_project is set but wandb is not installed: pip install wandb") from exc
+                raise ValueError("logging.wandb_project is set but wandb is not installed: pip install wandb") from exc
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=config, resume="allow")
 
     def truncate_after(self, step: int, report=print) -> None:

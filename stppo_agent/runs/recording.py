@@ -1,4 +1,4 @@
-"""Recorded rollouts (``save_rollouts=true``): every iteration's batch, as sampled, for ``stppo replay``.
+"""Recorded rollouts (``logging.save_rollouts=true``): every iteration's batch, as sampled, for ``stppo replay``.
 
 Layout under the run folder (no pickle anywhere)::
 
@@ -155,7 +155,7 @@ def read_format(folder: Path) -> dict[str, Any]:
     path = folder / "format.json"
     if not path.exists():
         raise FileNotFoundError(f"{folder.parent} has no recorded rollouts ({path} is missing): train it with "
-                                "--set save_rollouts=true to record them")
+                                "--set logging.save_rollouts=true to record them")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT_NAME or meta.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: unsupported rollout format {meta.get('format')!r} v{meta.get('version')} "
@@ -205,8 +205,9 @@ def load_iteration(folder: Path, iteration: int, pad_id: int):
     """Every rank's recorded share of ``iteration`` as one batch, rows in single-process order (by prompt group,
     stably), prompts left-padded and responses right-padded to the widest share; ``stats`` are the whole batch's,
     combined from the shares' as sums and counts."""
+    from stppo_agent.algorithms.metrics import combine_rollout_statistics
     from stppo_agent.rollouts.global_batch import merge_shares
-    from stppo_agent.rollouts.statistics import combine_rollout_statistics, rollout_parts
+    from stppo_agent.rollouts.statistics import rollout_parts
 
     world = check_iteration_files(folder, iteration)
     shares = [load_batch(folder, iteration, rank) for rank in range(world)]

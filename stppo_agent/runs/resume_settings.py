@@ -27,20 +27,22 @@ FIXED = {
     "seed": "the random streams and the prompt order continue from the checkpoint; a new seed would make one run "
             "of two seeds",
     "env": "the checkpoint's prompt position indexes these envs' examples",
-    "dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays share it",
-    "autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
-    "rollout_staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
+    "precision.dtype": "the weights and optimizer state are in this precision; a run, its resume and its replays "
+                       "share it",
+    "precision.autocast_dtype": "a run, its resume and its replays share the precision of their forward passes",
+    "rollout.staleness": "the checkpoint holds the lagged weights of exactly this many iterations",
 }
 # env_kwargs that decide which examples an env holds: the prompt sampler's saved position indexes them
 EXAMPLE_KWARGS = ("dataset", "split", "limit", "shuffle_seed", "benchmark", "family")
 # how a recording run's rollouts were sampled: stppo replay reads them from the run's config.yaml for every recorded
 # iteration (its behaviour log-probs, its rollout correction), so a resume may not change them under the recordings
-RECORDED_SAMPLING = ("temperature", "top_p", "top_k", "generation_backend", "generation_autocast_dtype")
+RECORDED_SAMPLING = ("rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.backend",
+                     "precision.generation_autocast_dtype")
 # changes no one needs to be told about
 QUIET = {"output_dir"}
 # changes that leave every iteration's computation as it was: a replay of the recorded rollouts still reproduces the
 # run (how long it runs, how often and how many checkpoints it keeps, what it shows while it runs)
-REPLAY_NEUTRAL = {"iterations", "save_every", "keep_checkpoints", "progress", "tensorboard"}
+REPLAY_NEUTRAL = {"iterations", "checkpoint.every", "checkpoint.keep", "logging.progress", "logging.tensorboard"}
 
 
 def changes_a_replay(found: list[tuple[str, Any, Any]]) -> bool:
@@ -50,11 +52,12 @@ def changes_a_replay(found: list[tuple[str, Any, Any]]) -> bool:
 
 
 def flatten(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"algorithm": {"clip_high": 0.2}}`` -> ``{"algorithm.clip_high": 0.2}`` (one level, as ``--set`` spells it)."""
+    """``{"optimizer": {"actor_lr": 1e-6}, "monitor": {"thresholds": {"kl": 1}}}`` -> ``{"optimizer.actor_lr": 1e-6,
+    "monitor.thresholds.kl": 1}`` (every mapping opened, as ``--set`` spells the keys)."""
     flat = {}
     for key, value in config.items():
-        if isinstance(value, Mapping) and key in ("algorithm", "env_kwargs", "collapse_thresholds"):
-            flat.update({f"{key}.{inner}": v for inner, v in value.items()})
+        if isinstance(value, Mapping):
+            flat.update({f"{key}.{inner}": v for inner, v in flatten(value).items()})
         else:
             flat[key] = value
     return flat
@@ -74,10 +77,10 @@ def check(previous: Mapping[str, Any], current: Mapping[str, Any], iteration: in
         reason = FIXED.get(key)
         if reason is None and key.startswith("env_kwargs.") and key.split(".", 1)[1] in EXAMPLE_KWARGS:
             reason = "the checkpoint's prompt position indexes the examples this selects"
-        if reason is None and key in RECORDED_SAMPLING and previous.get("save_rollouts") and iteration > 0:
+        if reason is None and key in RECORDED_SAMPLING and _recording(previous) and iteration > 0:
             reason = (f"iterations 1..{iteration} were recorded sampled with {key}={_show(old)}, and stppo replay "
                       "takes one setting for every recorded iteration")
-        if reason is None and key == "save_rollouts" and new and not old and iteration > 0:
+        if reason is None and key == "logging.save_rollouts" and new and not old and iteration > 0:
             reason = (f"the recording would lack the initial weights and iterations 1..{iteration}, so stppo replay "
                       "could not use it")
         if reason is not None:
@@ -102,3 +105,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _show(value: Any) -> str:
     return "unset" if value is None else str(value)
+
+
+def _recording(config: Mapping[str, Any]) -> bool:
+    return bool((config.get("logging") or {}).get("save_rollouts"))

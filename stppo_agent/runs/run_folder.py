@@ -131,7 +131,7 @@ def pick_checkpoint(run_dir: Path, which: str = "latest") -> tuple[Path, str]:
     stppo_agent/runs/checkpoint_health.py), or a step number. Returns the checkpoint folder and a line saying why it
     was chosen.
 
-    A run trained without the collapse monitor (``on_collapse=none``) has no ``healthy`` checkpoint (nothing
+    A run trained without the collapse monitor (``monitor.on_collapse=none``) has no ``healthy`` checkpoint (nothing
     judged one), and its ``best`` is the kept checkpoint whose weights sampled the highest training reward, health
     unknown (the reason line says so).
 
@@ -167,13 +167,13 @@ def _choose(run_dir: Path, which: str) -> tuple[Path, str]:
     records = read_metrics(run_dir)
     if records and not monitored(records):
         if which == "healthy":
-            raise FileNotFoundError(f"{run_dir} was trained with on_collapse=none: no collapse monitor judged its "
-                                    "iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
+            raise FileNotFoundError(f"{run_dir} was trained with monitor.on_collapse=none: no collapse monitor judged "
+                                    "its iterations, so no checkpoint is known healthy. Use @best, @latest or @STEP")
         chosen = best_step(records, steps, healthy_only=False)
         if chosen is None:
             raise FileNotFoundError(f"{run_dir}: no kept checkpoint has a logged training reward. Use @latest or @STEP")
         why = (f"the checkpoint with the highest training reward ({_score(records, chosen)}); the run was not "
-               "monitored (on_collapse=none), so its health is unknown")
+               "monitored (monitor.on_collapse=none), so its health is unknown")
         return run_dir / "checkpoints" / f"step-{chosen}", f"step-{chosen}: {why}"
     healthy = healthy_steps(records, steps)
     chosen = best_step(records, steps) if which == "best" else (healthy[-1] if healthy else None)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import yaml
 
 from stppo_agent.runs.checkpoint import list_checkpoints
-from stppo_agent.runs.config_yaml import NumberLoader
+from stppo_agent.runs.config_yaml import NumberLoader, migrate_flat
 from stppo_agent.runs.metrics_log import read_metrics
 
 
@@ -101,9 +101,10 @@ def eval_command(run_dir: str, config: dict[str, Any]) -> str:
     if isinstance(env_kwargs.get("dataset"), str) and env_kwargs["dataset"]:
         for benchmark in trained:  # training shares one dataset across its envs
             words += ["--dataset", f"{benchmark}={env_kwargs['dataset']}"]
+    rollout = migrate_flat(config)[0].get("rollout") or {}  # a run folder of an earlier version: the flat names
     settings = [("--retriever", env_kwargs, "retriever"), ("--topk", env_kwargs, "topk"),
-                ("--max-turns", config, "max_turns"), ("--max-new-tokens", config, "max_new_tokens_per_turn"),
-                ("--max-observation-tokens", config, "max_observation_tokens")]
+                ("--max-turns", rollout, "max_turns"), ("--max-new-tokens", rollout, "max_new_tokens_per_turn"),
+                ("--max-observation-tokens", rollout, "max_observation_tokens")]
     for flag, source, key in settings:
         value = source.get(key)
         if isinstance(value, (str, int)) and not isinstance(value, bool):

@@ -29,13 +29,13 @@ def run_config(config, algo: AlgorithmConfig) -> dict[str, Any]:
 def checkpoint_config(checkpoint: Path) -> dict[str, Any] | None:
     """The config ``checkpoint`` was trained with: its own record, or for checkpoints written before they held one,
     the run's ``config.yaml`` (read before the resumed run rewrites it)."""
-    from stppo_agent.runs.config_yaml import NumberLoader
+    from stppo_agent.runs.config_yaml import NumberLoader, migrate_flat
 
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     if "config" in state:
-        return state["config"]
+        return migrate_flat(state["config"])[0]  # an earlier version's checkpoint records the flat layout
     path = checkpoint.parent.parent / "config.yaml"
-    return yaml.load(path.read_text(), Loader=NumberLoader) if path.exists() else None
+    return migrate_flat(yaml.load(path.read_text(), Loader=NumberLoader))[0] if path.exists() else None
 
 
 def check_resume_settings(config, algo: AlgorithmConfig, checkpoint: Path | None,

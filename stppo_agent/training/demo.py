@@ -12,6 +12,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from stppo_agent.training.config_sections import (
+    CheckpointConfig,
+    LoggingConfig,
+    MonitorConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RolloutConfig,
+)
 from stppo_agent.training.demo_progress import DemoProgress
 from stppo_agent.training.demo_report import (  # noqa: F401 (EXPECTED_RANGES: the demo's public figures)
     EXPECTED_RANGES,
@@ -69,7 +77,10 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
         # policy stopped answering at all; eight samples of the question put both kinds of answer in most batches,
         # so the shared format tokens' gradients cancel. A smaller step was not the fix: lowering the lr from 2e-5
         # moved the failure to another seed, and an lr warm-up over the 4 steps left the clip-bias correction idle.
-        prompts_per_iteration=1, samples_per_prompt=DEMO_SAMPLES,
+        rollout=RolloutConfig(prompts_per_iteration=1, samples_per_prompt=DEMO_SAMPLES, max_turns=DEMO_MAX_TURNS,
+                              max_new_tokens_per_turn=DEMO_MAX_NEW_TOKENS,
+                              max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS, max_prompt_tokens=400,
+                              max_total_tokens=768),
         # The clip-bias correction divides a step's gradient by ||C|| / kappa once the clipped turns' part C of it
         # exceeds kappa. ||C|| is a gradient norm, so its size depends on the model and the loss's normalisation,
         # and kappa is set relative to it (as docs/stability.md recommends): over the demo's 8-sample batches the
@@ -81,19 +92,19 @@ def demo_config(settings: DemoSettings, model: str, out: Path):
         # Two mini-batches x two epochs: 3 of every 4 optimizer steps are off-policy, and the second epoch revisits
         # data the first already pushed -- where ST-PPO's turn-level clipping and clip-bias correction act (measured:
         # with one mini-batch per iteration, or at lr <= 3e-6, no turn ever left the clip range).
-        mini_batch_size=DEMO_SAMPLES // 2, micro_batch_size=2, ppo_epochs=2, actor_lr=settings.lr,
-        critic_lr=1e-5, max_turns=DEMO_MAX_TURNS,
-        max_new_tokens_per_turn=DEMO_MAX_NEW_TOKENS, max_observation_tokens=DEMO_MAX_OBSERVATION_TOKENS,
-        max_prompt_tokens=400, max_total_tokens=768,
+        optimizer=OptimizerConfig(mini_batch_size=DEMO_SAMPLES // 2, micro_batch_size=2, epochs=2,
+                                  actor_lr=settings.lr, critic_lr=1e-5),
         # A rollback needs a recent healthy checkpoint to return to: then one is written every iteration.
-        save_every=1 if settings.on_collapse == "rollback" else settings.iterations, keep_checkpoints=1,
         # The demo evaluates its checkpoint and never resumes it: without AdamW's moments it is 1.1 GB, not 3.2.
-        checkpoint_optimizer="all" if settings.on_collapse == "rollback" else "none",
+        checkpoint=CheckpointConfig(every=1 if settings.on_collapse == "rollback" else settings.iterations, keep=1,
+                                    optimizer="all" if settings.on_collapse == "rollback" else "none"),
         device="auto", seed=settings.seed,
         # auto: bfloat16 forwards on a GPU or an AMX CPU, where they are faster
-        autocast_dtype=None if settings.autocast_dtype == "none" else settings.autocast_dtype,
-        progress=False,  # the demo's own display reports each rollout turn and update step
-        step_diagnostics=True, on_collapse=settings.on_collapse)
+        precision=PrecisionConfig(autocast_dtype=None if settings.autocast_dtype == "none"
+                                  else settings.autocast_dtype),
+        # progress off: the demo's own display reports each rollout turn and update step
+        logging=LoggingConfig(progress=False, step_diagnostics=True),
+        monitor=MonitorConfig(on_collapse=settings.on_collapse))
 
 
 class DemoTrainer(Trainer):

@@ -105,11 +105,11 @@ class LiveRollouts:
         if not self.env_ids:
             raise ValueError("env is empty; pass one or more env ids, e.g. stppo/NQ-v0,stppo/HotpotQA-v0")
         base_kwargs = dict(config.env_kwargs)
-        if config.share_retriever and any(is_search_env(e) for e in self.env_ids):
+        if config.distributed.share_retriever and any(is_search_env(e) for e in self.env_ids):
             base_kwargs["retriever"] = shared_retriever_spec(base_kwargs.get("retriever", "demo"), context.run_dir)
         probes = [make_env(env_id, base_kwargs) for env_id in self.env_ids]
         # Copies of a search env share its probe's retriever (one index in memory) and the trainer's max_turns.
-        self.env_kwargs = [dict(base_kwargs, retriever=env.retriever, max_turns=config.max_turns)
+        self.env_kwargs = [dict(base_kwargs, retriever=env.retriever, max_turns=config.rollout.max_turns)
                            if isinstance(env, stppo_envs.SearchQAEnv) else dict(base_kwargs)
                            for env in probes]
         sizes = [prompt_count(env) for env in probes]
@@ -132,30 +132,30 @@ class LiveRollouts:
         return batch
 
     def _checked_play(self, iteration: int, round: int) -> RolloutBatch:
-        """:meth:`_play`, stopping the run when more than ``max_search_error_rate`` of the round's searches failed
-        (every round: DAPO's extra rounds may fill the whole batch)."""
+        """:meth:`_play`, stopping the run when more than ``monitor.max_search_error_rate`` of the round's searches
+        failed (every round: DAPO's extra rounds may fill the whole batch)."""
         config = self.context.config
         batch = self._play(iteration, round)
         # the global rate (a collective): every rank stops together instead of one rank leaving the others waiting
         rate = rollout_statistics(batch, self.context.algo).get("search_error_rate", 0.0)
-        if rate > config.max_search_error_rate:
+        if rate > config.monitor.max_search_error_rate:
             where = f"iteration {iteration + 1}" + (f", resampling round {round}" if round else "")
             raise RetrievalError(
-                f"{where}: {rate:.0%} of the searches failed (max_search_error_rate="
-                f"{config.max_search_error_rate}); the policy would learn from error messages. Check the retriever "
-                f"({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
+                f"{where}: {rate:.0%} of the searches failed (monitor.max_search_error_rate="
+                f"{config.monitor.max_search_error_rate}); the policy would learn from error messages. Check the "
+                f"retriever ({config.env_kwargs.get('retriever', 'demo')}), then --resume from the last checkpoint")
         return batch
 
     def _play(self, iteration: int, round: int) -> RolloutBatch:
-        """One round of ``prompts_per_iteration`` prompts (round 0: the iteration's own; later rounds: DAPO's
+        """One round of ``rollout.prompts_per_iteration`` prompts (round 0: the iteration's own; later rounds: DAPO's
         resampling, with group ids of their own)."""
         context, config = self.context, self.context.config
-        prompts = list(enumerate(self.sampler.take(config.prompts_per_iteration)))  # the same on every rank
-        first_group = iteration * config.prompts_per_iteration + round * RESAMPLED_GROUP_OFFSET
+        prompts = list(enumerate(self.sampler.take(config.rollout.prompts_per_iteration)))  # the same on every rank
+        first_group = iteration * config.rollout.prompts_per_iteration + round * RESAMPLED_GROUP_OFFSET
         envs, options, groups, seeds = [], [], [], []
         for prompt_number, (env_index, example) in prompts[context.rank::context.world]:  # this rank's share
-            for sample in range(config.samples_per_prompt):
-                slot = prompt_number * config.samples_per_prompt + sample
+            for sample in range(config.rollout.samples_per_prompt):
+                slot = prompt_number * config.rollout.samples_per_prompt + sample
                 envs.append(self._env(slot, env_index))
                 options.append({"index": example})
                 groups.append(first_group + prompt_number)
@@ -164,7 +164,7 @@ class LiveRollouts:
             return collect_rollouts(context.backend, context.tokenizer, envs, options, groups,
                                     config.rollout_limits(), seeds,
                                     on_turn=lambda turn, active: context.phase(
-                                        f"rollout turn {turn + 1}/{config.max_turns} done ({active} active)"))
+                                        f"rollout turn {turn + 1}/{config.rollout.max_turns} done ({active} active)"))
 
     def state(self) -> dict[str, int]:
         return self.sampler.state()

@@ -19,7 +19,8 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _accepts_logits_to_keep(model) -> bool:
+def accepts_logits_to_keep(model) -> bool:
+    """Whether the model's forward can skip the LM head over positions (transformers' ``logits_to_keep``)."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
@@ -32,7 +33,7 @@ def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
     width = batch.response_ids.shape[1]
     kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                   position_ids=position_ids(batch.attention_mask), use_cache=False)
-    if _accepts_logits_to_keep(model):
+    if accepts_logits_to_keep(model):
         return model(**kwargs, logits_to_keep=width + 1).logits[:, :width]  # positions P-1 .. P+T-1
     return model(**kwargs).logits[:, batch.prompt_width - 1: batch.prompt_width - 1 + width]
 

@@ -49,9 +49,10 @@ def build_state(config: TrainConfig, algo: AlgorithmConfig, device: torch.device
     actor_path = str(start / "actor") if start is not None else config.model
     critic_path = str(start / "critic") if start is not None else config.critic_model
     models = load_policy_models(actor_path, critic_path=critic_path, use_critic=algo.use_critic,
-                                need_reference=need_reference, dtype=config.dtype,
-                                gradient_checkpointing=config.gradient_checkpointing, reference_path=config.model,
-                                autocast_dtype=config.autocast_dtype)
+                                need_reference=need_reference, dtype=config.precision.dtype,
+                                gradient_checkpointing=config.optimizer.gradient_checkpointing,
+                                reference_path=config.model,
+                                autocast_dtype=config.precision.autocast_dtype)
     actor = models.actor.to(device)
     critic = models.critic.to(device) if models.critic is not None else None
     reference = models.reference.to(device) if models.reference is not None else None
@@ -60,7 +61,7 @@ def build_state(config: TrainConfig, algo: AlgorithmConfig, device: torch.device
             disable_dropout(model)
             model.train()
     if sharded:  # sharded in place: the same modules train, score and (gathered) generate
-        compute_dtype = DTYPES[config.fsdp_compute_dtype] if config.fsdp_compute_dtype else None
+        compute_dtype = DTYPES[config.precision.fsdp_compute_dtype] if config.precision.fsdp_compute_dtype else None
         for model in (actor, critic, reference):
             if model is not None:
                 process_group.shard_fsdp2(model, compute_dtype)
@@ -68,19 +69,20 @@ def build_state(config: TrainConfig, algo: AlgorithmConfig, device: torch.device
     else:  # gradients go through DDP wrappers when distributed; generation and scoring use the plain modules
         actor_train = process_group.wrap_ddp(actor, device)
         critic_train = process_group.wrap_ddp(critic, device) if critic is not None else None
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.actor_lr, weight_decay=config.weight_decay)
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=config.optimizer.actor_lr,
+                                        weight_decay=config.optimizer.weight_decay)
     critic_optimizer = critic_scheduler = None
     if critic is not None:
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr,
-                                             weight_decay=config.weight_decay)
-        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, warmup(config.warmup_steps))
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.optimizer.critic_lr,
+                                             weight_decay=config.optimizer.weight_decay)
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, warmup(config.optimizer.warmup_steps))
     state = TrainingState(
         tokenizer=models.tokenizer, actor=actor, actor_train=actor_train, actor_optimizer=actor_optimizer,
-        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(actor_optimizer, warmup(config.warmup_steps)),
+        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(actor_optimizer, warmup(config.optimizer.warmup_steps)),
         critic=critic, critic_train=critic_train, critic_optimizer=critic_optimizer,
         critic_scheduler=critic_scheduler, reference=reference,
         # the weights that generate: the actor's own, or with rollout_staleness an independent lagged copy
-        stale_policy=StalePolicy(actor, config.rollout_staleness, config.autocast_dtype))
+        stale_policy=StalePolicy(actor, config.rollout.staleness, config.precision.autocast_dtype))
     if warm is not None:
         load_warm_optimizers(state, config, warm, report)
     return state
@@ -98,14 +100,15 @@ def generation_backend(config: TrainConfig, model: torch.nn.Module, tokenizer, r
                        checkpoint: Path | None) -> TrainingBackend:
     """The rollout backend over ``model`` (the lagged generator's weights); ``checkpoint``: the folder whose actor
     the run continues from (:func:`weights_folder`), where vLLM loads its own copy."""
-    if config.generation_backend == "vllm":
+    if config.rollout.backend == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights can be synced
         from stppo_agent.rollouts.vllm_generation import VLLMGenerationBackend
 
         path = str(checkpoint / "actor") if checkpoint is not None else config.model
-        dtype = "bfloat16" if config.dtype == "float32" else config.dtype
+        dtype = "bfloat16" if config.precision.dtype == "float32" else config.precision.dtype
         return VLLMGenerationBackend(path, config.sampling(), dtype=dtype,
                                      seed=process_group.rank_seed(config.seed, rank),
-                                     gpu_memory_utilization=config.vllm_gpu_memory_utilization)
-    return HFGenerationBackend(model, tokenizer, config.sampling(), batch_size=config.generation_batch_size,
-                               reuse_cache=config.reuse_kv_cache, autocast_dtype=config.generation_autocast_dtype)
+                                     gpu_memory_utilization=config.rollout.vllm_gpu_memory_utilization)
+    return HFGenerationBackend(model, tokenizer, config.sampling(), batch_size=config.rollout.generation_batch_size,
+                               reuse_cache=config.rollout.reuse_kv_cache,
+                               autocast_dtype=config.precision.generation_autocast_dtype)

@@ -23,11 +23,11 @@ from stppo_agent.algorithms import (
     value_loss,
 )
 from stppo_agent.algorithms.clip_bias import changed_update
+from stppo_agent.algorithms.metrics import StepMeans, StepMetrics
 from stppo_agent.distributed import process_group
-from stppo_agent.monitoring.step_diagnostics import StepDiagnostics, StepMeans
+from stppo_agent.monitoring.step_diagnostics import StepDiagnostics
 from stppo_agent.rollouts.batch import RolloutBatch
 from stppo_agent.rollouts.global_batch import gather_global_batch, mini_batch_rows
-from stppo_agent.rollouts.statistics import StepMetrics
 from stppo_agent.training.config import TrainConfig
 from stppo_agent.training.log_probs import critic_values, length_sorted_micro_batches, token_logprobs
 from stppo_agent.training.scoring import finish_scoring
@@ -50,9 +50,9 @@ def starts_on_policy(config: TrainConfig, lag: int, sampled_by_actor: bool = Tru
     another rule says otherwise: ``sampled_by_actor`` on its rollout source). ``lag``: updates between the weights
     that sampled the batch and the actor's."""
     lagged = lag > 0
-    if config.old_logprobs == "recompute":
-        return not lagged or config.stale_objective == "decoupled"
-    same_precision = config.generation_backend == "hf" and config.generation_autocast_dtype is None
+    if config.rollout.old_logprobs == "recompute":
+        return not lagged or config.rollout.stale_objective == "decoupled"
+    same_precision = config.rollout.backend == "hf" and config.precision.generation_autocast_dtype is None
     return not lagged and same_precision and sampled_by_actor
 
 
@@ -105,10 +105,10 @@ class PPOUpdate:
         self.last_lr = None
         if self.world > 1:
             batch = gather_global_batch(batch, state.tokenizer.pad_token_id)
-        size = config.mini_batch_size
-        total_steps, step, skipped = config.ppo_epochs * math.ceil(batch.batch_size / size), 0, 0
+        size = config.optimizer.mini_batch_size
+        total_steps, step, skipped = config.optimizer.epochs * math.ceil(batch.batch_size / size), 0, 0
         filled = denominator_from_update(batch, total_steps, self.world)
-        for epoch in range(config.ppo_epochs):
+        for epoch in range(config.optimizer.epochs):
             order = torch.randperm(batch.batch_size, generator=generator)
             for start in range(0, batch.batch_size, size):
                 rows = mini_batch_rows(order, start, size, self.rank, self.world)
@@ -135,7 +135,7 @@ class PPOUpdate:
         return metrics
 
     def _optimizer_step(self, mini: RolloutBatch) -> dict[str, float]:
-        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation. ``max_nan_skips``
+        """One actor (and critic) optimizer step over ``mini`` with gradient accumulation. ``monitor.max_nan_skips``
         counts these steps: one whose actor and critic both failed is one skipped update, and a critic that fails
         every step stops the run though the actor steps (counted per model, the actor's success reset the count
         before the critic's failure raised it, and a step where both failed counted twice)."""
@@ -153,7 +153,7 @@ class PPOUpdate:
 
     def _split(self, mini: RolloutBatch) -> list[tuple[torch.Tensor, RolloutBatch]]:
         """(rows of ``mini``, micro-batch) pairs: length-grouped, trimmed micro-batches."""
-        return list(length_sorted_micro_batches(mini, self.config.micro_batch_size))
+        return list(length_sorted_micro_batches(mini, self.config.optimizer.micro_batch_size))
 
     @staticmethod
     def _synced_last(micros: list[RolloutBatch], ddp_module: torch.nn.Module | None = None):
@@ -184,7 +184,7 @@ class PPOUpdate:
         # With step diagnostics, ||C|| is measured for every algorithm (only S-PPO / ST-PPO rescale by it).
         corrector = ClipBiasCorrector(params, algo.clip_bias_kappa, through_grad=self.sharded,
                                       rescale=algo.clip_bias_correction) \
-            if algo.clip_bias_correction or config.step_diagnostics else None
+            if algo.clip_bias_correction or config.logging.step_diagnostics else None
         # tokens of weight 0 (masked by the rollout correction, DAPO's fillers) count in no denominator
         global_tokens, global_seqs = self._global_counts(mini, policy_token_mask(mini.loss_mask, mini.token_weights))
         state.actor_optimizer.zero_grad(set_to_none=True)
@@ -229,7 +229,7 @@ class PPOUpdate:
         after = algo.clip_bias_order == "after_grad_clip"
         if scale is not None and not after:
             corrector.scale_gradients(scale)
-        max_norm = config.max_grad_norm
+        max_norm = config.optimizer.max_grad_norm
         grad_norm = process_group.clip_grad_norm(params, max_norm)  # the norm it saw, before clipping
         if scale is not None and after:
             corrector.scale_gradients(scale)
@@ -294,13 +294,13 @@ class PPOUpdate:
         if process_group.is_main():  # every rank skips alike (the non-finite check is global); one says so
             self.report(f"iteration {state.iteration + 1}: non-finite {which} loss or gradient; update skipped "
                         f"({state.nan_skips_in_a_row} in a row)")
-        if state.nan_skips_in_a_row > self.config.max_nan_skips:
+        if state.nan_skips_in_a_row > self.config.monitor.max_nan_skips:
             raise TrainingDivergedError(
                 f"{state.nan_skips_in_a_row} consecutive updates had NaN/inf losses or gradients; stopping. "
                 f"Checkpoints are in {self.run_dir / 'checkpoints'}; the newest may hold the weights that diverged "
                 "(a skipped update keeps the last finite weights, not healthy ones). Lower the learning rate, raise "
-                "max_grad_norm headroom, or check the data and rewards, then --resume, or start a new run from an "
-                "earlier checkpoint's actor (--model RUN/checkpoints/step-N/actor).")
+                "optimizer.max_grad_norm headroom, or check the data and rewards, then --resume, or start a new run "
+                "from an earlier checkpoint's actor (--model RUN/checkpoints/step-N/actor).")
 
     def _critic_step(self, mini: RolloutBatch) -> dict[str, float]:
         state = self.state
@@ -316,7 +316,7 @@ class PPOUpdate:
             loss.backward()
             step_metrics.add(metrics, micro.loss_mask.sum())
         totals = step_metrics.reduce()
-        grad_norm = process_group.clip_grad_norm(list(state.critic.parameters()), self.config.max_grad_norm)
+        grad_norm = process_group.clip_grad_norm(list(state.critic.parameters()), self.config.optimizer.max_grad_norm)
         totals["critic_grad_norm"] = float(grad_norm)
         all_finite = bool(process_group.all_reduce_sum(finite) == self.world)
         if not (all_finite and math.isfinite(totals["critic_grad_norm"])):

@@ -1,4 +1,4 @@
-"""``stppo replay``: apply an algorithm's updates to the batches a run recorded (``save_rollouts=true``).
+"""``stppo replay``: apply an algorithm's updates to the batches a run recorded (``logging.save_rollouts=true``).
 
 The replay starts from the recorded run's initial weights (``rollouts/initial/``) and, iteration by iteration,
 scores and updates on the recorded batch instead of generating one: the same data under a different update
@@ -11,14 +11,14 @@ Replaying iteration k through algorithm B means: the batch that A's policy sampl
 updated by B's policy after B's own first k - 1 updates. From iteration 2 on, B's policy is therefore off the
 recorded behaviour policy by however far B has drifted from A: the ratios are recomputed against B's weights
 (old log-probs are re-scored), so each iteration's first mini-batch is still on-policy for B. (A replay through
-another algorithm therefore uses ``old_logprobs=recompute``; ``--set old_logprobs=sampler`` takes the recorded
-sampler's log-probs instead, A's, and no step is then on-policy for B.)
+another algorithm therefore uses ``rollout.old_logprobs=recompute``; ``--set rollout.old_logprobs=sampler`` takes the
+recorded sampler's log-probs instead, A's, and no step is then on-policy for B.)
 
 The rollout correction (``algorithm.rollout_correction``) belongs to the data, not to the rule: it corrects for
 the engine that sampled the batches (vLLM), and the replay itself samples nothing. A replay (through the recorded
 algorithm or another) keeps the recorded run's correction and cap as the run asked for them: a value it set, or
 ``auto`` resolved against the backend and sampler precision that sampled the recorded batches, under the replay's
-own rule and objective (``--set stale_objective=decoupled`` then gets the decoupled objective's per-token mis).
+own rule and objective (``--set rollout.stale_objective=decoupled`` then gets the decoupled objective's per-token mis).
 Through another algorithm the level follows the replayed rule as ``auto`` would have chosen it (turn level for
 turn-level rules) unless the recorded run set it explicitly. An explicit ``--set algorithm.rollout_correction...``
 wins. The replay says which it used.
@@ -44,15 +44,16 @@ from stppo_agent.runs.recording import (
     recorded_iterations,
     tokenizer_fingerprint,
 )
-from stppo_agent.training.config import TrainConfig, load_config
+from stppo_agent.training.config import TrainConfig, load_config, set_value
+from stppo_agent.training.config_checks import setting
 
 # The distribution the recorded tokens were sampled from: a property of the data, never changed by a replay.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
-# and which weights sampled them: with rollout_staleness K the behaviour log-probs come from the weights K updates back
-RECORDED_FIELDS = (*SAMPLING_FIELDS, "rollout_staleness")
+SAMPLING_FIELDS = ("rollout.temperature", "rollout.top_p", "rollout.top_k")
+# and which weights sampled them: with rollout.staleness K the behaviour log-probs come from the weights K updates back
+RECORDED_FIELDS = (*SAMPLING_FIELDS, "rollout.staleness")
 
-# Fields of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
-_REPLAY_FIXED = {"save_rollouts": False, "generation_backend": "hf", "share_retriever": False}
+# Settings of the recorded config that must not carry over into a replay: it generates nothing, writes its own folder.
+_REPLAY_FIXED = {"logging.save_rollouts": False, "rollout.backend": "hf", "distributed.share_retriever": False}
 
 
 class RecordedRollouts:
@@ -68,7 +69,7 @@ class RecordedRollouts:
     def __init__(self, run_dir: Path, tokenizer, rank: int = 0, world: int = 1, sampled_by_actor: bool = True):
         """``run_dir``: the recorded run; ``tokenizer``: the replay's own (it must be the recording's).
         ``sampled_by_actor``: the replay applies the recorded run's algorithm settings, so its actor is the one
-        that sampled each batch (what the on-policy flag of ``old_logprobs=sampler`` needs to know)."""
+        that sampled each batch (what the on-policy flag of ``rollout.old_logprobs=sampler`` needs to know)."""
         self.folder = Path(run_dir) / "rollouts"
         self.sampled_by_actor = sampled_by_actor
         meta = read_format(self.folder)
@@ -127,10 +128,11 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
         check_iteration_files(folder, number)
     values = dataclasses.asdict(original)
     same_algo = algo is None or algo == original.algo
-    values.update(_REPLAY_FIXED, algo=original.algo if same_algo else algo, output_dir=output_dir,
+    values.update(algo=original.algo if same_algo else algo, output_dir=output_dir,
                   algorithm=values["algorithm"] if same_algo else recorded_correction(original),
-                  iterations=len(available),
-                  step_diagnostics=True, model=str(folder / "initial" / "actor"))
+                  iterations=len(available), model=str(folder / "initial" / "actor"))
+    for key, value in {**_REPLAY_FIXED, "logging.step_diagnostics": True}.items():
+        set_value(values, key, value)
     initial_critic = folder / "initial" / "critic"
     values["critic_model"] = str(initial_critic) if initial_critic.exists() else None
     if original.init_from:  # the run's weights and AdamW state came from there, and `model` was its reference
@@ -139,14 +141,14 @@ def replay_config(run_dir: str | Path, algo: str | None, output_dir: str, overri
                              "needs: that checkpoint is gone")
         values.update(model=original.model, critic_model=None)
     if not same_algo:  # another rule scores with its own weights (old_logprobs=sampler, set here, takes the run's)
-        values["old_logprobs"] = "recompute"
+        values["rollout"]["old_logprobs"] = "recompute"
     config = load_config(None, list(overrides), **values)
     config.algorithm = {**config.algorithm, **correction_for_recording(config, original)}
-    changed = [name for name in RECORDED_FIELDS if getattr(config, name) != getattr(original, name)]
+    changed = [name for name in RECORDED_FIELDS if setting(config, name) != setting(original, name)]
     if changed:  # the recorded tokens were drawn from the recorded distribution; scoring must use that one
         raise ValueError(f"a replay scores the recorded tokens with the settings that sampled them; "
-                         f"{', '.join(f'{n}={getattr(original, n)}' for n in changed)} recorded, "
-                         f"{', '.join(f'{n}={getattr(config, n)}' for n in changed)} asked: drop that --set")
+                         f"{', '.join(f'{n}={setting(original, n)}' for n in changed)} recorded, "
+                         f"{', '.join(f'{n}={setting(config, n)}' for n in changed)} asked: drop that --set")
     if iterations is not None:
         config.iterations = iterations
     if config.iterations > len(available):
@@ -162,8 +164,8 @@ def recorded_correction(original: TrainConfig) -> dict:
     kept = {"rollout_correction": asked["rollout_correction"],
             "rollout_correction_cap": recorded.rollout_correction_cap}
     automatic = resolve_rollout_correction(dataclasses.replace(recorded, rollout_correction_level="auto"),
-                                           original.generation_backend,
-                                           original.generation_autocast_dtype).rollout_correction_level
+                                           original.rollout.backend,
+                                           original.precision.generation_autocast_dtype).rollout_correction_level
     if asked["rollout_correction_level"] not in ("auto", automatic):  # set by hand for that run: keep it
         kept["rollout_correction_level"] = asked["rollout_correction_level"]
     return kept
@@ -173,8 +175,10 @@ def correction_for_recording(config: TrainConfig, original: TrainConfig) -> dict
     """The replay's rollout-correction fields, resolved: ``auto`` against the backend and sampler precision that
     sampled the recorded batches (a replay generates nothing: its own backend is not theirs), for the replay's rule
     and objective."""
-    sampled = dataclasses.replace(config, generation_backend=original.generation_backend,
-                                  generation_autocast_dtype=original.generation_autocast_dtype)
+    sampled = dataclasses.replace(
+        config, rollout=dataclasses.replace(config.rollout, backend=original.rollout.backend),
+        precision=dataclasses.replace(config.precision,
+                                      generation_autocast_dtype=original.precision.generation_autocast_dtype))
     algo = sampled.algorithm_config()
     return {field: getattr(algo, field) for field in AUTO_FIELDS}
 
@@ -186,7 +190,7 @@ def describe_correction(config: TrainConfig, original: TrainConfig, overrides: S
     if any(item.startswith("algorithm.rollout_correction") for item in overrides):
         return f"rollout correction: {used} (set here; the recorded run used {recorded.rollout_correction})"
     return (f"rollout correction: {used}, kept from the recorded run (its batches were sampled by "
-            f"{original.generation_backend}); --set algorithm.rollout_correction=none|tis|mis to change it")
+            f"{original.rollout.backend}); --set algorithm.rollout_correction=none|tis|mis to change it")
 
 
 def replay(run_dir: str | Path, algo: str | None, output_dir: str, overrides: Sequence[str] = (),

@@ -1,13 +1,13 @@
 """DAPO's dynamic sampling in the live rollouts (``dynamic_sampling`` of the algorithm, on in the ``dapo`` preset).
 
 A group whose trajectories all earned the same reward teaches a group-relative rule nothing. Such groups are
-dropped and this iteration's prompts are followed by more, one full round of ``prompts_per_iteration`` at a time,
-until every rank holds as many informative groups as it had groups, or ``max_resample_rounds`` extra rounds are
+dropped and this iteration's prompts are followed by more, one full round of ``rollout.prompts_per_iteration`` at a
+time, until every rank holds as many informative groups as it had groups, or ``max_resample_rounds`` extra rounds are
 spent (0: no cap, verl's ``max_num_gen_batches`` meaning); then the batch is filled up with dropped groups so that
 every iteration has the same shape. The fillers are out of the update (:func:`without_fillers`: token weight 0):
 no gradient, and no place in the token-mean or sequence-mean denominator, so they do not shrink the other groups'
 step. Ranks take their rounds together (the prompt sampler is shared), so one short rank makes all of them sample
-another round. Every round, the extra ones too, passes the trainer's ``max_search_error_rate`` check.
+another round. Every round, the extra ones too, passes the trainer's ``monitor.max_search_error_rate`` check.
 
 Logged: ``dynamic_sampling/rounds`` (extra rounds taken) and ``dynamic_sampling/dropped_frac`` (share of the sampled
 groups that were uninformative). The iteration's other rollout statistics (reward, ...) stay those of its first
@@ -35,7 +35,7 @@ def check_dynamic_sampling(algo, samples_per_prompt: int) -> None:
         return
     if samples_per_prompt < 2:
         raise ValueError("algorithm.dynamic_sampling needs groups of >= 2 trajectories (a group of one never differs "
-                         "in reward, so every round would be dropped): set samples_per_prompt >= 2")
+                         "in reward, so every round would be dropped): set rollout.samples_per_prompt >= 2")
 
 
 def without_fillers(weights: torch.Tensor | None, batch: RolloutBatch) -> torch.Tensor:

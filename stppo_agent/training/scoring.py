@@ -31,9 +31,9 @@ def old_logprobs_from_update(config: TrainConfig, algo: AlgorithmConfig, *, batc
     ratio is then exactly 1, as recomputed ones are up to rounding, for one forward of the actor fewer. Not when
     anything needs the denominator before the update -- a rollout correction's weights, a reference's KL columns
     and KL-in-reward penalty -- nor with a lagged generator, the decoupled objective, or several processes (each
-    holds a share of every mini-batch); not with ``old_logprobs=sampler``, which takes no forward at all."""
-    return (config.old_logprobs == "recompute" and lag == 0 and not is_decoupled(config) and world == 1
-            and config.ppo_epochs == 1 and batch_size <= config.mini_batch_size
+    holds a share of every mini-batch); not with ``rollout.old_logprobs=sampler``, which takes no forward at all."""
+    return (config.rollout.old_logprobs == "recompute" and lag == 0 and not is_decoupled(config) and world == 1
+            and config.optimizer.epochs == 1 and batch_size <= config.optimizer.mini_batch_size
             and algo.rollout_correction == "none" and reference is None)
 
 
@@ -53,11 +53,11 @@ def score_batch(batch: RolloutBatch, *, config: TrainConfig, algo: AlgorithmConf
     ``values`` (with a ``critic``), ``advantages`` and ``returns``, and ``token_weights``: the rollout-correction
     weights, 0 on DAPO's filler groups (None when every weight is 1); and its ``advantage/...``, mismatch and
     ``kl_to_reference`` stats. ``generator``: the weights that sampled the batch (the lagged copy under
-    ``rollout_staleness``, else ``actor``); ``world``: the processes sharing the global batch;
+    ``rollout.staleness``, else ``actor``); ``world``: the processes sharing the global batch;
     ``old_from_update``: leave ``old_logprobs`` None for the update's forward to fill
     (:func:`old_logprobs_from_update` says when that is the same denominator) and :func:`finish_scoring` to
     measure."""
-    micro, sampling = config.micro_batch_size, config.sampling()
+    micro, sampling = config.optimizer.micro_batch_size, config.sampling()
 
     def scored(model):  # under the distribution the rollout sampled from (as verl)
         # Under FSDP2 each model is gathered once for all its micro-batches (one all-gather instead of one per
@@ -69,7 +69,7 @@ def score_batch(batch: RolloutBatch, *, config: TrainConfig, algo: AlgorithmConf
     # the generator), or for decoupled PPO the proximal policy, the actor before this update; with
     # old_logprobs=sampler, what the sampler computed while generating, in its own precision (no forward here).
     decoupled = is_decoupled(config)
-    sampler_logprobs = config.old_logprobs == "sampler"
+    sampler_logprobs = config.rollout.old_logprobs == "sampler"
     if sampler_logprobs:
         batch.old_logprobs = batch.sample_logprobs.to(device, torch.float32, copy=True)
     elif old_from_update:

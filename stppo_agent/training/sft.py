@@ -15,7 +15,6 @@ loss.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import random
@@ -32,7 +31,7 @@ from stppo_agent.models.loading import load_actor, load_tokenizer, resolve_devic
 from stppo_agent.models.precision import autocast_forward, validate_autocast_dtype, with_resolved_precision
 from stppo_agent.rollouts.batch import Trajectory, to_batch
 from stppo_agent.rollouts.turn_loop import RolloutLimits, encode_observation, encode_prompt
-from stppo_agent.training.log_probs import position_ids
+from stppo_agent.training.log_probs import accepts_logits_to_keep, position_ids
 
 
 @dataclasses.dataclass
@@ -101,7 +100,7 @@ def action_logprobs(model, batch) -> torch.Tensor:
     width = batch.response_ids.shape[1]
     kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                   position_ids=position_ids(batch.attention_mask), use_cache=False, output_hidden_states=True)
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+    if accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the head's own output is not used
     hidden = model(**kwargs).hidden_states[-1]  # after the final norm: what the head reads
     predicting = hidden[:, batch.prompt_width - 1: batch.prompt_width - 1 + width][batch.loss_mask]

@@ -1,9 +1,9 @@
-"""Rollouts from a lagged policy (``rollout_staleness: K``): iteration i samples with the weights the actor had
+"""Rollouts from a lagged policy (``rollout.staleness: K``): iteration i samples with the weights the actor had
 K iterations earlier (after ``max(0, i - K)`` updates) -- the data an asynchronous trainer, whose generation runs
 while the learner updates, feeds its learner. The lag is deterministic and part of every checkpoint, so a resumed
 run continues it exactly.
 
-Two ways to learn from such data (``stale_objective``):
+Two ways to learn from such data (``rollout.stale_objective``):
 
 - ``coupled`` (what a synchronous PPO loop does when handed stale data): the PPO ratio's denominator is the
   behaviour policy, pi_theta / pi_{theta_{i-K}}, so the ratio carries the whole lag and the clip acts on it.
@@ -34,8 +34,8 @@ OBJECTIVES = ("coupled", "decoupled")
 
 
 def is_decoupled(config) -> bool:
-    """The decoupled objective is in effect: ``stale_objective=decoupled`` with a lag to decouple (K > 0)."""
-    return config.rollout_staleness > 0 and config.stale_objective == "decoupled"
+    """The decoupled objective is in effect: ``rollout.stale_objective=decoupled`` with a lag to decouple (K > 0)."""
+    return config.rollout.staleness > 0 and config.rollout.stale_objective == "decoupled"
 
 
 class StalePolicy:
@@ -47,7 +47,7 @@ class StalePolicy:
 
     def __init__(self, actor: torch.nn.Module, staleness: int, autocast_dtype: str | None = None):
         if staleness < 0:
-            raise ValueError(f"rollout_staleness must be >= 0, got {staleness}")
+            raise ValueError(f"rollout.staleness must be >= 0, got {staleness}")
         self.staleness = staleness
         self.model = actor if staleness == 0 else independent_copy(actor, autocast_dtype)
         if staleness:
@@ -88,7 +88,7 @@ class StalePolicy:
         if self.staleness == 0:
             return
         if not state:
-            raise ValueError(f"the checkpoint holds no lagged policy, but rollout_staleness is {self.staleness}: it "
+            raise ValueError(f"the checkpoint holds no lagged policy, but rollout.staleness is {self.staleness}: it "
                              "was written by a run without staleness, which cannot be continued with it")
         self.model.load_state_dict(state["model"])
         pending = [dict(entry) for entry in state["pending"]]

@@ -9,9 +9,10 @@ replaying the ones it collapsed on. Nor does a rollback take the checkpoint's le
 rollbacks' compounded factor, saved in every checkpoint) is the caller's to lower before it loads.
 
 On resume the *current* config's learning rates and weight decay are written into the restored optimizers and
-schedules (:meth:`TrainingState.apply_learning_rates`): the actor's rate is ``actor_lr`` times that scale, unless
-``actor_lr`` itself changed, which then is the rate used (the scale restarts at 1). Which settings may change on
-resume and which are refused: :mod:`stppo_agent.runs.resume_settings`; the files: :mod:`stppo_agent.runs.checkpoint`.
+schedules (:meth:`TrainingState.apply_learning_rates`): the actor's rate is ``optimizer.actor_lr`` times that scale,
+unless ``optimizer.actor_lr`` itself changed, which then is the rate used (the scale restarts at 1). Which settings may
+change on resume and which are refused: :mod:`stppo_agent.runs.resume_settings`; the files:
+:mod:`stppo_agent.runs.checkpoint`.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class TrainingState:
             tensors["critic_scheduler"] = self.critic_scheduler.state_dict()
         if torch.cuda.is_available():
             tensors["cuda_rng"] = torch.cuda.get_rng_state_all()
-        if config.rollout_staleness:
+        if config.rollout.staleness:
             tensors["stale_policy"] = self.stale_policy.state(self.actor)
         json_state = {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
                       "nan_skips_total": self.nan_skips_total,
@@ -135,7 +136,7 @@ class TrainingState:
         if process_group.is_main():  # the full state dicts above live on rank 0 only (cpu_offload)
             path = save_checkpoint(run_dir, self.iteration, actor=self.actor, tokenizer=self.tokenizer,
                                    critic=self.critic, tensor_state=tensor_state, json_state=json_state,
-                                   keep=config.keep_checkpoints, actor_state=actor_state, critic_state=critic_state,
+                                   keep=config.checkpoint.keep, actor_state=actor_state, critic_state=critic_state,
                                    protect=protect)
         process_group.barrier()
         return path
@@ -152,7 +153,7 @@ class TrainingState:
             self._resume_learning_rates(folder, saved, config, algo, report)
             return
         with torch.no_grad():
-            self._load_weights(folder, config.dtype)
+            self._load_weights(folder, config.precision.dtype)
             self.restore_optimizers(tensors)
             self.stale_policy.load(tensors.get("stale_policy"), self.actor)  # the lagged generator goes back too
             self.apply_learning_rates(config)  # the run's rates over the checkpoint's: only the moments go back
@@ -191,23 +192,24 @@ class TrainingState:
             if previous is not None else []
         scale = saved.get("actor_lr_scale")
         if scale is None:  # written before checkpoints recorded it: what the restored schedule says
-            old_lr = (previous or {}).get("actor_lr") or config.actor_lr
+            old_lr = ((previous or {}).get("optimizer") or {}).get("actor_lr") or config.optimizer.actor_lr
             scale = self.actor_scheduler.base_lrs[0] / old_lr if old_lr else 1.0
         changed = {key for key, _, _ in found}
-        self.actor_lr_scale = 1.0 if "actor_lr" in changed else float(scale)
+        self.actor_lr_scale = 1.0 if "optimizer.actor_lr" in changed else float(scale)
         self.apply_learning_rates(config)
         if not process_group.is_main():
             return
         report(f"resumed from {folder} (iteration {self.iteration}, {self.optimizer_steps} optimizer steps)")
         if found:
             report(f"changed since the checkpoint: {resume_settings.describe(found)}")
-        if "actor_lr" in changed and float(scale) != 1.0:
-            report(f"actor_lr {config.actor_lr} is the rate used from now on (the rollbacks' x{scale:g} applied to "
+        rate = config.optimizer.actor_lr
+        if "optimizer.actor_lr" in changed and float(scale) != 1.0:
+            report(f"optimizer.actor_lr {rate} is the rate used from now on (the rollbacks' x{scale:g} applied to "
                    "the old one)")
         elif float(scale) != 1.0:
-            report(f"actor learning rate {config.actor_lr * scale:g}: actor_lr {config.actor_lr} x{scale:g} from the "
-                   "run's rollbacks")
-        if config.save_rollouts and resume_settings.changes_a_replay(found):
+            report(f"actor learning rate {rate * scale:g}: optimizer.actor_lr {rate} x{scale:g} from the run's "
+                   "rollbacks")
+        if config.logging.save_rollouts and resume_settings.changes_a_replay(found):
             report("this run records its rollouts, and stppo replay applies one config (the one in config.yaml) to "
                    "every iteration: a replay will not reproduce the iterations before this change exactly")
 
@@ -215,10 +217,11 @@ class TrainingState:
         """Write the config's learning rates (the actor's times ``actor_lr_scale``) and weight decay into the
         optimizers and their schedules, at the schedules' current step. With nothing changed this reproduces the
         restored values bit for bit (the same ``base * lambda(step)`` the schedule computes)."""
-        _set_rates(self.actor_optimizer, self.actor_scheduler, config.actor_lr * self.actor_lr_scale,
-                   config.weight_decay)
+        _set_rates(self.actor_optimizer, self.actor_scheduler, config.optimizer.actor_lr * self.actor_lr_scale,
+                   config.optimizer.weight_decay)
         if self.critic_optimizer is not None:
-            _set_rates(self.critic_optimizer, self.critic_scheduler, config.critic_lr, config.weight_decay)
+            _set_rates(self.critic_optimizer, self.critic_scheduler, config.optimizer.critic_lr,
+                       config.optimizer.weight_decay)
 
 
 def _set_rates(optimizer: torch.optim.Optimizer, scheduler, base_lr: float, weight_decay: float) -> None:

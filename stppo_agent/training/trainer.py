@@ -58,13 +58,14 @@ class Trainer:
         self.config, self.report, self.batch_hook = config, report, batch_hook
         self.algo = config.algorithm_config()
         self.run_dir = Path(config.output_dir)
-        self.sharded = config.strategy == "fsdp2"
+        self.sharded = config.distributed.strategy == "fsdp2"
         if self.sharded:
             process_group.ensure_process_group()
         self.rank, self.world = process_group.rank(), process_group.world_size()
-        if config.prompts_per_iteration % self.world or config.mini_batch_size % self.world:
-            raise ValueError(f"prompts_per_iteration ({config.prompts_per_iteration}) and mini_batch_size "
-                             f"({config.mini_batch_size}) must be multiples of the number of processes ({self.world})")
+        if config.rollout.prompts_per_iteration % self.world or config.optimizer.mini_batch_size % self.world:
+            raise ValueError(f"rollout.prompts_per_iteration ({config.rollout.prompts_per_iteration}) and "
+                             f"optimizer.mini_batch_size ({config.optimizer.mini_batch_size}) must be multiples of the "
+                             f"number of processes ({self.world})")
         self._bar = None  # the progress bar while train() runs
         process_group.seed_everything(config.seed)  # the same on every rank: models are built identically
         checkpoint = run_folder.prepare_on_all_ranks(self.run_dir, resume=resume, overwrite=overwrite, report=report)
@@ -85,8 +86,8 @@ class Trainer:
             state.load(checkpoint, config, self.algo, Restore.RESUME, report)
         self.logger = None
         if process_group.is_main():  # one process writes the run folder
-            self.logger = MetricsLogger(self.run_dir, tensorboard=config.tensorboard,
-                                        wandb_project=config.wandb_project, config=dataclasses.asdict(config))
+            self.logger = MetricsLogger(self.run_dir, tensorboard=config.logging.tensorboard,
+                                        wandb_project=config.logging.wandb_project, config=dataclasses.asdict(config))
             self.logger.truncate_after(state.iteration, report)
             (self.run_dir / "config.yaml").write_text(config.to_yaml(resolved=self.algo))
         if checkpoint is not None and process_group.is_main():
@@ -94,11 +95,12 @@ class Trainer:
         self.recorder = RolloutRecorder.for_run(
             self.run_dir, state.tokenizer, self.rank, self.world, iteration=state.iteration, actor=state.actor,
             critic=state.critic, critic_model=config.critic_model,
-            full_states=lambda: state.full_states(self.sharded)) if config.save_rollouts else None
-        self.diagnostics = StepDiagnostics.for_run(self.run_dir, self.algo, step_diagnostics=config.step_diagnostics,
-                                                   on_collapse=config.on_collapse, sharded=self.sharded,
+            full_states=lambda: state.full_states(self.sharded)) if config.logging.save_rollouts else None
+        self.diagnostics = StepDiagnostics.for_run(self.run_dir, self.algo,
+                                                   step_diagnostics=config.logging.step_diagnostics,
+                                                   on_collapse=config.monitor.on_collapse, sharded=self.sharded,
                                                    iteration=state.iteration)
-        self.guard = CollapseGuard(config, self.run_dir) if config.on_collapse != "none" else None
+        self.guard = CollapseGuard(config, self.run_dir) if config.monitor.on_collapse != "none" else None
         self.updater = PPOUpdate(state, config, self.algo, device=self.device, rank=self.rank, world=self.world,
                                  sharded=self.sharded, diagnostics=self.diagnostics, run_dir=self.run_dir,
                                  report=report, phase=self.phase)
@@ -110,7 +112,7 @@ class Trainer:
 
         config, state = self.config, self.state
         bar = tqdm(total=config.iterations, initial=state.iteration, desc="training", unit="it",
-                   disable=not (config.progress and process_group.is_main()))
+                   disable=not (config.logging.progress and process_group.is_main()))
         self._bar = bar
         metrics: dict[str, Any] = {}
         if state.iteration >= config.iterations:  # a resumed run that is already as long as asked
@@ -144,7 +146,7 @@ class Trainer:
                 if decision.rolls_back:
                     metrics.update(self.roll_back(decision.rollback_to))
                 self.log(metrics)
-                if decision.alarmed or state.iteration % config.save_every == 0 \
+                if decision.alarmed or state.iteration % config.checkpoint.every == 0 \
                         or state.iteration == config.iterations:
                     path = self.save()  # a collapse's decision is saved at once: the alarm state, or the rollback
                     if decision.stops:
@@ -200,7 +202,7 @@ class Trainer:
     def measure(self, lag: int) -> dict[str, float]:
         """What an iteration logs besides its rollouts and update: the lag, the learner probe, the peak memory."""
         state, out = self.state, {}
-        if self.config.rollout_staleness:
+        if self.config.rollout.staleness:
             out["staleness"] = lag
         if self.probe is not None and self.probe.due(state.iteration):  # the learner, not the lagged generator
             out.update(self.probe.measure(state.actor, state.iteration, state.optimizer_steps))
@@ -217,10 +219,10 @@ class Trainer:
 
     def roll_back(self, step: int) -> dict[str, float]:
         """Carry out a rollback decision: the weights, optimizers and lagged generator of ``step-{step}``, the actor's
-        learning rate lowered by ``rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken back);
-        returns the ``collapse/...`` metrics that record it."""
+        learning rate lowered by ``monitor.rollback_lr_factor`` (compounding: the checkpoint's own rate is not taken
+        back); returns the ``collapse/...`` metrics that record it."""
         state = self.state
-        state.actor_lr_scale *= self.config.rollback_lr_factor
+        state.actor_lr_scale *= self.config.monitor.rollback_lr_factor
         state.load(self.run_dir / "checkpoints" / f"step-{step}", self.config, self.algo, Restore.ROLLBACK,
                    self.report)
         self.backend.sync_weights(state.actor)  # an engine with its own copy of the weights (vLLM)

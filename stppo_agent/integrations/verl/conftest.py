@@ -1,5 +1,5 @@
 # These modules import verl, so without it (the project's default install) pytest's --doctest-modules cannot import
-# them; tests/test_verl_*.py test them where verl is installed. The other modules need no verl.
+# them; tests/integrations/verl/ tests them where verl is installed. The other modules need no verl.
 import importlib.util
 
 collect_ignore = [] if importlib.util.find_spec("verl") else ["agent_loop.py", "engine.py", "losses.py", "plugin.py",

@@ -34,7 +34,8 @@ from . import correction, turns
 from .losses import LOSS_PREFIX
 
 VENDOR = "stppo"
-DEVICES = ["cuda", "npu", "cpu"]  # cpu: verl has no CPU platform; the tests register one (tests/test_verl_engine.py)
+# cpu: verl has no CPU platform; the tests register one (tests/integrations/verl/test_engine.py)
+DEVICES = ["cuda", "npu", "cpu"]
 BACKENDS = ["fsdp2"]
 
 
