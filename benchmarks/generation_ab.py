@@ -24,6 +24,7 @@ import torch
 import stppo_agent.rollouts.hf_generation as hf_generation
 from stppo_agent.rollouts.hf_generation import StopOnStrings
 from stppo_agent.training.config import TrainConfig
+from stppo_agent.training.config_sections import LoggingConfig, OptimizerConfig, RolloutConfig
 from stppo_agent.training.trainer import Trainer
 
 AFTER_CONFIG, AFTER_CANDIDATE = hf_generation.generation_config, StopOnStrings.is_candidate
@@ -68,9 +69,10 @@ def main() -> None:
     rows = args.prompts * args.samples
     trainer = Trainer(TrainConfig(
         algo="grpo", algorithm={"kl_loss_coef": 0.0}, env="stppo/NQ-v0", model=model, output_dir=tempfile.mkdtemp(),
-        prompts_per_iteration=args.prompts, samples_per_prompt=args.samples, mini_batch_size=rows,
-        micro_batch_size=min(8, rows), generation_batch_size=rows, max_turns=1,
-        max_new_tokens_per_turn=args.new_tokens, progress=False, tensorboard=False), report=lambda _: None)
+        rollout=RolloutConfig(prompts_per_iteration=args.prompts, samples_per_prompt=args.samples,
+                              generation_batch_size=rows, max_turns=1, max_new_tokens_per_turn=args.new_tokens),
+        optimizer=OptimizerConfig(mini_batch_size=rows, micro_batch_size=min(8, rows)),
+        logging=LoggingConfig(progress=False, tensorboard=False)), report=lambda _: None)
     batch = trainer.rollout()  # warm-up, and the contexts
     width = batch.prompt_width
     contexts = [batch.input_ids[r, :width][batch.attention_mask[r, :width].bool()].tolist()
