@@ -15,8 +15,6 @@ from stppo_agent.models.tiny import toy_train_command
 from stppo_agent.runs.checkpoint import CorruptCheckpointError, load_trainer_state, valid_checkpoints
 from stppo_agent.runs.metrics_log import read_metrics
 from stppo_agent.runs.run_folder import pick_checkpoint
-from stppo_agent.training.config import TrainConfig, load_config
-from stppo_agent.training.config_sections import DistributedConfig, OptimizerConfig, PrecisionConfig
 from stppo_agent.training.ppo_update import TrainingDivergedError
 from stppo_agent.training.trainer import Trainer
 from tests.support.paths import REPO
@@ -142,37 +140,6 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     assert set(state) == {name for name, _ in actor.named_parameters()}
     for name in reference_state:
         assert all(torch.equal(state[name][k], reference_state[name][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-
-
-def test_config_layers_yaml_flags_and_overrides(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("algo: grpo\niterations: 7\noptimizer:\n  actor_lr: 1\nalgorithm:\n  clip_high: 0.28\n")
-    config = load_config(path, ["iterations=9", "algorithm.clip_low=0.1", "env_kwargs.topk=5"], model="m", algo=None)
-    assert (config.algo, config.iterations, config.optimizer.actor_lr, config.model) == ("grpo", 9, 1.0, "m")
-    algo = config.algorithm_config()
-    assert (algo.clip_high, algo.clip_low, algo.advantage) == (0.28, 0.1, "grpo")
-    assert config.env_kwargs == {"topk": 5}
-    with pytest.raises(ValueError, match="unknown key 'lr'"):
-        load_config(None, ["lr=3"])
-    with pytest.raises(ValueError, match="unknown algorithm fields \\['clip'\\]"):
-        load_config(None, ["algorithm.clip=3", "model=m"]).validate()
-    with pytest.raises(ValueError, match="iterations expects int"):
-        load_config(None, ["iterations=many"])
-    with pytest.raises(ValueError, match="multiple of optimizer.micro_batch_size"):
-        TrainConfig(model="m", optimizer=OptimizerConfig(mini_batch_size=6, micro_batch_size=4)).validate()
-    with pytest.raises(KeyError, match="unknown algorithm 'stppo'"):
-        TrainConfig(model="m", algo="stppo").validate()
-    with pytest.raises(ValueError, match="strategy must be ddp or fsdp2"):
-        TrainConfig(model="m", distributed=DistributedConfig(strategy="zero3")).validate()
-    load_config(None, ["model=m", "distributed.strategy=fsdp2", "precision.fsdp_compute_dtype=bfloat16"]).validate()
-    with pytest.raises(ValueError, match="precision.fsdp_compute_dtype needs distributed.strategy=fsdp2"):
-        TrainConfig(model="m", precision=PrecisionConfig(fsdp_compute_dtype="bfloat16")).validate()
-    with pytest.raises(ValueError, match="must be bfloat16 or float16"):
-        TrainConfig(model="m", distributed=DistributedConfig(strategy="fsdp2"),
-                    precision=PrecisionConfig(fsdp_compute_dtype="int8")).validate()
-    saved = tmp_path / "saved.yaml"
-    saved.write_text(config.to_yaml())
-    assert load_config(saved) == config
 
 
 def test_metrics_file_is_json_lines(tiny_model, tmp_path):
