@@ -1,12 +1,20 @@
 """``stppo_agent.algorithms.metrics``: loss metrics whose parts combine exactly over micro-batches and ranks, and
-one optimizer step's metrics combined from them (StepMetrics)."""
+one optimizer step's metrics combined from them (StepMetrics), and an iteration's means over its steps (StepMeans)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stppo_agent.algorithms.metrics import Extreme, LossMetrics, StepMetrics, Summed, ratio_of_sums
+from stppo_agent.algorithms.metrics import (
+    OFF_POLICY_KEYS,
+    Extreme,
+    LossMetrics,
+    StepMeans,
+    StepMetrics,
+    Summed,
+    ratio_of_sums,
+)
 from stppo_agent.distributed import process_group
 from tests.support.batches import F64, t64
 
@@ -88,3 +96,19 @@ def test_step_metrics_combine_ranks_in_order(monkeypatch):
                                   "ratio_min": torch.tensor(2.0, dtype=torch.float64)},
                              {"ratio_max": "max", "ratio_min": "min"})])
     assert step.reduce() == pytest.approx({"clip_frac": 0.5, "ratio_max": 3.0, "ratio_min": 0.5})
+
+
+def test_step_means_count_off_policy_steps_apart():
+    means = StepMeans()
+    means.add({"clip_frac": 0.0, "grad_norm": 1.0}, on_policy=True)
+    means.add({"clip_frac": 0.2, "grad_norm": 3.0, "tail/ratio_max": 2.0}, on_policy=False)
+    means.add({"clip_frac": 0.4, "grad_norm": 5.0}, on_policy=False)
+    assert means.means() == pytest.approx({"clip_frac": 0.2, "grad_norm": 3.0, "tail/ratio_max": 2.0,
+                                           "offpolicy/clip_frac": 0.3, "offpolicy/tail/ratio_max": 2.0,
+                                           "offpolicy/steps": 2.0})
+    only_on = StepMeans()
+    only_on.add({"clip_frac": 0.1}, on_policy=True)
+    assert only_on.means() == {"clip_frac": 0.1}
+    assert "grad_norm" not in OFF_POLICY_KEYS and {"clip_bias_scale", "tail/turn_outside_frac"} <= set(OFF_POLICY_KEYS)
+    assert {"dual_clip_frac", "ratio/ess", "clip_bias_changed"} <= set(OFF_POLICY_KEYS)
+    assert len(OFF_POLICY_KEYS) == 14

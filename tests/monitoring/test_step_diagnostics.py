@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stppo_agent.algorithms.metrics import OFF_POLICY_KEYS, StepMeans
 from stppo_agent.monitoring import step_diagnostics
 from stppo_agent.monitoring.step_diagnostics import StepDiagnostics
 from tests.support.training_parts import make_batch, update_stage
@@ -202,25 +201,6 @@ def test_step_diagnostics_resume_keeps_the_start_iterations_steps(tmp_path):
     StepDiagnostics.for_run(tmp_path, AlgorithmConfig(clip_low=0.2, clip_high=0.2), step_diagnostics=True,
                             on_collapse="none", iteration=4)
     assert path.read_text() == '{"iteration": 4}\n'
-
-
-def test_step_diagnostics_step_means_count_off_policy_steps_apart():
-    means = StepMeans()
-    means.add({"clip_frac": 0.0, "grad_norm": 1.0}, on_policy=True)
-    means.add({"clip_frac": 0.2, "grad_norm": 3.0, "tail/ratio_max": 2.0}, on_policy=False)
-    means.add({"clip_frac": 0.4, "grad_norm": 5.0}, on_policy=False)
-    assert means.means() == pytest.approx({"clip_frac": 0.2, "grad_norm": 3.0, "tail/ratio_max": 2.0,
-                                           "offpolicy/clip_frac": 0.3, "offpolicy/tail/ratio_max": 2.0,
-                                           "offpolicy/steps": 2.0})
-    only_on = StepMeans()
-    only_on.add({"clip_frac": 0.1}, on_policy=True)
-    assert only_on.means() == {"clip_frac": 0.1}
-    assert "grad_norm" not in OFF_POLICY_KEYS and {"clip_bias_scale", "tail/turn_outside_frac"} <= set(OFF_POLICY_KEYS)
-    assert {"dual_clip_frac", "ratio/ess", "clip_bias_changed"} <= set(OFF_POLICY_KEYS)
-    assert len(OFF_POLICY_KEYS) == 14
-
-
-# A skipped (non-finite) step's importance ratios stay out of the next step's tails.
 
 
 # -- a skipped (non-finite) step's importance ratios stay out of the next step's tails ------------------------------
