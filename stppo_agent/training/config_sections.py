@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from stppo_agent.monitoring.collapse_rules import MonitorSettings
 from stppo_agent.rollouts.turn_loop import RolloutLimits
 from stppo_agent.runs.config_yaml import RENAMED
 
@@ -144,17 +145,18 @@ class MonitorConfig:
     """What a collapse alarm does: none (no monitoring), warn (a line and a metrics.jsonl event), stop (checkpoint and
     stop with advice) or rollback (restore the newest healthy checkpoint, scale optimizer.actor_lr by
     rollback_lr_factor and go on). Signals and rules: stppo_agent/monitoring/collapse_rules.py."""
-    window: int = 20
+    # the monitor's rule parameters default to the monitor's own values (one place)
+    window: int = MonitorSettings.window
     """Iterations of history each signal is compared with (median and MAD)."""
-    warmup: int = 5
+    warmup: int = MonitorSettings.warmup
     """Iterations of history a signal needs before it can trip."""
-    z: float = 6.0
+    z: float = MonitorSettings.z
     """Robust z-score beyond which a signal trips."""
-    patience: int = 2
+    patience: int = MonitorSettings.patience
     """Consecutive iterations one family of signals must trip to raise an alarm on its own."""
-    min_families: int = 2
+    min_families: int = MonitorSettings.min_families
     """Families of signals tripping in the same iteration that raise an alarm at once."""
-    drawdown: float = 0.5
+    drawdown: float = MonitorSettings.drawdown
     """Share of its running best that the reward's moving average must lose to trip."""
     thresholds: dict = dataclasses.field(default_factory=lambda: {"kl_to_reference": 1.0})
     """Absolute limits of signals, active from the first iteration (--set monitor.thresholds.KEY=LIMIT)."""
